@@ -1,0 +1,48 @@
+"""simpar.comm: the only package that imports mpi4py.
+
+World and groups (``init``, ``get_rank``, ``get_group_size``, ``create_group``), collectives on
+numpy arrays (``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``,
+``all_to_all_v``, ``broadcast``, ``send``/``recv``, ``barrier``) and :class:`CommTrace`.
+Importing this package does not start MPI; the first call does.
+"""
+
+from simpar.comm._world import Group, create_group, get_group_size, get_rank, init, world
+from simpar.comm.collectives import (
+    CommMismatchError,
+    all_gather,
+    all_reduce,
+    all_to_all,
+    all_to_all_v,
+    barrier,
+    broadcast,
+    recv,
+    reduce_scatter,
+    send,
+    set_validation,
+    validation,
+)
+from simpar.comm.trace import CommEvent, CommTrace, label
+
+__all__ = [
+    "CommEvent",
+    "CommMismatchError",
+    "CommTrace",
+    "Group",
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "all_to_all_v",
+    "barrier",
+    "broadcast",
+    "create_group",
+    "get_group_size",
+    "get_rank",
+    "init",
+    "label",
+    "recv",
+    "reduce_scatter",
+    "send",
+    "set_validation",
+    "validation",
+    "world",
+]

@@ -1,0 +1,141 @@
+"""The MPI world and its sub-groups. The only module, with collectives.py, that touches mpi4py."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from simpar import _env
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+__all__ = ["Group", "create_group", "get_group_size", "get_rank", "init", "resolve", "world"]
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """A communication group: world ranks in group order (group rank ``i`` is ``ranks[i]``).
+
+    >>> Group((4, 5, 6, 7)).index(6)
+    2
+    """
+
+    ranks: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.ranks or len(set(self.ranks)) != len(self.ranks):
+            raise ValueError(f"group ranks must be non-empty and distinct, got {list(self.ranks)}")
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def index(self, world_rank: int) -> int:
+        """This world rank's rank inside the group."""
+        return self.ranks.index(world_rank)
+
+    def __str__(self) -> str:
+        return f"Group{list(self.ranks)}"
+
+
+_WORLD: MPI.Intracomm | None = None
+_COMMS: dict[tuple[int, ...], Any] = {}
+
+
+def init() -> None:
+    """Start MPI (once) and make an uncaught exception on any rank end the whole job.
+
+    Called lazily by every collective; call it yourself to start MPI early.
+    """
+    global _WORLD
+    if _WORLD is not None:
+        return
+    _env.apply()
+    from mpi4py import MPI
+
+    _WORLD = MPI.COMM_WORLD.Dup()  # simpar's traffic never mixes with the user's COMM_WORLD
+    _COMMS[tuple(range(_WORLD.Get_size()))] = _WORLD
+    if _WORLD.Get_size() > 1:
+        _install_abort_hook()
+    from simpar import context
+
+    context.set_world(_WORLD.Get_size(), _WORLD.Get_rank())
+
+
+def _install_abort_hook() -> None:
+    previous = sys.excepthook
+
+    def abort_job(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        rank = get_rank()
+        text = "".join(traceback.format_exception(kind, value, tb))
+        sys.stderr.write(f"[simpar rank {rank}] uncaught {kind.__name__}; aborting the job\n{text}")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        if os.environ.get("SIMPAR_NO_ABORT"):
+            previous(kind, value, tb)
+            return
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Abort(1)
+
+    sys.excepthook = abort_job
+
+
+def world() -> Any:
+    """simpar's duplicate of ``MPI.COMM_WORLD``."""
+    init()
+    return _WORLD
+
+
+def get_rank() -> int:
+    """This process's world rank (0 without an MPI launcher)."""
+    return int(world().Get_rank())
+
+
+def get_group_size(group: Group | Sequence[int] | None = None) -> int:
+    """Number of ranks in ``group`` (the world when ``None``)."""
+    if group is None:
+        return int(world().Get_size())
+    return len(group.ranks if isinstance(group, Group) else tuple(group))
+
+
+def create_group(ranks: Sequence[int]) -> Group:
+    """The group of these world ranks, in this order; its communicator is made once and cached.
+
+    Creation is collective over the members only (``MPI_Comm_create_group``), so every member
+    must call it, and non-members must not. On a world of 8, ``create_group([4, 5, 6, 7])``
+    called by ranks 4..7 gives them a 4-rank communicator in which world rank 6 is rank 2.
+    """
+    group = Group(tuple(int(r) for r in ranks))
+    resolve(group)
+    return group
+
+
+def resolve(group: Group | Sequence[int] | None) -> tuple[Group, Any]:
+    """(Group, communicator) for a group given as ``None`` (world), a Group or world ranks."""
+    comm = world()
+    size, me = comm.Get_size(), comm.Get_rank()
+    if group is None:
+        return Group(tuple(range(size))), comm
+    g = group if isinstance(group, Group) else Group(tuple(int(r) for r in group))
+    cached = _COMMS.get(g.ranks)
+    if cached is not None:
+        return g, cached
+    bad = [r for r in g.ranks if not 0 <= r < size]
+    if bad:
+        raise ValueError(f"group {list(g.ranks)} names ranks {bad} outside the world of {size}")
+    if me not in g.ranks:
+        raise ValueError(f"rank {me} is not a member of group {list(g.ranks)}; only members may "
+                         "use or create a group")
+    mpi_group = comm.Get_group().Incl(list(g.ranks))
+    # The tag keeps concurrent creations of different groups apart.
+    sub = comm.Create_group(mpi_group, tag=hash(g.ranks) & 0x7FFF)
+    mpi_group.Free()
+    _COMMS[g.ranks] = sub
+    return g, sub

@@ -1,0 +1,687 @@
+"""MindSpore's parallel context: ``set_auto_parallel_context`` and ``set_algo_parameters``.
+
+Both contexts are process-global, as in MindSpore. Every call is validated as a whole before
+any value is applied, so a call that raises changes nothing. Planners and the runtime read an
+immutable snapshot, :func:`auto_parallel_context` / :func:`algo_parameters`, rather than the
+mutable state. This module never imports MPI: ``simpar.comm`` reports the world through
+:func:`set_world` once MPI has started.
+
+Defaults and ranges follow the documented behaviour of MindSpore 2.2 and later (up to the
+current 2.x stable API pages). They were looked up in the ``set_auto_parallel_context``
+docstring of ``mindspore/python/mindspore/context.py`` (master), in ``_auto_parallel_context.py``,
+``parallel/algo_parameter_config.py``, and the C++ ``ParallelContext::Reset`` and
+``CostModelContext::set_dp_algo_approxi_epsilon``. The facts are MindSpore's; the code is not.
+
+=============================== ========================== ======================================
+key                             default                    allowed / note
+=============================== ========================== ======================================
+parallel_mode                   ``"stand_alone"``          stand_alone, data_parallel,
+                                                           semi_auto_parallel, auto_parallel
+device_num                      1, or the MPI world size   int in [1, 4096]
+                                once simpar.comm started
+global_rank                     0, or the MPI rank         int in [0, 4095]
+gradients_mean                  False                      bool
+gradient_fp32_sync              True                       bool
+loss_repeated_mean              True                       bool
+search_mode                     recursive_programming      plus dynamic_programming,
+                                                           sharding_propagation and whatever
+                                                           :func:`register_search_mode` adds
+strategy_ckpt_config            (see note)                 load_file="", save_file="",
+                                                           only_trainable_params=True
+dataset_strategy                ``"data_parallel"``        "full_batch", or ((int, ...), ...)
+full_batch                      False                      bool; a view of dataset_strategy
+enable_alltoall                 False                      bool
+pipeline_stages                 1                          only 1 (no pipeline parallelism)
+strategy_ckpt_load_file/_save   ""                         str; views of strategy_ckpt_config
+auto_parallel_search_mode       (search_mode)              old name of search_mode
+=============================== ========================== ======================================
+
+``set_algo_parameters``: fully_use_devices=True, elementwise_op_strategy_follow=False,
+enable_algo_approxi=False, algo_approxi_epsilon=0.1 (a float in (0, 1]),
+tensor_slice_align_enable=False, tensor_slice_align_size=16 (an int in [1, 1024]).
+
+The ``search_mode`` default moved: MindSpore 2.0 documents ``"dynamic_programming"`` (and the
+older C++ ``Reset`` sets it), 2.2 and later document ``"recursive_programming"``. simpar follows
+the newer one. ``enable_alltoall`` defaults to False and ``loss_repeated_mean`` to True in every
+version looked at.
+
+Where simpar decides differently from MindSpore, on purpose:
+
+* Types are checked strictly, as MindSpore's ``args_type_check`` does: ``gradients_mean=1`` and
+  ``device_num=True`` raise ``TypeError`` (bool is a subclass of int, but never an int here).
+  numpy integers and floats are accepted where an int or a float is.
+* ``parallel_mode="hybrid_parallel"`` (hand-written communication) raises ``ValueError``:
+  simpar's executor inserts every collective itself. Use ``"semi_auto_parallel"`` with
+  ``.shard()`` strategies for manual model parallelism.
+* ``full_batch`` and ``dataset_strategy`` are one piece of state, so they never disagree.
+  ``dataset_strategy="full_batch"`` is ``full_batch=True``, ``"data_parallel"`` is
+  ``full_batch=False``, and a tuple strategy reads as ``full_batch=False``. Setting
+  ``full_batch=True`` replaces a tuple strategy; ``full_batch=False`` keeps it. MindSpore keeps
+  a separate flag beside a tuple strategy; simpar does not. Passing both keys in one call with
+  contradicting values raises. That ``full_batch`` needs a (semi-)auto mode is left to the code
+  that builds the program (MindSpore checks it at compile time too): keys come in any order.
+* The legacy keys ``strategy_ckpt_load_file`` / ``strategy_ckpt_save_file`` write into
+  ``strategy_ckpt_config``. ``auto_parallel_search_mode`` is the old name of ``search_mode``
+  and warns. Unlike MindSpore, setting ``save_file`` creates no directory: the strategy-file
+  writer does that when it writes.
+* ``device_num`` and ``global_rank`` left unset follow the MPI world once it is known. Once it
+  is known, setting them to anything else raises at once (see :func:`validate_against_world`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import numbers
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+__all__ = [
+    "AlgoParameters",
+    "ContextError",
+    "ContextTypeError",
+    "ParallelContext",
+    "ParallelMode",
+    "StrategyCkptConfig",
+    "WorldMismatchError",
+    "algo_parameters",
+    "auto_parallel_context",
+    "get_algo_parameters",
+    "get_auto_parallel_context",
+    "register_search_mode",
+    "reset_algo_parameters",
+    "reset_auto_parallel_context",
+    "search_modes",
+    "set_algo_parameters",
+    "set_auto_parallel_context",
+    "set_world",
+    "validate_against_world",
+]
+
+
+class ContextError(ValueError):
+    """A context key or value that is not allowed (unknown key, out of range, unknown mode)."""
+
+
+class ContextTypeError(TypeError):
+    """A context value of the wrong type, e.g. ``gradients_mean=1``."""
+
+
+class WorldMismatchError(ContextError):
+    """``device_num`` or ``global_rank`` disagrees with the MPI world the job runs in."""
+
+
+class ParallelMode:
+    """The values of ``parallel_mode``, named as MindSpore's ``ParallelMode`` names them.
+
+    >>> ParallelMode.SEMI_AUTO_PARALLEL
+    'semi_auto_parallel'
+    """
+
+    STAND_ALONE = "stand_alone"
+    DATA_PARALLEL = "data_parallel"
+    SEMI_AUTO_PARALLEL = "semi_auto_parallel"
+    AUTO_PARALLEL = "auto_parallel"
+    MODES = (STAND_ALONE, DATA_PARALLEL, SEMI_AUTO_PARALLEL, AUTO_PARALLEL)
+
+
+# ----------------------------------------------------------------------------------------------
+# Snapshots: what other modules read.
+
+
+@dataclass(frozen=True, slots=True)
+class StrategyCkptConfig:
+    """The ``strategy_ckpt_config`` dict as a value. Empty paths mean "do not load/save"."""
+
+    load_file: str = ""
+    save_file: str = ""
+    only_trainable_params: bool = True
+
+    def as_dict(self) -> dict[str, Any]:
+        """The MindSpore-shaped dict, e.g. ``{"load_file": "", "save_file": "s.json", ...}``."""
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelContext:
+    """An immutable snapshot of the auto-parallel context, with unset values resolved.
+
+    ``device_num`` is the world size when it was left unset and simpar.comm has started, and
+    ``global_rank`` likewise is this process's MPI rank. ``*_is_set`` tell whether the user
+    gave them explicitly.
+
+    >>> ctx = auto_parallel_context()
+    >>> ctx.parallel_mode, ctx.search_mode, ctx.full_batch
+    ('stand_alone', 'recursive_programming', False)
+    """
+
+    parallel_mode: str
+    device_num: int
+    global_rank: int
+    gradients_mean: bool
+    gradient_fp32_sync: bool
+    loss_repeated_mean: bool
+    search_mode: str
+    strategy_ckpt_config: StrategyCkptConfig
+    dataset_strategy: str | tuple[tuple[int, ...], ...]
+    enable_alltoall: bool
+    pipeline_stages: int
+    device_num_is_set: bool
+    global_rank_is_set: bool
+
+    @property
+    def full_batch(self) -> bool:
+        """Whether every device loads the whole batch (``dataset_strategy == "full_batch"``)."""
+        return self.dataset_strategy == "full_batch"
+
+
+@dataclass(frozen=True, slots=True)
+class AlgoParameters:
+    """An immutable snapshot of the strategy-search parameters (``set_algo_parameters``).
+
+    >>> algo_parameters().tensor_slice_align_size
+    16
+    """
+
+    fully_use_devices: bool
+    elementwise_op_strategy_follow: bool
+    enable_algo_approxi: bool
+    algo_approxi_epsilon: float
+    tensor_slice_align_enable: bool
+    tensor_slice_align_size: int
+
+
+# ----------------------------------------------------------------------------------------------
+# The spec tables that drive validation.
+
+
+@dataclass(frozen=True, slots=True)
+class _Bounds:
+    lo: int
+    hi: int
+    lo_open: bool = False
+
+    def __contains__(self, x: float) -> bool:
+        return (self.lo < x if self.lo_open else self.lo <= x) and x <= self.hi
+
+    def __str__(self) -> str:
+        return f"{'(' if self.lo_open else '['}{self.lo}, {self.hi}]"
+
+
+Writes = list[tuple[str, Any]]  # (field, value); a field is a key or "key.sub_key"
+
+
+@dataclass(frozen=True, slots=True)
+class _Spec:
+    """How one key is validated and where its value goes.
+
+    ``kind`` is the Python type the value must have; ``None`` leaves everything to ``check``.
+    ``fields`` maps a validated value onto state fields (default: the key itself); it sees
+    the state staged so far, and ``late`` keys are staged after all others in the call.
+    """
+
+    kind: type | None
+    default: Any
+    bounds: _Bounds | None = None
+    choices: Callable[[], Sequence[str]] | None = None
+    allowed: str = ""
+    check: Callable[[str, str, Any], Any] | None = None
+    fields: Callable[[Any, Mapping[str, Any]], Writes] | None = None
+    late: bool = False
+
+
+_NOUNS: dict[type, str] = {bool: "a bool", int: "an int", float: "a float", str: "a str"}
+
+# MindSpore's reason-free rejections deserve a reason here.
+_UNSUPPORTED: dict[tuple[str, Any], str] = {
+    ("parallel_mode", "hybrid_parallel"): (
+        "is MindSpore's mode for hand-written communication, which simpar does not have "
+        "because its executor inserts every collective itself; use 'semi_auto_parallel' with "
+        ".shard() strategies for manual model parallelism"
+    ),
+}
+
+_SEARCH_MODES: list[str] = ["recursive_programming", "dynamic_programming", "sharding_propagation"]
+
+
+def _allowed(spec: _Spec) -> str:
+    if spec.allowed:
+        return spec.allowed
+    if spec.choices is not None:
+        return "one of " + ", ".join(repr(c) for c in spec.choices())
+    noun = _NOUNS[spec.kind] if spec.kind is not None else "a valid value"
+    return f"{noun} in {spec.bounds}" if spec.bounds is not None else noun
+
+
+def _has_kind(value: object, kind: type) -> bool:
+    if isinstance(value, bool) or kind is bool:
+        return kind is bool and isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, numbers.Integral)
+    if kind is float:
+        return isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral)
+    return isinstance(value, kind)
+
+
+def _type_error(func: str, key: str, allowed: str, value: object) -> ContextTypeError:
+    return ContextTypeError(
+        f"{func}: {key} must be {allowed}, but got {value!r} of type {type(value).__name__}."
+    )
+
+
+def _validate(func: str, key: str, spec: _Spec, value: object) -> Any:
+    """Return ``value`` normalised (numpy scalars to Python ones), or raise naming ``key``."""
+    if spec.check is not None:
+        return spec.check(func, key, value)
+    assert spec.kind is not None, key
+    if not _has_kind(value, spec.kind):
+        raise _type_error(func, key, _allowed(spec), value)
+    plain: Any = spec.kind(value)
+    reason = _UNSUPPORTED.get((key, plain))
+    if reason is not None:
+        raise ContextError(f"{func}: {key}={plain!r} {reason}.")
+    if (spec.bounds is not None and plain not in spec.bounds) or (
+        spec.choices is not None and plain not in spec.choices()
+    ):
+        raise ContextError(f"{func}: {key} must be {_allowed(spec)}, but got {plain!r}.")
+    return plain
+
+
+def _unknown_key(func: str, key: str, known: Sequence[str], what: str = "key") -> ContextError:
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ContextError(
+        f"{func}: unknown {what} {key!r}{hint}; the known {what}s are {', '.join(sorted(known))}."
+    )
+
+
+_CKPT_SPECS: dict[str, _Spec] = {
+    "load_file": _Spec(str, ""),
+    "save_file": _Spec(str, ""),
+    "only_trainable_params": _Spec(bool, True),
+}
+
+
+def _check_ckpt_config(func: str, key: str, value: object) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise _type_error(func, key, f"a dict with keys from {', '.join(_CKPT_SPECS)}", value)
+    out = {}
+    for sub, sub_value in value.items():
+        if sub not in _CKPT_SPECS:
+            raise _unknown_key(func, str(sub), list(_CKPT_SPECS), what=f"{key} key")
+        out[sub] = _validate(func, f"{key}[{sub!r}]", _CKPT_SPECS[sub], sub_value)
+    return out
+
+
+_DATASET_STRATEGY_WORDS = ("full_batch", "data_parallel")
+_DATASET_STRATEGY_ALLOWED = (
+    "'full_batch', 'data_parallel' or a tuple of tuples of positive ints such as ((2, 1), (2,))"
+)
+
+
+def _check_dataset_strategy(func: str, key: str, value: object) -> Any:
+    if isinstance(value, str):
+        if value not in _DATASET_STRATEGY_WORDS:
+            raise ContextError(f"{func}: {key} must be {_DATASET_STRATEGY_ALLOWED}, "
+                               f"but got {value!r}.")
+        return value
+    if not isinstance(value, tuple) or not value or not all(
+        isinstance(s, tuple) and s for s in value
+    ):
+        raise _type_error(func, key, _DATASET_STRATEGY_ALLOWED, value)
+    for s in value:
+        for cut in s:
+            if not _has_kind(cut, int):
+                raise _type_error(func, key, _DATASET_STRATEGY_ALLOWED, value)
+            if cut < 1:
+                raise ContextError(f"{func}: {key} must be {_DATASET_STRATEGY_ALLOWED}, "
+                                   f"but got {value!r} (cut {cut} is not positive).")
+    return tuple(tuple(int(cut) for cut in s) for s in value)
+
+
+def _ckpt_fields(value: dict[str, Any], staged: Mapping[str, Any]) -> Writes:
+    return [(f"strategy_ckpt_config.{sub}", v) for sub, v in value.items()]
+
+
+def _full_batch_fields(value: bool, staged: Mapping[str, Any]) -> Writes:
+    if value:
+        return [("dataset_strategy", "full_batch")]
+    # False keeps a tuple strategy, which already means "not full batch".
+    if staged["dataset_strategy"] == "full_batch":
+        return [("dataset_strategy", "data_parallel")]
+    return []
+
+
+def _old_search_mode_fields(value: str, staged: Mapping[str, Any]) -> Writes:
+    warnings.warn("auto_parallel_search_mode is the old name of search_mode, as in MindSpore; "
+                  "use search_mode", FutureWarning, stacklevel=4)
+    return [("search_mode", value)]
+
+
+_AUTO_SPECS: dict[str, _Spec] = {
+    "parallel_mode": _Spec(str, ParallelMode.STAND_ALONE, choices=lambda: ParallelMode.MODES),
+    # None = unset: follows the MPI world once known, else MindSpore's 1 and 0.
+    "device_num": _Spec(int, None, bounds=_Bounds(1, 4096)),
+    "global_rank": _Spec(int, None, bounds=_Bounds(0, 4095)),
+    "gradients_mean": _Spec(bool, False),
+    "gradient_fp32_sync": _Spec(bool, True),
+    "loss_repeated_mean": _Spec(bool, True),
+    "search_mode": _Spec(str, "recursive_programming", choices=lambda: _SEARCH_MODES),
+    "strategy_ckpt_config": _Spec(None, StrategyCkptConfig(), check=_check_ckpt_config,
+                                  fields=_ckpt_fields),
+    "dataset_strategy": _Spec(None, "data_parallel", check=_check_dataset_strategy),
+    "enable_alltoall": _Spec(bool, False),
+    "pipeline_stages": _Spec(int, 1, bounds=_Bounds(1, 1),
+                             allowed="1 (simpar does not implement pipeline parallelism)"),
+}
+
+# Keys that are views of the fields above (MindSpore's older names).
+_AUTO_VIEWS: dict[str, _Spec] = {
+    "full_batch": _Spec(bool, None, fields=_full_batch_fields, late=True),
+    "strategy_ckpt_load_file": _Spec(
+        str, None, fields=lambda v, _: [("strategy_ckpt_config.load_file", v)]),
+    "strategy_ckpt_save_file": _Spec(
+        str, None, fields=lambda v, _: [("strategy_ckpt_config.save_file", v)]),
+    "auto_parallel_search_mode": _Spec(str, None, choices=lambda: _SEARCH_MODES,
+                                       fields=_old_search_mode_fields),
+}
+
+_AUTO_KEYS: dict[str, _Spec] = {**_AUTO_SPECS, **_AUTO_VIEWS}
+
+_ALGO_SPECS: dict[str, _Spec] = {
+    "fully_use_devices": _Spec(bool, True),
+    "elementwise_op_strategy_follow": _Spec(bool, False),
+    "enable_algo_approxi": _Spec(bool, False),
+    "algo_approxi_epsilon": _Spec(float, 0.1, bounds=_Bounds(0, 1, lo_open=True)),
+    "tensor_slice_align_enable": _Spec(bool, False),
+    "tensor_slice_align_size": _Spec(int, 16, bounds=_Bounds(1, 1024)),
+}
+
+
+def _defaults(specs: Mapping[str, _Spec]) -> dict[str, Any]:
+    return {key: spec.default for key, spec in specs.items()}
+
+
+_auto: dict[str, Any] = _defaults(_AUTO_SPECS)
+_algo: dict[str, Any] = _defaults(_ALGO_SPECS)
+
+_world: tuple[int, int] | None = None  # (world_size, world_rank), set by simpar.comm
+
+
+def _stage(func: str, keys: Mapping[str, _Spec], state: Mapping[str, Any],
+           kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """Validate a whole call and return the new state, leaving ``state`` untouched."""
+    for key in kwargs:
+        if key not in keys:
+            raise _unknown_key(func, key, list(keys))
+    staged = dict(state)
+    written: dict[str, tuple[str, Any]] = {}  # field -> (key, value) that wrote it
+    for key in sorted(kwargs, key=lambda k: keys[k].late):
+        spec, given = keys[key], kwargs[key]
+        value = _validate(func, key, spec, given)
+        writes = spec.fields(value, staged) if spec.fields is not None else [(key, value)]
+        for field, new in writes:
+            if field in written and _read(staged, field) != new:
+                other, other_given = written[field]
+                raise ContextError(f"{func}: {other}={other_given!r} and {key}={given!r} "
+                                   f"contradict each other; pass only one of them.")
+            written[field] = (key, given)
+            _write(staged, field, new)
+    return staged
+
+
+def _read(state: Mapping[str, Any], field: str) -> Any:
+    key, _, sub = field.partition(".")
+    return getattr(state[key], sub) if sub else state[key]
+
+
+def _write(state: dict[str, Any], field: str, value: Any) -> None:
+    key, _, sub = field.partition(".")
+    state[key] = replace(state[key], **{sub: value}) if sub else value
+
+
+# ----------------------------------------------------------------------------------------------
+# The MPI world.
+
+
+def _check_world_args(func: str, world_size: object, world_rank: object) -> None:
+    size = _validate(func, "world_size", _AUTO_SPECS["device_num"], world_size)
+    allowed = f"an int in [0, {size - 1}] for a world of {size} ranks"
+    if not _has_kind(world_rank, int):
+        raise _type_error(func, "world_rank", allowed, world_rank)
+    if not 0 <= int(world_rank) < size:  # type: ignore[call-overload]
+        raise ContextError(f"{func}: world_rank must be {allowed}, but got {world_rank!r}.")
+
+
+def _check_world(state: Mapping[str, Any], world_size: int, world_rank: int) -> None:
+    device_num, global_rank = state["device_num"], state["global_rank"]
+    if device_num is not None and device_num != world_size:
+        raise WorldMismatchError(
+            f"device_num is {device_num} but the MPI world has {world_size} ranks "
+            f"(mpirun -n {world_size}); set device_num={world_size} or launch with -n {device_num}."
+        )
+    if global_rank is not None and global_rank != world_rank:
+        raise WorldMismatchError(
+            f"global_rank is {global_rank} but this process is MPI rank {world_rank} of "
+            f"{world_size}; leave global_rank unset (it follows the MPI rank) or set "
+            f"global_rank={world_rank}."
+        )
+
+
+def _check_ranks(func: str, state: Mapping[str, Any]) -> None:
+    device_num, global_rank = state["device_num"], state["global_rank"]
+    if device_num is not None and global_rank is not None and global_rank >= device_num:
+        raise ContextError(f"{func}: global_rank must be in [0, {device_num - 1}] for "
+                           f"device_num={device_num}, but got {global_rank}.")
+
+
+def set_world(world_size: int, world_rank: int) -> None:
+    """Record the MPI world; simpar.comm calls this once MPI has started.
+
+    From then on an unset ``device_num`` reads as ``world_size`` and an unset ``global_rank``
+    as ``world_rank``, and values set explicitly must match them. The world is recorded even
+    when the current context disagrees with it: the world is a fact of the job, the context is
+    what is wrong, and later calls are checked against it.
+
+    Example, on rank 5 of ``mpirun -n 8``::
+
+        set_world(8, 5)                          # done by simpar.comm.init()
+        get_auto_parallel_context("device_num")  # 8
+        get_auto_parallel_context("global_rank") # 5
+        set_auto_parallel_context(device_num=4)  # WorldMismatchError: device_num is 4 but the
+                                                 # MPI world has 8 ranks (mpirun -n 8); ...
+    """
+    global _world
+    _check_world_args("set_world", world_size, world_rank)
+    _world = (int(world_size), int(world_rank))
+    _check_world(_auto, *_world)
+
+
+def validate_against_world(world_size: int, world_rank: int) -> None:
+    """Raise :class:`WorldMismatchError` if the context disagrees with the given MPI world.
+
+    Only values set explicitly are checked; unset ones follow the world.
+
+    >>> set_auto_parallel_context(device_num=4)
+    >>> validate_against_world(4, 2)
+    >>> validate_against_world(8, 2)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    simpar.context.WorldMismatchError: device_num is 4 but the MPI world has 8 ranks (mpirun ...
+    >>> reset_auto_parallel_context()
+    """
+    _check_world_args("validate_against_world", world_size, world_rank)
+    _check_world(_auto, int(world_size), int(world_rank))
+
+
+# ----------------------------------------------------------------------------------------------
+# set_auto_parallel_context and friends.
+
+
+def set_auto_parallel_context(**kwargs: Any) -> None:
+    """Set auto-parallel keys, as ``mindspore.set_auto_parallel_context`` does.
+
+    The whole call is validated first; if any key is unknown or any value wrong, a
+    :class:`ContextError` (a ``ValueError``) or :class:`ContextTypeError` (a ``TypeError``) is
+    raised and nothing changes. ``strategy_ckpt_config`` may be partial: the keys given replace
+    the current ones. See the module docstring for the keys and their defaults.
+
+    >>> set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8,
+    ...                           dataset_strategy=((8, 1), (8,)))
+    >>> get_auto_parallel_context("full_batch")
+    False
+    >>> set_auto_parallel_context(gradients_mean=1)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    simpar.context.ContextTypeError: ...: gradients_mean must be a bool, but got 1 of type int.
+    >>> reset_auto_parallel_context()
+    """
+    global _auto
+    func = "set_auto_parallel_context"
+    staged = _stage(func, _AUTO_KEYS, _auto, kwargs)
+    if _world is not None:
+        _check_world(staged, *_world)
+    _check_ranks(func, staged)
+    _auto = staged
+
+
+def auto_parallel_context() -> ParallelContext:
+    """Return an immutable snapshot of the current auto-parallel context.
+
+    >>> set_auto_parallel_context(parallel_mode="auto_parallel", search_mode="sharding_propagation")
+    >>> ctx = auto_parallel_context()
+    >>> ctx.parallel_mode, ctx.search_mode, ctx.device_num, ctx.device_num_is_set
+    ('auto_parallel', 'sharding_propagation', 1, False)
+    >>> reset_auto_parallel_context()
+    """
+    world_size, world_rank = _world if _world is not None else (1, 0)
+    state = dict(_auto)
+    state["device_num_is_set"] = state["device_num"] is not None
+    state["global_rank_is_set"] = state["global_rank"] is not None
+    if state["device_num"] is None:
+        state["device_num"] = world_size
+    if state["global_rank"] is None:
+        state["global_rank"] = world_rank
+    return ParallelContext(**state)
+
+
+def get_auto_parallel_context(key: str) -> Any:
+    """Return the current value of one auto-parallel key (unset ones resolved).
+
+    ``strategy_ckpt_config`` comes back as a fresh dict; ``full_batch``,
+    ``strategy_ckpt_load_file``, ``strategy_ckpt_save_file`` and ``auto_parallel_search_mode``
+    are read through to the state they view.
+
+    >>> get_auto_parallel_context("strategy_ckpt_config")
+    {'load_file': '', 'save_file': '', 'only_trainable_params': True}
+    >>> get_auto_parallel_context("search_mode")
+    'recursive_programming'
+    """
+    func = "get_auto_parallel_context"
+    if not isinstance(key, str):
+        raise _type_error(func, "key", "a str", key)
+    if key not in _AUTO_KEYS:
+        raise _unknown_key(func, key, list(_AUTO_KEYS))
+    ctx = auto_parallel_context()
+    if key == "strategy_ckpt_config":
+        return ctx.strategy_ckpt_config.as_dict()
+    if key.startswith("strategy_ckpt_"):
+        return getattr(ctx.strategy_ckpt_config, key.removeprefix("strategy_ckpt_"))
+    return getattr(ctx, "search_mode" if key == "auto_parallel_search_mode" else key)
+
+
+def reset_auto_parallel_context() -> None:
+    """Restore every auto-parallel key to its default. The MPI world stays known.
+
+    >>> set_auto_parallel_context(enable_alltoall=True)
+    >>> reset_auto_parallel_context()
+    >>> get_auto_parallel_context("enable_alltoall")
+    False
+    """
+    global _auto
+    _auto = _defaults(_AUTO_SPECS)
+
+
+def register_search_mode(name: str) -> None:
+    """Allow ``name`` as a ``search_mode`` (a planner in simpar.search calls this).
+
+    Registering a name twice is harmless.
+
+    >>> register_search_mode("my_search")
+    >>> "my_search" in search_modes()
+    True
+    """
+    if not isinstance(name, str):
+        raise _type_error("register_search_mode", "name", "a str", name)
+    if not name or not name.replace("_", "").isalnum():
+        raise ContextError(f"register_search_mode: name must be a non-empty identifier such as "
+                           f"'exact_search', but got {name!r}.")
+    if name not in _SEARCH_MODES:
+        _SEARCH_MODES.append(name)
+
+
+def search_modes() -> tuple[str, ...]:
+    """The ``search_mode`` values currently allowed, MindSpore's three first.
+
+    >>> search_modes()[:3]
+    ('recursive_programming', 'dynamic_programming', 'sharding_propagation')
+    """
+    return tuple(_SEARCH_MODES)
+
+
+# ----------------------------------------------------------------------------------------------
+# set_algo_parameters and friends.
+
+
+def set_algo_parameters(**kwargs: Any) -> None:
+    """Set strategy-search parameters, as ``mindspore.set_algo_parameters`` does.
+
+    Validated as a whole first, like :func:`set_auto_parallel_context`.
+
+    >>> set_algo_parameters(enable_algo_approxi=True, algo_approxi_epsilon=0.2)
+    >>> get_algo_parameters("algo_approxi_epsilon")
+    0.2
+    >>> set_algo_parameters(algo_approxi_epsilon=0.0)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    simpar.context.ContextError: ...: algo_approxi_epsilon must be a float in (0, 1], but got 0.0.
+    >>> reset_algo_parameters()
+    """
+    global _algo
+    _algo = _stage("set_algo_parameters", _ALGO_SPECS, _algo, kwargs)
+
+
+def algo_parameters() -> AlgoParameters:
+    """Return an immutable snapshot of the strategy-search parameters.
+
+    >>> algo_parameters().fully_use_devices
+    True
+    """
+    return AlgoParameters(**_algo)
+
+
+def get_algo_parameters(key: str) -> Any:
+    """Return the current value of one strategy-search parameter.
+
+    >>> get_algo_parameters("tensor_slice_align_size")
+    16
+    """
+    func = "get_algo_parameters"
+    if not isinstance(key, str):
+        raise _type_error(func, "key", "a str", key)
+    if key not in _ALGO_SPECS:
+        raise _unknown_key(func, key, list(_ALGO_SPECS))
+    return _algo[key]
+
+
+def reset_algo_parameters() -> None:
+    """Restore every strategy-search parameter to MindSpore's default.
+
+    >>> set_algo_parameters(fully_use_devices=False)
+    >>> reset_algo_parameters()
+    >>> get_algo_parameters("fully_use_devices")
+    True
+    """
+    global _algo
+    _algo = _defaults(_ALGO_SPECS)

@@ -1,0 +1,418 @@
+"""Where every piece of a tensor lives: MindSpore's device matrix + tensor map.
+
+``TensorLayout(device_matrix, tensor_map, shape, partial=())``:
+
+* ``device_matrix`` lays the ranks out row-major (last axis fastest, see :mod:`simpar.mesh`).
+* ``tensor_map`` has one entry per tensor dimension. ``k >= 0`` splits that dimension along
+  device axis ``n-1-k`` (MindSpore counts from the right); ``-1`` leaves it whole; a tuple
+  splits it over several device axes, the outer one first.
+* ``partial`` lists *device axes* (counted from the left, as in DeviceMesh) over which the
+  local values are pending sums: the true tensor is the sum over that axis's group.
+* A device axis used by neither is a *replica* axis: the ranks along it hold the same piece
+  (MindSpore's repeated calculation).
+
+Example (DESIGN.md): device matrix ``(2, 1, 4)``, tensor map ``(2, 0)``, shape ``(8, 16)``.
+Dimension 0 is cut in 2 along device axis 0, dimension 1 in 4 along device axis 2, and rank 5,
+at coordinate (1, 0, 1), holds rows 4..7 and columns 4..7.
+
+Shards are even: every cut must divide its dimension. Uneven shards are out of scope.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Union
+
+import numpy as np
+
+from simpar.mesh import DeviceMesh
+
+__all__ = ["IndivisibleError", "Layout", "MapEntry", "TensorLayout", "assemble", "distribute"]
+
+MapEntry = Union[int, tuple[int, ...]]
+
+
+class IndivisibleError(ValueError):
+    """A tensor dimension does not split evenly into the requested number of parts."""
+
+
+def _int(v: object, what: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"{what} must be an int, got {v!r}")
+    return int(v)
+
+
+def _norm_entry(entry: object, ndev: int, where: str) -> MapEntry:
+    if isinstance(entry, (tuple, list)):
+        vals = tuple(_int(v, f"{where} entries") for v in entry)
+        if not vals:
+            return -1
+        if any(not 0 <= v < ndev for v in vals):
+            raise ValueError(f"{where} {tuple(entry)} has a value outside 0..{ndev - 1} "
+                             f"(tuple entries may not be -1)")
+        return vals[0] if len(vals) == 1 else vals
+    v = _int(entry, where)
+    if not -1 <= v < ndev:
+        raise ValueError(f"{where} value {v} is out of range; allowed -1 (not split) or "
+                         f"0..{ndev - 1} for a {ndev}-axis device matrix")
+    return v
+
+
+@lru_cache(maxsize=4096)
+def _dim_axes(ndev: int, tensor_map: tuple[MapEntry, ...]) -> tuple[tuple[int, ...], ...]:
+    out = []
+    for e in tensor_map:
+        vals = e if isinstance(e, tuple) else ((e,) if e >= 0 else ())
+        out.append(tuple(ndev - 1 - v for v in vals))
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorLayout:
+    """How a tensor of ``shape`` is cut over ``device_matrix``; see the module docstring.
+
+    >>> lay = TensorLayout((2, 1, 4), (2, 0), (8, 16))
+    >>> lay.local_shape(), lay.slice_of(5)
+    ((4, 4), ((4, 8), (4, 8)))
+    """
+
+    device_matrix: tuple[int, ...]
+    tensor_map: tuple[MapEntry, ...]
+    shape: tuple[int, ...]
+    partial: tuple[int, ...] = ()
+
+    def __init__(self, device_matrix: Sequence[int], tensor_map: Sequence[object],
+                 shape: Sequence[int], partial: Sequence[int] = ()) -> None:
+        mesh = DeviceMesh(tuple(device_matrix))
+        dm, n = mesh.device_matrix, mesh.ndim
+        shp = tuple(_int(s, "shape entries") for s in shape)
+        if any(s < 0 for s in shp):
+            raise ValueError(f"shape entries must be >= 0, got {shp}")
+        if len(tensor_map) != len(shp):
+            raise ValueError(f"tensor_map {tuple(tensor_map)} has {len(tensor_map)} entries but "
+                             f"shape {shp} has {len(shp)} dimensions; give one entry per dimension")
+        tmap = tuple(_norm_entry(e, n, "tensor_map") for e in tensor_map)
+        used: list[int] = []
+        for e in tmap:
+            used.extend(e if isinstance(e, tuple) else ([e] if e >= 0 else []))
+        dup = sorted({v for v in used if used.count(v) > 1})
+        if dup:
+            raise ValueError(f"tensor_map {tmap} uses map value(s) {dup} more than once; each "
+                             "device axis may split at most one tensor dimension")
+        part = tuple(sorted(_int(a, "partial entries") for a in partial))
+        if len(set(part)) != len(part) or any(not 0 <= a < n for a in part):
+            raise ValueError(f"partial {tuple(partial)} must list distinct device axes in "
+                             f"0..{n - 1} for device matrix {list(dm)}")
+        clash = sorted(set(part) & {n - 1 - v for v in used})
+        if clash:
+            raise ValueError(f"device axes {clash} are both partial and splitting a dimension in "
+                             f"tensor_map {tmap}; a device axis can do only one of the two")
+        object.__setattr__(self, "device_matrix", dm)
+        object.__setattr__(self, "tensor_map", tmap)
+        object.__setattr__(self, "shape", shp)
+        object.__setattr__(self, "partial", part)
+        for tensor_dim, (size, cut) in enumerate(zip(shp, self.cuts)):
+            if size % cut:
+                raise IndivisibleError(
+                    f"dimension {tensor_dim} of shape {shp} cannot be split into {cut} parts "
+                    f"(tensor_map {tmap} on device matrix {list(dm)}); {size} is not a multiple "
+                    f"of {cut}")
+
+    # ---------------------------------------------------------------- constructors
+    @classmethod
+    def from_strategy(cls, device_matrix: Sequence[int], cuts: Sequence[int],
+                      shape: Sequence[int]) -> TensorLayout:
+        """The layout that cuts dimension ``i`` of ``shape`` into ``cuts[i]`` parts.
+
+        Cut dimensions take device axes left to right; an axis whose size no cut uses is a
+        replica axis. ``from_strategy((2, 1, 4), (2, 4), (8, 16))`` gives tensor map (2, 0).
+        A cut equal to the product of consecutive axes takes them all (outer first).
+        """
+        dm = DeviceMesh(tuple(device_matrix)).device_matrix
+        n = len(dm)
+        cuts_t = tuple(_int(c, "cuts entries") for c in cuts)
+        if any(c < 1 for c in cuts_t):
+            raise ValueError(f"cuts must be >= 1, got {cuts_t}")
+        tmap: list[MapEntry] = []
+        axis = 0
+        for c in cuts_t:
+            if c == 1:
+                tmap.append(-1)
+                continue
+            found = None
+            for start in range(axis, n):
+                prod, end = 1, start
+                while end < n and prod < c:
+                    prod *= dm[end]
+                    end += 1
+                if prod == c and dm[start] > 1:
+                    found = (start, end)
+                    break
+            if found is None:
+                raise ValueError(f"cuts {cuts_t} do not fit device matrix {list(dm)}: no device "
+                                 f"axes after axis {axis} multiply to {c}")
+            axes = tuple(n - 1 - a for a in range(*found) if dm[a] > 1) or (n - 1 - found[0],)
+            tmap.append(axes[0] if len(axes) == 1 else axes)
+            axis = found[1]
+        return cls(dm, tmap, shape)
+
+    # ---------------------------------------------------------------- structure
+    @property
+    def mesh(self) -> DeviceMesh:
+        return DeviceMesh(self.device_matrix)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def dim_axes(self) -> tuple[tuple[int, ...], ...]:
+        """Per tensor dimension, the device axes (from the left) that split it, outer first."""
+        return _dim_axes(len(self.device_matrix), self.tensor_map)
+
+    @property
+    def cuts(self) -> tuple[int, ...]:
+        """How many parts each tensor dimension is cut into."""
+        return tuple(math.prod(self.device_matrix[a] for a in axes) for axes in self.dim_axes)
+
+    @property
+    def split_axes(self) -> frozenset[int]:
+        return frozenset(a for axes in self.dim_axes for a in axes)
+
+    @property
+    def replica_axes(self) -> tuple[int, ...]:
+        """Device axes along which ranks hold identical values."""
+        split = self.split_axes
+        return tuple(a for a in range(len(self.device_matrix))
+                     if a not in split and a not in self.partial)
+
+    @property
+    def is_partial(self) -> bool:
+        return bool(self.partial)
+
+    @property
+    def device_num(self) -> int:
+        return math.prod(self.device_matrix)
+
+    def local_shape(self) -> tuple[int, ...]:
+        """Shape of the shard every rank holds."""
+        return tuple(s // c for s, c in zip(self.shape, self.cuts))
+
+    def local_size(self) -> int:
+        return math.prod(self.local_shape())
+
+    # ---------------------------------------------------------------- per-rank queries
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.device_num:
+            raise ValueError(f"rank {rank} is out of range for device matrix "
+                             f"{list(self.device_matrix)} of {self.device_num} devices")
+
+    def chunk_index(self, rank: int) -> tuple[int, ...]:
+        """Which piece of each tensor dimension ``rank`` holds (0-based)."""
+        self._check_rank(rank)
+        coord = np.unravel_index(rank, self.device_matrix)
+        out = []
+        for axes in self.dim_axes:
+            idx = 0
+            for a in axes:
+                idx = idx * self.device_matrix[a] + int(coord[a])
+            out.append(idx)
+        return tuple(out)
+
+    def slice_of(self, rank: int) -> tuple[tuple[int, int], ...]:
+        """Per tensor dimension, the ``(start, stop)`` that ``rank`` holds.
+
+        On device matrix (2, 1, 4), tensor map (2, 0), shape (8, 16), rank 5 holds
+        ``((4, 8), (4, 8))``.
+        """
+        local = self.local_shape()
+        return tuple((i * n, (i + 1) * n) for i, n in zip(self.chunk_index(rank), local))
+
+    def slices(self, rank: int) -> tuple[slice, ...]:
+        """``slice_of`` as numpy slices: ``global_array[layout.slices(r)]`` is rank r's shard."""
+        return tuple(slice(a, b) for a, b in self.slice_of(rank))
+
+    def ranks_holding(self, index: Sequence[int]) -> tuple[int, ...]:
+        """The ranks whose shard contains global element ``index`` (with partial axes, each
+        holds a pending part of it)."""
+        if len(index) != self.ndim or any(not 0 <= i < s for i, s in zip(index, self.shape)):
+            raise ValueError(f"index {tuple(index)} is outside shape {self.shape}")
+        local = self.local_shape()
+        want = tuple(i // n if n else 0 for i, n in zip(index, local))
+        return tuple(r for r in range(self.device_num) if self.chunk_index(r) == want)
+
+    def replica_group(self, rank: int) -> tuple[int, ...]:
+        """The ranks that hold exactly what ``rank`` holds (the group along the replica axes)."""
+        self._check_rank(rank)
+        return self.mesh.group_of(rank, self.replica_axes)
+
+    def partial_group(self, rank: int) -> tuple[int, ...]:
+        """The ranks whose values sum to the true values of ``rank``'s piece."""
+        self._check_rank(rank)
+        return self.mesh.group_of(rank, self.partial)
+
+    # ---------------------------------------------------------------- conversions
+    def with_shape(self, shape: Sequence[int]) -> TensorLayout:
+        return TensorLayout(self.device_matrix, self.tensor_map, shape, self.partial)
+
+    def with_partial(self, partial: Sequence[int]) -> TensorLayout:
+        return TensorLayout(self.device_matrix, self.tensor_map, self.shape, partial)
+
+    def to_dict(self) -> dict[str, Any]:
+        """MindSpore's layout dictionary (plus ``shape`` and ``partial`` of simpar's own)."""
+        return {
+            "device_matrix": list(self.device_matrix),
+            "tensor_map": [list(e) if isinstance(e, tuple) else e for e in self.tensor_map],
+            "shape": list(self.shape),
+            "partial": list(self.partial),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], shape: Sequence[int] | None = None) -> TensorLayout:
+        """Inverse of :meth:`to_dict`; ``shape`` is needed when the dict has none."""
+        for key in ("device_matrix", "tensor_map"):
+            if key not in d:
+                raise ValueError(f"layout dict needs key {key!r}, got keys {sorted(d)}")
+        shp = shape if shape is not None else d.get("shape")
+        if shp is None:
+            raise ValueError("layout dict has no 'shape'; pass shape=")
+        tmap = [tuple(e) if isinstance(e, list) else e for e in d["tensor_map"]]
+        return cls(d["device_matrix"], tmap, shp, d.get("partial", ()))
+
+    def __str__(self) -> str:
+        def entry(e: MapEntry) -> str:
+            return "(" + ",".join(map(str, e)) + ")" if isinstance(e, tuple) else str(e)
+        part = f" P{list(self.partial)}" if self.partial else ""
+        return (f"{list(self.device_matrix)}:[{','.join(entry(e) for e in self.tensor_map)}]"
+                f"{part} {list(self.shape)}")
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """MindSpore's alias API: name the device axes, then map tensor dimensions to names.
+
+    >>> layout = Layout((2, 2, 2), ("dp", "sp", "mp"))
+    >>> layout("dp", ("sp", "mp")).to_dict()["tensor_map"]
+    [2, [1, 0]]
+
+    ``"None"`` leaves a dimension unsplit. Bind a shape with :meth:`layout_for`.
+    """
+
+    device_matrix: tuple[int, ...]
+    alias_name: tuple[str, ...]
+    tensor_map: tuple[MapEntry, ...] | None = None
+
+    def __init__(self, device_matrix: tuple[int, ...], alias_name: tuple[str, ...],
+                 tensor_map: tuple[MapEntry, ...] | None = None) -> None:
+        if not isinstance(device_matrix, tuple):
+            raise TypeError(f"Layout: device_matrix must be a tuple, got "
+                            f"{type(device_matrix).__name__}")
+        if not isinstance(alias_name, tuple):
+            raise TypeError(f"Layout: alias_name must be a tuple, got {type(alias_name).__name__}")
+        if len(device_matrix) != len(alias_name):
+            raise ValueError(f"Layout: device_matrix {device_matrix} has {len(device_matrix)} "
+                             f"axes but alias_name {alias_name} has {len(alias_name)} names")
+        for v in device_matrix:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"Layout: device_matrix entries must be int, got {v!r}")
+        for name in alias_name:
+            if not isinstance(name, str):
+                raise TypeError(f"Layout: alias_name entries must be str, got {name!r}")
+            if not name:
+                raise ValueError("Layout: alias_name entries must not be empty strings")
+            if name == "None":
+                raise ValueError("Layout: 'None' is reserved for an unsplit dimension and cannot "
+                                 "be an alias_name")
+        if len(set(alias_name)) != len(alias_name):
+            raise ValueError(f"Layout: alias_name {alias_name} has duplicate names")
+        DeviceMesh(device_matrix)
+        object.__setattr__(self, "device_matrix", device_matrix)
+        object.__setattr__(self, "alias_name", alias_name)
+        object.__setattr__(self, "tensor_map", tensor_map)
+
+    def __call__(self, *tensor_map: str | tuple[str, ...]) -> Layout:
+        n = len(self.alias_name)
+        index = {name: n - 1 - i for i, name in enumerate(self.alias_name)}
+        used: set[str] = set()
+        out: list[MapEntry] = []
+        for entry in tensor_map:
+            names = entry if isinstance(entry, tuple) else (entry,)
+            vals = []
+            for name in names:
+                if not isinstance(name, str):
+                    raise TypeError(f"Layout: tensor map entries must be alias names (str) or "
+                                    f"tuples of them, got {name!r}")
+                if name == "None":
+                    if len(names) > 1:
+                        raise ValueError(f"Layout: 'None' cannot be combined with other aliases "
+                                         f"in {entry}")
+                    continue
+                if name not in index:
+                    raise ValueError(f"Layout: alias {name!r} is not one of {self.alias_name}")
+                if name in used:
+                    raise ValueError(f"Layout: alias {name!r} is used more than once in "
+                                     f"{tensor_map}; each alias may split one dimension only")
+                used.add(name)
+                vals.append(index[name])
+            out.append(-1 if not vals else vals[0] if len(vals) == 1 else tuple(vals))
+        return Layout(self.device_matrix, self.alias_name, tuple(out))
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"device_matrix", "tensor_map", "interleaved_parallel", "alias_name"}``."""
+        if self.tensor_map is None:
+            raise ValueError("Layout: call the layout with a tensor map first, e.g. "
+                             "layout('dp', 'None')")
+        return {
+            "device_matrix": self.device_matrix,
+            "tensor_map": [list(e) if isinstance(e, tuple) else e for e in self.tensor_map],
+            "interleaved_parallel": False,
+            "alias_name": self.alias_name,
+        }
+
+    def layout_for(self, shape: Sequence[int]) -> TensorLayout:
+        """The TensorLayout of a tensor of ``shape`` under this alias layout."""
+        if self.tensor_map is None:
+            raise ValueError("Layout: call the layout with a tensor map before binding a shape")
+        return TensorLayout(self.device_matrix, self.tensor_map, shape)
+
+
+def distribute(global_array: np.ndarray, layout: TensorLayout, rank: int) -> np.ndarray:
+    """Rank ``rank``'s shard of ``global_array`` (a copy).
+
+    For a partial layout, the full value sits on coordinate 0 of every partial axis and the
+    other ranks of the partial group hold zeros, so the shards still sum to the global array.
+    """
+    if tuple(global_array.shape) != layout.shape:
+        raise ValueError(f"distribute: global array has shape {global_array.shape}, layout "
+                         f"{layout} expects {layout.shape}")
+    shard = np.array(global_array[layout.slices(rank)], copy=True)
+    if layout.partial:
+        coord = layout.mesh.coordinate(rank)
+        if any(coord[a] for a in layout.partial):
+            shard[...] = 0
+    return shard
+
+
+def assemble(shards_by_rank: Mapping[int, np.ndarray] | Sequence[np.ndarray],
+             layout: TensorLayout) -> np.ndarray:
+    """The global array from every rank's shard (partial axes summed, replicas checked equal)."""
+    shards = dict(enumerate(shards_by_rank)) if not isinstance(shards_by_rank, Mapping) \
+        else dict(shards_by_rank)
+    missing = [r for r in range(layout.device_num) if r not in shards]
+    if missing:
+        raise ValueError(f"assemble: no shard for ranks {missing} of layout {layout}")
+    first = shards[0]
+    out = np.zeros(layout.shape, dtype=first.dtype)
+    local = layout.local_shape()
+    for r in range(layout.device_num):
+        if tuple(shards[r].shape) != local:
+            raise ValueError(f"assemble: rank {r}'s shard has shape {shards[r].shape}, layout "
+                             f"{layout} gives {local}")
+        coord = layout.mesh.coordinate(r)
+        if any(coord[a] for a in layout.replica_axes):
+            continue
+        out[layout.slices(r)] += shards[r]
+    return out

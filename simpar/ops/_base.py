@@ -1,0 +1,579 @@
+"""The operator framework: primitives, strategies, sharding rules and their per-rank programs.
+
+A :class:`Primitive` has a numpy kernel and its VJP (single device), and a sharding rule that
+turns ``(input shapes, strategy, device_num)`` into an :class:`OpSharding`: the op's device
+matrix, a layout for every input, the layout its local kernel produces (possibly partial), the
+layout of its output after the op's own collectives, and the collectives it runs forward and
+backward. The rule is pure; :meth:`OpSharding.forward` / :meth:`OpSharding.backward` run it on
+this rank's shards through :mod:`simpar.comm`.
+
+Most primitives are described by an *iteration space*, as in einsum: every tensor dimension
+names an iteration dimension, the strategy cuts iteration dimensions, and an iteration
+dimension that is cut but absent from the output leaves the local result a partial sum. The
+device matrix lists the cuts of the iteration dimensions in the op's canonical order; when the
+strategy uses fewer devices than ``device_num``, the remaining factor is a *repeated
+calculation* axis put first (leftmost) in the device matrix, so that ranks ``r`` and
+``r + device_num/repeat`` compute the same shard (MindSpore's default side).
+
+Gradients follow one rule everywhere (see README, "gradient semantics"): on every rank the
+backward computes that rank's *contribution*; contributions of a value replicated over some
+device axes sum, over those axes, to its true gradient. A replicated output's cotangent is
+therefore divided by its number of replicas, and an input's gradient is completed by an
+AllReduce over the input's replica axes (MindSpore's Mirror, for a parameter).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from simpar.layout import TensorLayout
+from simpar.mesh import DeviceMesh
+from simpar.redistribution import LOCAL_KINDS, RedistributionPlan, Step, plan
+
+__all__ = [
+    "CommSpec",
+    "IterSpace",
+    "OpSharding",
+    "Primitive",
+    "StrategyError",
+    "Strategy",
+    "divisors",
+    "register",
+    "registry",
+]
+
+Strategy = tuple[tuple[int, ...], ...]
+
+
+class StrategyError(ValueError):
+    """A strategy that does not fit the operator, its inputs or the devices."""
+
+
+# ------------------------------------------------------------------ registry
+_REGISTRY: dict[str, type[Primitive]] = {}
+
+
+def register(cls: type[Primitive]) -> type[Primitive]:
+    """Class decorator: make a primitive findable by name (``registry()["MatMul"]``)."""
+    _REGISTRY[cls.__name__] = cls
+    return cls
+
+
+def registry() -> dict[str, type[Primitive]]:
+    """Every registered primitive class by MindSpore name."""
+    return dict(_REGISTRY)
+
+
+def divisors(n: int) -> list[int]:
+    """Divisors of ``n`` in increasing order (for a power of two: the powers of two)."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# ------------------------------------------------------------------ communication specs
+@dataclass(frozen=True, slots=True)
+class CommSpec:
+    """One collective an op runs, described without running it.
+
+    ``device_axes`` index ``device_matrix`` from the left; rank r's group is
+    ``DeviceMesh(device_matrix).group_of(r, device_axes)``. ``elements`` is the local input
+    buffer of the collective (per rank), ``step`` the redistribution step when it is one.
+    """
+
+    kind: str
+    device_matrix: tuple[int, ...]
+    device_axes: tuple[int, ...]
+    elements: int
+    reason: str = ""
+    step: Step | None = None
+    on_output: bool = False  # the buffer has the output's dtype (else the input's)
+
+    @classmethod
+    def from_step(cls, step: Step, reason: str, on_output: bool = False) -> CommSpec:
+        return cls(step.kind, step.src.device_matrix, step.device_axes, step.src.local_size(),
+                   reason, step, on_output)
+
+    def group(self, rank: int) -> tuple[int, ...]:
+        if not self.device_axes:
+            return tuple(range(math.prod(self.device_matrix)))
+        return DeviceMesh(self.device_matrix).group_of(rank, self.device_axes)
+
+    def groups(self) -> list[tuple[int, ...]]:
+        if not self.device_axes:
+            return [tuple(range(math.prod(self.device_matrix)))]
+        return DeviceMesh(self.device_matrix).groups(self.device_axes)
+
+    def recv_bytes(self, rank: int, itemsize: int) -> int:
+        """Bytes ``rank`` receives, by CommTrace's convention."""
+        if self.step is not None:
+            return self.step.recv_elements(rank) * itemsize
+        p, n = len(self.group(rank)), self.elements * itemsize
+        if self.kind == "AllReduce":
+            return 2 * (p - 1) * n // p
+        if self.kind == "AllGather":
+            return (p - 1) * n
+        if self.kind in ("ReduceScatter", "AllToAll"):
+            return (p - 1) * n // p
+        raise AssertionError(self.kind)
+
+    def describe(self, rank: int, in_itemsize: int, out_itemsize: int) -> dict[str, Any]:
+        itemsize = out_itemsize if self.on_output else in_itemsize
+        return {"op": self.kind, "group": list(self.group(rank)),
+                "groups": [list(g) for g in self.groups()],
+                "bytes": self.recv_bytes(rank, itemsize), "reason": self.reason}
+
+
+def _plan_specs(p: RedistributionPlan, reason: str) -> list[CommSpec]:
+    return [CommSpec.from_step(s, reason, on_output=True) for s in p.steps
+            if s.kind not in LOCAL_KINDS]
+
+
+# ------------------------------------------------------------------ iteration spaces
+@dataclass(frozen=True, slots=True)
+class IterSpace:
+    """An einsum-like description of an op: which iteration dim each tensor dim walks.
+
+    ``inputs[i][d]`` is the iteration dim of input i's tensor dim d, or ``None`` for a
+    broadcast dim of size 1. ``output`` lists the output's iteration dims. ``order`` is the
+    canonical order of iteration dims in the device matrix. Iteration dims that are cut but
+    not in ``output`` make the local output partial (``reduce`` says how: "sum" or "max").
+    """
+
+    inputs: tuple[tuple[str | None, ...], ...]
+    output: tuple[str, ...]
+    order: tuple[str, ...]
+    reduce: str = "sum"
+    unsplittable: frozenset[str] = frozenset()
+
+
+# ------------------------------------------------------------------ the sharding of one op
+@dataclass(frozen=True)
+class OpSharding:
+    """Everything the runtime needs to run one op on its shards (per-rank program).
+
+    ``raw_out`` is what the local kernel yields; ``out`` the output after the op's forward
+    collectives (``out_plan``). ``forward_comm``/``backward_comm`` list every collective, with
+    the input-gradient AllReduces (over each input's replica axes) at the end of backward.
+    """
+
+    op: Primitive
+    input_shapes: tuple[tuple[int, ...], ...]
+    strategy: Strategy
+    device_matrix: tuple[int, ...]
+    in_layouts: tuple[TensorLayout, ...]
+    raw_out: TensorLayout
+    out: TensorLayout
+    out_plan: RedistributionPlan
+    internal_forward: tuple[CommSpec, ...] = ()
+    internal_backward: tuple[CommSpec, ...] = ()
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    # -- descriptions
+    @property
+    def forward_comm(self) -> list[CommSpec]:
+        return list(self.internal_forward) + _plan_specs(self.out_plan, "output")
+
+    @property
+    def backward_comm(self) -> list[CommSpec]:
+        adj = [CommSpec(_ADJOINT[s.kind], s.device_matrix, s.device_axes,
+                        _adjoint_elements(s), "adjoint of output " + s.kind, None, True)
+               for s in reversed(_plan_specs(self.out_plan, "output"))]
+        grads = []
+        for i, lay in enumerate(self.in_layouts):
+            if self.op.differentiable(i):
+                spec = self.input_grad_spec(i)
+                if spec is not None:
+                    grads.append(spec)
+        return adj + list(self.internal_backward) + grads
+
+    def input_grad_spec(self, i: int) -> CommSpec | None:
+        lay = self.in_layouts[i]
+        axes = tuple(a for a in lay.replica_axes if lay.device_matrix[a] > 1)
+        if not axes:
+            return None
+        return CommSpec("AllReduce", lay.device_matrix, axes, lay.local_size(),
+                        f"gradient of input {i} (sum over its replicas)")
+
+    def local_flops(self) -> int:
+        return self.op.flops(tuple(lay.local_shape() for lay in self.in_layouts),
+                             self.raw_out.local_shape())
+
+    def memory_bytes(self, in_itemsize: int, out_itemsize: int | None = None) -> int:
+        """Bytes of this rank's input and output shards."""
+        out_itemsize = in_itemsize if out_itemsize is None else out_itemsize
+        return (sum(lay.local_size() for lay in self.in_layouts) * in_itemsize
+                + self.out.local_size() * out_itemsize)
+
+    # -- execution on this rank
+    def forward(self, *local_inputs: np.ndarray) -> tuple[np.ndarray, Any]:
+        """This rank's output shard and what backward needs."""
+        from simpar import comm
+        from simpar.redistribution import execute
+
+        raw, saved = self.op.local_forward(self, *local_inputs)
+        with comm.label(f"{self.op.name}:output"):
+            out = execute(self.out_plan, raw)
+        return out, saved
+
+    def backward(self, saved: Any, local_dout: np.ndarray) -> tuple[np.ndarray | None, ...]:
+        """This rank's gradient *contributions* for every input, in the input layouts
+        (sum over an input's replica axes to complete them, see :meth:`complete_grad`)."""
+        from simpar import comm
+        from simpar.redistribution import execute_adjoint
+
+        with comm.label(f"{self.op.name}:output-adjoint"):
+            draw = execute_adjoint(self.out_plan, local_dout)
+        return self.op.local_backward(self, saved, draw)
+
+    def complete_grad(self, i: int, contribution: np.ndarray) -> np.ndarray:
+        """Sum input i's gradient contributions over its replica axes (one AllReduce)."""
+        from simpar import comm
+
+        spec = self.input_grad_spec(i)
+        if spec is None:
+            return contribution
+        rank = comm.get_rank()
+        with comm.label(f"{self.op.name}:input{i}-grad"):
+            return comm.all_reduce(contribution, group=spec.group(rank))
+
+
+_ADJOINT = {"AllReduce": "AllReduce", "AllGather": "ReduceScatter", "ReduceScatter": "AllGather",
+            "AllToAll": "AllToAll", "AllToAllV": "AllToAllV"}
+
+
+def _adjoint_elements(spec: CommSpec) -> int:
+    """Local input size of the adjoint collective (the forward collective's output size)."""
+    assert spec.step is not None
+    return spec.step.dst.local_size()
+
+
+# ------------------------------------------------------------------ primitives
+class Primitive:
+    """Base of every operator. Subclasses set ``n_inputs`` and implement the hooks.
+
+    ``op.shard(in_strategy, out_strategy=None)`` records a strategy and returns the op, as in
+    MindSpore: ``MatMul().shard(((2, 1), (1, 4)))``.
+    """
+
+    n_inputs: ClassVar[int] = 1
+    #: Inputs that are integer ids or otherwise not differentiable.
+    nondiff_inputs: ClassVar[tuple[int, ...]] = ()
+    #: Whether out_strategy is accepted (MindSpore supports it for a few ops).
+    supports_out_strategy: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self.in_strategy: Strategy | None = None
+        self.out_strategy: Strategy | None = None
+        self.instance_name: str = type(self).__name__
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    def __repr__(self) -> str:
+        attrs = ", ".join(f"{k}={v!r}" for k, v in self.attrs().items())
+        shard = f".shard({self.in_strategy})" if self.in_strategy is not None else ""
+        return f"{self.name}({attrs}){shard}"
+
+    def attrs(self) -> dict[str, Any]:
+        """The primitive's attributes (for printing and strategy files)."""
+        return {}
+
+    def differentiable(self, i: int) -> bool:
+        return i not in self.nondiff_inputs
+
+    def output_dtype(self, input_dtype: np.dtype) -> np.dtype:
+        """The output's dtype for inputs of ``input_dtype`` (Cast changes it)."""
+        return input_dtype
+
+    # -- MindSpore API
+    def shard(self, in_strategy: Sequence[Sequence[int]],
+              out_strategy: Sequence[Sequence[int]] | None = None) -> Primitive:
+        """Set the strategy: one tuple of cuts per input (and optionally per output)."""
+        self.in_strategy = _as_strategy(in_strategy, self.name, "in_strategy")
+        if out_strategy is not None:
+            if not self.supports_out_strategy:
+                raise StrategyError(f"{self.name}: out_strategy is not supported for this "
+                                    "operator (MindSpore accepts it for MatMul/BatchMatMul)")
+            self.out_strategy = _as_strategy(out_strategy, self.name, "out_strategy")
+        else:
+            self.out_strategy = None
+        if len(self.in_strategy) != self.n_inputs:
+            raise StrategyError(f"{self.name}: the strategy has {len(self.in_strategy)} "
+                                f"entries but the operator has {self.n_inputs} inputs; give "
+                                "one tuple of cuts per input")
+        return self
+
+    # -- single-device maths (subclasses)
+    def infer_shape(self, *shapes: tuple[int, ...]) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def kernel(self, *xs: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def vjp(self, xs: Sequence[np.ndarray], y: np.ndarray, dy: np.ndarray
+            ) -> tuple[np.ndarray | None, ...]:
+        raise NotImplementedError
+
+    def __call__(self, *xs: Any) -> Any:
+        """On arrays: the single-device kernel. Inside a traced Cell: a graph node."""
+        from simpar import graph
+
+        if graph.tracing():
+            return graph.record(self, xs)
+        return self.kernel(*[np.asarray(x) for x in xs])
+
+    # -- sharding (subclasses override iter_space, or sharding() wholesale)
+    def iter_space(self, *shapes: tuple[int, ...]) -> IterSpace:
+        raise NotImplementedError(f"{self.name} has no iteration space")
+
+    def flops(self, local_in: tuple[tuple[int, ...], ...], local_out: tuple[int, ...]) -> int:
+        """Floating-point operations of the local kernel (default: one per output element)."""
+        return math.prod(local_out)
+
+    def default_strategy(self, shapes: Sequence[tuple[int, ...]], device_num: int) -> Strategy:
+        """Data parallel on the first dimension that fits, else fully replicated."""
+        cands = self.candidate_strategies(shapes, device_num, fully_use_devices=False)
+        for s in cands:
+            if s and s[0] and s[0][0] == device_num and math.prod(s[0]) == device_num:
+                return s
+        return tuple((1,) * len(sh) for sh in shapes)
+
+    def sharding(self, shapes: Sequence[Sequence[int]], device_num: int,
+                 strategy: Sequence[Sequence[int]] | None = None,
+                 out_strategy: Sequence[Sequence[int]] | None = None) -> OpSharding:
+        """Validate ``strategy`` (default: the one set by :meth:`shard`) and derive layouts."""
+        shapes_t = self._check_shapes(shapes)
+        strat = self.in_strategy if strategy is None else _as_strategy(strategy, self.name,
+                                                                        "strategy")
+        if strat is None:
+            strat = self.default_strategy(shapes_t, device_num)
+        out_s = self.out_strategy if strategy is None else (
+            None if out_strategy is None else _as_strategy(out_strategy, self.name,
+                                                           "out_strategy"))
+        _check_device_num(device_num, self.name)
+        self._check_strategy_shape(strat, shapes_t)
+        return self._sharding(shapes_t, strat, out_s, device_num)
+
+    def _check_shapes(self, shapes: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+        if len(shapes) != self.n_inputs:
+            raise ValueError(f"{self.name}: expected {self.n_inputs} input shapes, got "
+                             f"{len(shapes)}")
+        return tuple(tuple(int(d) for d in s) for s in shapes)
+
+    def _check_strategy_shape(self, strat: Strategy, shapes: tuple[tuple[int, ...], ...]) -> None:
+        if len(strat) != self.n_inputs:
+            raise StrategyError(f"{self.name}: the strategy has {len(strat)} entries but the "
+                                f"operator has {self.n_inputs} inputs; give one tuple of cuts "
+                                "per input")
+        for i, (s, shape) in enumerate(zip(strat, shapes)):
+            if len(s) != len(shape):
+                raise StrategyError(f"{self.name}: strategy {s} for input {i} has {len(s)} "
+                                    f"entries but the input has {len(shape)} dimensions "
+                                    f"(shape {shape})")
+            for d, (c, n) in enumerate(zip(s, shape)):
+                if c < 1:
+                    raise StrategyError(f"{self.name}: strategy {s} for input {i} has cut {c} "
+                                        f"on dimension {d}; cuts must be >= 1")
+                if n == 1 and c > 1:
+                    raise StrategyError(f"{self.name}: strategy {s} for input {i} cuts "
+                                        f"dimension {d} of shape {shape} into {c} parts, but "
+                                        "that dimension has size 1 (it broadcasts), so its cut "
+                                        "must be 1")
+                if n % c:
+                    raise StrategyError(f"{self.name}: strategy {s} for input {i} cuts "
+                                        f"dimension {d} of shape {shape} into {c} parts, but "
+                                        f"{n} is not divisible by {c}")
+
+    def _sharding(self, shapes: tuple[tuple[int, ...], ...], strat: Strategy,
+                  out_strategy: Strategy | None, device_num: int) -> OpSharding:
+        space = self.iter_space(*shapes)
+        cuts = _iteration_cuts(self.name, space, strat, shapes)
+        return build_sharding(self, shapes, strat, out_strategy, device_num, space, cuts)
+
+    def candidate_strategies(self, shapes: Sequence[Sequence[int]], device_num: int,
+                             fully_use_devices: bool | None = None) -> list[Strategy]:
+        """Every valid strategy for these shapes on ``device_num`` devices.
+
+        Cuts are divisors of ``device_num`` (for a power of two, MindSpore's powers of two).
+        With ``fully_use_devices`` (default: the algo parameter) only strategies that use all
+        devices are kept.
+        """
+        from simpar import context
+
+        if fully_use_devices is None:
+            fully_use_devices = bool(context.get_algo_parameters("fully_use_devices"))
+        shapes_t = self._check_shapes(shapes)
+        space = self.iter_space(*shapes_t)
+        sizes: dict[str, int] = {}
+        for dims, shape in zip(space.inputs, shapes_t):
+            for it, n in zip(dims, shape):
+                if it is not None:
+                    sizes[it] = n
+        names = list(space.order)
+        options = [[c for c in divisors(device_num) if sizes[it] % c == 0 and
+                    (c == 1 or it not in space.unsplittable)] for it in names]
+        out: list[Strategy] = []
+
+        def walk(k: int, chosen: dict[str, int], used: int) -> None:
+            if k == len(names):
+                if fully_use_devices and used != device_num:
+                    return
+                strat = tuple(tuple(chosen[it] if it is not None else 1 for it in dims)
+                              for dims in space.inputs)
+                if self._strategy_allowed(strat, shapes_t):
+                    out.append(strat)
+                return
+            for c in options[k]:
+                if device_num % (used * c) == 0:
+                    chosen[names[k]] = c
+                    walk(k + 1, chosen, used * c)
+
+        walk(0, {}, 1)
+        return out
+
+    def _strategy_allowed(self, strat: Strategy, shapes: tuple[tuple[int, ...], ...]) -> bool:
+        """Extra filters (tensor_slice_align for MatMul); default: everything allowed."""
+        return True
+
+    # -- per-rank kernels (default: the single-device kernel on shards)
+    def local_forward(self, sh: OpSharding, *xs: np.ndarray) -> tuple[np.ndarray, Any]:
+        y = self.kernel(*xs)
+        return y, (xs, y)
+
+    def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray
+                       ) -> tuple[np.ndarray | None, ...]:
+        xs, y = saved
+        return self.vjp(xs, y, dy)
+
+
+def _as_strategy(strategy: object, op: str, what: str) -> Strategy:
+    if not isinstance(strategy, (tuple, list)):
+        raise TypeError(f"{op}: {what} must be a tuple of tuples of ints, got "
+                        f"{type(strategy).__name__} {strategy!r}")
+    out = []
+    for s in strategy:
+        if not isinstance(s, (tuple, list)):
+            raise TypeError(f"{op}: each entry of {what} must be a tuple of ints, got {s!r} in "
+                            f"{strategy!r}")
+        for c in s:
+            if isinstance(c, bool) or not isinstance(c, (int, np.integer)):
+                raise TypeError(f"{op}: {what} entries must be ints, got {c!r} in {strategy!r}")
+        out.append(tuple(int(c) for c in s))
+    return tuple(out)
+
+
+def _check_device_num(device_num: int, op: str) -> None:
+    if isinstance(device_num, bool) or not isinstance(device_num, (int, np.integer)) or \
+            device_num < 1:
+        raise ValueError(f"{op}: device_num must be a positive int, got {device_num!r}")
+
+
+def _iteration_cuts(op: str, space: IterSpace, strat: Strategy,
+                    shapes: tuple[tuple[int, ...], ...]) -> dict[str, int]:
+    """Cut of every iteration dim; inputs sharing a dim must agree (MindSpore's check)."""
+    cuts: dict[str, int] = {}
+    where: dict[str, tuple[int, int]] = {}
+    for i, (dims, s) in enumerate(zip(space.inputs, strat)):
+        for d, (it, c) in enumerate(zip(dims, s)):
+            if it is None:
+                if c != 1:
+                    raise StrategyError(f"{op}: input {i} broadcasts dimension {d} (size 1 in "
+                                        f"shape {shapes[i]}), so its cut must be 1, got {c}")
+                continue
+            if it in space.unsplittable and c != 1:
+                raise StrategyError(f"{op}: dimension {d} of input {i} cannot be split "
+                                    f"(strategy {s}); its cut must be 1")
+            if it in cuts and cuts[it] != c:
+                j, dj = where[it]
+                raise StrategyError(
+                    f"{op}: Strategies of relevant dimensions are not equal: input {j} dim "
+                    f"{dj} is cut {cuts[it]} but input {i} dim {d} is cut {c} (strategy "
+                    f"{strat})")
+            cuts[it] = c
+            where.setdefault(it, (i, d))
+    for it in space.order:
+        cuts.setdefault(it, 1)
+    return cuts
+
+
+def _layout(device_matrix: tuple[int, ...], axis_of: dict[str, int],
+            dims: Sequence[str | None], shape: tuple[int, ...],
+            partial: Sequence[int] = ()) -> TensorLayout:
+    n = len(device_matrix)
+    tmap = [-1 if it is None else n - 1 - axis_of[it] for it in dims]
+    return TensorLayout(device_matrix, tmap, shape, partial)
+
+
+def build_sharding(op: Primitive, shapes: tuple[tuple[int, ...], ...], strat: Strategy,
+                   out_strategy: Strategy | None, device_num: int, space: IterSpace,
+                   cuts: dict[str, int], out_shape: tuple[int, ...] | None = None,
+                   **extra: Any) -> OpSharding:
+    """The generic rule: device matrix [repeat?] + cuts in canonical order; layouts by map."""
+    used = math.prod(cuts[it] for it in space.order)
+    if device_num % used:
+        raise StrategyError(f"{op.name}: strategy {strat} uses {used} devices, which does not "
+                            f"divide device_num {device_num}")
+    repeat = device_num // used
+    dm = ((repeat,) if repeat > 1 else ()) + tuple(cuts[it] for it in space.order)
+    offset = 1 if repeat > 1 else 0
+    axis_of = {it: offset + k for k, it in enumerate(space.order)}
+    in_layouts = tuple(_layout(dm, axis_of, dims, shape)
+                       for dims, shape in zip(space.inputs, shapes))
+    oshape = out_shape if out_shape is not None else op.infer_shape(*shapes)
+    reduced = [axis_of[it] for it in space.order if it not in space.output and cuts[it] > 1]
+    raw_partial = reduced if space.reduce == "sum" else []
+    raw_out = _layout(dm, axis_of, space.output, oshape, raw_partial)
+    out = raw_out.with_partial(())
+    if out_strategy is not None:
+        out = _out_layout(op, raw_out, out_strategy, oshape)
+    # Only partial axes are resolved here (AllReduce or ReduceScatter): no AllToAll involved.
+    out_plan = plan(raw_out, out)
+    return OpSharding(op, shapes, strat, dm, in_layouts, raw_out, out, out_plan, extra=dict(
+        extra, cuts=cuts, axis_of=axis_of))
+
+
+def _out_layout(op: Primitive, raw_out: TensorLayout, out_strategy: Strategy,
+                shape: tuple[int, ...]) -> TensorLayout:
+    """The output layout that out_strategy asks for: partial axes scattered onto the dims
+    whose cut grows (MindSpore: ReduceScatter instead of AllReduce)."""
+    if len(out_strategy) != 1 or len(out_strategy[0]) != len(shape):
+        raise StrategyError(f"{op.name}: out_strategy {out_strategy} must hold one tuple of "
+                            f"{len(shape)} cuts for the output of shape {shape}")
+    want = out_strategy[0]
+    dim_axes = [list(a) for a in raw_out.dim_axes]
+    spare = list(raw_out.partial)
+    dm = raw_out.device_matrix
+    for d, (c, axes) in enumerate(zip(want, raw_out.dim_axes)):
+        have = math.prod(dm[a] for a in axes)
+        if c == have:
+            continue
+        if c % have:
+            raise StrategyError(f"{op.name}: out_strategy {out_strategy} cuts output dim {d} "
+                                f"into {c}, which is not a multiple of its input cut {have}")
+        need = c // have
+        while need > 1 and spare:
+            a = spare.pop(0)
+            if need % dm[a]:
+                raise StrategyError(f"{op.name}: out_strategy {out_strategy} cannot be made "
+                                    f"from the partial axes of strategy (dim {d} needs {need})")
+            dim_axes[d].append(a)
+            need //= dm[a]
+        if need != 1:
+            raise StrategyError(f"{op.name}: out_strategy {out_strategy} asks output dim {d} "
+                                f"for a cut of {c}, but only the reduced (partial) axes of the "
+                                "input strategy can be scattered onto it")
+    if spare:
+        raise StrategyError(f"{op.name}: out_strategy {out_strategy} leaves partial axes "
+                            f"{spare} unresolved; every reduced axis must scatter onto a dim")
+    n = len(dm)
+    tmap = [-1 if not ax else (n - 1 - ax[0]) if len(ax) == 1 else tuple(n - 1 - a for a in ax)
+            for ax in dim_axes]
+    return TensorLayout(dm, tmap, shape)
+
+
+Kernel = Callable[..., np.ndarray]

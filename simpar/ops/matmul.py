@@ -1,0 +1,158 @@
+"""MatMul and BatchMatMul: A(i, k) @ B(k, j), with MindSpore's strategy conventions.
+
+``MatMul().shard(((2, 1), (1, 4)))`` on 8 devices: device matrix [2, 1, 4] (i, k, j), A's map
+[2, 1], B's [1, 0], output [2, 0]. ``((2, 4), (4, 1))`` cuts k: each rank's product is a
+partial sum, completed by an AllReduce over ranks {0,1,2,3} (and {4,5,6,7}); with
+``out_strategy=((8, 1),)`` a ReduceScatter onto the rows replaces it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from simpar.ops._base import IterSpace, Primitive, Strategy, StrategyError, register
+
+__all__ = ["BatchMatMul", "MatMul"]
+
+
+def _t(x: np.ndarray, flag: bool) -> np.ndarray:
+    return np.swapaxes(x, -1, -2) if flag else x
+
+
+class _MatMulBase(Primitive):
+    n_inputs = 2
+    supports_out_strategy = True
+
+    def __init__(self, transpose_a: bool = False, transpose_b: bool = False) -> None:
+        super().__init__()
+        for name, v in (("transpose_a", transpose_a), ("transpose_b", transpose_b)):
+            if not isinstance(v, bool):
+                raise TypeError(f"{self.name}: {name} must be a bool, got {v!r}")
+        self.transpose_a = transpose_a
+        self.transpose_b = transpose_b
+
+    def attrs(self) -> dict[str, Any]:
+        return {"transpose_a": self.transpose_a, "transpose_b": self.transpose_b}
+
+    def _ikj(self, a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, int, int]:
+        if len(a) < 2 or len(b) < 2:
+            raise ValueError(f"{self.name}: inputs must have rank >= 2, got shapes {a} and {b}")
+        i, k = (a[-1], a[-2]) if self.transpose_a else (a[-2], a[-1])
+        kb, j = (b[-1], b[-2]) if self.transpose_b else (b[-2], b[-1])
+        if k != kb:
+            raise ValueError(f"{self.name}: contraction sizes differ: A {a} gives k={k}, B {b} "
+                             f"gives k={kb} (transpose_a={self.transpose_a}, "
+                             f"transpose_b={self.transpose_b})")
+        return i, k, j
+
+    def _mat_dims(self) -> tuple[tuple[str, str], tuple[str, str]]:
+        a = ("k", "i") if self.transpose_a else ("i", "k")
+        b = ("j", "k") if self.transpose_b else ("k", "j")
+        return a, b
+
+    def kernel(self, *xs: np.ndarray) -> np.ndarray:
+        a, b = xs
+        self._ikj(a.shape, b.shape)
+        return np.matmul(_t(a, self.transpose_a), _t(b, self.transpose_b))
+
+    def vjp(self, xs: Sequence[np.ndarray], y: np.ndarray, dy: np.ndarray
+            ) -> tuple[np.ndarray | None, ...]:
+        a, b = xs
+        at, bt = _t(a, self.transpose_a), _t(b, self.transpose_b)
+        da = np.matmul(dy, np.swapaxes(bt, -1, -2))
+        db = np.matmul(np.swapaxes(at, -1, -2), dy)
+        da = _unbroadcast(_t(da, self.transpose_a), a.shape)
+        db = _unbroadcast(_t(db, self.transpose_b), b.shape)
+        return da, db
+
+    def flops(self, local_in: tuple[tuple[int, ...], ...], local_out: tuple[int, ...]) -> int:
+        a = local_in[0]
+        k = a[-2] if self.transpose_a else a[-1]
+        return 2 * math.prod(local_out) * k
+
+    def _strategy_allowed(self, strat: Strategy, shapes: tuple[tuple[int, ...], ...]) -> bool:
+        return _slice_aligned(strat, shapes) is None
+
+    def _sharding(self, shapes: tuple[tuple[int, ...], ...], strat: Strategy,
+                  out_strategy: Strategy | None, device_num: int) -> Any:
+        bad = _slice_aligned(strat, shapes)
+        if bad is not None:
+            raise StrategyError(f"{self.name}: strategy {strat} gives slice shape {bad}, but "
+                                "tensor_slice_align_enable is set and every slice dimension "
+                                "must be a multiple of tensor_slice_align_size")
+        return super()._sharding(shapes, strat, out_strategy, device_num)
+
+
+def _slice_aligned(strat: Strategy, shapes: tuple[tuple[int, ...], ...]
+                   ) -> tuple[int, ...] | None:
+    """None when tensor_slice_align is off or satisfied, else the offending slice shape."""
+    from simpar import context
+
+    if not context.get_algo_parameters("tensor_slice_align_enable"):
+        return None
+    size = int(context.get_algo_parameters("tensor_slice_align_size"))
+    for s, shape in zip(strat, shapes):
+        local = tuple(n // c for n, c in zip(shape, s))
+        if any(d % size for d in local[-2:]):
+            return local
+    return None
+
+
+def _unbroadcast(g: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Sum ``g`` down to ``shape`` (the adjoint of numpy broadcasting)."""
+    while g.ndim > len(shape):
+        g = g.sum(axis=0)
+    axes = tuple(d for d, (n, m) in enumerate(zip(shape, g.shape)) if n == 1 and m != 1)
+    return g.sum(axis=axes, keepdims=True) if axes else g
+
+
+@register
+class MatMul(_MatMulBase):
+    """``C = A @ B`` on 2-D inputs (``transpose_a``/``transpose_b`` as in MindSpore)."""
+
+    def infer_shape(self, *shapes: tuple[int, ...]) -> tuple[int, ...]:
+        a, b = shapes
+        if len(a) != 2 or len(b) != 2:
+            raise ValueError(f"MatMul: inputs must be 2-D, got shapes {a} and {b}; use "
+                             "BatchMatMul for batched inputs")
+        i, _, j = self._ikj(a, b)
+        return (i, j)
+
+    def iter_space(self, *shapes: tuple[int, ...]) -> IterSpace:
+        self.infer_shape(*shapes)
+        a, b = self._mat_dims()
+        return IterSpace((a, b), ("i", "j"), ("i", "k", "j"))
+
+
+@register
+class BatchMatMul(_MatMulBase):
+    """``C[..., i, j] = A[..., i, k] @ B[..., k, j]`` with numpy broadcasting of batch dims."""
+
+    def infer_shape(self, *shapes: tuple[int, ...]) -> tuple[int, ...]:
+        a, b = shapes
+        i, _, j = self._ikj(a, b)
+        try:
+            batch = np.broadcast_shapes(a[:-2], b[:-2])
+        except ValueError:
+            raise ValueError(f"BatchMatMul: batch dimensions of {a} and {b} do not broadcast") \
+                from None
+        return tuple(batch) + (i, j)
+
+    def iter_space(self, *shapes: tuple[int, ...]) -> IterSpace:
+        out = self.infer_shape(*shapes)
+        nb = len(out) - 2
+        batch = tuple(f"b{d}" for d in range(nb))
+        a_m, b_m = self._mat_dims()
+        dims = []
+        for shape, mat in zip(shapes, (a_m, b_m)):
+            lead = len(shape) - 2
+            bd: list[str | None] = []
+            for d in range(lead):
+                od = nb - lead + d
+                bd.append(None if shape[d] == 1 and out[od] != 1 else batch[od])
+            dims.append(tuple(bd) + mat)
+        return IterSpace(tuple(dims), batch + ("i", "j"), batch + ("i", "k", "j"))

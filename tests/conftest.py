@@ -1,0 +1,45 @@
+"""Shared test setup.
+
+Under ``mpirun -n N`` every rank runs pytest. Rank 0 reports to the console; the other ranks
+write their report to ``$SIMPAR_TEST_LOGDIR/rank{r}.log`` (dev.py prints it when a run fails),
+so a failure on any rank is still seen and still fails the run (mpirun exits non-zero).
+Hypothesis draws the same examples on every rank (derandomize), or the ranks would deadlock.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "simpar", derandomize=True, deadline=None, print_blob=False,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    max_examples=int(os.environ.get("SIMPAR_HYPOTHESIS_EXAMPLES", "40")))
+settings.load_profile("simpar")
+
+
+def _launcher_rank() -> int:
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    rank = _launcher_rank()
+    logdir = os.environ.get("SIMPAR_TEST_LOGDIR")
+    if rank > 0 and logdir:
+        log = open(os.path.join(logdir, f"rank{rank}.log"), "w", buffering=1)  # noqa: SIM115
+        os.dup2(log.fileno(), sys.stdout.fileno())
+        os.dup2(log.fileno(), sys.stderr.fileno())
+
+
+@pytest.fixture
+def world() -> tuple[int, int]:
+    """(rank, size) of the MPI world."""
+    import simpar.comm as comm
+
+    return comm.get_rank(), comm.get_group_size()
