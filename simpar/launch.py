@@ -30,9 +30,9 @@ simrun is a thin layer over ``mpirun``; it is not an MPI rank and never loads MP
   documented cure for the deadlock where one rank raises and then waits in ``MPI_Finalize`` for
   ranks blocked in a collective: an uncaught exception calls ``MPI_Abort`` and MPICH kills the
   job at once (``--no-abort-on-exception`` turns this off). When a rank exits non-zero and the
-  MPI does not end the job, simrun waits :data:`FAILURE_GRACE_S` seconds, then stops mpirun and
-  kills whatever is left of the job. It then names the failing rank and prints the last
-  :data:`TAIL_LINES` lines of its log, and exits with that rank's exit code.
+  MPI does not end the job, simrun waits ``--grace`` seconds (:data:`FAILURE_GRACE_S`, 5), then
+  stops mpirun and kills whatever is left of the job. It then names the failing rank, prints
+  the last :data:`TAIL_LINES` lines of its log, and exits with that rank's exit code.
 * **bad arguments** (``-n 0``, no command, a missing hostfile, fewer hostfile slots than ``-n``, a
   rank table for another device count) print one line naming the flag and the value, exit 2.
 
@@ -703,6 +703,7 @@ class _Job:
     hostfile: Path | None
     join: bool
     mpirun_args: tuple[str, ...]
+    grace_s: float = FAILURE_GRACE_S
 
     def mpirun_argv(self, env: Mapping[str, str]) -> list[str]:
         argv = [self.mpirun, "-n", str(self.nproc)]
@@ -745,6 +746,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="extra argument for mpirun, repeatable (write --mpirun-arg=-v)")
     p.add_argument("--join", action="store_true",
                    help="show every rank's output on the console, prefixed by [rank i]")
+    p.add_argument("--grace", type=float, default=FAILURE_GRACE_S, metavar="S",
+                   help="seconds the other ranks get to end once one has failed, before "
+                   f"simrun kills them (default {FAILURE_GRACE_S:g})")
     p.add_argument("--no-abort-on-exception", action="store_true",
                    help="run a Python command as given, not under 'python -m mpi4py'")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
@@ -770,6 +774,8 @@ def _job_from_args(argv: list[str]) -> _Job:
     if not command:
         raise LaunchError("no command given; put it after '--', e.g. "
                           "simrun -n 8 -- python -m simpar.train")
+    if not 0 <= args.grace <= 3600:
+        raise LaunchError(f"--grace must be between 0 and 3600 seconds, got {args.grace:g}")
     log_dir = Path(args.log_dir).resolve()
     if log_dir.exists() and not log_dir.is_dir():
         raise LaunchError(f"--log-dir {args.log_dir!r} exists and is not a directory")
@@ -810,7 +816,8 @@ def _job_from_args(argv: list[str]) -> _Job:
         command = _with_abort_on_exception(command)
     job = _Job(nproc=args.nproc, command=tuple(command), log_dir=log_dir,
                rank_table_file=rank_table_file, mpirun=mpirun, flavor=flavor,
-               hostfile=hostfile, join=args.join, mpirun_args=tuple(args.mpirun_arg))
+               hostfile=hostfile, join=args.join, mpirun_args=tuple(args.mpirun_arg),
+               grace_s=args.grace)
     _prepare_log_dir(job, table)
     return job
 
@@ -956,12 +963,12 @@ def _run(job: _Job) -> int:
         while mpirun.poll() is None:
             now = time.monotonic()
             if outcome.take(records):
-                deadline = min(deadline, now + FAILURE_GRACE_S)
+                deadline = min(deadline, now + job.grace_s)
             if len(outcome.signals) > handled:
                 if handled == 0:  # first Ctrl-C: ask the job to stop; mpirun passes it on
                     with contextlib.suppress(OSError):
                         mpirun.send_signal(outcome.signals[0])
-                    deadline = min(deadline, now + FAILURE_GRACE_S)
+                    deadline = min(deadline, now + job.grace_s)
                 else:  # a second one: stop now
                     deadline = now
                 handled = len(outcome.signals)

@@ -154,7 +154,8 @@ time.sleep(HANG_GUARD_S)
 @needs_mpirun
 def test_the_launcher_stops_ranks_that_mpirun_leaves_running(tmp_path: Path) -> None:
     # No MPI in these ranks, so mpirun does not end rank 0 when rank 1 exits: simrun must.
-    result = _simrun("-n", "2", "--", "python", "-c", EXIT_WITHOUT_MPI, cwd=tmp_path)
+    result = _simrun("-n", "2", "--grace", "1", "--", "python", "-c", EXIT_WITHOUT_MPI,
+                     cwd=tmp_path)
     assert result.returncode == 3, result.stderr
     assert "rank 1 failed (exit code 3)" in result.stderr
     assert "simrun stopped the remaining ranks" in result.stderr
@@ -361,6 +362,8 @@ def hydra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     (["-n", "2", "--"], "no command given"),
     (["-n", "2", "--hostfile", "nowhere", "--", "true"], "--hostfile 'nowhere' does not exist"),
     (["-n", "2", "--bogus", "--", "true"], "unrecognized arguments: --bogus"),
+    (["-n", "2", "--grace", "-1", "--", "true"], "--grace must be between 0 and 3600 seconds, "
+                                                 "got -1"),
     (["-n", "2", "--mpirun", "/no/such/mpirun", "--", "true"],
      "--mpirun '/no/such/mpirun' is not an executable file"),
 ])
