@@ -22,7 +22,10 @@ simrun is a thin layer over ``mpirun``; it is not an MPI rank and never loads MP
   command's stdout and stderr straight at ``D/rank_{i}.log`` (default ``D = ./logs``). The
   command writes its log itself, so a rank killed mid-line still leaves every byte it wrote.
   The wrapper follows the file to the console for rank 0, or for every rank with ``--join``.
-  ``PYTHONUNBUFFERED=1`` is set (unless you set it) so Python ranks' logs are live.
+  ``PYTHONUNBUFFERED=1`` is set (unless you set it) so Python ranks' logs are live. The wrapper
+  passes SIGINT/SIGTERM/SIGHUP/SIGQUIT/SIGUSR1/SIGUSR2 on to the command, reports its exit to
+  simrun (a record on mpirun's stdout), and exits with its exit code, or dies by the same
+  signal; on Linux the command also dies if the wrapper is killed (``PR_SET_PDEATHSIG``).
 * **rank table**: ``D/rank_table.json`` in MindSpore's rank-table format (below), or
   ``--rank-table-file F`` to use an existing one. Every rank gets ``SIMPAR_RANK_TABLE_FILE``
   and ``SIMPAR_LOG_DIR``; :func:`read_rank_table` reads the table back for the cost model.
@@ -32,7 +35,9 @@ simrun is a thin layer over ``mpirun``; it is not an MPI rank and never loads MP
   job at once (``--no-abort-on-exception`` turns this off). When a rank exits non-zero and the
   MPI does not end the job, simrun waits ``--grace`` seconds (:data:`FAILURE_GRACE_S`, 5), then
   stops mpirun and kills whatever is left of the job. It then names the failing rank, prints
-  the last :data:`TAIL_LINES` lines of its log, and exits with that rank's exit code.
+  the last :data:`TAIL_LINES` lines of its log, and exits with that rank's exit code. (After an
+  ``MPI_Abort`` MPICH kills every wrapper at once, so no rank reports; simrun then names the
+  rank whose log holds the MPI's abort message, or else a Python traceback.)
 * **bad arguments** (``-n 0``, no command, a missing hostfile, fewer hostfile slots than ``-n``, a
   rank table for another device count) print one line naming the flag and the value, exit 2.
 
@@ -674,7 +679,8 @@ def _rank_wrapper(log_dir: Path, rank_table: str, join: bool, command: list[str]
         follower.pump(final=True)
     _report_exit(rank, returncode, forwarded, log_path)
     if returncode < 0:  # died by a signal: die by the same one, so mpirun reports it
-        signal.signal(-returncode, signal.SIG_DFL)
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL's cannot be changed
+            signal.signal(-returncode, signal.SIG_DFL)
         os.kill(os.getpid(), -returncode)
         return 128 - returncode
     return returncode
@@ -890,32 +896,47 @@ def _kill_job(mpirun: subprocess.Popen[bytes], own_children: set[int]) -> None:
     """
     tree = _children()
     orphans = [p for p in tree.get(os.getpid(), []) if p != mpirun.pid and p not in own_children]
-    for pid in [mpirun.pid, *orphans, *_descendants([mpirun.pid, *orphans], tree)]:
+    # Once reaped, mpirun's pid may belong to someone else; its process group id cannot (Linux
+    # reuses no pid while a group of that id has members), so killpg is safe either way.
+    alive = [mpirun.pid] if mpirun.poll() is None else []
+    for pid in [*alive, *orphans, *_descendants([*alive, *orphans], tree)]:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
     with contextlib.suppress(OSError):
         os.killpg(mpirun.pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         mpirun.wait(timeout=_STOP_WAIT_S)
-    for pid in orphans:
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, 0)
+    give_up = time.monotonic() + _STOP_WAIT_S
+    left = set(orphans)
+    while left and time.monotonic() < give_up:
+        for pid in list(left):
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    left.discard(pid)
+            except ChildProcessError:
+                left.discard(pid)
+        time.sleep(_POLL_S)
 
 
 def _pump_output(stream: IO[bytes], records: queue.Queue[dict[str, Any]]) -> None:
     """Copy mpirun's stdout to ours, taking out the wrappers' exit records."""
-    out = getattr(sys.stdout, "buffer", None)
+    console = True  # until writing to it fails (e.g. "simrun ... | head"); keep draining then
     for line in iter(stream.readline, b""):
         if line.startswith(_EXIT_MARK):
             with contextlib.suppress(ValueError):
                 records.put(json.loads(line[len(_EXIT_MARK):]))
             continue
-        if out is not None:
-            out.write(line)
-            out.flush()
-        else:
-            sys.stdout.write(line.decode("utf-8", "replace"))
-            sys.stdout.flush()
+        if console:
+            try:
+                out = getattr(sys.stdout, "buffer", None)
+                if out is not None:
+                    out.write(line)
+                    out.flush()
+                else:
+                    sys.stdout.write(line.decode("utf-8", "replace"))
+                    sys.stdout.flush()
+            except (OSError, ValueError):
+                console = False
 
 
 @dataclass(slots=True)
@@ -947,8 +968,12 @@ def _run(job: _Job) -> int:
     sys.stderr.flush()
     _become_subreaper()
     own_children = set(_children().get(os.getpid(), []))
-    mpirun = subprocess.Popen(job.mpirun_argv(env), stdin=subprocess.DEVNULL,
-                              stdout=subprocess.PIPE, env=env, start_new_session=True)
+    try:
+        mpirun = subprocess.Popen(job.mpirun_argv(env), stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.PIPE, env=env, start_new_session=True)
+    except OSError as exc:
+        print(f"simrun: error: cannot run {job.mpirun}: {exc}", file=sys.stderr)
+        return 2
     assert mpirun.stdout is not None
     records: queue.Queue[dict[str, Any]] = queue.Queue()
     reader = threading.Thread(target=_pump_output, args=(mpirun.stdout, records), daemon=True)
@@ -1002,6 +1027,9 @@ def _print_tail(log: Path, fallback: Sequence[str]) -> None:
     """The last lines of a rank's log: from the file, or as its wrapper sent them (other host)."""
     local = log.is_file()
     lines = _tail(log) if local else list(fallback)
+    if not lines:
+        print(f"simrun: {log} is {'empty' if local else 'not on this host'}", file=sys.stderr)
+        return
     where = str(log) if local else f"{log} (on its host)"
     print(f"simrun: last {len(lines)} lines of {where}:", file=sys.stderr)
     for line in lines:

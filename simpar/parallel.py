@@ -29,11 +29,11 @@ class OpCheckError(AssertionError):
 class OpRun:
     """What ``run_op(..., full=True)`` returns: global results and this rank's shards."""
 
-    output: np.ndarray
+    output: Any
     grads: tuple[np.ndarray | None, ...] | None
     sharding: OpSharding
     local_inputs: tuple[np.ndarray, ...]
-    local_output: np.ndarray
+    local_output: Any
     local_grads: tuple[np.ndarray | None, ...] | None
 
 
@@ -89,33 +89,44 @@ def run_op(op: Primitive, *global_inputs: np.ndarray, grad_output: np.ndarray | 
                          f"{len(global_inputs)}")
     xs = [np.asarray(x) for x in global_inputs]
     rank, size = comm.get_rank(), comm.get_group_size()
-    comm.check_context() if hasattr(comm, "check_context") else None
     sh = op.sharding([x.shape for x in xs], size)
     local_in = tuple(distribute(x, lay, rank) for x, lay in zip(xs, sh.in_layouts))
     with comm.label("run_op:forward"):
         local_out, saved = sh.forward(*local_in)
-    out = _gather_global(local_out, sh.out)
+    multi = bool(sh.more_outs)
+    local_outs = local_out if multi else (local_out,)
+    outs = tuple(_gather_global(o, lay) for o, (_, lay, _) in zip(local_outs, sh.outputs))
+    out: Any = outs if multi else outs[0]
     if check:
-        _check("output", out, op.kernel(*xs), op)
+        want = op.kernel(*xs)
+        for k, (o, w) in enumerate(zip(outs, want if multi else (want,))):
+            _check(f"output {k}" if multi else "output", o, np.asarray(w), op)
     grads: tuple[np.ndarray | None, ...] | None = None
     local_grads: tuple[np.ndarray | None, ...] | None = None
     if grad_output is not None:
-        dy = np.asarray(grad_output, dtype=out.dtype)
-        if dy.shape != out.shape:
-            raise ValueError(f"run_op: grad_output has shape {dy.shape}, the output of "
-                             f"{op.name} has shape {out.shape}")
-        # Σ-semantics: replicas of the output share its cotangent.
-        reps = math.prod(sh.out.device_matrix[a] for a in sh.out.replica_axes)
-        local_dy = distribute(dy, sh.out, rank) / reps
+        dys = tuple(grad_output) if multi else (grad_output,)
+        if len(dys) != len(outs):
+            raise ValueError(f"run_op: {op.name} has {len(outs)} outputs; give one "
+                             f"grad_output per output, got {len(dys)}")
+        local_dys = []
+        dys = tuple(np.asarray(d, dtype=o.dtype) for d, o in zip(dys, outs))
+        for k, (dy, o, (_, lay, _)) in enumerate(zip(dys, outs, sh.outputs)):
+            if dy.shape != o.shape:
+                raise ValueError(f"run_op: grad_output {k} has shape {dy.shape}, output {k} of "
+                                 f"{op.name} has shape {o.shape}")
+            # Σ-semantics: the replicas of an output share its cotangent.
+            reps = math.prod(lay.device_matrix[a] for a in lay.replica_axes)
+            local_dys.append(distribute(dy, lay, rank) / reps)
         with comm.label("run_op:backward"):
-            contribs = sh.backward(saved, local_dy)
+            contribs = sh.backward(saved, tuple(local_dys) if multi else local_dys[0])
             local_grads = tuple(None if c is None else sh.complete_grad(i, c)
                                 for i, c in enumerate(contribs))
         grads = tuple(None if g is None else _gather_global(g, lay)
                       for g, lay in zip(local_grads, sh.in_layouts))
         if check:
-            want = op.vjp(xs, op.kernel(*xs), dy)
-            for i, (g, w) in enumerate(zip(grads, want)):
+            ys = op.kernel(*xs)
+            want_g = op.vjp(xs, ys, dys if multi else dys[0])
+            for i, (g, w) in enumerate(zip(grads, want_g)):
                 if (g is None) != (w is None):
                     raise OpCheckError(f"{op.name}: gradient {i} presence differs")
                 if g is not None and w is not None:
@@ -154,9 +165,9 @@ def get_parallel_info(op: Primitive, input_shapes: Sequence[Sequence[int]],
         "strategy": [list(s) for s in sh.strategy],
         "device_matrix": list(sh.device_matrix),
         "inputs_tensor_map": [tmap(lay) for lay in sh.in_layouts],
-        "outputs_tensor_map": [tmap(sh.out)],
+        "outputs_tensor_map": [tmap(o) for _, o, _ in sh.outputs],
         "inputs_slice_shape": [list(lay.local_shape()) for lay in sh.in_layouts],
-        "outputs_slice_shape": [list(sh.out.local_shape())],
+        "outputs_slice_shape": [list(o.local_shape()) for _, o, _ in sh.outputs],
         "forward_comm": [c.describe(rank, in_size, out_size) for c in sh.forward_comm],
         "backward_comm": [c.describe(rank, in_size, out_size) for c in sh.backward_comm],
         "flops": int(sh.local_flops()),

@@ -575,6 +575,18 @@ def execute(plan: RedistributionPlan, local_array: np.ndarray, comm: object = No
     return x
 
 
+# execute runs the same plans over and over: everything a step derives from (layouts, rank)
+# alone is computed once per rank and cached (groups, slice offsets, AllToAllV routes).
+@lru_cache(maxsize=65536)
+def _group(device_matrix: tuple[int, ...], rank: int, device_axes: tuple[int, ...]
+           ) -> tuple[int, ...]:
+    """World ranks of ``rank``'s group along ``device_axes``, in group order."""
+    if not device_axes:
+        return (rank,)
+    return DeviceMesh(device_matrix).group_of(rank, device_axes)
+
+
+@lru_cache(maxsize=65536)
 def _offsets(outer: TensorLayout, inner: TensorLayout, rank: int) -> tuple[slice, ...]:
     """Where ``inner``'s shard of ``rank`` sits inside ``outer``'s shard of ``rank``."""
     return tuple(slice(i0 - o0, i1 - o0) for (o0, _), (i0, i1) in
@@ -583,12 +595,11 @@ def _offsets(outer: TensorLayout, inner: TensorLayout, rank: int) -> tuple[slice
 
 def _run_step(step: Step, x: np.ndarray, rank: int, comm: object) -> np.ndarray:
     c = comm
-    mesh = DeviceMesh(step.src.device_matrix)
-    group = mesh.group_of(rank, step.device_axes) if step.device_axes else (rank,)
+    group = _group(step.src.device_matrix, rank, step.device_axes)
     if step.kind == SLICE:
         return np.ascontiguousarray(x[_offsets(step.src, step.dst, rank)])
     if step.kind == ZERO:
-        coord = mesh.coordinate(rank)
+        coord = DeviceMesh(step.src.device_matrix).coordinate(rank)
         return np.zeros_like(x) if any(coord[a] for a in step.device_axes) else x
     if step.kind == ALL_REDUCE:
         # reshape: comm.all_reduce returns a 0-d input as shape (1,) (np.ascontiguousarray).
@@ -629,25 +640,49 @@ def _all_gather(step: Step, x: np.ndarray, group: tuple[int, ...], c: object) ->
     return np.ascontiguousarray(blocks.transpose(order)).reshape(out_shape)
 
 
-def _all_to_all_v(step: Step, x: np.ndarray, rank: int, c: object) -> np.ndarray:
-    ex = _exchange(step.src, step.dst)
-    p = step.src.device_num
+Slices = tuple[slice, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _Route:
+    """One rank's part of an AllToAllV step, in local coordinates of its own shards."""
+
+    keep: tuple[Slices, Slices] | None                     # (into dst shard, from src shard)
+    sends: tuple[tuple[int, Slices], ...]                  # (receiver, from src shard)
+    recvs: tuple[tuple[int, Slices, tuple[int, ...]], ...]  # (sender, into dst shard, shape)
+
+
+@lru_cache(maxsize=4096)
+def _route(src: TensorLayout, dst: TensorLayout, rank: int) -> _Route:
+    ex = _exchange(src, dst)
     s_lo, d_lo = ex.s_lo[rank], ex.d_lo[rank]
-    out = np.empty(step.dst.local_shape(), dtype=x.dtype)
+
+    def local(box: np.ndarray, lo: np.ndarray) -> Slices:
+        return tuple(slice(int(a - o), int(b - o)) for (a, b), o in zip(box, lo, strict=True))
+
     mine = ex.overlap(rank, rank)
-    if np.all(mine[:, 1] > mine[:, 0]):
-        out[tuple(slice(a - o, b - o) for (a, b), o in zip(mine, d_lo))] = \
-            x[tuple(slice(a - o, b - o) for (a, b), o in zip(mine, s_lo))]
+    keep = (local(mine, d_lo), local(mine, s_lo)) if np.all(mine[:, 1] > mine[:, 0]) else None
+    sends = tuple((int(s), local(box, s_lo)) for s, box in ex.sends(rank))
+    recvs = tuple((int(r), local(box, d_lo), tuple(int(b - a) for a, b in box))
+                  for r, box in ex.recvs(rank))
+    return _Route(keep, sends, recvs)
+
+
+def _all_to_all_v(step: Step, x: np.ndarray, rank: int, c: object) -> np.ndarray:
+    route = _route(step.src, step.dst, rank)
+    p = step.src.device_num
+    out = np.empty(step.dst.local_shape(), dtype=x.dtype)
+    if route.keep is not None:
+        out[route.keep[0]] = x[route.keep[1]]
     pieces: list[np.ndarray | None] = [None] * p
-    for s, box in ex.sends(rank):
-        pieces[s] = x[tuple(slice(a - o, b - o) for (a, b), o in zip(box, s_lo))]
+    for s, sl in route.sends:
+        pieces[s] = x[sl]
     shapes: list[tuple[int, ...] | None] = [None] * p
-    boxes = ex.recvs(rank)
-    for r, box in boxes:
-        shapes[r] = tuple(int(b - a) for a, b in box)
+    for r, _, shape in route.recvs:
+        shapes[r] = shape
     got = c.all_to_all_v(pieces, shapes, dtype=x.dtype)  # type: ignore[attr-defined]
-    for r, box in boxes:
-        out[tuple(slice(a - o, b - o) for (a, b), o in zip(box, d_lo))] = got[r]
+    for r, sl, _ in route.recvs:
+        out[sl] = got[r]
     return out
 
 

@@ -28,6 +28,7 @@ def _launcher_rank() -> int:
     return 0
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_configure(config: pytest.Config) -> None:
     rank = _launcher_rank()
     logdir = os.environ.get("SIMPAR_TEST_LOGDIR")
@@ -35,6 +36,10 @@ def pytest_configure(config: pytest.Config) -> None:
         log = open(os.path.join(logdir, f"rank{rank}.log"), "w", buffering=1)  # noqa: SIM115
         os.dup2(log.fileno(), sys.stdout.fileno())
         os.dup2(log.fileno(), sys.stderr.fileno())
+        # pytest writes its report to a copy of the original stdout it made at start-up.
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter._tw._file = log  # type: ignore[attr-defined]
 
 
 @pytest.fixture

@@ -32,15 +32,21 @@ def check_one(op: Primitive, inputs: Sequence[np.ndarray], grad: bool = True,
     """One strategy (the op's own) on the current world: values, shards and comm."""
     rank, size = comm.get_rank(), comm.get_group_size()
     rng = np.random.default_rng(seed)
-    out_shape = op.kernel(*inputs).shape
-    dy = rng.standard_normal(out_shape).astype(inputs[0].dtype if inputs[0].dtype.kind == "f"
-                                               else np.float64) if grad else None
+    out = op.kernel(*inputs)
+    dtype = inputs[0].dtype if inputs[0].dtype.kind == "f" else np.dtype(np.float64)
+    dy: Any = None
+    if grad:
+        dys = tuple(rng.standard_normal(o.shape).astype(dtype)
+                    for o in (out if isinstance(out, tuple) else (out,)))
+        dy = dys if isinstance(out, tuple) else dys[0]
     with comm.CommTrace() as trace:
         run = run_op(op, *inputs, grad_output=dy, check=True, full=True)
     sh = run.sharding
     for x, lay in zip(run.local_inputs, sh.in_layouts):
         assert x.shape == lay.local_shape(), (op, x.shape, lay)
-    assert run.local_output.shape == sh.out.local_shape()
+    local_outs = run.local_output if isinstance(run.local_output, tuple) else (run.local_output,)
+    for o, (_, lay, _) in zip(local_outs, sh.outputs):
+        assert o.shape == lay.local_shape()
     dtype = inputs[0].dtype.name
     info = get_parallel_info(op, [x.shape for x in inputs], size, rank, dtype=dtype)
     assert _signature(trace.events, "forward") == _expected(info, "forward_comm"), (

@@ -28,8 +28,9 @@ from simpar.redistribution import RedistributionPlan, execute, min_bytes, plan
 
 L = TensorLayout
 COLLECTIVE_KINDS = {"AllGather", "AllToAll", "AllToAllV", "ReduceScatter", "AllReduce"}
-# max_examples comes from the conftest profile (40; SIMPAR_HYPOTHESIS_EXAMPLES overrides).
-MPI_SETTINGS = settings(database=None, phases=[Phase.explicit, Phase.generate])
+# derandomize is also in the conftest profile; repeated here because the ranks must agree.
+# max_examples comes from that profile (40; SIMPAR_HYPOTHESIS_EXAMPLES overrides).
+MPI_SETTINGS = settings(derandomize=True, database=None, phases=[Phase.explicit, Phase.generate])
 
 
 # ------------------------------------------------------------------ random layouts

@@ -14,6 +14,7 @@ from simpar.ops._base import (
     register,
     registry,
 )
+from simpar.ops.array_ops import Concat, Reshape, Split, Transpose
 from simpar.ops.elementwise import (
     GELU,
     Add,
@@ -36,6 +37,7 @@ __all__ = [
     "BiasAdd",
     "Cast",
     "CommSpec",
+    "Concat",
     "GeLU",
     "IterSpace",
     "MatMul",
@@ -44,11 +46,14 @@ __all__ = [
     "Primitive",
     "RealDiv",
     "ReLU",
+    "Reshape",
     "Sigmoid",
+    "Split",
     "Strategy",
     "StrategyError",
     "Sub",
     "Tanh",
+    "Transpose",
     "register",
     "registry",
 ]

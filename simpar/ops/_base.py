@@ -171,19 +171,31 @@ class OpSharding:
     internal_forward: tuple[CommSpec, ...] = ()
     internal_backward: tuple[CommSpec, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    #: (raw, out, plan) of outputs after the first, for multi-output ops such as Split.
+    more_outs: tuple[tuple[TensorLayout, TensorLayout, RedistributionPlan], ...] = ()
 
     # -- descriptions
     @property
+    def outputs(self) -> list[tuple[TensorLayout, TensorLayout, RedistributionPlan]]:
+        """(raw layout, final layout, plan) of every output, the first one first."""
+        return [(self.raw_out, self.out, self.out_plan), *self.more_outs]
+
+    @property
     def forward_comm(self) -> list[CommSpec]:
-        return list(self.internal_forward) + _plan_specs(self.out_plan, "output")
+        specs = list(self.internal_forward)
+        for k, (_, _, p) in enumerate(self.outputs):
+            specs += _plan_specs(p, "output" if k == 0 else f"output {k}")
+        return specs
 
     @property
     def backward_comm(self) -> list[CommSpec]:
-        adj = [CommSpec(_ADJOINT[s.kind], s.device_matrix, s.device_axes,
-                        _adjoint_elements(s), "adjoint of output " + s.kind, None, True)
-               for s in reversed(_plan_specs(self.out_plan, "output"))]
+        adj: list[CommSpec] = []
+        for k, (_, _, p) in reversed(list(enumerate(self.outputs))):
+            adj += [CommSpec(_ADJOINT[s.kind], s.device_matrix, s.device_axes,
+                             _adjoint_elements(s), f"adjoint of output {k} {s.kind}", None, True)
+                    for s in reversed(_plan_specs(p, "output"))]
         grads = []
-        for i, lay in enumerate(self.in_layouts):
+        for i in range(len(self.in_layouts)):
             if self.op.differentiable(i):
                 spec = self.input_grad_spec(i)
                 if spec is not None:
@@ -206,28 +218,38 @@ class OpSharding:
         """Bytes of this rank's input and output shards."""
         out_itemsize = in_itemsize if out_itemsize is None else out_itemsize
         return (sum(lay.local_size() for lay in self.in_layouts) * in_itemsize
-                + self.out.local_size() * out_itemsize)
+                + sum(o.local_size() for _, o, _ in self.outputs) * out_itemsize)
 
     # -- execution on this rank
-    def forward(self, *local_inputs: np.ndarray) -> tuple[np.ndarray, Any]:
-        """This rank's output shard and what backward needs."""
+    def forward(self, *local_inputs: np.ndarray) -> tuple[Any, Any]:
+        """This rank's output shard (a tuple for multi-output ops) and what backward needs."""
         from simpar import comm
         from simpar.redistribution import execute
 
         raw, saved = self.op.local_forward(self, *local_inputs)
-        with comm.label(f"{self.op.name}:output"):
-            out = execute(self.out_plan, raw)
-        return out, saved
+        raws = raw if self.more_outs else (raw,)
+        outs = []
+        for k, (r, (_, _, p)) in enumerate(zip(raws, self.outputs)):
+            with comm.label(f"{self.op.name}:output" + (f"{k}" if k else "")):
+                outs.append(execute(p, r))
+        return (tuple(outs) if self.more_outs else outs[0]), saved
 
-    def backward(self, saved: Any, local_dout: np.ndarray) -> tuple[np.ndarray | None, ...]:
+    def backward(self, saved: Any, local_dout: Any) -> tuple[np.ndarray | None, ...]:
         """This rank's gradient *contributions* for every input, in the input layouts
-        (sum over an input's replica axes to complete them, see :meth:`complete_grad`)."""
+        (sum over an input's replica axes to complete them, see :meth:`complete_grad`).
+        For a multi-output op, ``local_dout`` is a tuple (None for an unused output)."""
         from simpar import comm
         from simpar.redistribution import execute_adjoint
 
-        with comm.label(f"{self.op.name}:output-adjoint"):
-            draw = execute_adjoint(self.out_plan, local_dout)
-        return self.op.local_backward(self, saved, draw)
+        douts = local_dout if self.more_outs else (local_dout,)
+        draws: list[np.ndarray] = []
+        for k, (d, (raw, out, p)) in reversed(list(enumerate(zip(douts, self.outputs)))):
+            if d is None:
+                d = np.zeros(out.local_shape(), dtype=_float_of(saved))
+            with comm.label(f"{self.op.name}:output-adjoint" + (f"{k}" if k else "")):
+                draws.append(execute_adjoint(p, d))
+        draws.reverse()
+        return self.op.local_backward(self, saved, tuple(draws) if self.more_outs else draws[0])
 
     def complete_grad(self, i: int, contribution: np.ndarray) -> np.ndarray:
         """Sum input i's gradient contributions over its replica axes (one AllReduce)."""
@@ -239,6 +261,20 @@ class OpSharding:
         rank = comm.get_rank()
         with comm.label(f"{self.op.name}:input{i}-grad"):
             return comm.all_reduce(contribution, group=spec.group(rank))
+
+
+def _float_of(saved: Any) -> Any:
+    """A float dtype for zero cotangents of unused outputs (from the saved forward values)."""
+    def find(v: Any) -> Any:
+        if isinstance(v, np.ndarray):
+            return v.dtype if v.dtype.kind == "f" else None
+        if isinstance(v, (tuple, list)):
+            for item in v:
+                found = find(item)
+                if found is not None:
+                    return found
+        return None
+    return find(saved) or np.dtype(np.float64)
 
 
 _ADJOINT = {"AllReduce": "AllReduce", "AllGather": "ReduceScatter", "ReduceScatter": "AllGather",
@@ -259,7 +295,8 @@ class Primitive:
     MindSpore: ``MatMul().shard(((2, 1), (1, 4)))``.
     """
 
-    n_inputs: ClassVar[int] = 1
+    n_inputs: int = 1
+    n_outputs: int = 1
     #: Inputs that are integer ids or otherwise not differentiable.
     nondiff_inputs: ClassVar[tuple[int, ...]] = ()
     #: Whether out_strategy is accepted (MindSpore supports it for a few ops).

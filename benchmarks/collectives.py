@@ -1,0 +1,283 @@
+"""simpar.comm's collectives against the same raw mpi4py call on the same buffers.
+
+    mpirun -n 8 python benchmarks/collectives.py            # the simpar-vs-raw table
+    python benchmarks/collectives.py --wait-policy-compare   # launches mpirun twice: spin, yield
+
+"size" is the local input buffer of each rank, float32: 1 MiB is 262144 elements per rank.
+So all_gather's output is p times that, reduce_scatter's is 1/p of it, and all_to_all_v sends
+pieces that add up to it (uneven: the piece for group rank j is proportional to j + 1).
+
+Each rep runs raw, simpar with validation on and simpar with validation off, interleaved and
+rotated; a rep's time is the slowest rank's; the table shows the median rep. The raw side gets
+pre-allocated contiguous buffers (``COMM_WORLD.Allreduce(send, recv)``); simpar allocates its
+output on every call, as callers use it. Both run on the same input arrays.
+
+The wait-policy comparison runs ``mpirun -n 8`` with ``SIMPAR_WAIT_POLICY=spin`` and then
+``=yield`` (simpar/_env.py applies it before MPI_Init) and measures one collective plus a GEMM
+that rank 0 runs while ranks 1..7 wait in a Barrier. Tables go to benchmarks/RESULTS.md under
+"## collectives".
+"""
+
+# ruff: noqa: E402, I001  (simpar first: simpar/_env.py must run before numpy's BLAS and MPI)
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from time import perf_counter
+from typing import Any
+
+# The environment as launched, before simpar/_env.py adds its thread and wait-policy variables:
+# the mpirun jobs of --wait-policy-compare must choose for themselves.
+_LAUNCH_ENV = dict(os.environ)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import simpar.comm as comm
+from simpar import _env
+
+import numpy as np
+from _common import (
+    host_line,
+    interleaved_medians,
+    markdown_table,
+    median,
+    today,
+    write_section,
+)
+
+MIB = 2**20
+SIZES = (1 * MIB, 16 * MIB)
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "all_to_all_v")
+GEMM_N, GEMM_COUNT = 1024, 6          # 6 float32 GEMMs of 1024^3: ~150 ms on one core here
+SCRIPT = "python benchmarks/collectives.py"
+
+
+def _mpi() -> Any:
+    comm.init()                       # simpar starts MPI, after choosing threads and wait policy
+    from mpi4py import MPI
+
+    return MPI
+
+
+def _barrier() -> None:
+    _mpi().COMM_WORLD.Barrier()
+
+
+def _max_over_ranks(x: np.ndarray) -> np.ndarray:
+    out = np.empty_like(x)
+    _mpi().COMM_WORLD.Allreduce(x, out, op=_mpi().MAX)
+    return out
+
+
+def _pair(kind: str, nbytes: int) -> tuple[Callable[[], object], Callable[[], object]]:
+    """(simpar call, raw mpi4py call) for one collective on one rank's ``nbytes`` input."""
+    MPI = _mpi()
+    world = MPI.COMM_WORLD
+    p, rank = world.Get_size(), world.Get_rank()
+    n = nbytes // 4
+    x = np.random.default_rng(rank).standard_normal(n, dtype=np.float32)
+    if kind == "all_reduce":
+        out = np.empty_like(x)
+        return (lambda: comm.all_reduce(x),
+                lambda: world.Allreduce(x, out, op=MPI.SUM))
+    if kind == "all_gather":
+        out = np.empty((p, n), np.float32)
+        return lambda: comm.all_gather(x), lambda: world.Allgather(x, out)
+    if kind == "reduce_scatter":
+        out = np.empty(n // p, np.float32)
+        return (lambda: comm.reduce_scatter(x),
+                lambda: world.Reduce_scatter_block(x, out, op=MPI.SUM))
+    if kind == "all_to_all":
+        out = np.empty_like(x)
+        return (lambda: comm.all_to_all(x, split_axis=0, concat_axis=0),
+                lambda: world.Alltoall(x, out))
+    if kind == "broadcast":
+        buf = x.copy()
+        return lambda: comm.broadcast(x, root=0), lambda: world.Bcast(buf, root=0)
+    if kind == "all_to_all_v":
+        # Piece for rank j has (j+1) units; every rank sends the same split, so rank r receives
+        # (r+1) units from everyone. The units add up to this rank's n elements.
+        unit = n // (p * (p + 1) // 2)
+        counts = np.array([(j + 1) * unit for j in range(p)], dtype=np.int64)
+        displ = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        send = x[:int(counts.sum())]
+        pieces = [send[displ[j]:displ[j] + counts[j]] for j in range(p)]
+        shapes = [((rank + 1) * unit,)] * p
+        rcounts = np.full(p, (rank + 1) * unit, dtype=np.int64)
+        rdispl = np.concatenate(([0], np.cumsum(rcounts)[:-1]))
+        recv = np.empty(int(rcounts.sum()), np.float32)
+        return (lambda: comm.all_to_all_v(pieces, shapes),
+                lambda: world.Alltoallv([send, (counts, displ)], [recv, (rcounts, rdispl)]))
+    raise ValueError(f"unknown collective {kind!r}")
+
+
+def _with_validation(on: bool, fn: Callable[[], object]) -> Callable[[], object]:
+    def call() -> object:
+        comm.set_validation(on)
+        try:
+            return fn()
+        finally:
+            comm.set_validation(True)
+    return call
+
+
+def compare(kinds: tuple[str, ...], sizes: tuple[int, ...], reps: dict[int, int]
+            ) -> list[dict[str, Any]]:
+    rows = []
+    for size in sizes:
+        for kind in kinds:
+            simpar_call, raw_call = _pair(kind, size)
+            med = interleaved_medians(
+                {"raw": raw_call, "on": _with_validation(True, simpar_call),
+                 "off": _with_validation(False, simpar_call)},
+                reps=reps[size], warmup=2, barrier=_barrier, max_over_ranks=_max_over_ranks)
+            rows.append({"kind": kind, "size": size, **med})
+    return rows
+
+
+def _fmt_size(size: int) -> str:
+    return f"{size // MIB} MiB"
+
+
+def _settings_line() -> str:
+    s = _env.SETTINGS
+    return (f"ranks {comm.get_group_size()}, BLAS threads per rank {s['blas_threads']} "
+            f"({s['threads_from']}), wait policy {s['wait_policy']} ({s['wait_policy_from']})")
+
+
+def main_table(reps: dict[int, int]) -> None:
+    load = host_line()
+    rows = compare(KINDS, SIZES, reps)
+    if comm.get_rank() != 0:
+        return
+    table = markdown_table(
+        ["collective", "size / rank", "raw ms", "simpar ms (validation on)", "ratio on",
+         "simpar ms (validation off)", "ratio off"],
+        [[r["kind"], _fmt_size(r["size"]), f"{r['raw'] * 1e3:.3f}", f"{r['on'] * 1e3:.3f}",
+          f"{r['on'] / r['raw']:.3f}", f"{r['off'] * 1e3:.3f}", f"{r['off'] / r['raw']:.3f}"]
+         for r in rows])
+    print(table, flush=True)
+    misses = [f"{r['kind']} {_fmt_size(r['size'])}: on {r['on'] / r['raw']:.3f}, "
+              f"off {r['off'] / r['raw']:.3f}" for r in rows
+              if max(r["on"], r["off"]) / r["raw"] > 1.10]
+    reps_text = ", ".join(f"{_fmt_size(s)}: {n}" for s, n in reps.items())
+    body = "\n".join([
+        f"Command: `mpirun -n {comm.get_group_size()} {SCRIPT}` · date: {today()}",
+        "",
+        f"Size is the local input buffer of each rank (float32). Median of reps ({reps_text}); "
+        "each rep is the slowest rank's time after a barrier; raw, validation-on and "
+        "validation-off calls interleaved. Raw is the same mpi4py upper-case call on "
+        "pre-allocated contiguous buffers. Target: ratio <= 1.10.",
+        "",
+        table,
+        "",
+        f"Over 1.10: {'; '.join(misses) if misses else 'none'}.",
+        "",
+        f"{_settings_line()}; {load}.",
+    ])
+    write_section("collectives", body, subheading="simpar vs raw mpi4py")
+    print("\nwritten to benchmarks/RESULTS.md (## collectives / ### simpar vs raw mpi4py)")
+
+
+# ---------------------------------------------------------------- wait policy
+
+
+def _gemm() -> float:
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((GEMM_N, GEMM_N), dtype=np.float32)
+    b = rng.standard_normal((GEMM_N, GEMM_N), dtype=np.float32)
+    a @ b
+    start = perf_counter()
+    for _ in range(GEMM_COUNT):
+        a @ b
+    return perf_counter() - start
+
+
+def wait_probe(reps: int) -> None:
+    """Under mpirun: one collective both ways, then rank 0's GEMM while the others wait."""
+    rows = compare(("all_reduce", "all_gather"), (MIB,), {MIB: reps})
+    gemm = []
+    for _ in range(5):
+        _barrier()
+        if comm.get_rank() == 0:
+            gemm.append(_gemm())
+        _barrier()
+    if comm.get_rank() == 0:
+        print("WAIT-PROBE " + json.dumps({"settings": _env.SETTINGS, "rows": rows,
+                                          "gemm": median(gemm)}), flush=True)
+
+
+def wait_policy_compare(ranks: int, reps: int) -> None:
+    from threadpoolctl import threadpool_limits
+
+    load = host_line()
+    results, commands = {}, []
+    for policy in ("spin", "yield"):
+        cmd = ["mpirun", "-n", str(ranks), sys.executable, str(Path(__file__).resolve()),
+               "--wait-probe", "--reps", str(reps)]
+        commands.append(f"SIMPAR_WAIT_POLICY={policy} mpirun -n {ranks} {SCRIPT} "
+                        f"--wait-probe --reps {reps}")
+        env = dict(_LAUNCH_ENV, SIMPAR_WAIT_POLICY=policy)
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+        line = [ln for ln in out.stdout.splitlines() if ln.startswith("WAIT-PROBE ")]
+        if out.returncode != 0 or not line:
+            sys.exit(f"{shlex.join(cmd)} failed (exit {out.returncode}):\n{out.stdout}\n"
+                     f"{out.stderr}")
+        results[policy] = json.loads(line[0][len("WAIT-PROBE "):])
+    with threadpool_limits(limits=1):
+        alone = median([_gemm() for _ in range(3)])
+    rows = []
+    for policy, res in results.items():
+        s = res["settings"]
+        assert s["wait_policy"] == policy, s
+        by = {r["kind"]: r for r in res["rows"]}
+        rows.append([policy, s["blas_threads"],
+                     f"{res['gemm'] * 1e3:.1f}", f"{res['gemm'] / alone:.2f}",
+                     f"{by['all_reduce']['on'] * 1e3:.3f}", f"{by['all_reduce']['raw'] * 1e3:.3f}",
+                     f"{by['all_gather']['on'] * 1e3:.3f}", f"{by['all_gather']['raw'] * 1e3:.3f}"])
+    table = markdown_table(
+        ["wait policy", "BLAS threads", "rank-0 GEMM ms (7 ranks in Barrier)", "vs alone",
+         "all_reduce 1 MiB simpar ms", "raw ms", "all_gather 1 MiB simpar ms", "raw ms"], rows)
+    print(table, flush=True)
+    body = "\n".join([
+        f"Command: `{SCRIPT} --wait-policy-compare` · date: {today()}, which runs",
+        "",
+        *[f"    {c}" for c in commands],
+        "",
+        f"GEMM: {GEMM_COUNT} float32 products of {GEMM_N}x{GEMM_N} on rank 0, one BLAS "
+        f"thread, while ranks 1..{ranks - 1} wait in MPI_Barrier; median of 5. Alone (the same "
+        f"GEMMs in one process, no MPI job running): {alone * 1e3:.1f} ms. Collectives: median "
+        f"of {reps} interleaved reps, validation on, slowest rank per rep.",
+        "",
+        table,
+        "",
+        f"{load}.",
+    ])
+    write_section("collectives", body, subheading="MPICH wait policy: spin vs yield")
+    print("\nwritten to benchmarks/RESULTS.md (## collectives / ### MPICH wait policy)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--wait-policy-compare", action="store_true",
+                    help="run without mpirun: launches mpirun with each wait policy")
+    ap.add_argument("--wait-probe", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--ranks", type=int, default=8, help="ranks for --wait-policy-compare")
+    ap.add_argument("--reps", type=int, default=None,
+                    help="reps per measurement (default 30 at 1 MiB, 20 at 16 MiB)")
+    args = ap.parse_args()
+    if args.wait_policy_compare:
+        wait_policy_compare(args.ranks, args.reps or 30)
+    elif args.wait_probe:
+        wait_probe(args.reps or 30)
+    else:
+        main_table({MIB: args.reps or 30, 16 * MIB: args.reps or 20})
+
+
+if __name__ == "__main__":
+    main()

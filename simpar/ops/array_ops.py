@@ -1,0 +1,439 @@
+"""Data-movement operators: Transpose, Reshape, Concat and Split.
+
+Transpose permutes the tensor map and is always local. Reshape keeps the input's layout when
+the split dimensions survive whole (a split dim's block stays one contiguous block of the
+output); otherwise it first redistributes the input to the cheapest layout that does
+(MindSpore's InferReshape does the same), then reshapes locally. Concat and Split work along
+an unsplit dimension.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from simpar.layout import TensorLayout
+from simpar.ops._base import (
+    CommSpec,
+    IterSpace,
+    OpSharding,
+    Primitive,
+    Strategy,
+    build_sharding,
+    register,
+)
+from simpar.redistribution import LOCAL_KINDS, RedistributionPlan, execute, execute_adjoint, plan
+
+__all__ = ["Concat", "Reshape", "Split", "Transpose", "reshape_layout"]
+
+
+def _names(n: int, prefix: str = "d") -> tuple[str, ...]:
+    return tuple(f"{prefix}{d}" for d in range(n))
+
+
+def _norm_axis(axis: int, ndim: int, op: str) -> int:
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"{op}: axis must be an int, got {axis!r}")
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"{op}: axis {axis} is out of range for an input of rank {ndim}")
+    return int(axis) % ndim
+
+
+# ------------------------------------------------------------------ Transpose
+@register
+class Transpose(Primitive):
+    """Permute dimensions: output dim ``d`` is input dim ``perm[d]``. Always local: the tensor
+    map is permuted with the dims (``Transpose((1, 0))`` of map [1, 0] gives [0, 1])."""
+
+    n_inputs = 1
+
+    def __init__(self, perm: Sequence[int] | None = None) -> None:
+        super().__init__()
+        self.perm = None if perm is None else tuple(int(p) for p in perm)
+
+    def attrs(self) -> dict[str, Any]:
+        return {"perm": self.perm}
+
+    def _perm(self, ndim: int) -> tuple[int, ...]:
+        perm = self.perm if self.perm is not None else tuple(reversed(range(ndim)))
+        if sorted(perm) != list(range(ndim)):
+            raise ValueError(f"Transpose: perm {perm} is not a permutation of 0..{ndim - 1} "
+                             f"for an input of rank {ndim}")
+        return perm
+
+    def infer_shape(self, *shapes: tuple[int, ...]) -> tuple[int, ...]:
+        x = shapes[0]
+        return tuple(x[p] for p in self._perm(len(x)))
+
+    def iter_space(self, *shapes: tuple[int, ...]) -> IterSpace:
+        names = _names(len(shapes[0]))
+        return IterSpace((names,), tuple(names[p] for p in self._perm(len(names))), names)
+
+    def kernel(self, *xs: np.ndarray) -> np.ndarray:
+        return np.transpose(xs[0], self._perm(xs[0].ndim))
+
+    def vjp(self, xs: Sequence[np.ndarray], y: np.ndarray, dy: np.ndarray
+            ) -> tuple[np.ndarray | None, ...]:
+        return (np.transpose(dy, np.argsort(self._perm(dy.ndim))),)
+
+    def local_forward(self, sh: OpSharding, *xs: np.ndarray) -> tuple[np.ndarray, Any]:
+        return np.ascontiguousarray(self.kernel(*xs)), None
+
+    def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray
+                       ) -> tuple[np.ndarray | None, ...]:
+        return (np.ascontiguousarray(self.vjp((), dy, dy)[0]),)
+
+    def flops(self, local_in: tuple[tuple[int, ...], ...], local_out: tuple[int, ...]) -> int:
+        return 0
+
+
+# ------------------------------------------------------------------ Reshape
+def _groups(src: tuple[int, ...], dst: tuple[int, ...]
+            ) -> list[tuple[list[int], list[int]]] | None:
+    """Pair runs of non-1 dims of ``src`` and ``dst`` with equal products (minimal runs)."""
+    si = [d for d, n in enumerate(src) if n != 1]
+    di = [d for d, n in enumerate(dst) if n != 1]
+    out: list[tuple[list[int], list[int]]] = []
+    i = j = 0
+    while i < len(si) or j < len(di):
+        gi, gj, pi, pj = [], [], 1, 1
+        while True:
+            if pi <= pj and i < len(si):
+                pi *= src[si[i]]
+                gi.append(si[i])
+                i += 1
+            elif j < len(di):
+                pj *= dst[di[j]]
+                gj.append(di[j])
+                j += 1
+            else:
+                return None
+            if pi == pj:
+                break
+        out.append((gi, gj))
+    return out
+
+
+def _block_axes(layout: TensorLayout, dims: list[int]) -> list[int] | None:
+    """The group's split axes (outer first) if its local block is contiguous, else None.
+
+    Contiguous means: leading dims fully split (local size 1), then at most one dim split
+    partially, then unsplit dims.
+    """
+    dm = layout.device_matrix
+    axes: list[int] = []
+    whole_before = True  # every earlier dim of the group is cut down to local size 1
+    for d in dims:
+        own = [a for a in layout.dim_axes[d] if dm[a] > 1]
+        cut = math.prod(dm[a] for a in own)
+        if cut > 1 and not whole_before:
+            return None
+        axes += own
+        if cut != layout.shape[d]:
+            whole_before = False
+    return axes
+
+
+def _place_axes(dm: tuple[int, ...], axes: list[int], dims: list[int],
+                shape: tuple[int, ...]) -> dict[int, list[int]] | None:
+    """Split ``axes`` (outer first) over output ``dims``: leading dims fully, then one dim
+    partially. None when the axis sizes do not line up with the dims."""
+    out: dict[int, list[int]] = {d: [] for d in dims}
+    k = 0
+    for d in dims:
+        prod = 1
+        while k < len(axes) and prod * dm[axes[k]] <= shape[d] and shape[d] % (
+                prod * dm[axes[k]]) == 0:
+            prod *= dm[axes[k]]
+            out[d].append(axes[k])
+            k += 1
+        if prod != shape[d]:
+            break  # this dim is only partly split: every later dim must stay whole
+    return out if k == len(axes) else None
+
+
+def reshape_layout(layout: TensorLayout, shape: Sequence[int]) -> TensorLayout | None:
+    """The layout of ``reshape(x, shape)`` when a local reshape of ``x``'s shards gives it,
+    else None. ``(8, 16)`` cut (2, 4) reshaped to ``(8, 4, 4)`` keeps both cuts: (2, 4, 1)."""
+    dst = tuple(int(n) for n in shape)
+    groups = _groups(layout.shape, dst)
+    if groups is None:
+        return None
+    dm = layout.device_matrix
+    dim_axes: dict[int, list[int]] = {d: [] for d in range(len(dst))}
+    for gi, gj in groups:
+        axes = _block_axes(layout, gi)
+        if axes is None:
+            return None
+        placed = _place_axes(dm, axes, gj, dst)
+        if placed is None:
+            return None
+        dim_axes.update(placed)
+    n = len(dm)
+    tmap: list[object] = []
+    for d in range(len(dst)):
+        vals = tuple(n - 1 - a for a in dim_axes[d])
+        tmap.append(-1 if not vals else vals[0] if len(vals) == 1 else vals)
+    return TensorLayout(dm, tmap, dst, layout.partial)
+
+
+def _with_dim_axes(layout: TensorLayout, dim_axes: Sequence[Sequence[int]]) -> TensorLayout:
+    n = len(layout.device_matrix)
+    tmap: list[object] = []
+    for axes in dim_axes:
+        vals = tuple(n - 1 - a for a in axes)
+        tmap.append(-1 if not vals else vals[0] if len(vals) == 1 else vals)
+    return TensorLayout(layout.device_matrix, tmap, layout.shape, layout.partial)
+
+
+def _reshape_candidates(layout: TensorLayout) -> list[TensorLayout]:
+    """Layouts to try before a reshape: the input itself; every dim's axes moved onto one
+    other dim (an AllToAll); and every suffix of each dim's axes dropped (an AllGather)."""
+    out = [layout]
+    dm = layout.device_matrix
+    split = [(d, list(ax)) for d, ax in enumerate(layout.dim_axes) if ax]
+    for d, axes in split:
+        for target in range(layout.ndim):
+            if target == d:
+                continue
+            moved = [list(a) for a in layout.dim_axes]
+            moved[d] = []
+            moved[target] = moved[target] + axes
+            if layout.shape[target] % math.prod(dm[a] for a in moved[target]) == 0:
+                out.append(_with_dim_axes(layout, moved))
+        for keep in range(len(axes)):
+            dropped = [list(a) for a in layout.dim_axes]
+            dropped[d] = axes[:keep]
+            out.append(_with_dim_axes(layout, dropped))
+    out.append(_with_dim_axes(layout, [[] for _ in range(layout.ndim)]))
+    return out
+
+
+@register
+class Reshape(Primitive):
+    """Reshape to ``shape`` (``-1`` infers one dim). MindSpore passes the shape as a second
+    input: ``Reshape()(x, (4, 8))``; simpar also takes it at construction, ``Reshape((4, 8))``.
+
+    On device matrix (2, 4) with x (8, 16) cut (2, 4), ``Reshape((8, 4, 4))`` is local: rank 5
+    reshapes its (4, 4) block to (4, 1, 4). ``Reshape((128,))`` is not (a column cut does not
+    stay contiguous): the input is first redistributed to the cheapest layout that works.
+    """
+
+    n_inputs = 1
+
+    def __init__(self, shape: Sequence[int] | None = None) -> None:
+        super().__init__()
+        self.shape = None if shape is None else tuple(int(n) for n in shape)
+
+    def __call__(self, *xs: Any) -> Any:
+        if len(xs) == 2 and isinstance(xs[1], (tuple, list)):
+            self.shape = tuple(int(n) for n in xs[1])
+            xs = xs[:1]
+        return super().__call__(*xs)
+
+    def attrs(self) -> dict[str, Any]:
+        return {"shape": self.shape}
+
+    def infer_shape(self, *shapes: tuple[int, ...]) -> tuple[int, ...]:
+        x = shapes[0]
+        if self.shape is None:
+            raise ValueError("Reshape: no target shape; use Reshape(shape) or op(x, shape)")
+        total = math.prod(x)
+        if self.shape.count(-1) > 1 or any(n < -1 or n == 0 and total for n in self.shape):
+            raise ValueError(f"Reshape: target shape {self.shape} may hold at most one -1 and "
+                             "otherwise positive sizes")
+        known = math.prod(n for n in self.shape if n != -1)
+        out = tuple(total // known if n == -1 else n for n in self.shape)
+        if math.prod(out) != total:
+            raise ValueError(f"Reshape: cannot reshape {x} ({total} elements) into "
+                             f"{self.shape}")
+        return out
+
+    def iter_space(self, *shapes: tuple[int, ...]) -> IterSpace:
+        names = _names(len(shapes[0]))
+        return IterSpace((names,), names, names)
+
+    def kernel(self, *xs: np.ndarray) -> np.ndarray:
+        return xs[0].reshape(self.infer_shape(xs[0].shape))
+
+    def vjp(self, xs: Sequence[np.ndarray], y: np.ndarray, dy: np.ndarray
+            ) -> tuple[np.ndarray | None, ...]:
+        return (dy.reshape(xs[0].shape),)
+
+    def flops(self, local_in: tuple[tuple[int, ...], ...], local_out: tuple[int, ...]) -> int:
+        return 0
+
+    def _sharding(self, shapes: tuple[tuple[int, ...], ...], strat: Strategy,
+                  out_strategy: Strategy | None, device_num: int) -> OpSharding:
+        out_shape = self.infer_shape(*shapes)
+        base = build_sharding(self, shapes, strat, None, device_num, self.iter_space(*shapes),
+                              {f"d{d}": c for d, c in enumerate(strat[0])},
+                              out_shape=shapes[0])
+        src = base.in_layouts[0]
+        best: tuple[int, TensorLayout, TensorLayout, RedistributionPlan] | None = None
+        for mid in _reshape_candidates(src):
+            out = reshape_layout(mid, out_shape)
+            if out is None:
+                continue
+            p = plan(src, mid)
+            cost = max(p.recv_bytes(r, 1) for r in range(min(src.device_num, 64)))
+            if best is None or cost < best[0]:
+                best = (cost, mid, out, p)
+        assert best is not None  # the fully replicated candidate always reshapes
+        _, mid, out, pre = best
+        specs = tuple(CommSpec.from_step(s, "redistribute before reshape") for s in pre.steps
+                      if s.kind not in LOCAL_KINDS)
+        adj = tuple(CommSpec(_adjoint_kind(s.kind), s.src.device_matrix, s.device_axes,
+                             s.dst.local_size(), "adjoint of redistribution before reshape")
+                    for s in reversed(pre.steps) if s.kind not in LOCAL_KINDS)
+        empty = plan(out, out)
+        return dataclasses.replace(base, raw_out=out, out=out, out_plan=empty,
+                                   internal_forward=specs, internal_backward=adj,
+                                   extra=dict(base.extra, pre_plan=pre, mid=mid))
+
+    def local_forward(self, sh: OpSharding, *xs: np.ndarray) -> tuple[np.ndarray, Any]:
+        from simpar import comm
+
+        with comm.label("Reshape:redistribute"):
+            x = execute(sh.extra["pre_plan"], xs[0])
+        return x.reshape(sh.out.local_shape()), None
+
+    def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray
+                       ) -> tuple[np.ndarray | None, ...]:
+        from simpar import comm
+
+        g = dy.reshape(sh.extra["mid"].local_shape())
+        with comm.label("Reshape:redistribute-adjoint"):
+            return (execute_adjoint(sh.extra["pre_plan"], g),)
+
+
+def _adjoint_kind(kind: str) -> str:
+    return {"AllGather": "ReduceScatter", "ReduceScatter": "AllGather"}.get(kind, kind)
+
+
+# ------------------------------------------------------------------ Concat and Split
+@register
+class Concat(Primitive):
+    """Concatenate the inputs along ``axis``, which must be unsplit in every strategy; the
+    other dims' cuts must agree across inputs. ``Concat(axis=1).shard(((2, 1), (2, 1)))``."""
+
+    n_inputs = 2
+
+    def __init__(self, axis: int = 0, n_inputs: int = 2) -> None:
+        super().__init__()
+        if isinstance(n_inputs, bool) or not isinstance(n_inputs, int) or n_inputs < 1:
+            raise ValueError(f"Concat: n_inputs must be a positive int, got {n_inputs!r}")
+        self.axis = axis
+        self.n_inputs = n_inputs
+
+    def attrs(self) -> dict[str, Any]:
+        return {"axis": self.axis}
+
+    def shard(self, in_strategy: Sequence[Sequence[int]],
+              out_strategy: Sequence[Sequence[int]] | None = None) -> Primitive:
+        if isinstance(in_strategy, (tuple, list)):
+            self.n_inputs = len(in_strategy)
+        return super().shard(in_strategy, out_strategy)
+
+    def __call__(self, *xs: Any) -> Any:
+        if len(xs) == 1 and isinstance(xs[0], (tuple, list)):
+            xs = tuple(xs[0])
+        self.n_inputs = len(xs)
+        return super().__call__(*xs)
+
+    def infer_shape(self, *shapes: tuple[int, ...]) -> tuple[int, ...]:
+        first = shapes[0]
+        axis = _norm_axis(self.axis, len(first), "Concat")
+        for i, s in enumerate(shapes):
+            if len(s) != len(first) or any(a != b for d, (a, b) in enumerate(zip(s, first))
+                                           if d != axis):
+                raise ValueError(f"Concat: input {i} has shape {s}, which differs from input 0 "
+                                 f"{first} outside axis {axis}")
+        return first[:axis] + (sum(s[axis] for s in shapes),) + first[axis + 1:]
+
+    def iter_space(self, *shapes: tuple[int, ...]) -> IterSpace:
+        self.infer_shape(*shapes)
+        axis = _norm_axis(self.axis, len(shapes[0]), "Concat")
+        names = tuple("cat" if d == axis else f"d{d}" for d in range(len(shapes[0])))
+        return IterSpace(tuple(names for _ in shapes), names, names,
+                         unsplittable=frozenset({"cat"}))
+
+    def kernel(self, *xs: np.ndarray) -> np.ndarray:
+        self.infer_shape(*(x.shape for x in xs))
+        return np.concatenate(xs, axis=self.axis)
+
+    def vjp(self, xs: Sequence[np.ndarray], y: np.ndarray, dy: np.ndarray
+            ) -> tuple[np.ndarray | None, ...]:
+        axis = _norm_axis(self.axis, dy.ndim, "Concat")
+        cuts = np.cumsum([x.shape[axis] for x in xs])[:-1]
+        return tuple(np.split(dy, cuts, axis=axis))
+
+    def flops(self, local_in: tuple[tuple[int, ...], ...], local_out: tuple[int, ...]) -> int:
+        return 0
+
+
+@register
+class Split(Primitive):
+    """Split along ``axis`` into ``output_num`` equal outputs; ``axis`` must be unsplit.
+    Every output keeps the input's tensor map: on (2, 4) with x (8, 16) cut (2, 4) and
+    ``Split(axis=0, output_num=2)``, rank 5 returns two (2, 4) blocks of its (4, 4) shard."""
+
+    n_inputs = 1
+
+    def __init__(self, axis: int = 0, output_num: int = 1) -> None:
+        super().__init__()
+        if isinstance(output_num, bool) or not isinstance(output_num, int) or output_num < 1:
+            raise ValueError(f"Split: output_num must be a positive int, got {output_num!r}")
+        self.axis = axis
+        self.output_num = output_num
+        self.n_outputs = output_num
+
+    def attrs(self) -> dict[str, Any]:
+        return {"axis": self.axis, "output_num": self.output_num}
+
+    def _out_shape(self, x: tuple[int, ...]) -> tuple[int, ...]:
+        axis = _norm_axis(self.axis, len(x), "Split")
+        if x[axis] % self.output_num:
+            raise ValueError(f"Split: dimension {axis} of shape {x} does not split into "
+                             f"{self.output_num} equal outputs")
+        return x[:axis] + (x[axis] // self.output_num,) + x[axis + 1:]
+
+    def infer_shape(self, *shapes: tuple[int, ...]) -> tuple[int, ...]:
+        return self._out_shape(shapes[0])
+
+    def iter_space(self, *shapes: tuple[int, ...]) -> IterSpace:
+        axis = _norm_axis(self.axis, len(shapes[0]), "Split")
+        names = tuple("split" if d == axis else f"d{d}" for d in range(len(shapes[0])))
+        return IterSpace((names,), names, names, unsplittable=frozenset({"split"}))
+
+    def kernel(self, *xs: np.ndarray) -> Any:
+        self._out_shape(xs[0].shape)
+        parts = tuple(np.split(xs[0], self.output_num, axis=self.axis))
+        return parts if self.output_num > 1 else parts[0]
+
+    def vjp(self, xs: Sequence[np.ndarray], y: Any, dy: Any) -> tuple[np.ndarray | None, ...]:
+        parts = dy if self.output_num > 1 else (dy,)
+        return (np.concatenate(parts, axis=self.axis),)
+
+    def flops(self, local_in: tuple[tuple[int, ...], ...], local_out: tuple[int, ...]) -> int:
+        return 0
+
+    def _sharding(self, shapes: tuple[tuple[int, ...], ...], strat: Strategy,
+                  out_strategy: Strategy | None, device_num: int) -> OpSharding:
+        sh = super()._sharding(shapes, strat, out_strategy, device_num)
+        extra = tuple((sh.raw_out, sh.out, sh.out_plan) for _ in range(self.output_num - 1))
+        return dataclasses.replace(sh, more_outs=extra)
+
+    def local_forward(self, sh: OpSharding, *xs: np.ndarray) -> tuple[Any, Any]:
+        parts = tuple(np.ascontiguousarray(p) for p in
+                      np.split(xs[0], self.output_num, axis=self.axis))
+        return (parts if self.output_num > 1 else parts[0]), None
+
+    def local_backward(self, sh: OpSharding, saved: Any, dy: Any
+                       ) -> tuple[np.ndarray | None, ...]:
+        return self.vjp((), None, dy)
+

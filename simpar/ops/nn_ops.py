@@ -1,0 +1,500 @@
+"""Neural-network operators whose reductions may run across shards: Softmax, LogSoftmax,
+LayerNorm and SparseSoftmaxCrossEntropyWithLogits.
+
+Each of them reduces along some axes (the softmax axis, the normalised axes, the classes).
+When the strategy splits such an axis, the op never gathers its input: every rank reduces its
+own piece and one small AllReduce over the ranks that split the axis completes the per-row
+statistic (Megatron's vocabulary-parallel cross entropy, generalised). These collectives are
+the op's *internal* ones, listed as :class:`~simpar.ops._base.CommSpec` values in
+``internal_forward``/``internal_backward`` so that ``get_parallel_info`` predicts the trace
+exactly. When no reduced axis is split they run no collective at all.
+
+Single-device kernels and per-rank kernels share one implementation: each takes a ``reduce``
+hook that is the identity on one device and an AllReduce over the splitting group on a shard,
+so the two can only differ by the order of floating-point summation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from simpar.ops._base import (
+    CommSpec,
+    IterSpace,
+    OpSharding,
+    Primitive,
+    Strategy,
+    register,
+)
+
+__all__ = ["LayerNorm", "LogSoftmax", "Softmax", "SparseSoftmaxCrossEntropyWithLogits"]
+
+#: ``reduce(local_partial, how, what)``: the value over the whole reduced axis ("sum"/"max").
+_Reduce = Callable[[np.ndarray, str, str], np.ndarray]
+
+
+def _identity(x: np.ndarray, how: str, what: str) -> np.ndarray:
+    return x
+
+
+def _group_reduce(op: str, spec: CommSpec | None) -> _Reduce:
+    """The hook that completes a local reduction over ``spec``'s group (identity if none)."""
+    if spec is None:
+        return _identity
+    from simpar import comm
+
+    group = spec.group(comm.get_rank())
+
+    def reduce(x: np.ndarray, how: str, what: str) -> np.ndarray:
+        with comm.label(f"{op}:{what}"):
+            return comm.all_reduce(np.ascontiguousarray(x), op=how, group=group).reshape(x.shape)
+
+    return reduce
+
+
+def _split_device_axes(sh: OpSharding, names: Sequence[str]) -> tuple[int, ...]:
+    """Device axes (from the left) that cut any of the iteration dims ``names``."""
+    cuts, axis_of = sh.extra["cuts"], sh.extra["axis_of"]
+    return tuple(sorted(axis_of[it] for it in names if cuts[it] > 1))
+
+
+def _check_int_attr(op: str, name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def _norm_axis(op: str, name: str, axis: int, ndim: int) -> int:
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"{op}: {name}={axis} is out of range for an input of rank {ndim}; "
+                         f"allowed {-ndim}..{ndim - 1}")
+    return axis % ndim
+
+
+def _check_float(op: str, what: str, x: np.ndarray) -> None:
+    if x.dtype.kind != "f":
+        raise TypeError(f"{op}: {what} must be a floating-point array, got dtype {x.dtype}")
+
+
+def _names(ndim: int) -> tuple[str, ...]:
+    return tuple(f"d{d}" for d in range(ndim))
+
+
+# ------------------------------------------------------------------ Softmax / LogSoftmax
+def _softmax(x: np.ndarray, axes: tuple[int, ...], log: bool, reduce: _Reduce) -> np.ndarray:
+    # The max is only a shift for stability: the backward treats it as a constant (exactly).
+    m = reduce(np.max(x, axis=axes, keepdims=True), "max", "max")
+    z = x - m
+    e = np.exp(z)
+    s = reduce(np.sum(e, axis=axes, keepdims=True), "sum", "sum-exp")
+    return np.asarray(z - np.log(s) if log else e / s)
+
+
+def _softmax_grad(y: np.ndarray, dy: np.ndarray, axes: tuple[int, ...], log: bool,
+                  reduce: _Reduce) -> np.ndarray:
+    if log:
+        t = reduce(np.sum(dy, axis=axes, keepdims=True), "sum", "grad-sum")
+        return np.asarray(dy - np.exp(y) * t)
+    t = reduce(np.sum(y * dy, axis=axes, keepdims=True), "sum", "grad-sum")
+    return np.asarray(y * (dy - t))
+
+
+class _SoftmaxBase(Primitive):
+    """Shared rule: every dim is an iteration dim; a split softmax axis adds internal
+    AllReduces (max and sum of exp forward, one sum backward) over the splitting ranks."""
+
+    n_inputs = 1
+    log: bool = False
+
+    def __init__(self, axis: int | tuple[int, ...] = -1) -> None:
+        super().__init__()
+        self.axis = self._check_axis(axis)
+
+    def _check_axis(self, axis: object) -> int | tuple[int, ...]:
+        return _check_int_attr(self.name, "axis", axis)
+
+    def attrs(self) -> dict[str, Any]:
+        return {"axis": self.axis}
+
+    def _axes(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        raw = self.axis if isinstance(self.axis, tuple) else (self.axis,)
+        axes = tuple(_norm_axis(self.name, "axis", a, len(shape)) for a in raw)
+        if len(set(axes)) != len(axes):
+            raise ValueError(f"{self.name}: axis {self.axis} names dimension(s) more than once "
+                             f"for an input of rank {len(shape)}")
+        return tuple(sorted(axes))
+
+    def infer_shape(self, *shapes: tuple[int, ...]) -> tuple[int, ...]:
+        self._axes(shapes[0])
+        return shapes[0]
+
+    def iter_space(self, *shapes: tuple[int, ...]) -> IterSpace:
+        names = _names(len(self.infer_shape(*shapes)))
+        return IterSpace((names,), names, names)
+
+    def kernel(self, *xs: np.ndarray) -> np.ndarray:
+        x = xs[0]
+        _check_float(self.name, "the input", x)
+        return _softmax(x, self._axes(x.shape), self.log, _identity)
+
+    def vjp(self, xs: Sequence[np.ndarray], y: np.ndarray, dy: np.ndarray
+            ) -> tuple[np.ndarray | None, ...]:
+        return (_softmax_grad(y, dy, self._axes(xs[0].shape), self.log, _identity),)
+
+    def flops(self, local_in: tuple[tuple[int, ...], ...], local_out: tuple[int, ...]) -> int:
+        return 5 * math.prod(local_out)
+
+    def _sharding(self, shapes: tuple[tuple[int, ...], ...], strat: Strategy,
+                  out_strategy: Strategy | None, device_num: int) -> OpSharding:
+        sh = super()._sharding(shapes, strat, out_strategy, device_num)
+        axes = self._axes(shapes[0])
+        group = _split_device_axes(sh, [f"d{a}" for a in axes])
+        if not group:
+            return sh
+        local = sh.in_layouts[0].local_shape()
+        rows = math.prod(n for d, n in enumerate(local) if d not in axes)
+        dm = sh.device_matrix
+        fwd = (CommSpec("AllReduce", dm, group, rows, f"{self.name}: max over the split axis"),
+               CommSpec("AllReduce", dm, group, rows,
+                        f"{self.name}: sum of exp over the split axis"))
+        what = "sum of dy" if self.log else "sum of y*dy"
+        bwd = (CommSpec("AllReduce", dm, group, rows, f"{self.name}: {what} over the split axis"),)
+        return dataclasses.replace(sh, internal_forward=fwd, internal_backward=bwd)
+
+    def local_forward(self, sh: OpSharding, *xs: np.ndarray) -> tuple[np.ndarray, Any]:
+        x = xs[0]
+        _check_float(self.name, "the input", x)
+        spec = sh.internal_forward[0] if sh.internal_forward else None
+        y = _softmax(x, self._axes(sh.input_shapes[0]), self.log, _group_reduce(self.name, spec))
+        return y, y
+
+    def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray
+                       ) -> tuple[np.ndarray | None, ...]:
+        spec = sh.internal_backward[0] if sh.internal_backward else None
+        return (_softmax_grad(saved, dy, self._axes(sh.input_shapes[0]), self.log,
+                              _group_reduce(self.name, spec)),)
+
+
+@register
+class Softmax(_SoftmaxBase):
+    """``exp(x - max) / sum(exp(x - max))`` along ``axis`` (an int or a tuple of ints).
+
+    Any axis may be split. ``Softmax().shard(((2, 4),))`` on 8 devices, x of shape (8, 16):
+    device matrix [2, 4]; rank 5 (coordinate (1, 1)) holds rows 4..7 and columns 4..7. It takes
+    the max of its 4 columns per row, AllReduce(max) over ranks [4, 5, 6, 7] (4 numbers), then
+    the sum of its 4 exponentials per row, AllReduce(sum) over the same ranks, and divides: its
+    output shard is exactly rows 4..7, columns 4..7 of the single-device softmax. Backward:
+    ``dx = y * (dy - AllReduce(sum_local(y * dy)))``, again 4 numbers per rank.
+    """
+
+    def _check_axis(self, axis: object) -> int | tuple[int, ...]:
+        if isinstance(axis, (tuple, list)):
+            if not axis:
+                raise ValueError(f"{self.name}: axis must be an int or a non-empty tuple of "
+                                 "ints, got ()")
+            return tuple(_check_int_attr(self.name, "axis", a) for a in axis)
+        return _check_int_attr(self.name, "axis", axis)
+
+
+@register
+class LogSoftmax(_SoftmaxBase):
+    """``x - max - log(sum(exp(x - max)))`` along ``axis`` (an int, as in MindSpore).
+
+    A split axis works as for :class:`Softmax` (AllReduce(max), AllReduce(sum) forward); the
+    backward is ``dx = dy - exp(y) * AllReduce(sum_local(dy))``. On rank 5 of
+    ``LogSoftmax().shard(((2, 4),))`` over (8, 16), each of the three AllReduces carries the 4
+    per-row numbers of rows 4..7 among ranks [4, 5, 6, 7].
+    """
+
+    log = True
+
+
+# ------------------------------------------------------------------ LayerNorm
+def _layer_norm(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, axes: tuple[int, ...],
+                count: int, eps: float, reduce: _Reduce
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    # Two passes (mean, then squared deviations) rather than one fused [sum x, sum x^2]:
+    # E[x^2] - E[x]^2 loses relative precision ~ eps * mean^2 / var, which float32
+    # activations with a large mean cannot afford. Both AllReduces carry one number per row.
+    mean = reduce(np.sum(x, axis=axes, keepdims=True), "sum", "sum-x") / count
+    xc = x - mean
+    var = reduce(np.sum(xc * xc, axis=axes, keepdims=True), "sum", "sum-sq-dev") / count
+    rstd = 1.0 / np.sqrt(var + eps)
+    xhat = xc * rstd
+    return np.asarray(xhat * gamma + beta), xhat, rstd
+
+
+def _layer_norm_grad(dy: np.ndarray, xhat: np.ndarray, rstd: np.ndarray, gamma: np.ndarray,
+                     axes: tuple[int, ...], lead: tuple[int, ...], count: int,
+                     reduce: _Reduce) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    g = dy * gamma
+    sums = reduce(np.stack([np.sum(g, axis=axes, keepdims=True),
+                            np.sum(g * xhat, axis=axes, keepdims=True)]), "sum", "grad-sums")
+    dx = rstd * (g - sums[0] / count - xhat * (sums[1] / count))
+    dgamma = np.sum(dy * xhat, axis=lead)
+    dbeta = np.sum(dy, axis=lead)
+    return np.asarray(dx), np.asarray(dgamma), np.asarray(dbeta)
+
+
+@register
+class LayerNorm(Primitive):
+    """``(x - mean) / sqrt(var + epsilon) * gamma + beta``; mean and variance over the dims
+    ``begin_norm_axis..``, ``gamma``/``beta`` of shape ``x.shape[begin_params_axis:]``.
+
+    Unlike MindSpore, which returns ``(y, mean, variance)``, this returns ``y`` only (the
+    statistics are internal; the backward recomputes nothing and needs no extra output).
+
+    gamma's and beta's cuts must equal x's on the dims they share. The normalised axes may be
+    split: ``LayerNorm().shard(((2, 4), (4,), (4,)))`` on 8 devices, x (8, 16), gamma (16,):
+    device matrix [2, 4]; rank 5 holds rows 4..7, columns 4..7 of x and gamma[4:8]. It sums its
+    4 columns per row and AllReduces the 4 row sums over ranks [4, 5, 6, 7] (the mean), then
+    does the same with its squared deviations (the variance): two AllReduces of 4 numbers,
+    never the activations. Backward: one AllReduce of the stacked per-row ``[sum g, sum g*x̂]``
+    (8 numbers, ``g = dy * gamma``); gamma's and beta's gradients are this rank's
+    contributions, completed by the framework's AllReduce over ranks [1, 5] (the row split).
+    """
+
+    n_inputs = 3
+
+    def __init__(self, begin_norm_axis: int = 1, begin_params_axis: int = 1,
+                 epsilon: float = 1e-7) -> None:
+        super().__init__()
+        self.begin_norm_axis = _check_int_attr(self.name, "begin_norm_axis", begin_norm_axis)
+        self.begin_params_axis = _check_int_attr(self.name, "begin_params_axis",
+                                                 begin_params_axis)
+        if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float, np.floating)):
+            raise TypeError(f"{self.name}: epsilon must be a float, got "
+                            f"{type(epsilon).__name__} {epsilon!r}")
+        if not (math.isfinite(epsilon) and epsilon >= 0):
+            raise ValueError(f"{self.name}: epsilon must be a finite float >= 0, got {epsilon!r}")
+        self.epsilon = float(epsilon)
+
+    def attrs(self) -> dict[str, Any]:
+        return {"begin_norm_axis": self.begin_norm_axis,
+                "begin_params_axis": self.begin_params_axis, "epsilon": self.epsilon}
+
+    def _axes(self, x: tuple[int, ...]) -> tuple[int, int]:
+        if not x:
+            raise ValueError(f"{self.name}: the input must have rank >= 1, got shape {x}")
+        return (_norm_axis(self.name, "begin_norm_axis", self.begin_norm_axis, len(x)),
+                _norm_axis(self.name, "begin_params_axis", self.begin_params_axis, len(x)))
+
+    def infer_shape(self, *shapes: tuple[int, ...]) -> tuple[int, ...]:
+        x, gamma, beta = shapes
+        _, bpa = self._axes(x)
+        want = x[bpa:]
+        for what, s in (("gamma", gamma), ("beta", beta)):
+            if tuple(s) != want:
+                raise ValueError(f"{self.name}: {what} has shape {tuple(s)} but must have shape "
+                                 f"{want} (x.shape[begin_params_axis:] with x {x}, "
+                                 f"begin_params_axis={self.begin_params_axis})")
+        return x
+
+    def iter_space(self, *shapes: tuple[int, ...]) -> IterSpace:
+        x = self.infer_shape(*shapes)
+        _, bpa = self._axes(x)
+        names = _names(len(x))
+        return IterSpace((names, names[bpa:], names[bpa:]), names, names)
+
+    def _geometry(self, x: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+        bna, bpa = self._axes(x)
+        return tuple(range(bna, len(x))), tuple(range(bpa)), math.prod(x[bna:])
+
+    def kernel(self, *xs: np.ndarray) -> np.ndarray:
+        x, gamma, beta = xs
+        self.infer_shape(x.shape, gamma.shape, beta.shape)
+        _check_float(self.name, "x", x)
+        axes, _, count = self._geometry(x.shape)
+        return _layer_norm(x, gamma, beta, axes, count, self.epsilon, _identity)[0]
+
+    def vjp(self, xs: Sequence[np.ndarray], y: np.ndarray, dy: np.ndarray
+            ) -> tuple[np.ndarray | None, ...]:
+        x, gamma, beta = xs
+        axes, lead, count = self._geometry(x.shape)
+        _, xhat, rstd = _layer_norm(x, gamma, beta, axes, count, self.epsilon, _identity)
+        return _layer_norm_grad(dy, xhat, rstd, gamma, axes, lead, count, _identity)
+
+    def flops(self, local_in: tuple[tuple[int, ...], ...], local_out: tuple[int, ...]) -> int:
+        return 8 * math.prod(local_out)
+
+    def _sharding(self, shapes: tuple[tuple[int, ...], ...], strat: Strategy,
+                  out_strategy: Strategy | None, device_num: int) -> OpSharding:
+        sh = super()._sharding(shapes, strat, out_strategy, device_num)
+        axes, _, _ = self._geometry(shapes[0])
+        group = _split_device_axes(sh, [f"d{a}" for a in axes])
+        if not group:
+            return sh
+        rows = math.prod(sh.in_layouts[0].local_shape()[:axes[0]])
+        dm = sh.device_matrix
+        fwd = (CommSpec("AllReduce", dm, group, rows, "LayerNorm: row sums (mean)"),
+               CommSpec("AllReduce", dm, group, rows, "LayerNorm: squared deviations (var)"))
+        bwd = (CommSpec("AllReduce", dm, group, 2 * rows,
+                        "LayerNorm: row sums of g and g*xhat"),)
+        return dataclasses.replace(sh, internal_forward=fwd, internal_backward=bwd)
+
+    def local_forward(self, sh: OpSharding, *xs: np.ndarray) -> tuple[np.ndarray, Any]:
+        x, gamma, beta = xs
+        _check_float(self.name, "x", x)
+        axes, _, count = self._geometry(sh.input_shapes[0])
+        spec = sh.internal_forward[0] if sh.internal_forward else None
+        y, xhat, rstd = _layer_norm(x, gamma, beta, axes, count, self.epsilon,
+                                    _group_reduce(self.name, spec))
+        return y, (xhat, rstd, gamma)
+
+    def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray
+                       ) -> tuple[np.ndarray | None, ...]:
+        xhat, rstd, gamma = saved
+        axes, lead, count = self._geometry(sh.input_shapes[0])
+        spec = sh.internal_backward[0] if sh.internal_backward else None
+        return _layer_norm_grad(dy, xhat, rstd, gamma, axes, lead, count,
+                                _group_reduce(self.name, spec))
+
+
+# ------------------------------------------------------------------ cross entropy
+_LABEL_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
+
+
+def _cross_entropy(logits: np.ndarray, labels: np.ndarray, class_offset: int,
+                   reduce: _Reduce) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per-row loss of the rows held, for the classes ``class_offset..`` held; also the
+    softmax and where the target sits locally (for the backward)."""
+    rows = np.arange(logits.shape[0])
+    m = reduce(np.max(logits, axis=1), "max", "max")
+    e = np.exp(logits - m[:, None])
+    local = labels.astype(np.int64) - class_offset
+    own = (local >= 0) & (local < logits.shape[1])
+    idx = np.where(own, local, 0)
+    target = np.where(own, logits[rows, idx], 0.0).astype(logits.dtype)
+    # Sum of exponentials and the target logit travel together: one AllReduce of (2, rows).
+    s, xt = reduce(np.stack([np.sum(e, axis=1), target]), "sum", "sum-exp-and-target")
+    loss = np.log(s) + m - xt
+    return loss, e / s[:, None], own, idx
+
+
+def _cross_entropy_grad(p: np.ndarray, own: np.ndarray, idx: np.ndarray, scale: np.ndarray
+                        ) -> np.ndarray:
+    g = p.copy()
+    rows = np.flatnonzero(own)
+    g[rows, idx[rows]] -= 1.0
+    return np.asarray(g * scale)
+
+
+@register
+class SparseSoftmaxCrossEntropyWithLogits(Primitive):
+    """Mean over the batch of ``-log softmax(logits)[i, labels[i]]`` (MindSpore with
+    ``is_grad=False``): logits (N, C) float, labels (N,) int32/int64, a 0-d output.
+
+    Strategy ``((n, c), (n,))``: labels' cut must equal logits' batch cut. The class dim may
+    be split (vocabulary parallel). ``.shard(((2, 4), (2,)))`` on 8 devices, logits (8, 16):
+    device matrix [2, 4]; rank 5 holds rows 4..7 and classes 4..7. It AllReduces (max) its 4
+    row maxima over ranks [4, 5, 6, 7], then AllReduces (sum) the stacked (2, 4) buffer of
+    its row sums of exp and its target logits (the logit of a row's label if rank 5 owns that
+    class, else 0). The ranks whose class chunk is 0 (ranks 0 and 4) hold the sum of their
+    rows' losses / N, the others 0: the raw output is partial over both split axes and the
+    output plan completes it with one AllReduce of 1 number over all 8 ranks. The backward is
+    local: ``(softmax - onehot) / N * dloss``, the adjoint AllReduce of the output plan having
+    made ``dloss`` whole on every rank (so the class-split sum needs no collective of its
+    own). Labels outside ``[0, C)`` raise ValueError naming the label.
+    """
+
+    n_inputs = 2
+    nondiff_inputs = (1,)
+
+    def __init__(self, is_grad: bool = False) -> None:
+        super().__init__()
+        if not isinstance(is_grad, bool):
+            raise TypeError(f"{self.name}: is_grad must be a bool, got {is_grad!r}")
+        if is_grad:
+            raise ValueError(f"{self.name}: is_grad=True (MindSpore's internal form that "
+                             "returns the logits' gradient) is not supported; use "
+                             "is_grad=False, simpar derives the gradient from the op's vjp")
+        self.is_grad = is_grad
+
+    def attrs(self) -> dict[str, Any]:
+        return {"is_grad": self.is_grad}
+
+    def infer_shape(self, *shapes: tuple[int, ...]) -> tuple[int, ...]:
+        logits, labels = shapes
+        if len(logits) != 2 or len(labels) != 1 or labels[0] != logits[0]:
+            raise ValueError(f"{self.name}: logits must be (N, C) and labels (N,), got shapes "
+                             f"{tuple(logits)} and {tuple(labels)}")
+        if logits[1] < 1:
+            raise ValueError(f"{self.name}: logits {tuple(logits)} must have at least one class")
+        return ()
+
+    def iter_space(self, *shapes: tuple[int, ...]) -> IterSpace:
+        self.infer_shape(*shapes)
+        return IterSpace((("n", "c"), ("n",)), (), ("n", "c"))
+
+    def _check(self, logits: np.ndarray, labels: np.ndarray, classes: int,
+               row_offset: int = 0) -> None:
+        _check_float(self.name, "logits", logits)
+        if labels.dtype not in _LABEL_DTYPES:
+            raise TypeError(f"{self.name}: labels must be int32 or int64, got dtype "
+                            f"{labels.dtype}")
+        bad = np.flatnonzero((labels < 0) | (labels >= classes))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"{self.name}: label {int(labels[i])} at row {row_offset + i} is "
+                             f"outside [0, {classes}); labels must be class indices "
+                             f"0..{classes - 1} ({bad.size} bad label(s) in this shard)")
+
+    def kernel(self, *xs: np.ndarray) -> np.ndarray:
+        logits, labels = xs
+        self.infer_shape(logits.shape, labels.shape)
+        self._check(logits, labels, logits.shape[1])
+        loss = _cross_entropy(logits, labels, 0, _identity)[0]
+        return np.array(np.sum(loss) / logits.shape[0], dtype=logits.dtype)
+
+    def vjp(self, xs: Sequence[np.ndarray], y: np.ndarray, dy: np.ndarray
+            ) -> tuple[np.ndarray | None, ...]:
+        logits, labels = xs
+        _, p, own, idx = _cross_entropy(logits, labels, 0, _identity)
+        return _cross_entropy_grad(p, own, idx, np.asarray(dy) / logits.shape[0]), None
+
+    def flops(self, local_in: tuple[tuple[int, ...], ...], local_out: tuple[int, ...]) -> int:
+        return 4 * math.prod(local_in[0])
+
+    def _sharding(self, shapes: tuple[tuple[int, ...], ...], strat: Strategy,
+                  out_strategy: Strategy | None, device_num: int) -> OpSharding:
+        # The generic rule already makes the raw loss partial over every axis that splits
+        # n or c (neither is an output dim); local_forward puts each row block's loss on the
+        # class-chunk-0 ranks only, so that one output AllReduce sums it exactly once.
+        sh = super()._sharding(shapes, strat, out_strategy, device_num)
+        group = _split_device_axes(sh, ["c"])
+        if not group:
+            return sh
+        rows = sh.in_layouts[0].local_shape()[0]
+        dm = sh.device_matrix
+        fwd = (CommSpec("AllReduce", dm, group, rows, f"{self.name}: row max over classes"),
+               CommSpec("AllReduce", dm, group, 2 * rows,
+                        f"{self.name}: row sum of exp and target logit over classes"))
+        return dataclasses.replace(sh, internal_forward=fwd)
+
+    def local_forward(self, sh: OpSharding, *xs: np.ndarray) -> tuple[np.ndarray, Any]:
+        from simpar import comm
+
+        logits, labels = xs
+        rank = comm.get_rank()
+        (row0, _), (class0, _) = sh.in_layouts[0].slice_of(rank)
+        n, classes = sh.input_shapes[0]
+        # Every rank holding a bad label raises before its first collective; labels are
+        # replicated over the class split, so a row block's whole class group raises together.
+        self._check(logits, labels, classes, row0)
+        spec = sh.internal_forward[0] if sh.internal_forward else None
+        loss, p, own, idx = _cross_entropy(logits, labels, class0,
+                                           _group_reduce(self.name, spec))
+        value = np.sum(loss) / n if class0 == 0 else 0.0
+        return np.array(value, dtype=logits.dtype), (p, own, idx, n)
+
+    def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray
+                       ) -> tuple[np.ndarray | None, ...]:
+        p, own, idx, n = saved
+        # The output plan's adjoint AllReduce hands back shape (1,) for a 0-d cotangent.
+        scale = np.asarray(dy).reshape(()) / n
+        return _cross_entropy_grad(p, own, idx, scale), None
