@@ -19,22 +19,24 @@ from time import perf_counter
 
 import numpy as np
 
-__all__ = ["RESULTS", "host_line", "interleaved_medians", "markdown_table", "today",
-           "write_section"]
+__all__ = ["RESULTS", "host_line", "interleaved_medians", "interleaved_times", "markdown_table",
+           "median", "paired_ratio", "today", "write_section"]
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 
 
-def interleaved_medians(fns: Mapping[str, Callable[[], object]], reps: int, warmup: int,
-                        barrier: Callable[[], None],
-                        max_over_ranks: Callable[[np.ndarray], np.ndarray]) -> dict[str, float]:
-    """Median seconds per call of each function, the functions interleaved rep by rep.
+def interleaved_times(fns: Mapping[str, Callable[[], object]], reps: int, warmup: int,
+                      barrier: Callable[[], None],
+                      max_over_ranks: Callable[[np.ndarray], np.ndarray]
+                      ) -> dict[str, np.ndarray]:
+    """Seconds of every rep of each function, the functions interleaved rep by rep.
 
     Every rep runs each function once, after a barrier, and the starting function rotates from
     rep to rep, so drift (other load, frequency, cache state) hits every variant alike. A rep's
     time is the slowest rank's time for it: per-rank times are reduced with ``max_over_ranks``
     (one call at the end, outside every timed region). Called on every rank, it returns the
-    same medians everywhere.
+    same times everywhere: ``{name: array of reps}``, rep ``i`` of every name measured
+    side by side.
     """
     names = list(fns)
     for _ in range(warmup):
@@ -50,7 +52,20 @@ def interleaved_medians(fns: Mapping[str, Callable[[], object]], reps: int, warm
             fns[names[i]]()
             times[i, rep] = perf_counter() - start
     slowest = max_over_ranks(times)
-    return {name: float(np.median(slowest[i])) for i, name in enumerate(names)}
+    return {name: slowest[i] for i, name in enumerate(names)}
+
+
+def interleaved_medians(fns: Mapping[str, Callable[[], object]], reps: int, warmup: int,
+                        barrier: Callable[[], None],
+                        max_over_ranks: Callable[[np.ndarray], np.ndarray]) -> dict[str, float]:
+    """Median seconds per call of each function (see :func:`interleaved_times`)."""
+    times = interleaved_times(fns, reps, warmup, barrier, max_over_ranks)
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def paired_ratio(numerator: np.ndarray, denominator: np.ndarray) -> float:
+    """Median over reps of the per-rep ratio: robust to load that changes between reps."""
+    return float(np.median(numerator / denominator))
 
 
 def median(values: Sequence[float]) -> float:

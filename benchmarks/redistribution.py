@@ -215,7 +215,7 @@ def _simpar(p: RedistributionPlan, local: np.ndarray, validate: bool) -> Callabl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--reps", type=int, default=25, help="timed reps (median; >= 20)")
+    parser.add_argument("--reps", type=int, default=30, help="timed reps (median; >= 20)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()

@@ -559,6 +559,8 @@ def execute(plan: RedistributionPlan, local_array: np.ndarray, comm: object = No
     ``comm`` is the communication module to use (default :mod:`simpar.comm`). Every rank of the
     layouts' devices must call this with the same plan.
     """
+    if not plan.steps:
+        return local_array
     if comm is None:
         import simpar.comm as comm
     rank, size = comm.get_rank(), comm.get_group_size()  # type: ignore[attr-defined]
@@ -697,6 +699,8 @@ def execute_adjoint(plan: RedistributionPlan, local_grad: np.ndarray, comm: obje
     slice ↔ zero-padding. The result is this rank's *contribution*: contributions of ranks
     that hold the same source piece sum to its gradient.
     """
+    if not plan.steps:
+        return local_grad
     if comm is None:
         import simpar.comm as comm
     rank = comm.get_rank()  # type: ignore[attr-defined]

@@ -472,6 +472,23 @@ def test_shape_mismatch_raises_on_every_rank(world: tuple[int, int], kind: str) 
     np.testing.assert_array_equal(total, [p, p])
 
 
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("axes", [(0,), (1,)], ids=str)
+def test_shape_mismatch_inside_subgroups_of_a_2x4_mesh(world: tuple[int, int],
+                                                       axes: tuple[int, ...]) -> None:
+    rank, _ = world
+    if rank >= 8:
+        return
+    members = DeviceMesh((2, 4)).group_of(rank, axes)
+    x = np.zeros((4, 3) if rank == members[0] else (4, 2), dtype=np.float64)
+    with pytest.raises(CommMismatchError) as info:
+        comm.all_gather(x, axis=1, group=members)
+    rest = ",".join(map(str, members[1:]))
+    assert str(info.value).startswith(f"all_gather: the ranks of group {list(members)} passed")
+    assert f"rank {members[0]}: float64[4, 3] axis=1" in str(info.value)
+    assert f"rank{'s' if len(members) > 2 else ''} {rest}: float64[4, 2] axis=1" in str(info.value)
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("what", ["dtype", "op", "axis", "root", "reversed-group"])
 def test_argument_mismatch_raises_on_every_rank(world: tuple[int, int], what: str) -> None:

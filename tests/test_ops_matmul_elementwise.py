@@ -87,9 +87,10 @@ def test_out_strategy_reduce_scatter():
     assert info["outputs_tensor_map"] == [[[2, 1], 0]]
 
 
-def test_repeated_calculation_goes_left():
+def test_repeated_calculation_goes_right():
     info = get_parallel_info(ops.MatMul().shard(((1, 2), (2, 1))), [(8, 16), (16, 8)], 8, 0)
-    assert info["device_matrix"] == [4, 1, 2, 1]
+    assert info["device_matrix"] == [1, 2, 1, 4]
+    assert info["inputs_tensor_map"] == [[3, 2], [2, 1]]
 
 
 @pytest.mark.parametrize("strategy,device_num,words", [

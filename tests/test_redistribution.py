@@ -275,6 +275,10 @@ def test_partial_steps_bytes() -> None:
     assert rs.recv_bytes(0, 4) == 7 * 32 * 4  # (p-1)/p of the 256-element buffer
     ar = plan(L((8,), R, shape, (0,)), L((8,), R, shape))
     assert ar.recv_bytes(5, 4) == 2 * 7 * 256 * 4 // 8
+    # CommTrace rounds an AllReduce's 2 (p-1)/p n in bytes: one int64 over 8 ranks is 14 bytes
+    # (rounding in elements first would say 8).
+    tiny = plan(L((8,), (-1,), (1,), (0,)), L((8,), (-1,), (1,)))
+    assert tiny.recv_bytes(0, 8) == 14 and tiny.send_bytes(0, 8) == 14
 
 
 def test_identical_layouts_give_an_empty_plan() -> None:

@@ -6,7 +6,15 @@ numpy arrays (``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``
 Importing this package does not start MPI; the first call does.
 """
 
-from simpar.comm._world import Group, create_group, get_group_size, get_rank, init, world
+from simpar.comm._world import (
+    Group,
+    check_context,
+    create_group,
+    get_group_size,
+    get_rank,
+    init,
+    world,
+)
 from simpar.comm.collectives import (
     CommMismatchError,
     all_gather,
@@ -34,6 +42,7 @@ __all__ = [
     "all_to_all_v",
     "barrier",
     "broadcast",
+    "check_context",
     "create_group",
     "get_group_size",
     "get_rank",

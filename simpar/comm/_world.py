@@ -65,7 +65,11 @@ def init() -> None:
         _install_abort_hook()
     from simpar import context
 
-    context.set_world(_WORLD.Get_size(), _WORLD.Get_rank())
+    try:
+        context.set_world(_WORLD.Get_size(), _WORLD.Get_rank())
+    except context.WorldMismatchError:
+        pass  # check_context below raises the same error on every rank, naming them all
+    check_context()
 
 
 def _install_abort_hook() -> None:
@@ -139,3 +143,51 @@ def resolve(group: Group | Sequence[int] | None) -> tuple[Group, Any]:
     mpi_group.Free()
     _COMMS[g.ranks] = sub
     return g, sub
+
+
+def check_context() -> None:
+    """Check, collectively, that every rank's context agrees with the MPI world.
+
+    Every rank must call it. Each rank shares its ``device_num`` and ``global_rank``; if any
+    rank's ``device_num`` differs from the world size, or an explicitly set ``global_rank``
+    differs from the MPI rank, every rank raises the same ``ValueError`` naming the ranks and
+    the values, e.g. "device_num is 4 on ranks 0..7 but mpirun started 8 ranks".
+    """
+    import numpy as np
+
+    from simpar import context
+
+    comm = world()
+    size, me = comm.Get_size(), comm.Get_rank()
+    snap = context.auto_parallel_context()
+    mine = np.array([snap.device_num, snap.global_rank if snap.global_rank_is_set else me],
+                    dtype=np.int64)
+    every = np.empty((size, 2), dtype=np.int64)
+    comm.Allgather(mine, every)
+    bad_num = {int(r): int(every[r, 0]) for r in range(size) if every[r, 0] != size}
+    bad_rank = {int(r): int(every[r, 1]) for r in range(size) if every[r, 1] != r}
+    problems = []
+    if bad_num:
+        values = sorted(set(bad_num.values()))
+        problems.append(f"device_num is {values[0] if len(values) == 1 else values} on ranks "
+                        f"{_ranges(sorted(bad_num))} but mpirun started {size} ranks (set "
+                        f"device_num={size} or launch with -n {values[0]})")
+    if bad_rank:
+        pairs = ", ".join(f"rank {r} says global_rank={v}" for r, v in sorted(bad_rank.items()))
+        problems.append(f"global_rank disagrees with the MPI rank: {pairs}")
+    if problems:
+        raise context.WorldMismatchError("; ".join(problems))
+
+
+def _ranges(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0..2, 5"``."""
+    out: list[str] = []
+    start = prev = ranks[0]
+    for r in ranks[1:] + [None]:  # type: ignore[list-item]
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        out.append(f"{start}..{prev}" if prev > start else f"{start}")
+        if r is not None:
+            start = prev = r
+    return ", ".join(out)

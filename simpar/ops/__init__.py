@@ -21,6 +21,7 @@ from simpar.ops.elementwise import (
     BiasAdd,
     Cast,
     GeLU,
+    Identity,
     Mul,
     RealDiv,
     ReLU,
@@ -28,7 +29,10 @@ from simpar.ops.elementwise import (
     Sub,
     Tanh,
 )
+from simpar.ops.gather_dropout import Dropout, Gather
 from simpar.ops.matmul import BatchMatMul, MatMul
+from simpar.ops.nn_ops import LayerNorm, LogSoftmax, Softmax, SparseSoftmaxCrossEntropyWithLogits
+from simpar.ops.reduce_ops import ReduceMax, ReduceMean, ReduceSum
 
 __all__ = [
     "GELU",
@@ -38,16 +42,26 @@ __all__ = [
     "Cast",
     "CommSpec",
     "Concat",
+    "Dropout",
+    "Gather",
     "GeLU",
+    "Identity",
     "IterSpace",
+    "LayerNorm",
+    "LogSoftmax",
     "MatMul",
     "Mul",
     "OpSharding",
     "Primitive",
-    "RealDiv",
     "ReLU",
+    "RealDiv",
+    "ReduceMax",
+    "ReduceMean",
+    "ReduceSum",
     "Reshape",
     "Sigmoid",
+    "Softmax",
+    "SparseSoftmaxCrossEntropyWithLogits",
     "Split",
     "Strategy",
     "StrategyError",

@@ -12,8 +12,9 @@ names an iteration dimension, the strategy cuts iteration dimensions, and an ite
 dimension that is cut but absent from the output leaves the local result a partial sum. The
 device matrix lists the cuts of the iteration dimensions in the op's canonical order; when the
 strategy uses fewer devices than ``device_num``, the remaining factor is a *repeated
-calculation* axis put first (leftmost) in the device matrix, so that ranks ``r`` and
-``r + device_num/repeat`` compute the same shard (MindSpore's default side).
+calculation* axis put last (rightmost) in the device matrix, so that ``repeat`` consecutive
+ranks compute the same shard. MindSpore's default puts it first; simpar puts it last so that
+data-parallel-only ops line up with dp-outer, mp-inner hybrids (see README).
 
 Gradients follow one rule everywhere (see README, "gradient semantics"): on every rank the
 backward computes that rank's *contribution*; contributions of a value replicated over some
@@ -173,6 +174,15 @@ class OpSharding:
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
     #: (raw, out, plan) of outputs after the first, for multi-output ops such as Split.
     more_outs: tuple[tuple[TensorLayout, TensorLayout, RedistributionPlan], ...] = ()
+
+    def rank(self) -> int:
+        """This process's device rank in the op's devices: the MPI rank, or 0 when the op runs
+        on one device (a stand-alone reference inside a multi-rank job)."""
+        if math.prod(self.device_matrix) == 1:
+            return 0
+        from simpar import comm
+
+        return comm.get_rank()
 
     # -- descriptions
     @property
@@ -550,15 +560,17 @@ def build_sharding(op: Primitive, shapes: tuple[tuple[int, ...], ...], strat: St
                    out_strategy: Strategy | None, device_num: int, space: IterSpace,
                    cuts: dict[str, int], out_shape: tuple[int, ...] | None = None,
                    **extra: Any) -> OpSharding:
-    """The generic rule: device matrix [repeat?] + cuts in canonical order; layouts by map."""
+    """The generic rule: device matrix = cuts in canonical order [+ repeat]; layouts by map."""
     used = math.prod(cuts[it] for it in space.order)
     if device_num % used:
         raise StrategyError(f"{op.name}: strategy {strat} uses {used} devices, which does not "
                             f"divide device_num {device_num}")
     repeat = device_num // used
-    dm = ((repeat,) if repeat > 1 else ()) + tuple(cuts[it] for it in space.order)
-    offset = 1 if repeat > 1 else 0
-    axis_of = {it: offset + k for k, it in enumerate(space.order)}
+    # The repeated-calculation axis goes last (rightmost; MindSpore's default is the left).
+    # With dp outermost and mp innermost, an op that uses only the dp cuts then holds the same
+    # rows on the same ranks as its Megatron neighbours, so no redistribution is needed.
+    dm = tuple(cuts[it] for it in space.order) + ((repeat,) if repeat > 1 else ())
+    axis_of = {it: k for k, it in enumerate(space.order)}
     in_layouts = tuple(_layout(dm, axis_of, dims, shape)
                        for dims, shape in zip(space.inputs, shapes))
     oshape = out_shape if out_shape is not None else op.infer_shape(*shapes)

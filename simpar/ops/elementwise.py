@@ -18,7 +18,7 @@ import numpy as np
 from simpar.ops._base import IterSpace, Primitive, register
 from simpar.ops.matmul import _unbroadcast
 
-__all__ = ["GELU", "Add", "BiasAdd", "Cast", "GeLU", "Mul", "RealDiv", "ReLU", "Sigmoid", "Sub",
+__all__ = ["GELU", "Add", "BiasAdd", "Cast", "GeLU", "Identity", "Mul", "RealDiv", "ReLU", "Sigmoid", "Sub",
            "Tanh"]
 
 
@@ -173,6 +173,21 @@ class _Unary(Primitive):
 
     def flops(self, local_in: tuple[tuple[int, ...], ...], local_out: tuple[int, ...]) -> int:
         return self.flops_per_element * math.prod(local_out)
+
+
+@register
+class Identity(_Unary):
+    """``x`` unchanged. Sharded, it moves ``x`` to the strategy's layout: ``Cell.shard`` and
+    :func:`simpar.parallel.reshard` insert it (MindSpore's ``reshard``)."""
+
+    flops_per_element = 0
+
+    def kernel(self, *xs: np.ndarray) -> np.ndarray:
+        return xs[0]
+
+    def vjp(self, xs: Sequence[np.ndarray], y: np.ndarray, dy: np.ndarray
+            ) -> tuple[np.ndarray | None, ...]:
+        return (dy,)
 
 
 @register

@@ -42,13 +42,13 @@ def _identity(x: np.ndarray, how: str, what: str) -> np.ndarray:
     return x
 
 
-def _group_reduce(op: str, spec: CommSpec | None) -> _Reduce:
+def _group_reduce(sh: OpSharding, spec: CommSpec | None) -> _Reduce:
     """The hook that completes a local reduction over ``spec``'s group (identity if none)."""
     if spec is None:
         return _identity
     from simpar import comm
 
-    group = spec.group(comm.get_rank())
+    op, group = sh.op.name, spec.group(sh.rank())
 
     def reduce(x: np.ndarray, how: str, what: str) -> np.ndarray:
         with comm.label(f"{op}:{what}"):
@@ -170,14 +170,14 @@ class _SoftmaxBase(Primitive):
         x = xs[0]
         _check_float(self.name, "the input", x)
         spec = sh.internal_forward[0] if sh.internal_forward else None
-        y = _softmax(x, self._axes(sh.input_shapes[0]), self.log, _group_reduce(self.name, spec))
+        y = _softmax(x, self._axes(sh.input_shapes[0]), self.log, _group_reduce(sh, spec))
         return y, y
 
     def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray
                        ) -> tuple[np.ndarray | None, ...]:
         spec = sh.internal_backward[0] if sh.internal_backward else None
         return (_softmax_grad(saved, dy, self._axes(sh.input_shapes[0]), self.log,
-                              _group_reduce(self.name, spec)),)
+                              _group_reduce(sh, spec)),)
 
 
 @register
@@ -343,7 +343,7 @@ class LayerNorm(Primitive):
         axes, _, count = self._geometry(sh.input_shapes[0])
         spec = sh.internal_forward[0] if sh.internal_forward else None
         y, xhat, rstd = _layer_norm(x, gamma, beta, axes, count, self.epsilon,
-                                    _group_reduce(self.name, spec))
+                                    _group_reduce(sh, spec))
         return y, (xhat, rstd, gamma)
 
     def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray
@@ -352,7 +352,7 @@ class LayerNorm(Primitive):
         axes, lead, count = self._geometry(sh.input_shapes[0])
         spec = sh.internal_backward[0] if sh.internal_backward else None
         return _layer_norm_grad(dy, xhat, rstd, gamma, axes, lead, count,
-                                _group_reduce(self.name, spec))
+                                _group_reduce(sh, spec))
 
 
 # ------------------------------------------------------------------ cross entropy
@@ -477,10 +477,8 @@ class SparseSoftmaxCrossEntropyWithLogits(Primitive):
         return dataclasses.replace(sh, internal_forward=fwd)
 
     def local_forward(self, sh: OpSharding, *xs: np.ndarray) -> tuple[np.ndarray, Any]:
-        from simpar import comm
-
         logits, labels = xs
-        rank = comm.get_rank()
+        rank = sh.rank()
         (row0, _), (class0, _) = sh.in_layouts[0].slice_of(rank)
         n, classes = sh.input_shapes[0]
         # Every rank holding a bad label raises before its first collective; labels are
@@ -488,13 +486,13 @@ class SparseSoftmaxCrossEntropyWithLogits(Primitive):
         self._check(logits, labels, classes, row0)
         spec = sh.internal_forward[0] if sh.internal_forward else None
         loss, p, own, idx = _cross_entropy(logits, labels, class0,
-                                           _group_reduce(self.name, spec))
+                                           _group_reduce(sh, spec))
         value = np.sum(loss) / n if class0 == 0 else 0.0
         return np.array(value, dtype=logits.dtype), (p, own, idx, n)
 
     def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray
                        ) -> tuple[np.ndarray | None, ...]:
         p, own, idx, n = saved
-        # The output plan's adjoint AllReduce hands back shape (1,) for a 0-d cotangent.
+        # A 0-d cotangent may arrive as a numpy scalar or, from an adjoint AllReduce, as (1,).
         scale = np.asarray(dy).reshape(()) / n
         return _cross_entropy_grad(p, own, idx, scale), None

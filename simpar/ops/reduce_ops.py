@@ -278,13 +278,16 @@ class ReduceMax(_Reduce):
         y = self.kernel(x)
         for spec in sh.internal_forward:
             with comm.label(f"{self.name}:max"):
-                y = comm.all_reduce(y, op="max", group=spec.group(comm.get_rank()))
+                # reshape: comm.all_reduce hands a 0-d array back as shape (1,)
+                y = comm.all_reduce(y, op="max", group=spec.group(comm.get_rank())
+                                    ).reshape(y.shape)
         return y, (x, y)
 
     def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray
                        ) -> tuple[np.ndarray | None, ...]:
         x, y = saved
+        dy = np.asarray(dy)  # run_op's cotangent of a 0-d output is a numpy scalar
         for spec in sh.internal_backward:
             with comm.label(f"{self.name}:max-adjoint"):
-                dy = comm.all_reduce(dy, group=spec.group(comm.get_rank()))
+                dy = comm.all_reduce(dy, group=spec.group(comm.get_rank())).reshape(dy.shape)
         return self.vjp((x,), y, dy)

@@ -1,0 +1,217 @@
+"""Tracing: run a Cell's ``construct`` once on symbolic values and record a global graph.
+
+While tracing, every primitive call records a :class:`Node` (a snapshot of the op, so that
+attributes set at call time, like a Reshape's shape, are kept per call) and returns
+:class:`Value` s that carry only global shapes and dtypes. Parameters, graph inputs and
+constants become values too. No data flows and no MPI is touched: the graph is what the
+planner lowers into a per-rank program.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from simpar.nn.cell import Parameter
+    from simpar.ops._base import Primitive
+
+__all__ = ["Graph", "Node", "Value", "record", "scope", "trace", "tracing"]
+
+
+@dataclass(eq=False)
+class Value:
+    """A tensor in a traced graph: global shape and dtype, and where it comes from."""
+
+    id: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    kind: str                       # "input", "param", "const" or "op"
+    name: str
+    producer: Node | None = None
+    index: int = 0                  # which output of the producer
+    param: Parameter | None = None
+    const: np.ndarray | None = None
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __repr__(self) -> str:
+        return f"%{self.id}:{self.name}{list(self.shape)}"
+
+    # MindSpore tensors support arithmetic; so do traced values.
+    def __add__(self, other: Any) -> Any:
+        from simpar import ops
+        return ops.Add()(self, other)
+
+    def __radd__(self, other: Any) -> Any:
+        from simpar import ops
+        return ops.Add()(other, self)
+
+    def __sub__(self, other: Any) -> Any:
+        from simpar import ops
+        return ops.Sub()(self, other)
+
+    def __mul__(self, other: Any) -> Any:
+        from simpar import ops
+        return ops.Mul()(self, other)
+
+    def __rmul__(self, other: Any) -> Any:
+        from simpar import ops
+        return ops.Mul()(other, self)
+
+    def __truediv__(self, other: Any) -> Any:
+        from simpar import ops
+        return ops.RealDiv()(self, other)
+
+
+@dataclass(eq=False)
+class Node:
+    """One primitive call: ``outputs = op(*inputs)``; ``name`` is MindSpore-style, e.g.
+    ``"Default/network-WithLossCell/_backbone-MLP/fc1-Dense/MatMul-op3"``."""
+
+    id: int
+    op: Primitive
+    inputs: tuple[Value, ...]
+    outputs: tuple[Value, ...] = ()
+    name: str = ""
+
+    def __repr__(self) -> str:
+        ins = ", ".join(repr(v) for v in self.inputs)
+        outs = ", ".join(repr(v) for v in self.outputs)
+        return f"{outs} = {self.op!r}({ins})"
+
+
+@dataclass
+class Graph:
+    """A traced global graph."""
+
+    inputs: list[Value] = field(default_factory=list)
+    params: list[Value] = field(default_factory=list)
+    consts: list[Value] = field(default_factory=list)
+    nodes: list[Node] = field(default_factory=list)
+    outputs: list[Value] = field(default_factory=list)
+
+    def consumers(self) -> dict[int, list[tuple[Node, int]]]:
+        """For every value id, the (node, input position) pairs that read it."""
+        out: dict[int, list[tuple[Node, int]]] = {}
+        for n in self.nodes:
+            for k, v in enumerate(n.inputs):
+                out.setdefault(v.id, []).append((n, k))
+        return out
+
+    def __str__(self) -> str:
+        lines = [f"graph({', '.join(repr(v) for v in self.inputs)}):"]
+        lines += [f"  {n!r}" for n in self.nodes]
+        lines.append(f"  return {', '.join(repr(v) for v in self.outputs)}")
+        return "\n".join(lines)
+
+
+class _Tracer:
+    def __init__(self) -> None:
+        self.graph = Graph()
+        self.next_id = 0
+        self.op_count = 0
+        self.scopes: list[str] = ["Default"]
+        self.params: dict[int, Value] = {}
+
+    def new_value(self, shape: Sequence[int], dtype: Any, kind: str, name: str,
+                  **kw: Any) -> Value:
+        v = Value(self.next_id, tuple(int(s) for s in shape), np.dtype(dtype), kind, name, **kw)
+        self.next_id += 1
+        return v
+
+    def as_value(self, x: Any) -> Value:
+        from simpar.nn.cell import Parameter
+
+        if isinstance(x, Value):
+            return x
+        if isinstance(x, Parameter):
+            v = self.params.get(id(x))
+            if v is None:
+                v = self.new_value(x.shape, x.dtype, "param", x.name, param=x)
+                self.params[id(x)] = v
+                self.graph.params.append(v)
+            return v
+        arr = np.asarray(x)
+        if arr.dtype.kind not in "fiu":
+            raise TypeError(f"cannot use {type(x).__name__} {x!r} as a tensor in a traced graph")
+        if arr.dtype == np.float64 and not isinstance(x, np.ndarray):
+            arr = arr.astype(np.float64)
+        v = self.new_value(arr.shape, arr.dtype, "const", f"const{self.next_id}", const=arr)
+        self.graph.consts.append(v)
+        return v
+
+
+_state = threading.local()
+
+
+def _tracer() -> _Tracer | None:
+    return getattr(_state, "tracer", None)
+
+
+def tracing() -> bool:
+    """True while a graph is being traced on this thread."""
+    return _tracer() is not None
+
+
+@contextmanager
+def scope(name: str) -> Iterator[None]:
+    """Name the ops recorded inside (Cells push ``"name-ClassName"``)."""
+    t = _tracer()
+    if t is None:
+        yield
+        return
+    t.scopes.append(name)
+    try:
+        yield
+    finally:
+        t.scopes.pop()
+
+
+def record(op: Primitive, args: Sequence[Any]) -> Any:
+    """Add one node for ``op(*args)`` and return its output value(s)."""
+    t = _tracer()
+    assert t is not None, "record() outside trace()"
+    inputs = tuple(t.as_value(a) for a in args)
+    snapshot = copy.copy(op)
+    shapes = [v.shape for v in inputs]
+    out_shape = snapshot.infer_shape(*shapes)
+    node = Node(len(t.graph.nodes), snapshot, inputs,
+                name="/".join(t.scopes) + f"/{op.name}-op{t.op_count}")
+    t.op_count += 1
+    first_float = next((v.dtype for v in inputs if v.dtype.kind == "f"), inputs[0].dtype)
+    dtype = snapshot.output_dtype(first_float)
+    n_out = snapshot.n_outputs
+    outs = tuple(t.new_value(out_shape, dtype, "op", f"{op.name}{node.id}" + (
+        f".{k}" if n_out > 1 else ""), producer=node, index=k) for k in range(n_out))
+    node.outputs = outs
+    t.graph.nodes.append(node)
+    return outs if n_out > 1 else outs[0]
+
+
+def trace(fn: Callable[..., Any], input_specs: Sequence[tuple[Sequence[int], Any]],
+          input_names: Sequence[str] | None = None) -> Graph:
+    """Trace ``fn(*inputs)`` for inputs of the given ``(shape, dtype)``."""
+    if tracing():
+        raise RuntimeError("trace() cannot nest")
+    t = _Tracer()
+    _state.tracer = t
+    try:
+        names = list(input_names or [f"input{i}" for i in range(len(input_specs))])
+        ins = [t.new_value(shape, dtype, "input", names[i]) for i, (shape, dtype)
+               in enumerate(input_specs)]
+        t.graph.inputs = ins
+        out = fn(*ins)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        t.graph.outputs = [t.as_value(o) for o in outs]
+    finally:
+        _state.tracer = None
+    return t.graph

@@ -1,0 +1,207 @@
+"""Cells and Parameters, shaped like MindSpore's ``nn.Cell`` and ``Parameter``.
+
+A Cell registers the Parameters and sub-Cells assigned to its attributes; parameter names are
+their dotted paths (``"blocks.0.attn.q.weight"``). ``construct`` describes the computation; it
+runs eagerly on numpy arrays (single device) or, under :func:`simpar.graph.trace`, records
+the global graph that the runtime lowers to a per-rank program.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from simpar import graph
+
+__all__ = ["Cell", "Parameter", "initializer"]
+
+
+def _stable_seed(seed: int, name: str) -> int:
+    digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def initializer(kind: str, shape: Sequence[int], dtype: Any = np.float32, **kw: Any
+                ) -> Callable[[int, str], np.ndarray]:
+    """A deferred initial value: ``init(seed, name)`` gives the *global* array.
+
+    The value depends only on the seed and the parameter's name, never on the rank count, so
+    every rank's shard is the slice of the same global tensor. Kinds: ``"normal"``
+    (``sigma``), ``"uniform"`` (``scale``), ``"xavier_uniform"``, ``"zeros"``, ``"ones"``.
+    """
+    shp = tuple(int(s) for s in shape)
+    if kind not in ("normal", "uniform", "xavier_uniform", "zeros", "ones"):
+        raise ValueError(f"initializer: kind must be normal, uniform, xavier_uniform, zeros or "
+                         f"ones, got {kind!r}")
+
+    def make(seed: int, name: str) -> np.ndarray:
+        rng = np.random.default_rng(_stable_seed(seed, name))
+        if kind == "zeros":
+            return np.zeros(shp, dtype=dtype)
+        if kind == "ones":
+            return np.ones(shp, dtype=dtype)
+        if kind == "normal":
+            return (rng.standard_normal(shp) * kw.get("sigma", 0.02)).astype(dtype)
+        if kind == "uniform":
+            s = kw.get("scale", 0.07)
+            return rng.uniform(-s, s, shp).astype(dtype)
+        fan_in, fan_out = (shp[-1], shp[0]) if len(shp) >= 2 else (shp[0], shp[0])
+        s = math.sqrt(6.0 / (fan_in + fan_out))
+        return rng.uniform(-s, s, shp).astype(dtype)
+
+    make.shape = shp  # type: ignore[attr-defined]
+    make.dtype = np.dtype(dtype)  # type: ignore[attr-defined]
+    return make
+
+
+class Parameter:
+    """A trainable tensor. Its global initial value comes from an :func:`initializer` (or an
+    array) and the global seed; a rank keeps only its shard once a program lays it out."""
+
+    def __init__(self, default: np.ndarray | Callable[[int, str], np.ndarray],
+                 name: str | None = None, requires_grad: bool = True) -> None:
+        if callable(default):
+            self._init: Callable[[int, str], np.ndarray] | None = default
+            self.shape: tuple[int, ...] = tuple(default.shape)  # type: ignore[attr-defined]
+            self.dtype = np.dtype(default.dtype)  # type: ignore[attr-defined]
+            self._data: np.ndarray | None = None
+        else:
+            arr = np.asarray(default)
+            if arr.dtype.kind != "f":
+                raise TypeError(f"Parameter: the value must be floating point, got {arr.dtype}")
+            self._init = None
+            self._data = np.array(arr, copy=True)
+            self.shape, self.dtype = arr.shape, arr.dtype
+        self.name = name or ""
+        self.requires_grad = requires_grad
+
+    def initial_value(self, seed: int) -> np.ndarray:
+        """The global initial value for ``seed`` (identical on every rank)."""
+        if self._init is not None:
+            return self._init(seed, self.name)
+        assert self._data is not None
+        return self._data.copy()
+
+    @property
+    def data(self) -> np.ndarray:
+        """The global value for eager (single-device) use; initialised with seed 0 if unset."""
+        if self._data is None:
+            self._data = self.initial_value(0)
+        return self._data
+
+    def set_data(self, value: np.ndarray) -> None:
+        value = np.asarray(value)
+        if value.shape != self.shape:
+            raise ValueError(f"Parameter {self.name}: set_data got shape {value.shape}, expected "
+                             f"{self.shape}")
+        self._data = value.astype(self.dtype, copy=True)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        return self.data if dtype is None else self.data.astype(dtype)
+
+    def __repr__(self) -> str:
+        return f"Parameter(name={self.name!r}, shape={self.shape}, dtype={self.dtype})"
+
+
+class Cell:
+    """Base class of layers and models (MindSpore's ``nn.Cell``).
+
+    Subclasses set Parameters and Cells as attributes in ``__init__`` and implement
+    ``construct``. ``cell.shard(in_strategy, parameter_plan=...)`` sets cell-level strategies:
+    the layouts the cell's inputs are redistributed to, and layouts for its parameters.
+    """
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "_params", {})
+        object.__setattr__(self, "_cells", {})
+        object.__setattr__(self, "in_strategy", None)
+        object.__setattr__(self, "parameter_plan", {})
+        object.__setattr__(self, "training", True)
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        if "_params" not in self.__dict__:
+            raise RuntimeError(f"{type(self).__name__}: call super().__init__() before "
+                               "assigning attributes")
+        if isinstance(value, Parameter):
+            self._params[key] = value
+        elif isinstance(value, Cell):
+            self._cells[key] = value
+            object.__setattr__(value, "_scope_name", key)
+        object.__setattr__(self, key, value)
+
+    # -- structure
+    def cells_and_names(self, prefix: str = "") -> Iterator[tuple[str, Cell]]:
+        yield prefix, self
+        for name, cell in self._cells.items():
+            yield from cell.cells_and_names(f"{prefix}.{name}" if prefix else name)
+
+    def parameters_and_names(self) -> Iterator[tuple[str, Parameter]]:
+        """Every Parameter with its dotted name, each once."""
+        seen: set[int] = set()
+        for path, cell in self.cells_and_names():
+            for name, p in cell._params.items():
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                yield (f"{path}.{name}" if path else name), p
+
+    def name_parameters(self) -> None:
+        """Give every Parameter its dotted path as name (done once, before tracing)."""
+        for full, p in self.parameters_and_names():
+            if not p.name:
+                p.name = full
+
+    def trainable_params(self) -> list[Parameter]:
+        """Parameters with ``requires_grad``, named by their dotted paths."""
+        self.name_parameters()
+        return [p for _, p in self.parameters_and_names() if p.requires_grad]
+
+    def get_parameters(self) -> list[Parameter]:
+        self.name_parameters()
+        return [p for _, p in self.parameters_and_names()]
+
+    def set_train(self, mode: bool = True) -> Cell:
+        for _, cell in self.cells_and_names():
+            object.__setattr__(cell, "training", mode)
+        return self
+
+    # -- MindSpore's cell-level sharding
+    def shard(self, in_strategy: Sequence[Sequence[int]] | None,
+              out_strategy: Sequence[Sequence[int]] | None = None,
+              parameter_plan: dict[str, Sequence[int]] | None = None) -> Cell:
+        """Cell-level strategy: cuts for each input of ``construct`` (None to leave one as it
+        arrives) and ``parameter_plan`` {parameter name relative to this cell: cuts}."""
+        if in_strategy is not None and not isinstance(in_strategy, (tuple, list)):
+            raise TypeError(f"{type(self).__name__}.shard: in_strategy must be a tuple of "
+                            f"tuples, got {in_strategy!r}")
+        if out_strategy is not None:
+            raise ValueError(f"{type(self).__name__}.shard: out_strategy on a Cell is not "
+                             "supported; shard the op that produces the output instead")
+        object.__setattr__(self, "in_strategy", None if in_strategy is None else tuple(
+            None if s is None else tuple(int(c) for c in s) for s in in_strategy))
+        plan = {}
+        for key, cuts in (parameter_plan or {}).items():
+            plan[key] = tuple(int(c) for c in cuts)
+        object.__setattr__(self, "parameter_plan", plan)
+        return self
+
+    # -- running
+    def construct(self, *args: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} must implement construct")
+
+    def __call__(self, *args: Any) -> Any:
+        if not graph.tracing():
+            return self.construct(*args)
+        with graph.scope(f"{getattr(self, '_scope_name', 'network')}-{type(self).__name__}"):
+            if self.in_strategy is not None:
+                from simpar.runtime.annotate import reshard_inputs
+
+                args = reshard_inputs(self, args)
+            return self.construct(*args)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"

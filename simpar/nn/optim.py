@@ -1,0 +1,143 @@
+"""Optimizers that update parameter shards in place: every update is elementwise, so the
+optimizer state has exactly its parameter's layout and no communication is needed.
+
+The same code updates global arrays on one device, which is how the single-device reference
+matches the parallel run number for number. Names and update rules follow MindSpore's
+``nn.SGD``, ``nn.Momentum``, ``nn.Adam``; ``AdamW`` is decoupled weight decay with bias
+correction (Loshchilov & Hutter; PyTorch's AdamW).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from simpar.nn.cell import Parameter
+
+__all__ = ["SGD", "Adam", "AdamW", "Momentum", "Optimizer"]
+
+
+def _check_positive(name: str, value: float, allow_zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+    return float(value)
+
+
+class Optimizer:
+    """Base: holds hyper-parameters and per-parameter state shards; ``step`` updates."""
+
+    def __init__(self, params: Sequence[Parameter], learning_rate: float,
+                 weight_decay: float = 0.0) -> None:
+        params = list(params)
+        if not params or not all(isinstance(p, Parameter) for p in params):
+            raise TypeError("optimizer: params must be a non-empty list of Parameters "
+                            "(cell.trainable_params())")
+        self.parameters = params
+        self.learning_rate = _check_positive("learning_rate", learning_rate)
+        self.weight_decay = _check_positive("weight_decay", weight_decay, allow_zero=True)
+        self.state: dict[str, dict[str, np.ndarray]] = {}
+        self.t = 0
+
+    def names(self) -> list[str]:
+        return [p.name for p in self.parameters]
+
+    def init_state(self, shards: dict[str, np.ndarray]) -> None:
+        self.state = {name: {k: np.zeros_like(shards[name]) for k in self.slots}
+                      for name in self.names()}
+        self.t = 0
+
+    slots: tuple[str, ...] = ()
+
+    def step(self, params: dict[str, np.ndarray], grads: dict[str, np.ndarray]) -> None:
+        """Update ``params`` (this rank's shards, in place) with ``grads`` (same layouts)."""
+        if not self.state:
+            self.init_state(params)
+        self.t += 1
+        for name in self.names():
+            self._update(params[name], grads[name], self.state[name])
+
+    def _update(self, p: np.ndarray, g: np.ndarray, s: dict[str, np.ndarray]) -> None:
+        raise NotImplementedError
+
+
+class SGD(Optimizer):
+    """``p -= lr * (g + wd p)``, with optional momentum (MindSpore's nn.SGD)."""
+
+    def __init__(self, params: Sequence[Parameter], learning_rate: float = 0.1,
+                 momentum: float = 0.0, weight_decay: float = 0.0) -> None:
+        super().__init__(params, learning_rate, weight_decay)
+        self.momentum = _check_positive("momentum", momentum, allow_zero=True)
+        self.slots = ("v",) if self.momentum else ()
+
+    def _update(self, p: np.ndarray, g: np.ndarray, s: dict[str, np.ndarray]) -> None:
+        d = g + self.weight_decay * p if self.weight_decay else g
+        if self.momentum:
+            s["v"] *= self.momentum
+            s["v"] += d
+            d = s["v"]
+        p -= (self.learning_rate * d).astype(p.dtype)
+
+
+class Momentum(Optimizer):
+    """``v = momentum v + (g + wd p); p -= lr v`` (MindSpore's nn.Momentum)."""
+
+    slots = ("v",)
+
+    def __init__(self, params: Sequence[Parameter], learning_rate: float = 0.1,
+                 momentum: float = 0.9, weight_decay: float = 0.0) -> None:
+        super().__init__(params, learning_rate, weight_decay)
+        self.momentum = _check_positive("momentum", momentum, allow_zero=True)
+
+    def _update(self, p: np.ndarray, g: np.ndarray, s: dict[str, np.ndarray]) -> None:
+        d = g + self.weight_decay * p if self.weight_decay else g
+        s["v"] *= self.momentum
+        s["v"] += d
+        p -= (self.learning_rate * s["v"]).astype(p.dtype)
+
+
+class Adam(Optimizer):
+    """Adam with bias correction and L2 weight decay added to the gradient (nn.Adam)."""
+
+    slots = ("m", "v")
+
+    def __init__(self, params: Sequence[Parameter], learning_rate: float = 1e-3,
+                 beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
+                 weight_decay: float = 0.0) -> None:
+        super().__init__(params, learning_rate, weight_decay)
+        for name, b in (("beta1", beta1), ("beta2", beta2)):
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"Adam: {name} must be in [0, 1), got {b}")
+        self.beta1, self.beta2 = beta1, beta2
+        self.eps = _check_positive("eps", eps)
+
+    def _direction(self, p: np.ndarray, g: np.ndarray, s: dict[str, np.ndarray]) -> np.ndarray:
+        s["m"] *= self.beta1
+        s["m"] += (1.0 - self.beta1) * g
+        s["v"] *= self.beta2
+        s["v"] += (1.0 - self.beta2) * g * g
+        corr = math.sqrt(1.0 - self.beta2 ** self.t) / (1.0 - self.beta1 ** self.t)
+        return np.asarray(corr * s["m"] / (np.sqrt(s["v"]) + self.eps))
+
+    def _update(self, p: np.ndarray, g: np.ndarray, s: dict[str, np.ndarray]) -> None:
+        if self.weight_decay:
+            g = g + self.weight_decay * p
+        p -= (self.learning_rate * self._direction(p, g, s)).astype(p.dtype)
+
+
+class AdamW(Adam):
+    """Adam with decoupled weight decay: ``p -= lr (adam_direction + wd p)``."""
+
+    def __init__(self, params: Sequence[Parameter], learning_rate: float = 1e-3,
+                 beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
+                 weight_decay: float = 0.01) -> None:
+        super().__init__(params, learning_rate, beta1, beta2, eps, weight_decay)
+
+    def _update(self, p: np.ndarray, g: np.ndarray, s: dict[str, np.ndarray]) -> None:
+        d = self._direction(p, g, s)
+        if self.weight_decay:
+            d = d + self.weight_decay * p
+        p -= (self.learning_rate * d).astype(p.dtype)

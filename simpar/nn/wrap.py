@@ -1,0 +1,156 @@
+"""``WithLossCell`` and ``TrainOneStepCell``: one call trains one step on the MPI world.
+
+The first call traces the network for the inputs' shapes, lowers it under the parallel
+context to a :class:`~simpar.runtime.ParallelProgram`, and gives every rank its shards of the
+global initial parameters. Each call then runs forward, backward and the optimizer on this
+rank's shards and returns the global loss.
+
+Gradient seeding (see README, "gradient semantics"): the loss is replicated on ``r`` ranks;
+with ``loss_repeated_mean`` each replica seeds ``1/r`` so that the gradients, once each
+parameter's Mirror sums them, equal the single-device gradient of the global loss exactly.
+With ``gradients_mean=False`` they are instead the sum over the ``D`` data-parallel shards
+(``D`` = the cut of the batch dimension at the loss op), as data parallel training sums them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from simpar import context, graph
+from simpar.layout import TensorLayout, distribute
+from simpar.nn.cell import Cell
+from simpar.nn.optim import Optimizer
+from simpar.runtime.program import ParallelProgram, lower
+
+__all__ = ["TrainOneStepCell", "WithLossCell"]
+
+
+class WithLossCell(Cell):
+    """``loss_fn(backbone(data), label)``."""
+
+    def __init__(self, backbone: Cell, loss_fn: Cell) -> None:
+        super().__init__()
+        self._backbone = backbone
+        self._loss_fn = loss_fn
+
+    def construct(self, data: Any, label: Any) -> Any:
+        return self._loss_fn(self._backbone(data), label)
+
+
+class TrainOneStepCell:
+    """Calling it on ``(data, label)`` runs one training step and returns the global loss.
+
+    ``data``/``label`` may be the global batch (each rank takes its slice per the dataset
+    strategy) or this rank's slice already. ``parallel_mode`` overrides the context's mode
+    (tests build a stand-alone reference in the same process this way).
+    """
+
+    def __init__(self, network: Cell, optimizer: Optimizer, sens: float = 1.0,
+                 parallel_mode: str | None = None, seed: int | None = None) -> None:
+        if not isinstance(network, Cell):
+            raise TypeError(f"TrainOneStepCell: network must be a Cell, got "
+                            f"{type(network).__name__}")
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(f"TrainOneStepCell: optimizer must be a simpar.nn Optimizer, got "
+                            f"{type(optimizer).__name__}")
+        from simpar.seed import get_seed
+
+        self.network = network
+        self.optimizer = optimizer
+        self.sens = float(sens)
+        self.mode = parallel_mode or str(context.get_auto_parallel_context("parallel_mode"))
+        self.seed = get_seed() if seed is None else seed
+        self.program: ParallelProgram | None = None
+        self.params: dict[str, np.ndarray] = {}
+        self.step_count = 0
+        self.last_grads: dict[str, np.ndarray] = {}
+        network.name_parameters()
+
+    # ------------------------------------------------------------ build
+    def build(self, data: np.ndarray, label: np.ndarray) -> ParallelProgram:
+        """Trace and lower for these global input shapes, and lay out the parameters."""
+        from simpar import comm
+
+        ctx = context.auto_parallel_context()
+        device_num = 1 if self.mode == "stand_alone" else comm.get_group_size()
+        if device_num > 1:
+            comm.check_context()
+        g = graph.trace(self.network, [(data.shape, data.dtype), (label.shape, label.dtype)],
+                        ["data", "label"])
+        dataset = "full_batch" if ctx.full_batch else ctx.dataset_strategy
+        self.program = lower(g, device_num, self.mode, dataset, ctx.enable_alltoall,
+                             cell=self.network)
+        rank = comm.get_rank() if device_num > 1 else 0
+        trainable = {p.name for p in self.optimizer.parameters}
+        for name, lay in self.program.param_layouts.items():
+            v = self.program.param_values[name]
+            assert v.param is not None
+            self.params[name] = distribute(v.param.initial_value(self.seed), lay, rank)
+            if name not in trainable and v.param.requires_grad:
+                raise ValueError(f"TrainOneStepCell: parameter {name} is trainable but not "
+                                 "in the optimizer's params")
+        self.optimizer.init_state({n: self.params[n] for n in self.optimizer.names()})
+        return self.program
+
+    def _local(self, x: np.ndarray, lay: TensorLayout, rank: int) -> np.ndarray:
+        if tuple(x.shape) == lay.shape:
+            return distribute(x, lay, rank)
+        if tuple(x.shape) == lay.local_shape():
+            return x
+        raise ValueError(f"TrainOneStepCell: input of shape {x.shape} is neither the global "
+                         f"batch {lay.shape} nor this rank's slice {lay.local_shape()}")
+
+    def loss_seed(self) -> float:
+        """The cotangent each rank gives its copy of the loss (see module docstring)."""
+        assert self.program is not None
+        ctx = context.auto_parallel_context()
+        lay = self.program.output_layouts()[0]
+        replicas = math.prod(lay.device_matrix[a] for a in lay.replica_axes)
+        out = self.program.graph.outputs[0]
+        step = next(s for s in self.program.steps if s.node is out.producer)
+        first = step.sharding.in_layouts[0]
+        dp = first.cuts[0] if first.ndim else 1
+        seed = self.sens * (1.0 if ctx.gradients_mean or self.mode == "stand_alone" else dp)
+        return seed / replicas if ctx.loss_repeated_mean else seed
+
+    # ------------------------------------------------------------ one step
+    def __call__(self, data: np.ndarray, label: np.ndarray) -> float:
+        from simpar import comm
+
+        data, label = np.asarray(data), np.asarray(label)
+        if self.program is None:
+            self.build(data, label)
+        prog = self.program
+        assert prog is not None
+        rank = comm.get_rank() if prog.device_num > 1 else 0
+        lays = prog.input_layouts()
+        local_in = [self._local(data, lays[0], rank), self._local(label, lays[1], rank)]
+        outs, tape = prog.forward(local_in, self.params, step=self.step_count)
+        loss = outs[0]
+        seed = np.full(loss.shape, self.loss_seed(), dtype=loss.dtype)
+        grads = prog.backward(tape, [seed])
+        self.last_grads = grads
+        self.optimizer.step(self.params, grads)
+        self.step_count += 1
+        return float(loss)
+
+    # ------------------------------------------------------------ inspection
+    def global_parameters(self) -> dict[str, np.ndarray]:
+        """Every parameter assembled to its global value (collective: every rank calls)."""
+        from simpar import comm
+        from simpar.redistribution import execute, plan
+
+        assert self.program is not None
+        out = {}
+        for name, lay in self.program.param_layouts.items():
+            if self.program.device_num == 1:
+                out[name] = self.params[name].copy()
+                continue
+            full = TensorLayout(lay.device_matrix, [-1] * lay.ndim, lay.shape)
+            with comm.label("assemble"):
+                out[name] = execute(plan(lay, full), self.params[name])
+        return out
+
