@@ -80,13 +80,11 @@ class LayerNorm(Cell):
         self.gamma = Parameter(initializer("ones", self.normalized_shape, dtype))
         self.beta = Parameter(initializer("zeros", self.normalized_shape, dtype))
         self.epsilon = epsilon
-        self.layer_norm: ops.Primitive | None = None
+        axis = -len(self.normalized_shape)
+        self.layer_norm = ops.LayerNorm(begin_norm_axis=axis, begin_params_axis=axis,
+                                        epsilon=epsilon)
 
     def construct(self, x: Any) -> Any:
-        if self.layer_norm is None:
-            axis = len(x.shape) - len(self.normalized_shape)
-            self.layer_norm = ops.LayerNorm(begin_norm_axis=axis, begin_params_axis=axis,
-                                            epsilon=self.epsilon)
         return self.layer_norm(x, self.gamma, self.beta)
 
 

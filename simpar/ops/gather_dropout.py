@@ -25,7 +25,6 @@ from typing import Any
 
 import numpy as np
 
-from simpar import comm
 from simpar.ops._base import IterSpace, OpSharding, Primitive, register
 
 __all__ = ["Dropout", "Gather"]

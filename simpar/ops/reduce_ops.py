@@ -64,16 +64,17 @@ class _Reduce(Primitive):
     def _check_axis(self, axis: object) -> tuple[int, ...]:
         if axis is None:
             return ()
-        items = list(axis) if isinstance(axis, (tuple, list)) else [axis]
+        items: list[object] = list(axis) if isinstance(axis, (tuple, list)) else [axis]
+        out: list[int] = []
         for a in items:
             if isinstance(a, bool) or not isinstance(a, (int, np.integer)):
                 raise TypeError(f"{self.name}: axis must be an int, a tuple of ints, () or None, "
                                 f"got {axis!r}")
-        out = tuple(int(a) for a in items)
+            out.append(int(a))
         if len(set(out)) != len(out):
-            raise ValueError(f"{self.name}: axis {out} lists an axis more than once; each "
-                             "reduced axis may appear only once")
-        return out
+            raise ValueError(f"{self.name}: axis {tuple(out)} lists an axis more than once; "
+                             "each reduced axis may appear only once")
+        return tuple(out)
 
     def attrs(self) -> dict[str, Any]:
         return {"keep_dims": self.keep_dims, "axis": self.axis}
@@ -279,7 +280,7 @@ class ReduceMax(_Reduce):
         for spec in sh.internal_forward:
             with comm.label(f"{self.name}:max"):
                 # reshape: comm.all_reduce hands a 0-d array back as shape (1,)
-                y = comm.all_reduce(y, op="max", group=spec.group(comm.get_rank())
+                y = comm.all_reduce(y, op="max", group=spec.group(sh.rank())
                                     ).reshape(y.shape)
         return y, (x, y)
 
@@ -289,5 +290,5 @@ class ReduceMax(_Reduce):
         dy = np.asarray(dy)  # run_op's cotangent of a 0-d output is a numpy scalar
         for spec in sh.internal_backward:
             with comm.label(f"{self.name}:max-adjoint"):
-                dy = comm.all_reduce(dy, group=spec.group(comm.get_rank())).reshape(dy.shape)
+                dy = comm.all_reduce(dy, group=spec.group(sh.rank())).reshape(dy.shape)
         return self.vjp((x,), y, dy)

@@ -268,27 +268,31 @@ def _choose(node: Node, shapes: list[tuple[int, ...]], device_num: int, mode: st
     if mode == "semi_auto_parallel" and op.in_strategy is not None:
         return op.sharding(shapes, device_num), "annotated"
 
-    def score(sh: OpSharding) -> tuple[int, int, int]:
-        cost = 0
+    def score(sh: OpSharding) -> tuple[int, int, int, int]:
+        cost = steps = 0
         for v, lay in zip(node.inputs, sh.in_layouts):
             src = known.get(v.id)
-            if src is not None:
-                cost += _cost(plan(src, lay, enable_alltoall))
-        repeat = device_num // math.prod(
-            c for c in sh.extra.get("cuts", {}).values()) if sh.extra.get("cuts") else 1
+            if src is not None and v.kind in ("op", "input"):
+                p = plan(src, lay, enable_alltoall)
+                cost += _cost(p)
+                steps += len(p.steps)
+        cuts = sh.extra.get("cuts")
+        repeat = device_num // math.prod(cuts.values()) if cuts else 1
         batch_cut = -sh.in_layouts[0].cuts[0] if sh.in_layouts and sh.in_layouts[0].ndim else 0
-        return cost, repeat, batch_cut
+        # Bytes first; then keep activations exactly where they are (even a free slice now
+        # can cost a gather later); then the most parallel; then the largest batch cut.
+        return cost, steps, repeat, batch_cut
 
     chosen = "data_parallel" if mode == "data_parallel" else "propagated"
     follow = _follow_strategy(node, known)
     if _param_cuts_ok(node, follow, mode, param_plans):
         try:
             sh = op.sharding(shapes, device_num, follow)
-            if score(sh)[0] == 0 and score(sh)[1] == 1:
+            if score(sh)[:2] == (0, 0):
                 return sh, chosen
         except (StrategyError, ValueError):
             pass
-    best: tuple[tuple[int, int, int], OpSharding] | None = None
+    best: tuple[tuple[int, int, int, int], OpSharding] | None = None
     for strat in op.candidate_strategies(shapes, device_num, fully_use_devices=False):
         if not _param_cuts_ok(node, strat, mode, param_plans):
             continue
