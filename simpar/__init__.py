@@ -16,6 +16,7 @@ from simpar.context import (  # noqa: E402
     set_auto_parallel_context,
 )
 from simpar.mesh import DeviceMesh  # noqa: E402
+from simpar.seed import get_seed, set_seed  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -24,8 +25,10 @@ __all__ = [
     "__version__",
     "get_algo_parameters",
     "get_auto_parallel_context",
+    "get_seed",
     "reset_algo_parameters",
     "reset_auto_parallel_context",
     "set_algo_parameters",
     "set_auto_parallel_context",
+    "set_seed",
 ]

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import simpar.comm as comm
+from simpar.mesh import DeviceMesh
 from simpar.ops import StrategyError
 from simpar.ops.nn_ops import LayerNorm, LogSoftmax, Softmax, SparseSoftmaxCrossEntropyWithLogits
 from simpar.parallel import get_parallel_info, run_op
@@ -170,17 +171,24 @@ def test_parallel_info_of_cross_entropy():
     assert [(c["op"], c["group"]) for c in info["forward_comm"]] == [("AllReduce",
                                                                      list(range(8)))]
     assert info["outputs_tensor_map"] == [[]] and info["outputs_slice_shape"] == [[]]
-    info = get_parallel_info(SSCE().shard(((1, 4), (1,))), [(8, 16), (8,)], 8, 6, "float64")
-    assert info["device_matrix"] == [2, 1, 4]
-    assert [c["group"] for c in info["forward_comm"]] == [[4, 5, 6, 7]] * 3
-    assert [c["bytes"] for c in info["forward_comm"]] == [6 * 8 * 8 // 4, 6 * 16 * 8 // 4,
-                                                          6 * 8 // 4]
+    info = get_parallel_info(SSCE().shard(((2, 4), (2,))), [(8, 16), (8,)], 8, 6, "float64")
+    assert info["device_matrix"] == [2, 4]
+    assert [c["group"] for c in info["forward_comm"]] == [[4, 5, 6, 7]] * 2 + [list(range(8))]
+    # 4 row maxima; (2, 4) sums and targets; the 0-d loss (8 bytes: 2*7/8*8 = 14, as traced).
+    assert [c["bytes"] for c in info["forward_comm"]] == [2 * 3 * 32 // 4, 2 * 3 * 64 // 4,
+                                                          2 * 7 * 8 // 8]
+    assert [(c["op"], c["group"]) for c in info["backward_comm"]] == [("AllReduce",
+                                                                      list(range(8)))]
 
 
-def test_repeated_calculation_axis_is_left():
+def test_repeated_calculation_ranks_share_statistics():
     info = get_parallel_info(LayerNorm().shard(((1, 2), (2,), (2,))), [(4, 8), (8,), (8,)], 8, 0)
-    assert info["device_matrix"] == [4, 1, 2]
-    assert [c["group"] for c in info["forward_comm"]] == [[0, 1], [0, 1]]
+    dm = info["device_matrix"]
+    assert sorted(dm) == [1, 2, 4]                    # cuts 1 and 2, a repeat axis of 4
+    axis = len(dm) - 1 - info["inputs_tensor_map"][0][1]
+    assert dm[axis] == 2
+    group = list(DeviceMesh(tuple(dm)).group_of(0, (axis,)))
+    assert [c["group"] for c in info["forward_comm"]] == [group, group]
 
 
 # ------------------------------------------------------------------ finite differences

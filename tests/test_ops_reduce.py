@@ -204,6 +204,9 @@ def test_bad_inputs():
         ReduceSum().kernel(np.ones(3, dtype=bool))
     with pytest.raises(ValueError, match="ReduceMax: cannot take the max over an empty"):
         ReduceMax(axis=1).kernel(np.ones((2, 0)))
+    with pytest.raises(ValueError, match="ReduceMean: cannot take the mean over an empty"):
+        ReduceMean().kernel(np.ones((0, 3)))
+    assert ReduceSum(axis=0).kernel(np.ones((0, 3))).tolist() == [0.0, 0.0, 0.0]
     with pytest.raises(StrategyError, match="2 is not divisible by 4"):
         ReduceSum(axis=1).sharding([(2, 8)], 8, ((4, 2),))
     with pytest.raises(StrategyError, match="has 2 entries but the input has 3 dimensions"):

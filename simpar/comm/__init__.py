@@ -28,6 +28,7 @@ from simpar.comm.collectives import (
     send,
     set_validation,
     validation,
+    validation_disabled,
 )
 from simpar.comm.trace import CommEvent, CommTrace, label
 
@@ -53,5 +54,6 @@ __all__ = [
     "send",
     "set_validation",
     "validation",
+    "validation_disabled",
     "world",
 ]

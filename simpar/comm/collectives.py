@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from time import perf_counter
 from typing import Any
 
@@ -38,6 +39,7 @@ __all__ = [
     "send",
     "set_validation",
     "validation",
+    "validation_disabled",
 ]
 
 DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.int32), np.dtype(np.int64))
@@ -61,6 +63,19 @@ def set_validation(on: bool) -> None:
 def validation() -> bool:
     """Whether collectives check that all ranks agree on shape, dtype and arguments."""
     return _validate
+
+
+@contextmanager
+def validation_disabled() -> Iterator[None]:
+    """Skip the agreement check inside the block (for code whose shapes agree by
+    construction, such as a planned program that every rank runs identically)."""
+    global _validate
+    before = _validate
+    _validate = False
+    try:
+        yield
+    finally:
+        _validate = before
 
 
 def _mpi() -> Any:

@@ -160,7 +160,10 @@ class MultiHeadAttention(Cell):
         self.head_dim = d_model // n_heads
         self.dtype = np.dtype(dtype)
         self.q = Dense(d_model, d_model, dtype=dtype)
-        self.k = Dense(d_model, d_model, dtype=dtype)
+        # No key bias: adding b to every key shifts each query's scores by a constant, which
+        # the softmax ignores, so its gradient is identically zero (and Adam would turn
+        # round-off into noise steps).
+        self.k = Dense(d_model, d_model, has_bias=False, dtype=dtype)
         self.v = Dense(d_model, d_model, dtype=dtype)
         self.proj = Dense(d_model, d_model, dtype=dtype)
         self.split_q, self.split_k, self.split_v = ops.Reshape(), ops.Reshape(), ops.Reshape()

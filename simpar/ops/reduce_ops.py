@@ -52,6 +52,8 @@ class _Reduce(Primitive):
     n_inputs = 1
     reduce_kind: ClassVar[str] = "sum"
     float_only: ClassVar[bool] = False
+    #: What the reduction of an empty dim is called in the error, or "" when it is defined.
+    empty_error: ClassVar[str] = ""
 
     def __init__(self, keep_dims: bool = False, axis: Axis = ()) -> None:
         super().__init__()
@@ -120,7 +122,10 @@ class _Reduce(Primitive):
         if x.dtype.kind not in allowed:
             what = "a float array" if self.float_only else "a float or integer array"
             raise TypeError(f"{self.name}: input must be {what}, got dtype {x.dtype}")
-        self.reduced_axes(x.ndim)
+        axes = self.reduced_axes(x.ndim)
+        if self.empty_error and any(x.shape[a] == 0 for a in axes):
+            raise ValueError(f"{self.name}: cannot take the {self.empty_error} over an empty "
+                             f"dimension; input shape {x.shape}, axis {self.axis}")
 
     # -- sharding
     def _sharding(self, shapes: tuple[tuple[int, ...], ...], strat: Strategy,
@@ -206,6 +211,7 @@ class ReduceMean(_Reduce):
     """
 
     float_only = True
+    empty_error = "mean"
 
     def _count(self, x_shape: tuple[int, ...]) -> int:
         return math.prod(x_shape[a] for a in self.reduced_axes(len(x_shape)))
@@ -215,11 +221,11 @@ class ReduceMean(_Reduce):
 
     def _partial_mean(self, x: np.ndarray, count: int) -> np.ndarray:
         s = np.sum(x, axis=self.reduced_axes(x.ndim), dtype=x.dtype, keepdims=self.keep_dims)
-        return np.asarray(s / x.dtype.type(max(count, 1)), dtype=x.dtype)
+        return np.asarray(s / x.dtype.type(count), dtype=x.dtype)
 
     def _grad(self, x_shape: tuple[int, ...], dtype: np.dtype, dy: np.ndarray,
               count: int) -> np.ndarray:
-        g = self._expand(dy, x_shape) / dtype.type(max(count, 1))
+        g = self._expand(dy, x_shape) / dtype.type(count)
         return np.broadcast_to(g, x_shape).astype(dtype)
 
     def vjp(self, xs: Sequence[np.ndarray], y: np.ndarray, dy: np.ndarray
@@ -255,11 +261,9 @@ class ReduceMax(_Reduce):
     """
 
     reduce_kind = "max"
+    empty_error = "max"
 
     def _reduce(self, x: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
-        if any(x.shape[a] == 0 for a in axes):
-            raise ValueError(f"{self.name}: cannot take the max over an empty dimension; input "
-                             f"shape {x.shape}, axis {self.axis}")
         return np.asarray(np.max(x, axis=axes, keepdims=self.keep_dims))
 
     def _route(self, x: np.ndarray, y: np.ndarray, dy: np.ndarray) -> np.ndarray:

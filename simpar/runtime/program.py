@@ -123,7 +123,16 @@ class ParallelProgram:
     # ------------------------------------------------------------ execution
     def forward(self, local_inputs: Sequence[np.ndarray], local_params: dict[str, np.ndarray],
                 step: int = 0) -> tuple[list[np.ndarray], dict[int, Any]]:
-        """Run the forward on this rank's shards; returns output shards and the tape."""
+        """Run the forward on this rank's shards; returns output shards and the tape.
+
+        Collectives run without simpar.comm's cross-rank agreement check: every rank runs
+        the same plan, so shapes agree by construction (and the check would double the
+        number of collectives)."""
+        with comm.validation_disabled():
+            return self._forward(local_inputs, local_params, step)
+
+    def _forward(self, local_inputs: Sequence[np.ndarray], local_params: dict[str, np.ndarray],
+                 step: int) -> tuple[list[np.ndarray], dict[int, Any]]:
         vals: dict[int, np.ndarray] = {}
         for v, x in zip(self.graph.inputs, local_inputs):
             vals[v.id] = x
@@ -162,6 +171,11 @@ class ParallelProgram:
                  ) -> dict[str, np.ndarray]:
         """Reverse pass from the outputs' cotangents; returns each trainable parameter's
         gradient shard, completed by its Mirror AllReduce."""
+        with comm.validation_disabled():
+            return self._backward(tape, output_grads)
+
+    def _backward(self, tape: dict[int, Any], output_grads: Sequence[np.ndarray | None]
+                  ) -> dict[str, np.ndarray]:
         grads: dict[int, np.ndarray] = {}
         for v, g in zip(self.graph.outputs, output_grads):
             if g is not None:
@@ -186,17 +200,28 @@ class ParallelProgram:
                 grads[v.id] = grads[v.id] + c if v.id in grads else c
         rank = comm.get_rank() if self.device_num > 1 else 0
         out: dict[str, np.ndarray] = {}
+        buckets: dict[tuple[tuple[int, ...], str], list[str]] = {}
         for name, v in self.param_values.items():
             if v.param is None or not v.param.requires_grad:
                 continue
             g = grads.get(v.id)
             if g is None:
                 g = np.zeros(self.param_layouts[name].local_shape(), dtype=v.dtype)
+            out[name] = g
             group = self.mirror_group(name, rank)
             if len(group) > 1:
-                with comm.label(f"Mirror:{name}"):
-                    g = comm.all_reduce(g, group=group)
-            out[name] = g
+                buckets.setdefault((group, g.dtype.str), []).append(name)
+        # Mirror: one AllReduce per group of ranks, on all its parameters' gradients at once
+        # (MindSpore fuses these AllReduces too); the sum completes every contribution.
+        for (group, _), names in buckets.items():
+            flat = np.concatenate([out[n].ravel() for n in names])
+            with comm.label(f"Mirror:{len(names)} params"):
+                flat = comm.all_reduce(flat, group=group)
+            offset = 0
+            for n in names:
+                size = out[n].size
+                out[n] = flat[offset:offset + size].reshape(out[n].shape)
+                offset += size
         return out
 
 
