@@ -86,7 +86,8 @@ def apply() -> dict[str, object]:
         wait = "yield"
         wait_why = "SIMPAR_WAIT_POLICY" if policy else f"{ranks} ranks > {cores} cores"
     else:
-        wait, wait_why = "spin", "SIMPAR_WAIT_POLICY" if policy else f"{ranks} ranks <= {cores} cores"
+        wait = "spin"
+        wait_why = "SIMPAR_WAIT_POLICY" if policy else f"{ranks} ranks <= {cores} cores"
     SETTINGS.update(cores=cores, local_ranks=ranks, blas_threads=threads, threads_from=why,
                     wait_policy=wait, wait_policy_from=wait_why)
     return SETTINGS

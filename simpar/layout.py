@@ -32,7 +32,7 @@ from simpar.mesh import DeviceMesh
 
 __all__ = ["IndivisibleError", "Layout", "MapEntry", "TensorLayout", "assemble", "distribute"]
 
-MapEntry = Union[int, tuple[int, ...]]
+MapEntry = Union[int, tuple[int, ...]]  # noqa: UP007 (a runtime alias, Python 3.10 too)
 
 
 class IndivisibleError(ValueError):

@@ -124,7 +124,7 @@ def print_strategy_table(train: nn.TrainOneStepCell) -> None:
         strat = str(r["strategy"]).replace(" ", "")
         print(f"  {_short(r['op']):<34}{strat:<28}{str(r['out_tensor_map']).replace(' ', ''):<16}"
               f"{fwd:<24}{bwd}")
-    mirrors = {}
+    mirrors: dict[int, int] = {}
     for name in prog.param_layouts:
         g = len(prog.mirror_group(name, 0))
         mirrors[g] = mirrors.get(g, 0) + 1

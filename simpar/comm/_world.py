@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import traceback
@@ -65,17 +66,17 @@ def init() -> None:
         _install_abort_hook()
     from simpar import context
 
-    try:
+    # A mismatch is raised by check_context below, on every rank, naming them all.
+    with contextlib.suppress(context.WorldMismatchError):
         context.set_world(_WORLD.Get_size(), _WORLD.Get_rank())
-    except context.WorldMismatchError:
-        pass  # check_context below raises the same error on every rank, naming them all
     check_context()
 
 
 def _install_abort_hook() -> None:
     previous = sys.excepthook
 
-    def abort_job(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+    def abort_job(kind: type[BaseException], value: BaseException,
+                  tb: TracebackType | None) -> None:
         rank = get_rank()
         text = "".join(traceback.format_exception(kind, value, tb))
         sys.stderr.write(f"[simpar rank {rank}] uncaught {kind.__name__}; aborting the job\n{text}")
@@ -183,7 +184,7 @@ def _ranges(ranks: list[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``"0..2, 5"``."""
     out: list[str] = []
     start = prev = ranks[0]
-    for r in ranks[1:] + [None]:  # type: ignore[list-item]
+    for r in [*ranks[1:], None]:
         if r is not None and r == prev + 1:
             prev = r
             continue

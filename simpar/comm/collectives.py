@@ -264,7 +264,7 @@ def all_to_all(x: np.ndarray, split_axis: int, concat_axis: int,
 
 
 def all_to_all_v(pieces: Sequence[np.ndarray | None], recv_shapes: Sequence[Sequence[int] | None],
-                 group: Group | Sequence[int] | None = None, dtype: object = None
+                 group: Group | Sequence[int] | None = None, dtype: Any = None
                  ) -> list[np.ndarray | None]:
     """Send ``pieces[j]`` to group rank ``j`` and receive a ``recv_shapes[j]`` array from it.
 
@@ -369,7 +369,7 @@ def send(x: np.ndarray, dest: int, tag: int = 0) -> None:
     trace.record("Send", (me, dest), buf.nbytes, 0, perf_counter() - start, str(x.dtype), x.shape)
 
 
-def recv(source: int, shape: Sequence[int], dtype: object, tag: int = 0) -> np.ndarray:
+def recv(source: int, shape: Sequence[int], dtype: Any, tag: int = 0) -> np.ndarray:
     """Blocking receive of a ``shape``/``dtype`` array from world rank ``source``."""
     dt = np.dtype(dtype)
     if dt not in DTYPES:

@@ -94,7 +94,7 @@ class CommTrace:
         return sum(e.seconds for e in self.events)
 
     def by_kind(self) -> dict[str, dict[str, float]]:
-        """Totals per kind: ``{"AllReduce": {"count": 2, "bytes_sent": …, "bytes_recv": …, "seconds": …}}``."""
+        """Totals per kind: ``{"AllReduce": {"count", "bytes_sent", "bytes_recv", "seconds"}}``."""
         out: dict[str, dict[str, float]] = {}
         for e in self.events:
             row = out.setdefault(e.kind, {"count": 0, "bytes_sent": 0, "bytes_recv": 0,
@@ -131,12 +131,12 @@ def _active() -> list[CommTrace]:
     if not hasattr(_state, "traces"):
         _state.traces = []
         _state.labels = []
-    return _state.traces  # type: ignore[no-any-return]
+    return _state.traces
 
 
 def _labels() -> list[str]:
     _active()
-    return _state.labels  # type: ignore[no-any-return]
+    return _state.labels
 
 
 def tracing() -> bool:

@@ -115,6 +115,12 @@ class Cell:
     the layouts the cell's inputs are redistributed to, and layouts for its parameters.
     """
 
+    _params: dict[str, Parameter]
+    _cells: dict[str, Cell]
+    in_strategy: tuple[tuple[int, ...] | None, ...] | None
+    parameter_plan: dict[str, tuple[int, ...]]
+    training: bool
+
     def __init__(self) -> None:
         object.__setattr__(self, "_params", {})
         object.__setattr__(self, "_cells", {})

@@ -253,7 +253,7 @@ class OpSharding:
 
         douts = local_dout if self.more_outs else (local_dout,)
         draws: list[np.ndarray] = []
-        for k, (d, (raw, out, p)) in reversed(list(enumerate(zip(douts, self.outputs)))):
+        for k, (d, (_, out, p)) in reversed(list(enumerate(zip(douts, self.outputs)))):
             if d is None:
                 d = np.zeros(out.local_shape(), dtype=_float_of(saved))
             with comm.label(f"{self.op.name}:output-adjoint" + (f"{k}" if k else "")):
@@ -362,8 +362,9 @@ class Primitive:
     def kernel(self, *xs: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
-    def vjp(self, xs: Sequence[np.ndarray], y: np.ndarray, dy: np.ndarray
-            ) -> tuple[np.ndarray | None, ...]:
+    def vjp(self, xs: Sequence[np.ndarray], y: Any, dy: Any) -> tuple[np.ndarray | None, ...]:
+        """Single-device gradients of every input (None for non-differentiable ones); ``y``
+        and ``dy`` are tuples for multi-output ops."""
         raise NotImplementedError
 
     def __call__(self, *xs: Any) -> Any:
@@ -492,7 +493,7 @@ class Primitive:
         y = self.kernel(*xs)
         return y, (xs, y)
 
-    def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray
+    def local_backward(self, sh: OpSharding, saved: Any, dy: Any
                        ) -> tuple[np.ndarray | None, ...]:
         xs, y = saved
         return self.vjp(xs, y, dy)

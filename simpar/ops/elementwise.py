@@ -18,8 +18,8 @@ import numpy as np
 from simpar.ops._base import IterSpace, Primitive, register
 from simpar.ops.matmul import _unbroadcast
 
-__all__ = ["GELU", "Add", "BiasAdd", "Cast", "GeLU", "Identity", "Mul", "RealDiv", "ReLU", "Sigmoid", "Sub",
-           "Tanh"]
+__all__ = ["GELU", "Add", "BiasAdd", "Cast", "GeLU", "Identity", "Mul", "RealDiv", "ReLU",
+           "Sigmoid", "Sub", "Tanh"]
 
 
 def _broadcast_space(op: str, *shapes: tuple[int, ...]) -> IterSpace:
@@ -38,7 +38,7 @@ def _broadcast_space(op: str, *shapes: tuple[int, ...]) -> IterSpace:
 
 class _Binary(Primitive):
     n_inputs = 2
-    fn: ClassVar[Callable[[np.ndarray, np.ndarray], np.ndarray]]
+    fn: ClassVar[Callable[..., Any]]
 
     def infer_shape(self, *shapes: tuple[int, ...]) -> tuple[int, ...]:
         _broadcast_space(self.name, *shapes)
