@@ -116,7 +116,7 @@ def run_op(op: Primitive, *global_inputs: np.ndarray, grad_output: np.ndarray | 
                                  f"{op.name} has shape {o.shape}")
             # Σ-semantics: the replicas of an output share its cotangent.
             reps = math.prod(lay.device_matrix[a] for a in lay.replica_axes)
-            local_dys.append(distribute(dy, lay, rank) / reps)
+            local_dys.append(np.asarray(distribute(dy, lay, rank) / reps, dtype=dy.dtype))
         with comm.label("run_op:backward"):
             contribs = sh.backward(saved, tuple(local_dys) if multi else local_dys[0])
             local_grads = tuple(None if c is None else sh.complete_grad(i, c)

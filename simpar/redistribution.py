@@ -725,7 +725,7 @@ def _run_adjoint(step: Step, g: np.ndarray, rank: int, c: Any) -> np.ndarray:
         coord = mesh.coordinate(rank)
         return np.zeros_like(g) if any(coord[a] for a in step.device_axes) else g
     if step.kind == ALL_REDUCE:
-        return c.all_reduce(g, group=group)  # type: ignore[no-any-return]
+        return c.all_reduce(g, group=group).reshape(g.shape)  # type: ignore[no-any-return]
     if step.kind == REDUCE_SCATTER:
         return c.all_gather(g, axis=step.tensor_dim, group=group)  # type: ignore[no-any-return]
     if step.kind == ALL_TO_ALL:

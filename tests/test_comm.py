@@ -750,7 +750,19 @@ def _env_overridden() -> list[str]:
         out.append(f"threads from {s['threads_from']}")
     if s["wait_policy"] == "user" or s["wait_policy_from"] == "SIMPAR_WAIT_POLICY":
         out.append(f"wait policy from {s['wait_policy_from']}")
+    if s["malloc"] == "system":
+        out.append(f"malloc from {s['malloc_from']}")
     return out
+
+
+def _page_faults_per_allocation(nbytes: int, count: int = 8) -> float:
+    import resource
+
+    np.ones(nbytes // 8)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(count):
+        np.ones(nbytes // 8)            # allocated, written, freed
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / count
 
 
 @pytest.mark.mpi
@@ -774,6 +786,9 @@ def test_env_settings_follow_the_launcher(world: tuple[int, int]) -> None:
     if s["wait_policy"] == "yield":
         assert os.environ["MPIR_CVAR_ENABLE_HEAVY_YIELD"] == "1"
         assert os.environ["MPIR_CVAR_POLLS_BEFORE_YIELD"] == "1"
+    # glibc reuses freed arrays instead of mapping (and page-faulting) fresh memory every time.
+    assert s["malloc"] == "mmap_threshold=256MiB trim_threshold=512MiB"
+    assert _page_faults_per_allocation(16 * 2**20) < 4
 
 
 @pytest.mark.mpi(min_size=8)
@@ -800,7 +815,7 @@ for env, cores in cases:
     try:
         s = mod.apply()
         out.append([s["blas_threads"], s["wait_policy"], os.environ.get("OMP_NUM_THREADS"),
-                    os.environ.get("MPIR_CVAR_ENABLE_HEAVY_YIELD")])
+                    os.environ.get("MPIR_CVAR_ENABLE_HEAVY_YIELD"), s["malloc"]])
     except ValueError as e:
         out.append(["ValueError", str(e)])
 print(json.dumps(out))
@@ -809,21 +824,30 @@ print(json.dumps(out))
 
 def test_env_decision_table() -> None:
     """_env.apply() in a fresh interpreter (no numpy, no MPI) for each environment."""
+    tuned = "mmap_threshold=256MiB trim_threshold=512MiB"
     cases: list[tuple[dict[str, str], int, list[Any]]] = [
-        ({"MPI_LOCALNRANKS": "8"}, 2, [1, "yield", "1", "1"]),
-        ({"MPI_LOCALNRANKS": "4"}, 2, [1, "yield", "1", "1"]),
-        ({"MPI_LOCALNRANKS": "2"}, 2, [1, "spin", "1", None]),
-        ({}, 2, [2, "spin", "2", None]),
-        ({"PMI_SIZE": "8"}, 16, [2, "spin", "2", None]),
-        ({"MPI_LOCALNRANKS": "8", "SIMPAR_WAIT_POLICY": "spin"}, 2, [1, "spin", "1", None]),
-        ({"SIMPAR_WAIT_POLICY": "yield"}, 2, [2, "yield", "2", "1"]),
-        ({"MPI_LOCALNRANKS": "8", "MPIR_CVAR_ENABLE_HEAVY_YIELD": "0"}, 2, [1, "user", "1", "0"]),
-        ({"MPI_LOCALNRANKS": "8", "OMP_NUM_THREADS": "2"}, 2, [2, "yield", "2", "1"]),
-        ({"MPI_LOCALNRANKS": "8", "SIMPAR_NUM_THREADS": "3"}, 2, [3, "yield", "3", "1"]),
+        ({"MPI_LOCALNRANKS": "8"}, 2, [1, "yield", "1", "1", tuned]),
+        ({"MPI_LOCALNRANKS": "4"}, 2, [1, "yield", "1", "1", tuned]),
+        ({"MPI_LOCALNRANKS": "2"}, 2, [1, "spin", "1", None, tuned]),
+        ({}, 2, [2, "spin", "2", None, tuned]),
+        ({"PMI_SIZE": "8"}, 16, [2, "spin", "2", None, tuned]),
+        ({"MPI_LOCALNRANKS": "8", "SIMPAR_WAIT_POLICY": "spin"}, 2, [1, "spin", "1", None, tuned]),
+        ({"SIMPAR_WAIT_POLICY": "yield"}, 2, [2, "yield", "2", "1", tuned]),
+        ({"MPI_LOCALNRANKS": "8", "MPIR_CVAR_ENABLE_HEAVY_YIELD": "0"}, 2,
+         [1, "user", "1", "0", tuned]),
+        ({"MPI_LOCALNRANKS": "8", "OMP_NUM_THREADS": "2"}, 2, [2, "yield", "2", "1", tuned]),
+        ({"MPI_LOCALNRANKS": "8", "SIMPAR_NUM_THREADS": "3"}, 2, [3, "yield", "3", "1", tuned]),
+        ({"SIMPAR_MALLOC": "system"}, 2, [2, "spin", "2", None, "system"]),
+        ({"MALLOC_TRIM_THRESHOLD_": "4096"}, 2, [2, "spin", "2", None, "system"]),
+        ({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=4096"}, 2,
+         [2, "spin", "2", None, "system"]),
+        ({"SIMPAR_MALLOC": "tuned", "MALLOC_TOP_PAD_": "0"}, 2, [2, "spin", "2", None, tuned]),
         ({"SIMPAR_WAIT_POLICY": "sleep"}, 2,
          ["ValueError", "SIMPAR_WAIT_POLICY must be 'spin' or 'yield', got 'sleep'"]),
         ({"SIMPAR_NUM_THREADS": "0"}, 2,
          ["ValueError", "SIMPAR_NUM_THREADS must be a positive integer, got '0'"]),
+        ({"SIMPAR_MALLOC": "jemalloc"}, 2,
+         ["ValueError", "SIMPAR_MALLOC must be 'tuned' or 'system', got 'jemalloc'"]),
     ]
     path = Path(_env.__file__)
     probe = json.dumps([[env, cores] for env, cores, _ in cases])

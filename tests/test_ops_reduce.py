@@ -24,13 +24,9 @@ def _limit() -> int | None:
 
 
 # Shapes put 8 (or 4 x 2) on the reduced dims, so that every device count really splits them.
-_ZERO_D_XFAIL = pytest.mark.xfail(
-    strict=False, reason="framework: run_op's cotangent of a 0-d output is a numpy scalar "
-    "(comm.all_reduce rejects it), the adjoint AllReduce step does not keep a 0-d shape, and "
-    "CommSpec.recv_bytes rounds AllReduce bytes in elements")
 CASES = [
     pytest.param(lambda: ReduceSum(axis=1), [_r(4, 8)], id="Sum_axis1"),
-    pytest.param(lambda: ReduceSum(), [_r(4, 4)], id="Sum_all_0d", marks=_ZERO_D_XFAIL),
+    pytest.param(lambda: ReduceSum(), [_r(4, 4)], id="Sum_all_0d"),
     pytest.param(lambda: ReduceMean(keep_dims=True, axis=0), [_r(8, 4)], id="Mean_axis0_keep"),
     pytest.param(lambda: ReduceMean(axis=(-1, 0)), [_r(2, 4, 4)], id="Mean_neg_axes_3d"),
     pytest.param(lambda: ReduceMax(axis=-1), [_r(2, 8)], id="Max_axis_neg1"),
@@ -62,8 +58,6 @@ def test_integer_sum_forward():
     assert ReduceSum(axis=1).kernel(x).dtype == np.int64
 
 
-@pytest.mark.xfail(strict=False, reason="framework: CommSpec.recv_bytes uses Step.recv_elements "
-                   "* itemsize, not Step.recv_bytes, so it rounds an AllReduce in elements")
 def test_predicted_allreduce_bytes_round_like_commtrace():
     # 2 float64 over 8 ranks: CommTrace counts 2 * 7 * 16 // 8 = 28 bytes.
     spec = ReduceSum(axis=1).sharding([(2, 8)], 8, ((1, 8),)).forward_comm[0]

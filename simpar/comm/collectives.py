@@ -183,7 +183,7 @@ def all_reduce(x: np.ndarray, op: str = "sum", group: Group | Sequence[int] | No
     p, n = g.size, send.nbytes
     trace.record("AllReduce", g.ranks, 2 * (p - 1) * n // p, 2 * (p - 1) * n // p,
                  perf_counter() - start, str(x.dtype), x.shape, op)
-    return out
+    return out.reshape(x.shape)
 
 
 def all_gather(x: np.ndarray, axis: int = 0, group: Group | Sequence[int] | None = None

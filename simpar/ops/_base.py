@@ -111,7 +111,7 @@ class CommSpec:
     def recv_bytes(self, rank: int, itemsize: int) -> int:
         """Bytes ``rank`` receives, by CommTrace's convention."""
         if self.step is not None:
-            return self.step.recv_elements(rank) * itemsize
+            return self.step.recv_bytes(rank, itemsize)
         p, n = len(self.group(rank)), self.elements * itemsize
         if self.kind == "AllReduce":
             return 2 * (p - 1) * n // p
@@ -145,7 +145,7 @@ class IterSpace:
     """
 
     inputs: tuple[tuple[str | None, ...], ...]
-    output: tuple[str, ...]
+    output: tuple[str | None, ...]
     order: tuple[str, ...]
     reduce: str = "sum"
     unsplittable: frozenset[str] = frozenset()
