@@ -260,10 +260,9 @@ def main() -> None:
             fns["raw"] = case.raw
         med = interleaved_medians(fns, args.reps, args.warmup, barrier, max_over_ranks)
         comm.set_validation(True)
-        same = "all ranks" if len(set(recv_all.tolist())) == 1 else "max"
         rows.append({
             "name": case.name, "steps": " + ".join(p.kinds()) or "(none)",
-            "recv": int(recv_all.max()), "same": same,
+            "recv": int(recv_all.max()),
             "bound": None if bound is None else int(max(bound)),
             "bytes_ok": bound is None or list(recv_all) == list(bound),
             "raw": med.get("raw"), "hand": med["hand"], "on": med["on"], "off": med["off"],
@@ -271,7 +270,8 @@ def main() -> None:
     if rank != 0:
         return
     table = markdown_table(
-        ["transition", "simpar steps", "recv bytes / rank", "min_bytes", "raw collective ms",
+        ["transition", "simpar steps", "recv bytes (max rank)", "min_bytes (max rank)",
+         "raw collective ms",
          "hand-written ms", "simpar ms (validation on)", "ratio on", "simpar ms (validation off)",
          "ratio off"],
         [[r["name"], r["steps"], f"{r['recv']:,}",
@@ -290,8 +290,9 @@ def main() -> None:
         "slowest rank's time after a barrier, the variants interleaved and rotated. raw = the "
         "single mpi4py collective on pre-packed, pre-allocated buffers; hand-written = numpy "
         "packing + that collective + unpacking; simpar = `execute(plan, local)` with the plan "
-        "built once. Bytes: received per rank, measured by CommTrace (the same on every rank "
-        "here), against `min_bytes`. Ratios are simpar / hand-written; target <= "
+        "built once. Bytes: received per rank, measured by CommTrace on one untimed call; the "
+        "table shows the busiest rank, and every rank's count is compared with its own "
+        "`min_bytes` (P sources have no bound). Ratios are simpar / hand-written; target <= "
         f"{TARGET}, bytes == lower bound.",
         table,
         ("Over the target: " + "; ".join(miss) + ".") if miss else

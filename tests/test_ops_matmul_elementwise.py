@@ -39,6 +39,7 @@ CASES = [
     ("Tanh", lambda: ops.Tanh(), [_r(8, 8)]),
     ("Sigmoid", lambda: ops.Sigmoid(), [_r(8, 8)]),
     ("Cast", lambda: ops.Cast("float32"), [_r(8, 8)]),
+    ("Identity", lambda: ops.Identity(), [_r(8, 4)]),
 ]
 
 

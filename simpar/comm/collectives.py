@@ -350,10 +350,12 @@ def broadcast(x: np.ndarray, root: int, group: Group | Sequence[int] | None = No
     if root not in g.ranks:
         raise ValueError(f"{name}: root {root} is not in group {list(g.ranks)}")
     start = perf_counter()
-    out = np.array(x, order="C", copy=True)
+    me = world().Get_rank()
+    # Only the root's values matter: the others receive into fresh memory instead of copying
+    # their own x first (on 8 ranks that copy made a 1 MiB broadcast 2-2.7x a raw Bcast).
+    out = np.array(x, order="C", copy=True) if me == root else np.empty(x.shape, x.dtype)
     comm.Bcast(out, root=g.index(root))
     n = out.nbytes
-    me = world().Get_rank()
     sent, got = ((g.size - 1) * n, 0) if me == root else (0, n)
     trace.record("Broadcast", g.ranks, sent, got, perf_counter() - start, str(x.dtype), x.shape)
     return out
