@@ -22,6 +22,7 @@ Bytes are what each rank received, measured by CommTrace on one untimed call, ag
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -223,6 +224,7 @@ def main() -> None:
     world = MPI.COMM_WORLD
     rank, size = comm.get_rank(), comm.get_group_size()
     load = host_line()
+    busy, cores = os.getloadavg()[0], _env.usable_cores()
 
     def barrier() -> None:
         world.Barrier()
@@ -300,6 +302,9 @@ def main() -> None:
         ("Bytes above the bound: " + ", ".join(bytes_bad) + ".") if bytes_bad else
         "Every non-partial transition received exactly `min_bytes` on every rank.",
         *(["Result mismatches: " + "; ".join(problems)] if problems else []),
+        *([f"The load average ({busy:.1f}) was above the {cores} usable cores: other jobs "
+           "shared them, so run-to-run noise is large and ratios near the target are within "
+           "it."] if busy > cores else []),
         f"ranks {size}, BLAS threads per rank {s.get('blas_threads')}, wait policy "
         f"{s.get('wait_policy')} ({s.get('wait_policy_from')}); {load}.",
     ])

@@ -570,11 +570,26 @@ def execute(plan: RedistributionPlan, local_array: np.ndarray, comm: object = No
     if tuple(local_array.shape) != plan.src.local_shape():
         raise ValueError(f"execute: rank {rank}'s shard has shape {local_array.shape}, but "
                          f"layout {plan.src} gives shards of {plan.src.local_shape()}")
+    _verify_once(plan, local_array.dtype, comm)
     x = local_array
-    for step in plan.steps:
-        with comm.label(f"redistribute:{step.kind}"):  # type: ignore[attr-defined]
-            x = _run_step(step, x, rank, comm)
+    with comm.validation_disabled():  # type: ignore[attr-defined]
+        for step in plan.steps:
+            with comm.label(f"redistribute:{step.kind}"):  # type: ignore[attr-defined]
+                x = _run_step(step, x, rank, comm)
     return x
+
+
+_VERIFIED: set[tuple[RedistributionPlan, str]] = set()
+
+
+def _verify_once(plan: RedistributionPlan, dtype: np.dtype, comm: Any) -> None:
+    """The first time a (plan, dtype) runs, check that every rank runs the same one; its
+    collectives then skip their own per-call agreement check (they agree by construction)."""
+    key = (plan, dtype.str)
+    if key in _VERIFIED or not comm.validation():
+        return
+    comm.check_agreement("redistribution", f"{plan.src} -> {plan.dst} {dtype}")
+    _VERIFIED.add(key)
 
 
 # execute runs the same plans over and over: everything a step derives from (layouts, rank)
@@ -673,9 +688,6 @@ def _route(src: TensorLayout, dst: TensorLayout, rank: int) -> _Route:
 def _all_to_all_v(step: Step, x: np.ndarray, rank: int, c: object) -> np.ndarray:
     route = _route(step.src, step.dst, rank)
     p = step.src.device_num
-    out = np.empty(step.dst.local_shape(), dtype=x.dtype)
-    if route.keep is not None:
-        out[route.keep[0]] = x[route.keep[1]]
     pieces: list[np.ndarray | None] = [None] * p
     for s, sl in route.sends:
         pieces[s] = x[sl]
@@ -683,6 +695,10 @@ def _all_to_all_v(step: Step, x: np.ndarray, rank: int, c: object) -> np.ndarray
     for r, _, shape in route.recvs:
         shapes[r] = shape
     got = c.all_to_all_v(pieces, shapes, dtype=x.dtype)  # type: ignore[attr-defined]
+    # The part this rank keeps is copied after the exchange, so that no peer waits for it.
+    out = np.empty(step.dst.local_shape(), dtype=x.dtype)
+    if route.keep is not None:
+        out[route.keep[0]] = x[route.keep[1]]
     for r, sl, _ in route.recvs:
         out[sl] = got[r]
     return out
@@ -707,10 +723,12 @@ def execute_adjoint(plan: RedistributionPlan, local_grad: np.ndarray, comm: obje
     if tuple(local_grad.shape) != plan.dst.local_shape():
         raise ValueError(f"execute_adjoint: rank {rank}'s gradient has shape {local_grad.shape}, "
                          f"but layout {plan.dst} gives shards of {plan.dst.local_shape()}")
+    _verify_once(plan, local_grad.dtype, comm)
     g = local_grad
-    for step in reversed(plan.steps):
-        with comm.label(f"redistribute-adjoint:{step.kind}"):  # type: ignore[attr-defined]
-            g = _run_adjoint(step, g, rank, comm)
+    with comm.validation_disabled():  # type: ignore[attr-defined]
+        for step in reversed(plan.steps):
+            with comm.label(f"redistribute-adjoint:{step.kind}"):  # type: ignore[attr-defined]
+                g = _run_adjoint(step, g, rank, comm)
     return g
 
 

@@ -34,6 +34,7 @@ __all__ = [
     "all_to_all_v",
     "barrier",
     "broadcast",
+    "check_agreement",
     "recv",
     "reduce_scatter",
     "send",
@@ -114,7 +115,23 @@ def _agree(comm: Any, group: Group, name: str, x: np.ndarray, *args: object) -> 
     """Raise CommMismatchError on every rank if the ranks disagree on (shape, dtype, args)."""
     if not _validate or group.size == 1:
         return
-    desc = f"{x.dtype}{list(x.shape)}" + "".join(f" {a}" for a in args)
+    _agree_on(comm, group, name, f"{x.dtype}{list(x.shape)}" + "".join(f" {a}" for a in args))
+
+
+def check_agreement(name: str, description: str,
+                    group: Group | Sequence[int] | None = None) -> None:
+    """Raise the same :class:`CommMismatchError` on every rank of ``group`` unless all of
+    them pass the same ``description`` (one 16-byte Allreduce when they agree).
+
+    Callers that run many collectives from one plan check the plan once this way, then run
+    them under :func:`validation_disabled`.
+    """
+    g, comm = resolve(group)
+    if g.size > 1:
+        _agree_on(comm, g, name, description)
+
+
+def _agree_on(comm: Any, group: Group, name: str, desc: str) -> None:
     h = int.from_bytes(hashlib.blake2b(desc.encode(), digest_size=7).digest(), "little")
     mine = np.array([h, -h], dtype=np.int64)
     top = np.empty_like(mine)
