@@ -18,6 +18,8 @@ rank 0's report shows a failure that happened on any rank.
 from __future__ import annotations
 
 import math
+import sys
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import cache
@@ -38,10 +40,11 @@ from simpar.runtime import ParallelProgram
 pytestmark = pytest.mark.mpi(min_size=2)
 
 STEPS = 10
+SGD_STEPS = 3            # the gradient-scaling checks: step 0's gradients, then a few steps
 SEED = 11
 BATCH = 8
 TRACED_STEP = 1          # the step whose collectives are recorded (not the first: no set-up)
-MLP_SIZES = (16, 32, 8)  # in, hidden, classes
+MLP_SIZES = (16, 32, 8)  # in, hidden, classes; two hidden layers (fc1, fc2, fc3)
 GPT_SIZES = {"vocab_size": 128, "seq_length": 32, "d_model": 64, "n_layers": 2, "n_heads": 8}
 KINDS = ("dp", "mp", "hybrid", "repeated", "redistributing")
 TOL = {"float64": 1e-10, "float32": 1e-5}
@@ -59,8 +62,8 @@ def _n() -> int:
 
 def _model(model: str, dtype: str) -> nn.Cell:
     if model == "mlp":
-        return nn.MLP(*MLP_SIZES, dtype=np.dtype(dtype))
-    return nn.GPT(**GPT_SIZES, dtype=np.dtype(dtype))  # type: ignore[arg-type]
+        return nn.MLP(*MLP_SIZES, n_hidden=2, dtype=np.dtype(dtype))
+    return nn.GPT(**GPT_SIZES, dtype=np.dtype(dtype))
 
 
 @cache
@@ -147,6 +150,10 @@ class Ref:
     dtype: str = "float64"
     lr_scale: int = 1
 
+    @property
+    def steps(self) -> int:
+        return SGD_STEPS if self.optimizer == "sgd" else STEPS
+
 
 @dataclass
 class RefResult:
@@ -172,7 +179,7 @@ def _reference_run(ref: Ref) -> RefResult:
                      * ref.lr_scale)
     train = nn.TrainOneStepCell(cell, opt, parallel_mode="stand_alone", seed=SEED)
     losses, first = [], {}
-    for k in range(STEPS):
+    for k in range(ref.steps):
         losses.append(train(*_batch(ref.model, ref.dtype, k)))
         if k == 0:
             first = {name: g.copy() for name, g in train.last_grads.items()}
@@ -211,10 +218,11 @@ def _references() -> dict[Ref, RefResult]:
                                   + [res.first_grads[s].ravel() for s, _ in specs]
                                   ).astype(np.float64)
         else:
-            flat = np.zeros(STEPS + 2 * sum(math.prod(shape) for _, shape in specs))
+            flat = np.zeros(ref.steps + 2 * sum(math.prod(shape) for _, shape in specs))
         flat = comm.broadcast(flat, root=root)
-        losses, offset = flat[:STEPS], STEPS
-        params, grads = {}, {}
+        losses, offset = flat[:ref.steps], ref.steps
+        params: dict[str, np.ndarray] = {}
+        grads: dict[str, np.ndarray] = {}
         for target in (params, grads):
             for name, shape in specs:
                 size = math.prod(shape)
@@ -265,15 +273,25 @@ def _train(case: Case) -> Run:
         opt = _optimizer(case.optimizer, cell.trainable_params(),
                          LR[case.model, case.optimizer])
         train = nn.TrainOneStepCell(cell, opt, parallel_mode=mode, seed=SEED)
+        # Planning is pure and the same on every rank, so a failure here fails every rank.
         train.build(*_batch(case.model, case.dtype, 0))
         run = Run(train, [], {k: v.copy() for k, v in train.params.items()}, {})
-        for k in range(case.steps):
-            with CommTrace() as trace:
-                run.losses.append(train(*_batch(case.model, case.dtype, k)))
-            if k == 0:
-                run.first_grads = {name: g.copy() for name, g in train.last_grads.items()}
-            if k == TRACED_STEP:
-                run.events = list(trace.events)
+        try:
+            for k in range(case.steps):
+                with CommTrace() as trace:
+                    run.losses.append(train(*_batch(case.model, case.dtype, k)))
+                if k == 0:
+                    run.first_grads = {name: g.copy() for name, g in train.last_grads.items()}
+                if k == TRACED_STEP:
+                    run.events = list(trace.events)
+        except BaseException:
+            # A step that fails may leave the other ranks inside a collective: end the job
+            # now, with this rank's traceback, rather than let it hang.
+            sys.stderr.write(f"[rank {comm.get_rank()}] {case} raised while training\n"
+                             f"{traceback.format_exc()}")
+            sys.stderr.flush()
+            comm.world().Abort(1)
+            raise
     finally:
         simpar.reset_auto_parallel_context()
     return run
@@ -374,15 +392,20 @@ def test_float32_momentum_matches_single_device(case: Case) -> None:
 
 @pytest.mark.parametrize("case", GRID, ids=_id)
 def test_shards_have_strategy_slice_shapes_and_initial_values(case: Case) -> None:
-    """Each rank holds only its slices, and they start as slices of ``initial_value(seed)``:
-    the same global tensor whatever the rank count."""
+    """Each rank holds only its slices (parameters, gradients and optimizer state), and they
+    start as slices of ``initial_value(seed)``: the same global tensor whatever the rank
+    count."""
     run, rank = _run(case), comm.get_rank()
     prog = run.program
     named = dict(run.train.network.parameters_and_names())
-    problems = []
+    problems: list[str] = []
+    state = run.train.optimizer.state
     for name, lay in prog.param_layouts.items():
-        for what, arr in (("param", run.train.params[name]), ("initial", run.initial[name]),
-                          ("gradient", run.first_grads[name])):
+        slots = [(f"optimizer {slot}", arr) for slot, arr in state[name].items()]
+        if not slots:
+            problems.append(f"{case.optimizer} keeps no state for {name}")
+        for what, arr in [("param", run.train.params[name]), ("initial", run.initial[name]),
+                          ("gradient", run.first_grads[name]), *slots]:
             if arr.shape != lay.local_shape():
                 problems.append(f"{what} {name} has shape {arr.shape}, layout {lay} gives "
                                 f"{lay.local_shape()}")
@@ -397,12 +420,13 @@ def _expected_local_shapes(case: Case, n: int) -> dict[str, tuple[int, ...]]:
     i, h, o = MLP_SIZES
     if case.model == "mlp":
         if case.kind == "dp":
-            return {"fc1.weight": (h, i), "fc2.weight": (o, h), "fc2.bias": (o,)}
+            return {"fc1.weight": (h, i), "fc2.weight": (h, h), "fc3.weight": (o, h)}
         if case.kind == "redistributing":
-            return {"fc1.weight": (h, i), "fc2.weight": (o // n, h), "fc2.bias": (o // n,)}
+            return {"fc1.weight": (h, i), "fc2.weight": (h // n, h), "fc2.bias": (h // n,),
+                    "fc3.weight": (o, h), "fc3.bias": (o,)}
         _, mp = _dp_mp(case.kind, n)
-        return {"fc1.weight": (h // mp, i), "fc1.bias": (h // mp,), "fc2.weight": (o, h // mp),
-                "fc2.bias": (o,)}
+        return {"fc1.weight": (h // mp, i), "fc1.bias": (h // mp,), "fc2.weight": (h, h // mp),
+                "fc2.bias": (h,), "fc3.weight": (o // mp, h), "fc3.bias": (o // mp,)}
     v, d = GPT_SIZES["vocab_size"], GPT_SIZES["d_model"]
     if case.kind == "dp":
         return {"embedding.embedding_table": (v, d), "head.weight": (v, d)}
@@ -422,13 +446,14 @@ def _expected_local_shapes(case: Case, n: int) -> dict[str, tuple[int, ...]]:
                                                                      "redistributing")],
                          ids=lambda c: f"{c.model}-{c.kind}")
 def test_local_shapes_are_the_cake_cut(case: Case) -> None:
-    run = _run(case)
-    got = {k: run.train.params[k].shape for k in _expected_local_shapes(case, _n())}
-    assert got == _expected_local_shapes(case, _n())
+    run, want = _run(case), _expected_local_shapes(case, _n())
+    got = {k: run.train.params[f"_backbone.{k}"].shape for k in want}
+    assert got == want
 
 
 # ------------------------------------------------------------------ gradient scaling
-SGD_CASES = [Case("mlp", "dp", "sgd"), Case("mlp", "hybrid", "sgd"), Case("gpt", "hybrid", "sgd")]
+SGD_CASES = [Case(model, kind, "sgd", steps=SGD_STEPS)
+             for model, kind in (("mlp", "dp"), ("mlp", "hybrid"), ("gpt", "hybrid"))]
 
 
 @pytest.mark.parametrize("gradients_mean", [True, False], ids=["mean", "sum"])
@@ -458,7 +483,8 @@ def test_loss_repeated_mean_false_scales_by_the_loss_replicas(kind: str,
     """Without ``loss_repeated_mean`` each of the r ranks holding the loss seeds 1, not 1/r,
     so every gradient is r times larger (and D times more with ``gradients_mean=False``)."""
     n = _n()
-    run = _run(Case("mlp", kind, "sgd", gradients_mean=gradients_mean, loss_repeated_mean=False))
+    run = _run(Case("mlp", kind, "sgd", gradients_mean=gradients_mean, loss_repeated_mean=False,
+                    steps=SGD_STEPS))
     lay = run.program.output_layouts()[0]
     r = math.prod(lay.device_matrix[a] for a in lay.replica_axes)
     scale = r * (1 if gradients_mean else _loss_batch_cut(run.program))
@@ -478,28 +504,63 @@ def _activation_events(run: Run, model: str) -> list[CommEvent]:
             and not e.label.startswith("Mirror:")]
 
 
+def _mp_group(kind: str, rank: int) -> tuple[int, ...]:
+    """This rank's tensor-parallel group: on dev_matrix (dp, mp, repeat) the mp coordinate
+    strides over the repeated copies (repetition goes on the right)."""
+    n = _n()
+    dp, mp = _dp_mp(kind, n)
+    repeat = n // (dp * mp)
+    start = rank - rank % (mp * repeat) + rank % repeat
+    return tuple(range(start, start + mp * repeat, repeat))
+
+
 @pytest.mark.parametrize("kind", ["mp", "hybrid", "repeated"])
 def test_megatron_mlp_has_one_allreduce_forward_and_one_backward(kind: str) -> None:
-    run, rank, n = _run(Case("mlp", kind)), comm.get_rank(), _n()
-    dp, mp = _dp_mp(kind, n)
+    """fc1 column-parallel, fc2 row-parallel: the block's activations need one AllReduce of
+    fc2's partial output forward and its adjoint backward, over the mp group, nothing else;
+    fc3 (column-parallel again) feeds the vocabulary-parallel loss without communicating."""
+    run, rank = _run(Case("mlp", kind)), comm.get_rank()
+    dp, mp = _dp_mp(kind, _n())
     events = _activation_events(run, "mlp")
     if mp == 1:  # repeated on 2 devices: nothing is split, nothing to combine
         assert events == [], [str(e) for e in events]
         return
-    repeat = n // (dp * mp)
-    # dev_matrix (dp, mp, repeat): the mp group strides over the repeated copies.
-    start = rank - rank % (mp * repeat) + rank % repeat
-    group = tuple(range(start, start + mp * repeat, repeat))
+    group = _mp_group(kind, rank)
     assert [(e.kind, e.op, e.group) for e in events] == [("AllReduce", "sum", group)] * 2, \
         [str(e) for e in events]
     forward, backward = events
-    assert "backward" not in forward.label and "backward" in backward.label
-    assert forward.shape == backward.shape == (BATCH // dp, MLP_SIZES[2])
+    assert ":backward" not in forward.label and ":backward" in backward.label
+    assert forward.shape == backward.shape == (BATCH // dp, MLP_SIZES[1])
     assert "fc2-Dense/MatMul" in forward.label and "fc2-Dense/MatMul" in backward.label
     # The parameters' gradients: one fused Mirror AllReduce per group of replicating ranks.
     mirrors = [e for e in run.events if e.label.startswith("Mirror:")]
     groups = {run.program.mirror_group(name, rank) for name in run.program.param_layouts}
     assert sorted(e.group for e in mirrors) == sorted(g for g in groups if len(g) > 1)
+
+
+@pytest.mark.parametrize("kind", ["mp", "hybrid", "repeated"])
+def test_megatron_gpt_allreduces_once_per_row_parallel_layer_each_way(kind: str) -> None:
+    """The vocabulary-parallel embedding's partial output, and each block's attention
+    projection and FFN fc2: one AllReduce forward and one backward each, over the mp group;
+    the LayerNorms, attention and LM head do not communicate."""
+    case = next(c for c in GRID if c.model == "gpt" and c.kind == kind)
+    run, rank = _run(case), comm.get_rank()
+    dp, mp = _dp_mp(kind, _n())
+    events = _activation_events(run, "gpt")
+    if mp == 1:
+        assert events == [], [str(e) for e in events]
+        return
+    per_pass = 1 + 2 * GPT_SIZES["n_layers"]
+    group = _mp_group(kind, rank)
+    assert [(e.kind, e.op, e.group) for e in events] == [("AllReduce", "sum", group)] * (
+        2 * per_pass), [str(e) for e in events]
+    where = [e.label.split("/")[4 if "embedding" in e.label else 5].split("-")[0]
+             for e in events[:per_pass]]
+    assert where == ["Gather"] + ["proj", "fc2"] * GPT_SIZES["n_layers"], where
+    assert [":backward" in e.label for e in events] == [False] * per_pass + [True] * per_pass
+    tokens, d = BATCH // dp * GPT_SIZES["seq_length"], GPT_SIZES["d_model"]
+    assert events[0].shape == (BATCH // dp, GPT_SIZES["seq_length"], d)
+    assert all(e.shape == (tokens, d) for e in events[1:per_pass])
 
 
 @pytest.mark.parametrize("model", ["mlp", "gpt"])
@@ -520,15 +581,17 @@ def test_data_parallel_communicates_only_gradients_and_the_loss(model: str) -> N
 
 
 def test_redistributing_mlp_moves_activations_between_layers() -> None:
-    """Data-parallel fc1 then model-parallel fc2 over all n ranks: the hidden activations go
-    from row-split to column-split (one AllToAll), and the gradient back (one AllToAll)."""
-    run, n = _run(Case("mlp", "redistributing")), _n()
+    """fc1 data parallel, fc2 model parallel, fc3 data parallel, each over all n ranks: fc2
+    needs its input whole (AllGather forward, ReduceScatter back) and hands fc3 a column-split
+    tensor that fc3 wants row-split (one AllToAll each way)."""
+    run, world = _run(Case("mlp", "redistributing")), tuple(range(_n()))
     events = _activation_events(run, "mlp")
-    fc2_in = [e for e in events if "fc2-Dense/MatMul" in e.label and ":input0" in e.label]
-    assert [(e.kind, e.group) for e in fc2_in] == [("AllToAll", tuple(range(n)))] * 2, \
+    got = [(e.label.split("/")[3].split("-")[0], e.kind, e.group,
+            ":input0-adjoint" in e.label) for e in events]
+    assert all(":input0" in e.label for e in events), [str(e) for e in events]
+    assert got == [("fc2", "AllGather", world, False), ("fc3", "AllToAll", world, False),
+                   ("fc3", "AllToAll", world, True), ("fc2", "ReduceScatter", world, True)], \
         [str(e) for e in events]
-    assert sorted(":backward" in e.label or "-adjoint" in e.label for e in fc2_in) == \
-        [False, True]
 
 
 def test_redistributing_gpt_moves_activations_between_blocks() -> None:

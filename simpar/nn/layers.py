@@ -17,6 +17,16 @@ __all__ = ["GPT", "MLP", "Dense", "Dropout", "Embedding", "FeedForward", "LayerN
            "MultiHeadAttention", "TransformerBlock"]
 
 
+def _check_sizes(layer: str, **sizes: Any) -> None:
+    """Each size must be an int >= 1: TypeError for another type, ValueError below 1."""
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{layer}: {name} must be an int >= 1, got "
+                            f"{type(value).__name__} {value!r}")
+        if value < 1:
+            raise ValueError(f"{layer}: {name} must be an int >= 1, got {value}")
+
+
 class Dense(Cell):
     """``y = x W^T + b`` with MindSpore's weight shape ``(out_channels, in_channels)``.
 
@@ -28,6 +38,9 @@ class Dense(Cell):
                  activation: str | None = None, dtype: Any = np.float32,
                  weight_init: str = "normal") -> None:
         super().__init__()
+        _check_sizes("Dense", in_channels=in_channels, out_channels=out_channels)
+        if not isinstance(has_bias, bool):
+            raise TypeError(f"Dense: has_bias must be a bool, got {has_bias!r}")
         if activation not in (None, "relu", "gelu", "tanh"):
             raise ValueError(f"Dense: activation must be None, 'relu', 'gelu' or 'tanh', got "
                              f"{activation!r}")
@@ -62,6 +75,7 @@ class Embedding(Cell):
 
     def __init__(self, vocab_size: int, embedding_size: int, dtype: Any = np.float32) -> None:
         super().__init__()
+        _check_sizes("Embedding", vocab_size=vocab_size, embedding_size=embedding_size)
         self.embedding_table = Parameter(initializer("normal", (vocab_size, embedding_size),
                                                      dtype))
         self.gather = ops.Gather()
@@ -76,6 +90,11 @@ class LayerNorm(Cell):
     def __init__(self, normalized_shape: tuple[int, ...], epsilon: float = 1e-7,
                  dtype: Any = np.float32) -> None:
         super().__init__()
+        if not isinstance(normalized_shape, (tuple, list)) or not normalized_shape:
+            raise TypeError(f"LayerNorm: normalized_shape must be a non-empty tuple of ints, "
+                            f"e.g. (d_model,), got {normalized_shape!r}")
+        _check_sizes("LayerNorm", **{f"normalized_shape[{k}]": n
+                                     for k, n in enumerate(normalized_shape)})
         self.normalized_shape = tuple(normalized_shape)
         self.gamma = Parameter(initializer("ones", self.normalized_shape, dtype))
         self.beta = Parameter(initializer("zeros", self.normalized_shape, dtype))
@@ -94,6 +113,8 @@ class Dropout(Cell):
 
     def __init__(self, keep_prob: float = 0.9, seed: int = 0) -> None:
         super().__init__()
+        if isinstance(keep_prob, bool) or not isinstance(keep_prob, (int, float)):
+            raise TypeError(f"Dropout: keep_prob must be a float in (0, 1], got {keep_prob!r}")
         if not 0.0 < keep_prob <= 1.0:
             raise ValueError(f"Dropout: keep_prob must be in (0, 1], got {keep_prob}")
         self.keep_prob = keep_prob
@@ -112,6 +133,8 @@ class MLP(Cell):
     def __init__(self, in_channels: int, hidden: int, out_channels: int, n_hidden: int = 1,
                  activation: str = "relu", dtype: Any = np.float32) -> None:
         super().__init__()
+        _check_sizes("MLP", in_channels=in_channels, hidden=hidden, out_channels=out_channels,
+                     n_hidden=n_hidden)
         sizes = [in_channels] + [hidden] * n_hidden + [out_channels]
         self.layers = []
         for k in range(len(sizes) - 1):
@@ -133,6 +156,7 @@ class FeedForward(Cell):
     def __init__(self, d_model: int, d_ff: int, dropout: float = 0.0,
                  dtype: Any = np.float32) -> None:
         super().__init__()
+        _check_sizes("FeedForward", d_model=d_model, d_ff=d_ff)
         self.fc1 = Dense(d_model, d_ff, activation="gelu", dtype=dtype)
         self.fc2 = Dense(d_ff, d_model, dtype=dtype)
         self.drop = Dropout(1.0 - dropout) if dropout else None
@@ -153,6 +177,8 @@ class MultiHeadAttention(Cell):
     def __init__(self, d_model: int, n_heads: int, seq_length: int, causal: bool = True,
                  dropout: float = 0.0, dtype: Any = np.float32) -> None:
         super().__init__()
+        _check_sizes("MultiHeadAttention", d_model=d_model, n_heads=n_heads,
+                     seq_length=seq_length)
         if d_model % n_heads:
             raise ValueError(f"MultiHeadAttention: d_model {d_model} must be divisible by "
                              f"n_heads {n_heads}")
@@ -224,6 +250,8 @@ class GPT(Cell):
                  n_layers: int = 2, n_heads: int = 8, d_ff: int | None = None,
                  dropout: float = 0.0, dtype: Any = np.float32) -> None:
         super().__init__()
+        _check_sizes("GPT", vocab_size=vocab_size, seq_length=seq_length, d_model=d_model,
+                     n_layers=n_layers, n_heads=n_heads)
         self.vocab_size, self.seq_length, self.d_model = vocab_size, seq_length, d_model
         self.embedding = Embedding(vocab_size, d_model, dtype)
         self.position = Parameter(initializer("normal", (seq_length, d_model), dtype,

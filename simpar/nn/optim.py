@@ -32,10 +32,14 @@ class Optimizer:
 
     def __init__(self, params: Sequence[Parameter], learning_rate: float,
                  weight_decay: float = 0.0) -> None:
-        params = list(params)
+        given = type(params).__name__
+        try:
+            params = list(params)
+        except TypeError:
+            params = []
         if not params or not all(isinstance(p, Parameter) for p in params):
             raise TypeError("optimizer: params must be a non-empty list of Parameters "
-                            "(cell.trainable_params())")
+                            f"(cell.trainable_params()), got {given}")
         self.parameters = params
         self.learning_rate = _check_positive("learning_rate", learning_rate)
         self.weight_decay = _check_positive("weight_decay", weight_decay, allow_zero=True)
@@ -109,6 +113,8 @@ class Adam(Optimizer):
                  weight_decay: float = 0.0) -> None:
         super().__init__(params, learning_rate, weight_decay)
         for name, b in (("beta1", beta1), ("beta2", beta2)):
+            if isinstance(b, bool) or not isinstance(b, (int, float)):
+                raise TypeError(f"Adam: {name} must be a number in [0, 1), got {b!r}")
             if not 0.0 <= b < 1.0:
                 raise ValueError(f"Adam: {name} must be in [0, 1), got {b}")
         self.beta1, self.beta2 = beta1, beta2

@@ -56,6 +56,15 @@ class TrainOneStepCell:
         if not isinstance(optimizer, Optimizer):
             raise TypeError(f"TrainOneStepCell: optimizer must be a simpar.nn Optimizer, got "
                             f"{type(optimizer).__name__}")
+        if isinstance(sens, bool) or not isinstance(sens, (int, float)):
+            raise TypeError(f"TrainOneStepCell: sens must be a number, got {sens!r}")
+        if parallel_mode is not None and parallel_mode not in context.ParallelMode.MODES:
+            raise ValueError(f"TrainOneStepCell: parallel_mode must be None (the context's) or "
+                             f"one of {list(context.ParallelMode.MODES)}, got {parallel_mode!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                                 or seed < 0):
+            raise ValueError(f"TrainOneStepCell: seed must be None (the global seed) or an int "
+                             f">= 0, got {seed!r}")
         from simpar.seed import get_seed
 
         self.network = network

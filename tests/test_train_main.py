@@ -1,0 +1,157 @@
+"""The main job, ``simpar.train.main``: short runs on real ranks, and its argument checks.
+
+    mpirun -n 8 python -m pytest tests/test_train_main.py -q --with-mpi -m mpi
+    python -m pytest tests/test_train_main.py -q            # the argument checks
+
+Each multi-rank run trains 2-3 steps (the default 20-step job is too slow for the suite) and
+runs the job's own check against the single-device run. Rank 0 writes ``summary.json`` into
+rank 0's ``tmp_path``, whose name is broadcast so that every rank reads the same summary and
+passes or fails together.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import simpar
+import simpar.comm as comm
+from simpar import train
+
+
+@pytest.fixture(autouse=True)
+def _clean_context() -> Any:
+    yield
+    simpar.reset_auto_parallel_context()
+    simpar.set_seed(0)
+
+
+def _shared_dir(tmp_path: Path) -> Path:
+    """Rank 0's ``tmp_path`` on every rank (collective)."""
+    buf = np.zeros(4096, dtype=np.int32)  # simpar.comm moves int32, not bytes
+    if comm.get_rank() == 0:
+        raw = str(tmp_path).encode()
+        buf[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    buf = comm.broadcast(buf, root=0)
+    return Path(bytes(buf.astype(np.uint8)).rstrip(b"\0").decode())
+
+
+def _main(argv: list[str], tmp_path: Path) -> tuple[int, dict[str, Any]]:
+    """Run the job on every rank; its exit code and the summary rank 0 wrote."""
+    out = _shared_dir(tmp_path) / "out"
+    code = train.main([*argv, "--out", str(out)])
+    comm.barrier()  # rank 0 writes the summary after the others may have returned
+    return code, json.loads((out / "summary.json").read_text())
+
+
+def _check_summary(summary: dict[str, Any], steps: int, dtype: str = "float64") -> None:
+    tol = 1e-5 if dtype == "float32" else 1e-10
+    assert summary["passed"] is True
+    assert summary["max_dloss"] <= tol and summary["max_dparam"] <= tol
+    assert summary["steps"] == steps and len(summary["losses"]) == steps
+    assert all(math.isfinite(x) and x > 0 for x in summary["losses"])
+    assert len(summary["step_seconds"]) == steps and summary["tokens_per_s"] > 0
+    assert summary["comm"], "the run recorded no collectives"
+    for kind, row in summary["comm"].items():
+        # Every step runs the same program, so the same collectives.
+        assert row["count"] > 0 and row["count"] % steps == 0, (kind, row)
+        assert row["bytes_sent"] > 0 and row["bytes_recv"] > 0 and row["seconds"] >= 0
+
+
+@pytest.mark.mpi(min_size=2)
+def test_gpt_hybrid_default(tmp_path: Path) -> None:
+    n = comm.get_group_size()
+    code, summary = _main(["--steps", "3"], tmp_path)
+    assert code == 0
+    _check_summary(summary, 3)
+    assert (summary["model"], summary["mode"], summary["strategy"]) == (
+        "gpt", "semi_auto_parallel", "hybrid")
+    assert (summary["dp"], summary["mp"]) == (2, n // 2)
+    head = [v for k, v in summary["strategies"].items() if "head-Dense/MatMul" in k]
+    assert head == [[[2, 1], [n // 2, 1]]]
+    # Tensor parallel: the row-parallel layers' AllReduces plus the Mirrors.
+    assert set(summary["comm"]) == {"AllReduce"}
+    if n > 2:
+        assert summary["comm"]["AllReduce"]["count"] >= 3 * (2 + 4 * 2)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_gpt_data_parallel_momentum(tmp_path: Path) -> None:
+    code, summary = _main(["--steps", "2", "--parallel-mode", "data_parallel", "--optimizer",
+                           "momentum"], tmp_path)
+    assert code == 0
+    _check_summary(summary, 2)
+    assert (summary["mode"], summary["dp"], summary["mp"]) == (
+        "data_parallel", comm.get_group_size(), 1)
+    assert set(summary["comm"]) == {"AllReduce"}
+
+
+@pytest.mark.mpi(min_size=2)
+def test_mlp_megatron_float32(tmp_path: Path) -> None:
+    code, summary = _main(["--model", "mlp", "--strategy", "mp", "--steps", "3", "--dtype",
+                           "float32", "--optimizer", "momentum"], tmp_path)
+    assert code == 0
+    _check_summary(summary, 3, "float32")
+    assert (summary["dp"], summary["mp"], summary["dtype"]) == (1, comm.get_group_size(),
+                                                                "float32")
+    fc1 = [v for k, v in summary["strategies"].items() if "fc1-Dense/MatMul" in k]
+    assert fc1 == [[[1, 1], [comm.get_group_size(), 1]]]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_mlp_summed_gradients_match_the_scaled_single_device_run(tmp_path: Path) -> None:
+    """``--no-gradients-mean``: the job's check compares with D times the single-device
+    gradient (D = the batch cut at the loss op), and passes."""
+    code, summary = _main(["--model", "mlp", "--strategy", "dp", "--steps", "3",
+                           "--no-gradients-mean", "--optimizer", "sgd"], tmp_path)
+    assert code == 0
+    _check_summary(summary, 3)
+    assert (summary["dp"], summary["mp"]) == (comm.get_group_size(), 1)
+
+
+# ------------------------------------------------------------------ one process
+def test_one_process_run_writes_a_passing_summary(tmp_path: Path) -> None:
+    if comm.get_group_size() != 1:
+        pytest.skip("the one-process run")
+    code = train.main(["--model", "mlp", "--steps", "2", "--out", str(tmp_path)])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert code == 0
+    assert summary["passed"] is True and len(summary["losses"]) == 2
+    assert not (tmp_path / "summary.json.tmp").exists()
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--steps", "0"], "--steps must be >= 1, got 0"),
+    (["--batch-size", "-2"], "--batch-size must be >= 1, got -2"),
+    (["--n-heads", "0"], "--n-heads must be >= 1, got 0"),
+    (["--steps", "three"], "argument --steps: invalid int value: 'three'"),
+    (["--model", "resnet"], "argument --model: invalid choice: 'resnet'"),
+    (["--strategy", "pipeline"], "argument --strategy: invalid choice: 'pipeline'"),
+    (["--dtype", "float16"], "argument --dtype: invalid choice: 'float16'"),
+], ids=["steps-0", "batch-negative", "heads-0", "steps-not-int", "model", "strategy", "dtype"])
+def test_bad_arguments_exit_with_a_usage_message(argv: list[str], message: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        train.main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_device_num_must_match_the_world() -> None:
+    n = comm.get_group_size()
+    with pytest.raises(ValueError, match=f"device_num is {n + 3} but the MPI world has {n} "
+                                         f"ranks"):
+        train.main(["--device-num", str(n + 3), "--steps", "1"])
+
+
+def test_auto_parallel_refuses_clearly(capsys: pytest.CaptureFixture[str]) -> None:
+    if comm.get_group_size() != 1:
+        pytest.skip("one process")
+    assert train.main(["--parallel-mode", "auto_parallel", "--steps", "1"]) == 2
+    assert "auto_parallel needs the strategy search, which is not implemented" in \
+        capsys.readouterr().out
