@@ -296,6 +296,13 @@ def _unknown_key(func: str, key: str, known: Sequence[str], what: str = "key") -
     )
 
 
+def _check_key(func: str, key: object, known: Mapping[str, _Spec]) -> None:
+    if not isinstance(key, str):
+        raise _type_error(func, "key", "a str", key)
+    if key not in known:
+        raise _unknown_key(func, key, list(known))
+
+
 _CKPT_SPECS: dict[str, _Spec] = {
     "load_file": _Spec(str, ""),
     "save_file": _Spec(str, ""),
@@ -578,11 +585,7 @@ def get_auto_parallel_context(key: str) -> Any:
     >>> get_auto_parallel_context("search_mode")
     'recursive_programming'
     """
-    func = "get_auto_parallel_context"
-    if not isinstance(key, str):
-        raise _type_error(func, "key", "a str", key)
-    if key not in _AUTO_KEYS:
-        raise _unknown_key(func, key, list(_AUTO_KEYS))
+    _check_key("get_auto_parallel_context", key, _AUTO_KEYS)
     ctx = auto_parallel_context()
     if key == "strategy_ckpt_config":
         return ctx.strategy_ckpt_config.as_dict()
@@ -667,11 +670,7 @@ def get_algo_parameters(key: str) -> Any:
     >>> get_algo_parameters("tensor_slice_align_size")
     16
     """
-    func = "get_algo_parameters"
-    if not isinstance(key, str):
-        raise _type_error(func, "key", "a str", key)
-    if key not in _ALGO_SPECS:
-        raise _unknown_key(func, key, list(_ALGO_SPECS))
+    _check_key("get_algo_parameters", key, _ALGO_SPECS)
     return _algo[key]
 
 

@@ -594,6 +594,12 @@ def _child_setup() -> tuple[Any, bool]:
     return setup, True
 
 
+def _rank_log(log_dir: Path, rank: int) -> Path:
+    """Where rank ``rank``'s wrapper writes the command's output (``_prepare_log_dir`` clears
+    these)."""
+    return log_dir / f"rank_{rank}.log"
+
+
 def _tail(path: Path, lines: int = TAIL_LINES) -> list[str]:
     try:
         with path.open("rb") as f:
@@ -635,7 +641,7 @@ def _rank_wrapper(log_dir: Path, rank_table: str, join: bool, command: list[str]
     """Run ``command`` as this MPI rank, its output in ``log_dir/rank_{i}.log``; see the module."""
     rank = _rank_from_env()
     log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = log_dir / f"rank_{rank}.log"
+    log_path = _rank_log(log_dir, rank)
     env = _clean_env(os.environ)
     env.update(SIMPAR_LOG_DIR=str(log_dir), SIMPAR_RANK_TABLE_FILE=rank_table)
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -1047,7 +1053,7 @@ def _aborted_ranks(job: _Job, exits: Mapping[int, Mapping[str, Any]]) -> list[in
     for rank in range(job.nproc):
         if rank in exits:
             continue
-        tail = "\n".join(_tail(job.log_dir / f"rank_{rank}.log", 200))
+        tail = "\n".join(_tail(_rank_log(job.log_dir, rank), 200))
         if any(sign.search(tail) for sign in _ABORT_SIGNS):
             aborted.append(rank)
         elif "Traceback (most recent call last)" in tail:
@@ -1062,7 +1068,7 @@ def _report(job: _Job, mpirun_rc: int, outcome: _Outcome) -> int:
         rank, rc = int(outcome.first["rank"]), int(outcome.first["returncode"])
         print(f"simrun: rank {rank} failed ({_exit_text(rc)}) on "
               f"{outcome.first.get('host', '?')}.{stopped}", file=sys.stderr)
-        _print_tail(job.log_dir / f"rank_{rank}.log", outcome.first.get("tail", []))
+        _print_tail(_rank_log(job.log_dir, rank), outcome.first.get("tail", []))
         return rc if rc > 0 else 128 - rc
     if outcome.signals:
         print(f"simrun: interrupted by {signal.Signals(outcome.signals[0]).name}; the job was "
@@ -1075,14 +1081,14 @@ def _report(job: _Job, mpirun_rc: int, outcome: _Outcome) -> int:
         also = f" (the logs of ranks {aborted} all show a failure)" if len(aborted) > 1 else ""
         print(f"simrun: rank {aborted[0]} failed and aborted the job (mpirun "
               f"{_exit_text(mpirun_rc)}){also}.{stopped}", file=sys.stderr)
-        _print_tail(job.log_dir / f"rank_{aborted[0]}.log", [])
+        _print_tail(_rank_log(job.log_dir, aborted[0]), [])
     else:
         silent = [r for r in range(job.nproc) if r not in outcome.exits]
         print(f"simrun: mpirun ended with {_exit_text(mpirun_rc)} and no rank reported a "
               f"failure (ranks without an exit record: {silent[:16]}).{stopped}",
               file=sys.stderr)
         if silent:
-            _print_tail(job.log_dir / f"rank_{silent[0]}.log", [])
+            _print_tail(_rank_log(job.log_dir, silent[0]), [])
     return mpirun_rc if 0 < mpirun_rc < 256 else 1
 
 

@@ -61,6 +61,12 @@ def _norm_entry(entry: object, ndev: int, where: str) -> MapEntry:
     return v
 
 
+def _listed(tensor_map: Sequence[MapEntry]) -> list[int | list[int]]:
+    """A tensor map as MindSpore's layout dictionaries write it: ``(2, (1, 0))`` is
+    ``[2, [1, 0]]``."""
+    return [list(e) if isinstance(e, tuple) else e for e in tensor_map]
+
+
 @lru_cache(maxsize=4096)
 def _dim_axes(ndev: int, tensor_map: tuple[MapEntry, ...]) -> tuple[tuple[int, ...], ...]:
     out = []
@@ -123,6 +129,35 @@ class TensorLayout:
 
     # ---------------------------------------------------------------- constructors
     @classmethod
+    def from_dim_axes(cls, device_matrix: Sequence[int], dim_axes: Sequence[Sequence[int]],
+                      shape: Sequence[int], partial: Sequence[int] = ()) -> TensorLayout:
+        """The layout whose tensor dimension ``i`` is split over device axes ``dim_axes[i]``.
+
+        Device axes are counted from the left (as in :class:`DeviceMesh` and ``partial``), the
+        outer one first; ``()`` leaves a dimension whole. This is the inverse of
+        :attr:`dim_axes`.
+
+        >>> lay = TensorLayout.from_dim_axes((2, 1, 4), [(0,), (2,)], (8, 16))
+        >>> lay.tensor_map, lay.slice_of(5)   # rank 5, at (1, 0, 1): rows 4..7, columns 4..7
+        ((2, 0), ((4, 8), (4, 8)))
+        >>> lay = TensorLayout.from_dim_axes((2, 1, 4), [(0, 2), ()], (8, 16))
+        >>> lay.tensor_map, lay.slice_of(5)   # rank 5: row 5 (chunk 1 * 4 + 1), every column
+        (((2, 0), -1), ((5, 6), (0, 16)))
+        """
+        n = len(device_matrix)
+        tmap: list[tuple[int, ...]] = []
+        for tensor_dim, axes in enumerate(dim_axes):
+            vals = tuple(_int(a, "dim_axes entries") for a in axes)
+            bad = [a for a in vals if not 0 <= a < n]
+            if bad:
+                raise ValueError(f"dim_axes {[tuple(x) for x in dim_axes]} splits tensor "
+                                 f"dimension {tensor_dim} over device axis {bad[0]}; allowed "
+                                 f"0..{n - 1} for device matrix {list(device_matrix)}")
+            # The constructor canonicalises: () becomes -1 and (k,) becomes k.
+            tmap.append(tuple(n - 1 - a for a in vals))
+        return cls(device_matrix, tmap, shape, partial)
+
+    @classmethod
     def from_strategy(cls, device_matrix: Sequence[int], cuts: Sequence[int],
                       shape: Sequence[int]) -> TensorLayout:
         """The layout that cuts dimension ``i`` of ``shape`` into ``cuts[i]`` parts.
@@ -136,11 +171,11 @@ class TensorLayout:
         cuts_t = tuple(_int(c, "cuts entries") for c in cuts)
         if any(c < 1 for c in cuts_t):
             raise ValueError(f"cuts must be >= 1, got {cuts_t}")
-        tmap: list[MapEntry] = []
+        dim_axes: list[tuple[int, ...]] = []
         axis = 0
         for c in cuts_t:
             if c == 1:
-                tmap.append(-1)
+                dim_axes.append(())
                 continue
             found = None
             for start in range(axis, n):
@@ -154,10 +189,9 @@ class TensorLayout:
             if found is None:
                 raise ValueError(f"cuts {cuts_t} do not fit device matrix {list(dm)}: no device "
                                  f"axes after axis {axis} multiply to {c}")
-            axes = tuple(n - 1 - a for a in range(*found) if dm[a] > 1) or (n - 1 - found[0],)
-            tmap.append(axes[0] if len(axes) == 1 else axes)
+            dim_axes.append(tuple(a for a in range(*found) if dm[a] > 1) or (found[0],))
             axis = found[1]
-        return cls(dm, tmap, shape)
+        return cls.from_dim_axes(dm, dim_axes, shape)
 
     # ---------------------------------------------------------------- structure
     @property
@@ -265,7 +299,7 @@ class TensorLayout:
         """MindSpore's layout dictionary (plus ``shape`` and ``partial`` of simpar's own)."""
         return {
             "device_matrix": list(self.device_matrix),
-            "tensor_map": [list(e) if isinstance(e, tuple) else e for e in self.tensor_map],
+            "tensor_map": _listed(self.tensor_map),
             "shape": list(self.shape),
             "partial": list(self.partial),
         }
@@ -367,7 +401,7 @@ class Layout:
                              "layout('dp', 'None')")
         return {
             "device_matrix": self.device_matrix,
-            "tensor_map": [list(e) if isinstance(e, tuple) else e for e in self.tensor_map],
+            "tensor_map": _listed(self.tensor_map),
             "interleaved_parallel": False,
             "alias_name": self.alias_name,
         }

@@ -156,16 +156,12 @@ def get_parallel_info(op: Primitive, input_shapes: Sequence[Sequence[int]],
     in_size = np.dtype(dtype).itemsize
     out_size = op.output_dtype(np.dtype(dtype)).itemsize
     sh = op.sharding(input_shapes, device_num)
-
-    def tmap(lay: TensorLayout) -> list[Any]:
-        return [list(e) if isinstance(e, tuple) else e for e in lay.tensor_map]
-
     return {
         "op": op.name,
         "strategy": [list(s) for s in sh.strategy],
         "device_matrix": list(sh.device_matrix),
-        "inputs_tensor_map": [tmap(lay) for lay in sh.in_layouts],
-        "outputs_tensor_map": [tmap(o) for _, o, _ in sh.outputs],
+        "inputs_tensor_map": [lay.to_dict()["tensor_map"] for lay in sh.in_layouts],
+        "outputs_tensor_map": [o.to_dict()["tensor_map"] for _, o, _ in sh.outputs],
         "inputs_slice_shape": [list(lay.local_shape()) for lay in sh.in_layouts],
         "outputs_slice_shape": [list(o.local_shape()) for _, o, _ in sh.outputs],
         "forward_comm": [c.describe(rank, in_size, out_size) for c in sh.forward_comm],

@@ -219,6 +219,7 @@ def refine(layout: TensorLayout, device_matrix: Sequence[int]) -> TensorLayout:
     new = tuple(device_matrix)
     if tuple(layout.device_matrix) == new:
         return layout
+    not_refining = f"device matrix {list(new)} does not refine {list(layout.device_matrix)}"
     groups: dict[int, tuple[int, ...]] = {}
     j, n_new = 0, len(new)
     for axis, size in enumerate(layout.device_matrix):
@@ -226,35 +227,18 @@ def refine(layout: TensorLayout, device_matrix: Sequence[int]) -> TensorLayout:
         prod = 1
         while prod < size:
             if j >= n_new:
-                raise ValueError(f"device matrix {list(new)} does not refine "
-                                 f"{list(layout.device_matrix)}")
+                raise ValueError(not_refining)
             prod *= new[j]
             run.append(j)
             j += 1
         if prod != size:
-            raise ValueError(f"device matrix {list(new)} does not refine "
-                             f"{list(layout.device_matrix)}")
+            raise ValueError(not_refining)
         groups[axis] = tuple(run)
     if any(d != 1 for d in new[j:]):
-        raise ValueError(f"device matrix {list(new)} does not refine "
-                         f"{list(layout.device_matrix)}")
-    tmap = []
-    for axes in layout.dim_axes:
-        new_axes = [n_new - 1 - na for a in axes for na in groups[a]]
-        tmap.append(-1 if not new_axes else new_axes[0] if len(new_axes) == 1
-                    else tuple(new_axes))
+        raise ValueError(not_refining)
+    dim_axes = [[na for a in axes for na in groups[a]] for axes in layout.dim_axes]
     partial = [na for a in layout.partial for na in groups[a]]
-    return TensorLayout(new, tmap, layout.shape, partial)
-
-
-def _with_axes(layout: TensorLayout, dim_axes: Sequence[Sequence[int]],
-               partial: Sequence[int]) -> TensorLayout:
-    n = len(layout.device_matrix)
-    tmap = []
-    for axes in dim_axes:
-        vals = tuple(n - 1 - a for a in axes)
-        tmap.append(-1 if not vals else vals[0] if len(vals) == 1 else vals)
-    return TensorLayout(layout.device_matrix, tmap, layout.shape, partial)
+    return TensorLayout.from_dim_axes(new, dim_axes, layout.shape, partial)
 
 
 # ------------------------------------------------------------------ the planner
@@ -291,7 +275,7 @@ def _plan(src: TensorLayout, dst: TensorLayout, enable_alltoall: bool) -> Redist
     cur = _resolve_partial(s, d, steps)
     # Axes partial in dst but not in the source: reach dst without them, then zero replicas.
     extra_partial = [a for a in d.partial if a not in cur.partial]
-    target = _with_axes(d, d.dim_axes, [a for a in d.partial if a in cur.partial])
+    target = d.with_partial([a for a in d.partial if a in cur.partial])
     cur = _move(cur, target, steps, enable_alltoall)
     if extra_partial:
         zeroed = cur.with_partial(sorted(set(cur.partial) | set(extra_partial)))
@@ -346,13 +330,14 @@ def _resolve_partial(s: TensorLayout, d: TensorLayout, steps: list[Step]) -> Ten
             continue
         new_axes = [list(x) for x in cur.dim_axes]
         new_axes[tensor_dim] += axes
-        nxt = _with_axes(cur, new_axes, [a for a in cur.partial if a not in axes])
+        nxt = TensorLayout.from_dim_axes(cur.device_matrix, new_axes, cur.shape,
+                                         [a for a in cur.partial if a not in axes])
         steps.append(Step(REDUCE_SCATTER, cur, nxt, tuple(axes), tensor_dim=tensor_dim))
         cur = nxt
     if reduce_all:
-        axes = tuple(sorted(reduce_all))
-        nxt = cur.with_partial([a for a in cur.partial if a not in axes])
-        steps.append(Step(ALL_REDUCE, cur, nxt, axes))
+        summed = tuple(sorted(reduce_all))
+        nxt = cur.with_partial([a for a in cur.partial if a not in summed])
+        steps.append(Step(ALL_REDUCE, cur, nxt, summed))
         cur = nxt
     return cur
 
@@ -381,7 +366,7 @@ def _move(cur: TensorLayout, d: TensorLayout, steps: list[Step], enable_alltoall
                 new_axes[i].append(a)
                 replica.discard(a)
     if new_axes != [list(x) for x in cur.dim_axes]:
-        sliced = _with_axes(cur, new_axes, cur.partial)
+        sliced = TensorLayout.from_dim_axes(cur.device_matrix, new_axes, cur.shape, cur.partial)
         steps.append(Step(SLICE, cur, sliced))
         cur = sliced
     if cur == d:
@@ -392,7 +377,7 @@ def _move(cur: TensorLayout, d: TensorLayout, steps: list[Step], enable_alltoall
         return d
     if not enable_alltoall:
         keep = [list(ca[:_common_prefix(ca, da)]) for ca, da in zip(cur.dim_axes, d.dim_axes)]
-        mid = _with_axes(cur, keep, cur.partial)
+        mid = TensorLayout.from_dim_axes(cur.device_matrix, keep, cur.shape, cur.partial)
         steps.append(_gather_step(cur, mid))
         steps.append(Step(SLICE, mid, d))
         return d
@@ -407,12 +392,11 @@ def _move(cur: TensorLayout, d: TensorLayout, steps: list[Step], enable_alltoall
             moved = dj[len(cj):]
             others_equal = all(cur.dim_axes[k] == d.dim_axes[k] for k in range(cur.ndim)
                                if k not in (i, j))
-            if others_equal and ci[len(ci) - len(moved):] == moved and di == ci[:len(ci) -
-                                                                                 len(moved)]:
-                if cur.local_shape()[j] % math.prod(cur.device_matrix[a] for a in moved) == 0:
-                    steps.append(Step(ALL_TO_ALL, cur, d, tuple(moved), tensor_dim=j,
-                                      concat_dim=i))
-                    return d
+            kept = len(ci) - len(moved)
+            if (others_equal and ci[kept:] == moved and di == ci[:kept]
+                    and cur.local_shape()[j] % math.prod(cur.device_matrix[a] for a in moved) == 0):
+                steps.append(Step(ALL_TO_ALL, cur, d, tuple(moved), tensor_dim=j, concat_dim=i))
+                return d
     # 4. Direct exchange of exactly the missing elements.
     steps.append(Step(ALL_TO_ALL_V, cur, d))
     return d
@@ -504,8 +488,7 @@ class _Exchange:
         """(receiver, global box) pairs that rank r sends."""
         sizes = self._sizes_from(r)
         out = []
-        for s in np.flatnonzero(sizes):
-            s = int(s)
+        for s in np.flatnonzero(sizes).tolist():
             if s == r or self.s_box[s] == self.s_box[r] or self.cls[s] != self.cls[r]:
                 continue
             if self.holder(int(self.s_box[r]), s) == r:
@@ -544,15 +527,20 @@ def _exchange(src: TensorLayout, dst: TensorLayout) -> _Exchange:
     s_box = np.ravel_multi_index(chunk.T, src.cuts) if src.ndim else np.zeros(p, dtype=np.int64)
     coords = np.array(np.unravel_index(np.arange(p), src.device_matrix)).T
     carried = [a for a in src.partial if a in dst.partial]
+    cls: np.ndarray = np.zeros(p, dtype=np.int64)
     if carried:
-        cls = np.ravel_multi_index(coords[:, carried].T, [src.device_matrix[a] for a in carried])
-    else:
-        cls = np.zeros(p, dtype=np.int64)
-    return _Exchange(src, dst, s_lo, d_lo, np.asarray(s_box), np.asarray(cls))
+        cls = np.asarray(np.ravel_multi_index(coords[:, carried].T,
+                                              [src.device_matrix[a] for a in carried]))
+    return _Exchange(src, dst, s_lo, d_lo, np.asarray(s_box), cls)
 
 
 # ------------------------------------------------------------------ execution
-def execute(plan: RedistributionPlan, local_array: np.ndarray, comm: object = None
+#: The communication module: :mod:`simpar.comm`, or a stand-in with the same functions (the
+#: planning tests run plans on threads).
+Comm = Any
+
+
+def execute(plan: RedistributionPlan, local_array: np.ndarray, comm: Comm = None
             ) -> np.ndarray:
     """Run ``plan`` on this rank's shard (in ``plan.src``) and return its shard in ``plan.dst``.
 
@@ -561,28 +549,42 @@ def execute(plan: RedistributionPlan, local_array: np.ndarray, comm: object = No
     """
     if not plan.steps:
         return local_array
-    if comm is None:
-        import simpar.comm as comm
-    rank, size = comm.get_rank(), comm.get_group_size()  # type: ignore[attr-defined]
+    comm = _default_comm(comm)
+    rank, size = comm.get_rank(), comm.get_group_size()
     if plan.src.device_num != size:
         raise ValueError(f"execute: the plan's layouts cover {plan.src.device_num} devices "
                          f"but the MPI world has {size} ranks")
     if tuple(local_array.shape) != plan.src.local_shape():
         raise ValueError(f"execute: rank {rank}'s shard has shape {local_array.shape}, but "
                          f"layout {plan.src} gives shards of {plan.src.local_shape()}")
-    _verify_once(plan, local_array.dtype, comm)
-    x = local_array
-    with comm.validation_disabled():  # type: ignore[attr-defined]
-        for step in plan.steps:
-            with comm.label(f"redistribute:{step.kind}"):  # type: ignore[attr-defined]
-                x = _run_step(step, x, rank, comm)
+    return _run_steps(plan, local_array, rank, comm, adjoint=False)
+
+
+def _default_comm(comm: Comm) -> Comm:
+    if comm is None:
+        import simpar.comm as default
+
+        return default
+    return comm
+
+
+def _run_steps(plan: RedistributionPlan, x: np.ndarray, rank: int, comm: Comm, adjoint: bool
+               ) -> np.ndarray:
+    """Every step of ``plan`` in order (or every step's adjoint in reverse order)."""
+    _verify_once(plan, x.dtype, comm)
+    steps = reversed(plan.steps) if adjoint else iter(plan.steps)
+    run, what = (_run_adjoint, "redistribute-adjoint") if adjoint else (_run_step, "redistribute")
+    with comm.validation_disabled():
+        for step in steps:
+            with comm.label(f"{what}:{step.kind}"):
+                x = run(step, x, rank, comm)
     return x
 
 
 _VERIFIED: set[tuple[RedistributionPlan, str]] = set()
 
 
-def _verify_once(plan: RedistributionPlan, dtype: np.dtype, comm: Any) -> None:
+def _verify_once(plan: RedistributionPlan, dtype: np.dtype, comm: Comm) -> None:
     """The first time a (plan, dtype) runs, check that every rank runs the same one; its
     collectives then skip their own per-call agreement check (they agree by construction)."""
     key = (plan, dtype.str)
@@ -610,23 +612,26 @@ def _offsets(outer: TensorLayout, inner: TensorLayout, rank: int) -> tuple[slice
                  zip(outer.slice_of(rank), inner.slice_of(rank)))
 
 
-def _run_step(step: Step, x: np.ndarray, rank: int, comm: object) -> np.ndarray:
-    c = comm
+def _zero(step: Step, x: np.ndarray, rank: int) -> np.ndarray:
+    """A ZERO step (its own adjoint): zeros on every rank off coordinate 0 of its axes."""
+    coord = DeviceMesh(step.src.device_matrix).coordinate(rank)
+    return np.zeros_like(x) if any(coord[a] for a in step.device_axes) else x
+
+
+def _run_step(step: Step, x: np.ndarray, rank: int, c: Comm) -> np.ndarray:
     group = _group(step.src.device_matrix, rank, step.device_axes)
     if step.kind == SLICE:
         return np.ascontiguousarray(x[_offsets(step.src, step.dst, rank)])
     if step.kind == ZERO:
-        coord = DeviceMesh(step.src.device_matrix).coordinate(rank)
-        return np.zeros_like(x) if any(coord[a] for a in step.device_axes) else x
+        return _zero(step, x, rank)
     if step.kind == ALL_REDUCE:
         # reshape: comm.all_reduce returns a 0-d input as shape (1,) (np.ascontiguousarray).
-        return c.all_reduce(x, group=group).reshape(x.shape)  # type: ignore[attr-defined, no-any-return]
+        return c.all_reduce(x, group=group).reshape(x.shape)
     if step.kind == REDUCE_SCATTER:
-        return c.reduce_scatter(x, axis=step.tensor_dim,  # type: ignore[attr-defined, no-any-return]
-                                group=group)
+        return c.reduce_scatter(x, axis=step.tensor_dim, group=group)
     if step.kind == ALL_TO_ALL:
-        return c.all_to_all(x, split_axis=step.tensor_dim,  # type: ignore[attr-defined, no-any-return]
-                            concat_axis=step.concat_dim, group=group)
+        return c.all_to_all(x, split_axis=step.tensor_dim, concat_axis=step.concat_dim,
+                            group=group)
     if step.kind == ALL_GATHER:
         return _all_gather(step, x, group, c)
     if step.kind == ALL_TO_ALL_V:
@@ -634,12 +639,11 @@ def _run_step(step: Step, x: np.ndarray, rank: int, comm: object) -> np.ndarray:
     raise AssertionError(f"unknown step kind {step.kind}")
 
 
-def _all_gather(step: Step, x: np.ndarray, group: tuple[int, ...], c: object) -> np.ndarray:
+def _all_gather(step: Step, x: np.ndarray, group: tuple[int, ...], c: Comm) -> np.ndarray:
     if len(step.gather_dims) == 1:
-        return c.all_gather(x, axis=step.gather_dims[0][0],  # type: ignore[attr-defined, no-any-return]
-                            group=group)
+        return c.all_gather(x, axis=step.gather_dims[0][0], group=group)
     # Several dims at once: one AllGather, then one copy that interleaves the blocks.
-    blocks = c.all_gather(x[None], axis=0, group=group)  # type: ignore[attr-defined]
+    blocks = c.all_gather(x[None], axis=0, group=group)
     dm = step.src.device_matrix
     sizes = [dm[a] for _, axes in step.gather_dims for a in axes]
     blocks = blocks.reshape(tuple(sizes) + x.shape)
@@ -685,7 +689,7 @@ def _route(src: TensorLayout, dst: TensorLayout, rank: int) -> _Route:
     return _Route(keep, sends, recvs)
 
 
-def _all_to_all_v(step: Step, x: np.ndarray, rank: int, c: object) -> np.ndarray:
+def _all_to_all_v(step: Step, x: np.ndarray, rank: int, c: Comm) -> np.ndarray:
     route = _route(step.src, step.dst, rank)
     p = step.src.device_num
     pieces: list[np.ndarray | None] = [None] * p
@@ -694,7 +698,7 @@ def _all_to_all_v(step: Step, x: np.ndarray, rank: int, c: object) -> np.ndarray
     shapes: list[tuple[int, ...] | None] = [None] * p
     for r, _, shape in route.recvs:
         shapes[r] = shape
-    got = c.all_to_all_v(pieces, shapes, dtype=x.dtype)  # type: ignore[attr-defined]
+    got = c.all_to_all_v(pieces, shapes, dtype=x.dtype)
     # The part this rank keeps is copied after the exchange, so that no peer waits for it.
     out = np.empty(step.dst.local_shape(), dtype=x.dtype)
     if route.keep is not None:
@@ -705,7 +709,7 @@ def _all_to_all_v(step: Step, x: np.ndarray, rank: int, c: object) -> np.ndarray
 
 
 # ------------------------------------------------------------------ backward (adjoint)
-def execute_adjoint(plan: RedistributionPlan, local_grad: np.ndarray, comm: object = None
+def execute_adjoint(plan: RedistributionPlan, local_grad: np.ndarray, comm: Comm = None
                     ) -> np.ndarray:
     """The backward of :func:`execute`: map a gradient shard in ``plan.dst`` back to
     ``plan.src`` by running every step's adjoint in reverse order.
@@ -717,42 +721,32 @@ def execute_adjoint(plan: RedistributionPlan, local_grad: np.ndarray, comm: obje
     """
     if not plan.steps:
         return local_grad
-    if comm is None:
-        import simpar.comm as comm
-    rank = comm.get_rank()  # type: ignore[attr-defined]
+    comm = _default_comm(comm)
+    rank = comm.get_rank()
     if tuple(local_grad.shape) != plan.dst.local_shape():
         raise ValueError(f"execute_adjoint: rank {rank}'s gradient has shape {local_grad.shape}, "
                          f"but layout {plan.dst} gives shards of {plan.dst.local_shape()}")
-    _verify_once(plan, local_grad.dtype, comm)
-    g = local_grad
-    with comm.validation_disabled():  # type: ignore[attr-defined]
-        for step in reversed(plan.steps):
-            with comm.label(f"redistribute-adjoint:{step.kind}"):  # type: ignore[attr-defined]
-                g = _run_adjoint(step, g, rank, comm)
-    return g
+    return _run_steps(plan, local_grad, rank, comm, adjoint=True)
 
 
-def _run_adjoint(step: Step, g: np.ndarray, rank: int, c: Any) -> np.ndarray:
-    mesh = DeviceMesh(step.src.device_matrix)
-    group = mesh.group_of(rank, step.device_axes) if step.device_axes else (rank,)
+def _run_adjoint(step: Step, g: np.ndarray, rank: int, c: Comm) -> np.ndarray:
+    group = _group(step.src.device_matrix, rank, step.device_axes)
     if step.kind == SLICE:
         out = np.zeros(step.src.local_shape(), dtype=g.dtype)
         out[_offsets(step.src, step.dst, rank)] = g
         return out
     if step.kind == ZERO:
-        coord = mesh.coordinate(rank)
-        return np.zeros_like(g) if any(coord[a] for a in step.device_axes) else g
+        return _zero(step, g, rank)
     if step.kind == ALL_REDUCE:
-        return c.all_reduce(g, group=group).reshape(g.shape)  # type: ignore[no-any-return]
+        return c.all_reduce(g, group=group).reshape(g.shape)
     if step.kind == REDUCE_SCATTER:
-        return c.all_gather(g, axis=step.tensor_dim, group=group)  # type: ignore[no-any-return]
+        return c.all_gather(g, axis=step.tensor_dim, group=group)
     if step.kind == ALL_TO_ALL:
-        return c.all_to_all(g, split_axis=step.concat_dim,  # type: ignore[no-any-return]
-                            concat_axis=step.tensor_dim, group=group)
+        return c.all_to_all(g, split_axis=step.concat_dim, concat_axis=step.tensor_dim,
+                            group=group)
     if step.kind == ALL_GATHER:
         if len(step.gather_dims) == 1:
-            return c.reduce_scatter(g, axis=step.gather_dims[0][0],  # type: ignore[no-any-return]
-                                    group=group)
+            return c.reduce_scatter(g, axis=step.gather_dims[0][0], group=group)
         local = step.src.local_shape()
         dm = step.src.device_matrix
         per_dim = dict(step.gather_dims)
@@ -767,29 +761,27 @@ def _run_adjoint(step: Step, g: np.ndarray, rank: int, c: Any) -> np.ndarray:
             split_shape.append(n)
         blocks = np.ascontiguousarray(g.reshape(split_shape).transpose(block_pos + local_pos))
         blocks = blocks.reshape((-1,) + local)
-        return c.reduce_scatter(blocks, axis=0, group=group)[0]  # type: ignore[no-any-return]
+        return c.reduce_scatter(blocks, axis=0, group=group)[0]
     if step.kind == ALL_TO_ALL_V:
         return _all_to_all_v_adjoint(step, g, rank, c)
     raise AssertionError(f"unknown step kind {step.kind}")
 
 
-def _all_to_all_v_adjoint(step: Step, g: np.ndarray, rank: int, c: Any) -> np.ndarray:
-    ex = _exchange(step.src, step.dst)
+def _all_to_all_v_adjoint(step: Step, g: np.ndarray, rank: int, c: Comm) -> np.ndarray:
+    """The forward exchange's route run backwards: what this rank received it sends back, and
+    what it sent comes back to be summed into its source shard."""
+    route = _route(step.src, step.dst, rank)
     p = step.src.device_num
-    s_lo, d_lo = ex.s_lo[rank], ex.d_lo[rank]
     out = np.zeros(step.src.local_shape(), dtype=g.dtype)
-    mine = ex.overlap(rank, rank)
-    if np.all(mine[:, 1] > mine[:, 0]):
-        out[tuple(slice(a - o, b - o) for (a, b), o in zip(mine, s_lo))] += \
-            g[tuple(slice(a - o, b - o) for (a, b), o in zip(mine, d_lo))]
+    if route.keep is not None:
+        out[route.keep[1]] += g[route.keep[0]]
     pieces: list[np.ndarray | None] = [None] * p
-    for r, box in ex.recvs(rank):           # what I received, I now send back
-        pieces[r] = g[tuple(slice(a - o, b - o) for (a, b), o in zip(box, d_lo))]
+    for r, sl, _ in route.recvs:
+        pieces[r] = g[sl]
     shapes: list[tuple[int, ...] | None] = [None] * p
-    sent = ex.sends(rank)
-    for s, box in sent:
-        shapes[s] = tuple(int(b - a) for a, b in box)
+    for s, sl in route.sends:
+        shapes[s] = tuple(x.stop - x.start for x in sl)
     got = c.all_to_all_v(pieces, shapes, dtype=g.dtype)
-    for s, box in sent:
-        out[tuple(slice(a - o, b - o) for (a, b), o in zip(box, s_lo))] += got[s]
+    for s, sl in route.sends:
+        out[sl] += got[s]
     return out

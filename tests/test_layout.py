@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from simpar.layout import IndivisibleError, Layout, TensorLayout, assemble, distribute
+from tests.layout_strategies import layouts
 
 # ------------------------------------------------------------------ reference slicer
 # Written from MindSpore's rule, independently of simpar: coordinates by repeated divmod
@@ -41,44 +42,6 @@ def _ref_slice(device_matrix: tuple[int, ...], tensor_map: tuple[object, ...],
         step = size // parts
         out.append((index * step, (index + 1) * step))
     return tuple(out)
-
-
-def _from_axes(n: int, axes: list[int]) -> object:
-    """Tensor-map entry for a dimension split over these device axes (from the left)."""
-    vals = tuple(n - 1 - a for a in axes)
-    return -1 if not vals else vals[0] if len(vals) == 1 else vals
-
-
-def _factorizations(total: int, k: int) -> list[tuple[int, ...]]:
-    if k == 1:
-        return [(total,)]
-    return [(d, *rest) for d in range(1, total + 1) if total % d == 0
-            for rest in _factorizations(total // d, k - 1)]
-
-
-@st.composite
-def device_matrices(draw: st.DrawFn, device_num: int | None = None) -> tuple[int, ...]:
-    total = device_num if device_num is not None else draw(st.sampled_from([1, 2, 3, 4, 6, 8, 12]))
-    k = draw(st.integers(1, 3))
-    return draw(st.sampled_from(_factorizations(total, k)))
-
-
-@st.composite
-def layouts(draw: st.DrawFn, allow_partial: bool = True) -> TensorLayout:
-    dm = draw(device_matrices())
-    ndim = draw(st.integers(1, 4))
-    n = len(dm)
-    dims: list[list[int]] = [[] for _ in range(ndim)]
-    partial = []
-    for axis in draw(st.permutations(range(n))):
-        where = draw(st.integers(-2 if allow_partial else -1, ndim - 1))
-        if where >= 0:
-            dims[where].append(axis)
-        elif where == -2:
-            partial.append(axis)
-    cuts = [math.prod(dm[a] for a in axes) for axes in dims]
-    shape = [c * draw(st.integers(1, 3)) for c in cuts]
-    return TensorLayout(dm, [_from_axes(n, axes) for axes in dims], shape, partial)
 
 
 def _ranks_along(layout: TensorLayout, rank: int, axes: tuple[int, ...]) -> set[int]:

@@ -26,52 +26,10 @@ from simpar.redistribution import (
     plan,
     refine,
 )
+from tests.layout_strategies import factorizations, layout_pairs, layout_structure
 
 L = TensorLayout
 COLLECTIVE_KINDS = {"AllGather", "AllToAll", "AllToAllV", "ReduceScatter", "AllReduce"}
-
-
-# ------------------------------------------------------------------ random layouts
-def _from_axes(n: int, axes: Sequence[int]) -> object:
-    vals = tuple(n - 1 - a for a in axes)
-    return -1 if not vals else vals[0] if len(vals) == 1 else vals
-
-
-def _factorizations(total: int, k: int) -> list[tuple[int, ...]]:
-    if k == 1:
-        return [(total,)]
-    return [(d, *rest) for d in range(1, total + 1) if total % d == 0
-            for rest in _factorizations(total // d, k - 1)]
-
-
-@st.composite
-def _structure(draw: st.DrawFn, device_num: int, ndim: int, partial_ok: bool
-               ) -> tuple[tuple[int, ...], list[object], list[int], list[int]]:
-    """(device matrix, tensor map, partial axes, cuts) for a tensor of ``ndim`` dimensions."""
-    dm = draw(st.sampled_from([f for k in (1, 2, 3) for f in _factorizations(device_num, k)]))
-    n = len(dm)
-    dims: list[list[int]] = [[] for _ in range(ndim)]
-    partial = []
-    for axis in draw(st.permutations(range(n))):
-        where = draw(st.integers(-2 if partial_ok else -1, ndim - 1))
-        if where >= 0:
-            dims[where].append(axis)
-        elif where == -2:
-            partial.append(axis)
-    return dm, [_from_axes(n, a) for a in dims], partial, [
-        math.prod(dm[a] for a in axes) for axes in dims]
-
-
-@st.composite
-def layout_pairs(draw: st.DrawFn, device_nums: Sequence[int] = (8, 4),
-                 src_partial: bool = False, dst_partial: bool = False,
-                 max_ndim: int = 4) -> tuple[TensorLayout, TensorLayout]:
-    p = draw(st.sampled_from(list(device_nums)))
-    ndim = draw(st.integers(1, max_ndim))
-    sdm, smap, spart, scuts = draw(_structure(p, ndim, src_partial))
-    ddm, dmap, dpart, dcuts = draw(_structure(p, ndim, dst_partial))
-    shape = [math.lcm(a, b) * draw(st.integers(1, 2)) for a, b in zip(scuts, dcuts, strict=True)]
-    return L(sdm, smap, shape, spart), L(ddm, dmap, shape, dpart)
 
 
 # ------------------------------------------------------------------ simulated ranks
@@ -100,6 +58,14 @@ class _SimComm:
 
     @contextmanager
     def label(self, text: str) -> Iterator[None]:
+        yield
+
+    # --- agreement checks: the threads run one plan object, so there is nothing to agree on
+    def validation(self) -> bool:
+        return False
+
+    @contextmanager
+    def validation_disabled(self) -> Iterator[None]:
         yield
 
     def _exchange(self, value: Any) -> dict[int, Any]:
@@ -424,10 +390,10 @@ def test_refine_example_and_errors() -> None:
 def _layout_and_other_matrix(draw: st.DrawFn) -> tuple[TensorLayout, tuple[int, ...]]:
     p = draw(st.sampled_from([4, 6, 8, 12]))
     ndim = draw(st.integers(1, 3))
-    dm, tmap, partial, cuts = draw(_structure(p, ndim, True))
+    dm, dims, partial, cuts = draw(layout_structure(p, ndim, True))
     shape = [c * draw(st.integers(1, 2)) for c in cuts]
-    other = draw(st.sampled_from([f for k in (1, 2, 3) for f in _factorizations(p, k)]))
-    return L(dm, tmap, shape, partial), other
+    other = draw(st.sampled_from([f for k in (1, 2, 3) for f in factorizations(p, k)]))
+    return L.from_dim_axes(dm, dims, shape, partial), other
 
 
 @given(_layout_and_other_matrix())

@@ -9,10 +9,8 @@ a collective, so it aborts the job at once (with this rank's traceback) instead 
 
 from __future__ import annotations
 
-import math
 import sys
 import traceback
-from collections.abc import Sequence
 from itertools import product
 
 import numpy as np
@@ -25,6 +23,7 @@ from simpar.comm import CommTrace
 from simpar.layout import TensorLayout
 from simpar.mesh import DeviceMesh
 from simpar.redistribution import RedistributionPlan, execute, min_bytes, plan
+from tests.layout_strategies import layout_pairs
 
 L = TensorLayout
 COLLECTIVE_KINDS = {"AllGather", "AllToAll", "AllToAllV", "ReduceScatter", "AllReduce"}
@@ -34,44 +33,10 @@ MPI_SETTINGS = settings(derandomize=True, database=None, phases=[Phase.explicit,
 
 
 # ------------------------------------------------------------------ random layouts
-def _from_axes(n: int, axes: Sequence[int]) -> object:
-    vals = tuple(n - 1 - a for a in axes)
-    return -1 if not vals else vals[0] if len(vals) == 1 else vals
-
-
-def _factorizations(total: int, k: int) -> list[tuple[int, ...]]:
-    if k == 1:
-        return [(total,)]
-    return [(d, *rest) for d in range(1, total + 1) if total % d == 0
-            for rest in _factorizations(total // d, k - 1)]
-
-
-@st.composite
-def _structure(draw: st.DrawFn, device_num: int, ndim: int, partial_ok: bool
-               ) -> tuple[tuple[int, ...], list[object], list[int], list[int]]:
-    dm = draw(st.sampled_from([f for k in (1, 2, 3) for f in _factorizations(device_num, k)]))
-    n = len(dm)
-    dims: list[list[int]] = [[] for _ in range(ndim)]
-    partial = []
-    for axis in draw(st.permutations(range(n))):
-        where = draw(st.integers(-2 if partial_ok else -1, ndim - 1))
-        if where >= 0:
-            dims[where].append(axis)
-        elif where == -2:
-            partial.append(axis)
-    return dm, [_from_axes(n, a) for a in dims], partial, [
-        math.prod(dm[a] for a in axes) for axes in dims]
-
-
-@st.composite
-def _pairs(draw: st.DrawFn, device_num: int, src_partial: bool, dst_partial: bool
-           ) -> tuple[TensorLayout, TensorLayout]:
-    ndim = draw(st.integers(1, 4))
-    sdm, smap, spart, scuts = draw(_structure(device_num, ndim, src_partial))
-    ddm, dmap, dpart, dcuts = draw(_structure(device_num, ndim, dst_partial))
-    # Tiny shapes: the smallest that both layouts divide, times 1 or 2 on some dims.
-    shape = [math.lcm(a, b) * draw(st.integers(1, 2)) for a, b in zip(scuts, dcuts, strict=True)]
-    return L(sdm, smap, shape, spart), L(ddm, dmap, shape, dpart)
+def _pairs(device_num: int, src_partial: bool, dst_partial: bool
+           ) -> st.SearchStrategy[tuple[TensorLayout, TensorLayout]]:
+    """Layout pairs on exactly this world's ranks (tiny shapes)."""
+    return layout_pairs((device_num,), src_partial, dst_partial)
 
 
 # ------------------------------------------------------------------ per-rank data

@@ -314,11 +314,16 @@ def all_to_all_v(pieces: Sequence[np.ndarray | None], recv_shapes: Sequence[Sequ
     start = perf_counter()
     if _validate and p > 1:
         _agree_counts(comm, g, send_counts, recv_counts, name)
-    send = np.empty(int(send_counts.sum()), dtype=dt)
-    send_displ = np.concatenate(([0], np.cumsum(send_counts)[:-1]))
-    for j, a in enumerate(pieces):
-        if a is not None and j != me and a.size:
-            send[send_displ[j]:send_displ[j] + a.size].reshape(a.shape)[...] = a
+    sent = [a if a is not None and j != me else None for j, a in enumerate(pieces)]
+    zero_copy = _one_buffer(sent)
+    if zero_copy is not None:
+        send, send_displ = zero_copy
+    else:
+        send = np.empty(int(send_counts.sum()), dtype=dt)
+        send_displ = np.concatenate(([0], np.cumsum(send_counts)[:-1]))
+        for j, a in enumerate(sent):
+            if a is not None and a.size:
+                send[send_displ[j]:send_displ[j] + a.size].reshape(a.shape)[...] = a
     recvbuf = np.empty(int(recv_counts.sum()), dtype=dt)
     recv_displ = np.concatenate(([0], np.cumsum(recv_counts)[:-1]))
     if p > 1:
@@ -338,21 +343,49 @@ def all_to_all_v(pieces: Sequence[np.ndarray | None], recv_shapes: Sequence[Sequ
     return out
 
 
+def _one_buffer(pieces: Sequence[np.ndarray | None]) -> tuple[np.ndarray, np.ndarray] | None:
+    """When every piece is a C-contiguous view into one contiguous array, that array and the
+    pieces' element offsets in it: Alltoallv then sends straight from it, with no packing."""
+    real = [a for a in pieces if a is not None and a.size]
+    if not real:
+        return None
+    base = real[0]
+    while isinstance(base.base, np.ndarray):
+        base = base.base
+    if not base.flags.c_contiguous or base.dtype != real[0].dtype:
+        return None
+    flat = base.reshape(-1)
+    start = flat.__array_interface__["data"][0]
+    item = base.dtype.itemsize
+    displ = np.zeros(len(pieces), dtype=np.int64)
+    for j, a in enumerate(pieces):
+        if a is None or not a.size:
+            continue
+        if not a.flags.c_contiguous or not np.shares_memory(a, base):
+            return None
+        offset = a.__array_interface__["data"][0] - start
+        if offset < 0 or offset % item or offset // item + a.size > flat.size:
+            return None
+        displ[j] = offset // item
+    return flat, displ
+
+
 def _agree_counts(comm: Any, g: Group, send_counts: np.ndarray, recv_counts: np.ndarray,
                   name: str) -> None:
-    incoming = np.empty_like(send_counts)
-    comm.Alltoall(send_counts, incoming)
-    bad = np.flatnonzero(incoming != recv_counts)
-    flag = np.array([1 if bad.size else 0], dtype=np.int64)
-    anybad = np.empty_like(flag)
-    comm.Allreduce(flag, anybad, op=_mpi().MAX)
-    if anybad[0]:
-        me = world().Get_rank()
-        detail = (f"rank {me} expected {[int(recv_counts[j]) for j in bad]} elements from ranks "
-                  f"{[g.ranks[j] for j in bad]} but they send {[int(incoming[j]) for j in bad]}"
-                  if bad.size else f"rank {me} agrees with its peers")
+    """One Allgather of every rank's (send row, expected receive row): every rank then checks
+    every pair the same way and raises the same error."""
+    p = g.size
+    mine = np.concatenate([send_counts, recv_counts]).astype(np.int64)
+    every = np.empty((p, 2 * p), dtype=np.int64)
+    comm.Allgather(mine, every)
+    sends, expects = every[:, :p], every[:, p:]
+    bad = [(i, j) for i in range(p) for j in range(p) if i != j and sends[i, j] != expects[j, i]]
+    if bad:
+        detail = "; ".join(f"rank {g.ranks[i]} sends {sends[i, j]} elements to rank "
+                           f"{g.ranks[j]}, which expects {expects[j, i]}" for i, j in bad[:4])
+        more = f" (and {len(bad) - 4} more)" if len(bad) > 4 else ""
         raise CommMismatchError(f"{name}: the ranks of group {list(g.ranks)} disagree on the "
-                                f"piece sizes ({detail})")
+                                f"piece sizes: {detail}{more}")
 
 
 def broadcast(x: np.ndarray, root: int, group: Group | Sequence[int] | None = None) -> np.ndarray:

@@ -7,7 +7,8 @@
   combined with data parallelism over ``dp``. ``dp * mp`` may be less than ``device_num``:
   the rest is repeated calculation.
 * :func:`redistributing_mlp`: alternates a data-parallel and a model-parallel layer, so the
-  activations must be redistributed between them (an AllToAll each way).
+  activations must be redistributed between them (an AllGather into the model-parallel layer,
+  whose backward is a ReduceScatter; an AllToAll out of it).
 
 Ops left without a strategy take the one their producers' layouts imply (see
 :mod:`simpar.runtime.program`).
@@ -70,7 +71,8 @@ def megatron_gpt(gpt: GPT, dp: int, mp: int, loss: SoftmaxCrossEntropyWithLogits
 
 def redistributing_mlp(mlp: MLP, device_num: int) -> MLP:
     """Layer 1 data parallel, layer 2 model parallel over every device, and so on: every
-    boundary needs an AllToAll-like redistribution of the activations."""
+    boundary redistributes the activations (AllGather into a model-parallel layer, AllToAll
+    out of it)."""
     for k, layer in enumerate(mlp.layers):
         if k % 2 == 0:
             layer.matmul.shard(((device_num, 1), (1, 1)))

@@ -43,7 +43,9 @@ __all__ = [
     "Primitive",
     "StrategyError",
     "Strategy",
+    "dim_names",
     "divisors",
+    "plan_comm",
     "register",
     "registry",
 ]
@@ -98,6 +100,13 @@ class CommSpec:
         return cls(step.kind, step.src.device_matrix, step.device_axes, step.src.local_size(),
                    reason, step, on_output)
 
+    @classmethod
+    def adjoint_of(cls, step: Step, reason: str, on_output: bool = False) -> CommSpec:
+        """The collective that runs ``step`` backwards (AllGather's is a ReduceScatter); its
+        input buffer is the size of the step's output shard."""
+        return cls(_ADJOINT[step.kind], step.src.device_matrix, step.device_axes,
+                   step.dst.local_size(), reason, None, on_output)
+
     def group(self, rank: int) -> tuple[int, ...]:
         if not self.device_axes:
             return tuple(range(math.prod(self.device_matrix)))
@@ -128,8 +137,9 @@ class CommSpec:
                 "bytes": self.recv_bytes(rank, itemsize), "reason": self.reason}
 
 
-def _plan_specs(p: RedistributionPlan, reason: str) -> list[CommSpec]:
-    return [CommSpec.from_step(s, reason, on_output=True) for s in p.steps
+def plan_comm(p: RedistributionPlan, reason: str, on_output: bool) -> list[CommSpec]:
+    """The collectives of plan ``p`` (its local steps cost nothing and are left out)."""
+    return [CommSpec.from_step(s, reason, on_output) for s in p.steps
             if s.kind not in LOCAL_KINDS]
 
 
@@ -149,6 +159,20 @@ class IterSpace:
     order: tuple[str, ...]
     reduce: str = "sum"
     unsplittable: frozenset[str] = frozenset()
+
+    @classmethod
+    def pointwise(cls, ndim: int) -> IterSpace:
+        """One input whose every tensor dim is its own iteration dim, kept in the output:
+        ``pointwise(2)`` walks ``d0, d1``, so a strategy ``((2, 4),)`` cuts rows 2 ways and
+        columns 4 ways and rank 5 of the (2, 4) device matrix computes block (1, 1)."""
+        names = dim_names(ndim)
+        return cls((names,), names, names)
+
+
+def dim_names(ndim: int) -> tuple[str, ...]:
+    """Iteration dims ``d0 .. d{ndim-1}``, one per tensor dim, for ops that walk each dim of
+    their tensor with an iteration dim of its own (``dim_names(3)`` is ``('d0', 'd1', 'd2')``)."""
+    return tuple(f"d{d}" for d in range(ndim))
 
 
 # ------------------------------------------------------------------ the sharding of one op
@@ -194,16 +218,15 @@ class OpSharding:
     def forward_comm(self) -> list[CommSpec]:
         specs = list(self.internal_forward)
         for k, (_, _, p) in enumerate(self.outputs):
-            specs += _plan_specs(p, "output" if k == 0 else f"output {k}")
+            specs += plan_comm(p, "output" if k == 0 else f"output {k}", on_output=True)
         return specs
 
     @property
     def backward_comm(self) -> list[CommSpec]:
         adj: list[CommSpec] = []
         for k, (_, _, p) in reversed(list(enumerate(self.outputs))):
-            adj += [CommSpec(_ADJOINT[s.kind], s.device_matrix, s.device_axes,
-                             _adjoint_elements(s), f"adjoint of output {k} {s.kind}", None, True)
-                    for s in reversed(_plan_specs(p, "output"))]
+            adj += [CommSpec.adjoint_of(s, f"adjoint of output {k} {s.kind}", on_output=True)
+                    for s in reversed(p.steps) if s.kind not in LOCAL_KINDS]
         grads = []
         for i in range(len(self.in_layouts)):
             if self.op.differentiable(i):
@@ -289,12 +312,6 @@ def _float_of(saved: Any) -> Any:
 
 _ADJOINT = {"AllReduce": "AllReduce", "AllGather": "ReduceScatter", "ReduceScatter": "AllGather",
             "AllToAll": "AllToAll", "AllToAllV": "AllToAllV"}
-
-
-def _adjoint_elements(spec: CommSpec) -> int:
-    """Local input size of the adjoint collective (the forward collective's output size)."""
-    assert spec.step is not None
-    return spec.step.dst.local_size()
 
 
 # ------------------------------------------------------------------ primitives
@@ -552,9 +569,9 @@ def _iteration_cuts(op: str, space: IterSpace, strat: Strategy,
 def _layout(device_matrix: tuple[int, ...], axis_of: dict[str, int],
             dims: Sequence[str | None], shape: tuple[int, ...],
             partial: Sequence[int] = ()) -> TensorLayout:
-    n = len(device_matrix)
-    tmap = [-1 if it is None else n - 1 - axis_of[it] for it in dims]
-    return TensorLayout(device_matrix, tmap, shape, partial)
+    """The layout of a tensor whose dims walk iteration dims ``dims`` (None: broadcast)."""
+    dim_axes = [() if it is None else (axis_of[it],) for it in dims]
+    return TensorLayout.from_dim_axes(device_matrix, dim_axes, shape, partial)
 
 
 def build_sharding(op: Primitive, shapes: tuple[tuple[int, ...], ...], strat: Strategy,
@@ -620,10 +637,7 @@ def _out_layout(op: Primitive, raw_out: TensorLayout, out_strategy: Strategy,
     if spare:
         raise StrategyError(f"{op.name}: out_strategy {out_strategy} leaves partial axes "
                             f"{spare} unresolved; every reduced axis must scatter onto a dim")
-    n = len(dm)
-    tmap = [-1 if not ax else (n - 1 - ax[0]) if len(ax) == 1 else tuple(n - 1 - a for a in ax)
-            for ax in dim_axes]
-    return TensorLayout(dm, tmap, shape)
+    return TensorLayout.from_dim_axes(dm, dim_axes, shape)
 
 
 Kernel = Callable[..., np.ndarray]

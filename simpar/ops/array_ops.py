@@ -24,15 +24,13 @@ from simpar.ops._base import (
     Primitive,
     Strategy,
     build_sharding,
+    dim_names,
+    plan_comm,
     register,
 )
 from simpar.redistribution import LOCAL_KINDS, RedistributionPlan, execute, execute_adjoint, plan
 
 __all__ = ["Concat", "Reshape", "Split", "Transpose", "reshape_layout"]
-
-
-def _names(n: int, prefix: str = "d") -> tuple[str, ...]:
-    return tuple(f"{prefix}{d}" for d in range(n))
 
 
 def _norm_axis(axis: int, ndim: int, op: str) -> int:
@@ -70,7 +68,7 @@ class Transpose(Primitive):
         return tuple(x[p] for p in self._perm(len(x)))
 
     def iter_space(self, *shapes: tuple[int, ...]) -> IterSpace:
-        names = _names(len(shapes[0]))
+        names = dim_names(len(shapes[0]))
         return IterSpace((names,), tuple(names[p] for p in self._perm(len(names))), names)
 
     def kernel(self, *xs: np.ndarray) -> np.ndarray:
@@ -173,21 +171,8 @@ def reshape_layout(layout: TensorLayout, shape: Sequence[int]) -> TensorLayout |
         if placed is None:
             return None
         dim_axes.update(placed)
-    n = len(dm)
-    tmap: list[object] = []
-    for d in range(len(dst)):
-        vals = tuple(n - 1 - a for a in dim_axes[d])
-        tmap.append(-1 if not vals else vals[0] if len(vals) == 1 else vals)
-    return TensorLayout(dm, tmap, dst, layout.partial)
-
-
-def _with_dim_axes(layout: TensorLayout, dim_axes: Sequence[Sequence[int]]) -> TensorLayout:
-    n = len(layout.device_matrix)
-    tmap: list[object] = []
-    for axes in dim_axes:
-        vals = tuple(n - 1 - a for a in axes)
-        tmap.append(-1 if not vals else vals[0] if len(vals) == 1 else vals)
-    return TensorLayout(layout.device_matrix, tmap, layout.shape, layout.partial)
+    return TensorLayout.from_dim_axes(dm, [dim_axes[d] for d in range(len(dst))], dst,
+                                      layout.partial)
 
 
 def _reshape_candidates(layout: TensorLayout) -> list[TensorLayout]:
@@ -195,6 +180,10 @@ def _reshape_candidates(layout: TensorLayout) -> list[TensorLayout]:
     other dim (an AllToAll); and every suffix of each dim's axes dropped (an AllGather)."""
     out = [layout]
     dm = layout.device_matrix
+
+    def split_over(dim_axes: Sequence[Sequence[int]]) -> TensorLayout:
+        return TensorLayout.from_dim_axes(dm, dim_axes, layout.shape, layout.partial)
+
     split = [(d, list(ax)) for d, ax in enumerate(layout.dim_axes) if ax]
     for d, axes in split:
         for target in range(layout.ndim):
@@ -204,12 +193,12 @@ def _reshape_candidates(layout: TensorLayout) -> list[TensorLayout]:
             moved[d] = []
             moved[target] = moved[target] + axes
             if layout.shape[target] % math.prod(dm[a] for a in moved[target]) == 0:
-                out.append(_with_dim_axes(layout, moved))
+                out.append(split_over(moved))
         for keep in range(len(axes)):
             dropped = [list(a) for a in layout.dim_axes]
             dropped[d] = axes[:keep]
-            out.append(_with_dim_axes(layout, dropped))
-    out.append(_with_dim_axes(layout, [[] for _ in range(layout.ndim)]))
+            out.append(split_over(dropped))
+    out.append(split_over([[] for _ in range(layout.ndim)]))
     return out
 
 
@@ -254,8 +243,7 @@ class Reshape(Primitive):
         return out
 
     def iter_space(self, *shapes: tuple[int, ...]) -> IterSpace:
-        names = _names(len(shapes[0]))
-        return IterSpace((names,), names, names)
+        return IterSpace.pointwise(len(shapes[0]))
 
     def kernel(self, *xs: np.ndarray) -> np.ndarray:
         return xs[0].reshape(self.infer_shape(xs[0].shape))
@@ -271,7 +259,7 @@ class Reshape(Primitive):
                   out_strategy: Strategy | None, device_num: int) -> OpSharding:
         out_shape = self.infer_shape(*shapes)
         base = build_sharding(self, shapes, strat, None, device_num, self.iter_space(*shapes),
-                              {f"d{d}": c for d, c in enumerate(strat[0])},
+                              dict(zip(dim_names(len(strat[0])), strat[0])),
                               out_shape=shapes[0])
         src = base.in_layouts[0]
         best: tuple[int, TensorLayout, TensorLayout, RedistributionPlan] | None = None
@@ -285,10 +273,8 @@ class Reshape(Primitive):
                 best = (cost, mid, out, p)
         assert best is not None  # the fully replicated candidate always reshapes
         _, mid, out, pre = best
-        specs = tuple(CommSpec.from_step(s, "redistribute before reshape") for s in pre.steps
-                      if s.kind not in LOCAL_KINDS)
-        adj = tuple(CommSpec(_adjoint_kind(s.kind), s.src.device_matrix, s.device_axes,
-                             s.dst.local_size(), "adjoint of redistribution before reshape")
+        specs = tuple(plan_comm(pre, "redistribute before reshape", on_output=False))
+        adj = tuple(CommSpec.adjoint_of(s, "adjoint of redistribution before reshape")
                     for s in reversed(pre.steps) if s.kind not in LOCAL_KINDS)
         empty = plan(out, out)
         return dataclasses.replace(base, raw_out=out, out=out, out_plan=empty,
@@ -309,10 +295,6 @@ class Reshape(Primitive):
         g = dy.reshape(sh.extra["mid"].local_shape())
         with comm.label("Reshape:redistribute-adjoint"):
             return (execute_adjoint(sh.extra["pre_plan"], g),)
-
-
-def _adjoint_kind(kind: str) -> str:
-    return {"AllGather": "ReduceScatter", "ReduceScatter": "AllGather"}.get(kind, kind)
 
 
 # ------------------------------------------------------------------ Concat and Split

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from simpar.ops._base import IterSpace, Primitive, register
+from simpar.ops._base import IterSpace, Primitive, dim_names, register
 from simpar.ops.matmul import _unbroadcast
 
 __all__ = ["GELU", "Add", "BiasAdd", "Cast", "GeLU", "Identity", "Mul", "RealDiv", "ReLU",
@@ -27,7 +27,7 @@ def _broadcast_space(op: str, *shapes: tuple[int, ...]) -> IterSpace:
         out = tuple(np.broadcast_shapes(*shapes))
     except ValueError:
         raise ValueError(f"{op}: input shapes {list(shapes)} do not broadcast") from None
-    names = tuple(f"d{d}" for d in range(len(out)))
+    names = dim_names(len(out))
     dims = []
     for shape in shapes:
         lead = len(out) - len(shape)
@@ -140,7 +140,7 @@ class BiasAdd(Primitive):
 
     def iter_space(self, *shapes: tuple[int, ...]) -> IterSpace:
         x = self.infer_shape(*shapes)
-        names = tuple(f"d{d}" for d in range(len(x)))
+        names = dim_names(len(x))
         return IterSpace((names, (names[self._channel(x)],)), names, names)
 
     def _view(self, b: np.ndarray, ndim: int) -> np.ndarray:
@@ -168,8 +168,7 @@ class _Unary(Primitive):
         return shapes[0]
 
     def iter_space(self, *shapes: tuple[int, ...]) -> IterSpace:
-        names = tuple(f"d{d}" for d in range(len(shapes[0])))
-        return IterSpace((names,), names, names)
+        return IterSpace.pointwise(len(shapes[0]))
 
     def flops(self, local_in: tuple[tuple[int, ...], ...], local_out: tuple[int, ...]) -> int:
         return self.flops_per_element * math.prod(local_out)
@@ -283,8 +282,7 @@ class Cast(Primitive):
         return shapes[0]
 
     def iter_space(self, *shapes: tuple[int, ...]) -> IterSpace:
-        names = tuple(f"d{d}" for d in range(len(shapes[0])))
-        return IterSpace((names,), names, names)
+        return IterSpace.pointwise(len(shapes[0]))
 
     def kernel(self, *xs: np.ndarray) -> np.ndarray:
         return xs[0].astype(self.dst_type)

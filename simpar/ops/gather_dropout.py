@@ -242,8 +242,7 @@ class Dropout(Primitive):
         return shapes[0]
 
     def iter_space(self, *shapes: tuple[int, ...]) -> IterSpace:
-        names = tuple(f"d{d}" for d in range(len(shapes[0])))
-        return IterSpace((names,), names, names)
+        return IterSpace.pointwise(len(shapes[0]))
 
     def keep_mask(self, shape: Sequence[int], box: Sequence[tuple[int, int]] | None = None
                   ) -> np.ndarray:

@@ -29,6 +29,7 @@ from simpar.ops._base import (
     OpSharding,
     Primitive,
     Strategy,
+    dim_names,
     register,
 )
 
@@ -81,10 +82,6 @@ def _check_float(op: str, what: str, x: np.ndarray) -> None:
         raise TypeError(f"{op}: {what} must be a floating-point array, got dtype {x.dtype}")
 
 
-def _names(ndim: int) -> tuple[str, ...]:
-    return tuple(f"d{d}" for d in range(ndim))
-
-
 # ------------------------------------------------------------------ Softmax / LogSoftmax
 def _softmax(x: np.ndarray, axes: tuple[int, ...], log: bool, reduce: _Reduce) -> np.ndarray:
     # The max is only a shift for stability: the backward treats it as a constant (exactly).
@@ -134,8 +131,7 @@ class _SoftmaxBase(Primitive):
         return shapes[0]
 
     def iter_space(self, *shapes: tuple[int, ...]) -> IterSpace:
-        names = _names(len(self.infer_shape(*shapes)))
-        return IterSpace((names,), names, names)
+        return IterSpace.pointwise(len(self.infer_shape(*shapes)))
 
     def kernel(self, *xs: np.ndarray) -> np.ndarray:
         x = xs[0]
@@ -298,7 +294,7 @@ class LayerNorm(Primitive):
     def iter_space(self, *shapes: tuple[int, ...]) -> IterSpace:
         x = self.infer_shape(*shapes)
         _, bpa = self._axes(x)
-        names = _names(len(x))
+        names = dim_names(len(x))
         return IterSpace((names, names[bpa:], names[bpa:]), names, names)
 
     def _geometry(self, x: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...], int]:

@@ -33,17 +33,21 @@ import numpy as np
 
 from simpar import comm
 from simpar.layout import TensorLayout
-from simpar.ops._base import CommSpec, IterSpace, OpSharding, Primitive, Strategy, register
+from simpar.ops._base import (
+    CommSpec,
+    IterSpace,
+    OpSharding,
+    Primitive,
+    Strategy,
+    dim_names,
+    register,
+)
 from simpar.ops._base import build_sharding as _build_sharding
 from simpar.redistribution import plan
 
 __all__ = ["ReduceMax", "ReduceMean", "ReduceSum"]
 
 Axis = int | tuple[int, ...] | list[int] | None
-
-
-def _names(ndim: int) -> tuple[str, ...]:
-    return tuple(f"d{d}" for d in range(ndim))
 
 
 class _Reduce(Primitive):
@@ -112,7 +116,7 @@ class _Reduce(Primitive):
         """``d0..d{n-1}``; the output lists the kept dims only (a ``keep_dims`` size-1 dim maps
         to no iteration dim, see :meth:`_sharding`)."""
         (x,) = shapes
-        names = _names(len(x))
+        names = dim_names(len(x))
         axes = self.reduced_axes(len(x))
         kept = tuple(it for d, it in enumerate(names) if d not in axes)
         return IterSpace((names,), kept, names, reduce=self.reduce_kind)
