@@ -440,6 +440,25 @@ def test_dict_round_trip_and_value_semantics(lay: TensorLayout) -> None:
     assert "\n" not in str(lay)
 
 
+def test_from_dim_axes_counts_device_axes_from_the_left() -> None:
+    lay = TensorLayout.from_dim_axes((2, 1, 4), [(0,), (2,)], (8, 16))
+    assert lay == TensorLayout((2, 1, 4), (2, 0), (8, 16))
+    assert lay.slice_of(5) == ((4, 8), (4, 8))
+    both = TensorLayout.from_dim_axes((2, 1, 4), [(0, 2), ()], (8, 16), partial=(1,))
+    assert both.tensor_map == ((2, 0), -1) and both.partial == (1,)
+    assert both.slice_of(5) == ((5, 6), (0, 16))
+    with pytest.raises(ValueError, match=r"dimension 1 over device axis 3; allowed 0\.\.2"):
+        TensorLayout.from_dim_axes((2, 1, 4), [(0,), (3,)], (8, 16))
+    with pytest.raises(TypeError, match="dim_axes entries must be an int"):
+        TensorLayout.from_dim_axes((2, 4), [("a",), ()], (8, 16))
+
+
+@given(layouts())
+def test_from_dim_axes_inverts_dim_axes(lay: TensorLayout) -> None:
+    again = TensorLayout.from_dim_axes(lay.device_matrix, lay.dim_axes, lay.shape, lay.partial)
+    assert again == lay and again.tensor_map == lay.tensor_map
+
+
 @given(layouts(allow_partial=False))
 def test_from_strategy_reproduces_the_cuts(lay: TensorLayout) -> None:
     """from_strategy of a layout's cuts gives the same cuts (maybe on other axes), when they fit
