@@ -63,6 +63,8 @@ def train(args: list[str]) -> int:
 
 
 _SUMMARY = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)")
+# pytest's closing line, with or without the "=====" frame of non-quiet mode.
+_CLOSING = re.compile(r"^=*\s*(\d+ \w+(, )?)+.* in [\d.]+s.*$|^=*\s*no tests ran")
 
 
 def _pytest(cmd: list[str], env: dict[str, str], totals: dict[str, int]) -> int:
@@ -74,8 +76,7 @@ def _pytest(cmd: list[str], env: dict[str, str], totals: dict[str, int]) -> int:
     assert proc.stdout is not None
     for line in proc.stdout:
         sys.stdout.write(line)
-        if line.startswith("=") and (" passed" in line or " failed" in line or " error" in line
-                                     or "no tests ran" in line):
+        if _CLOSING.match(line.strip()):
             last = line
     rc = proc.wait()
     for n, kind in _SUMMARY.findall(last):
