@@ -107,7 +107,8 @@ def batches(args: argparse.Namespace) -> Any:
 
 def _short(name: str) -> str:
     parts = [p.split("-")[0] for p in name.split("/")[2:]]
-    return "/".join(parts[-3:])
+    short = {"SparseSoftmaxCrossEntropyWithLogits": "SparseSoftmaxCE"}
+    return "/".join(short.get(p, p) for p in parts[-3:])
 
 
 def print_strategy_table(train: nn.TrainOneStepCell) -> None:
@@ -122,8 +123,8 @@ def print_strategy_table(train: nn.TrainOneStepCell) -> None:
         fwd = ", ".join(r["redistribution"] + r["forward"]) or "-"
         bwd = ", ".join(r["backward"]) or "-"
         strat = str(r["strategy"]).replace(" ", "")
-        print(f"  {_short(r['op']):<34}{strat:<28}{str(r['out_tensor_map']).replace(' ', ''):<16}"
-              f"{fwd:<24}{bwd}")
+        print(f"  {_short(r['op'])[-33:]:<34}{strat:<28}"
+              f"{str(r['out_tensor_map']).replace(' ', ''):<16}{fwd:<24} {bwd}")
     mirrors: dict[int, int] = {}
     for name in prog.param_layouts:
         g = len(prog.mirror_group(name, 0))
