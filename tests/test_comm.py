@@ -291,6 +291,49 @@ def test_all_to_all_v_without_any_piece_and_in_a_reversed_group(world: tuple[int
         np.testing.assert_array_equal(out, np.full((i + 1, me + 1), 10 * i + me))
 
 
+@pytest.mark.mpi
+@pytest.mark.parametrize("source", ["split-1d", "row-blocks", "same-view-everywhere",
+                                    "column-blocks", "two-buffers", "with-gaps-and-empty"])
+def test_all_to_all_v_pieces_that_are_views(world: tuple[int, int], source: str) -> None:
+    """Pieces cut from one contiguous array go out without packing; any other pieces are
+    packed. Either way every rank receives exactly its pieces."""
+    rank, p = world
+    dt = np.dtype(np.float64)
+    base = _local(rank, (4 * p, 3), dt)
+    other = _local(rank, (4 * p, 3), dt, seed=1)
+    if source == "split-1d":
+        pieces = np.split(base.reshape(-1)[: 6 * p], p)
+    elif source == "row-blocks":
+        pieces = [base[4 * j:4 * j + 4] for j in range(p)]
+    elif source == "same-view-everywhere":
+        pieces = [base[1:3]] * p
+    elif source == "column-blocks":
+        wide = _local(rank, (3, 2 * p), dt)
+        pieces = [wide[:, 2 * j:2 * j + 2] for j in range(p)]
+    elif source == "two-buffers":
+        pieces = [(base if j % 2 else other)[4 * j:4 * j + 4] for j in range(p)]
+    else:
+        pieces = [base[4 * j + 1:4 * j + 1 + j % 3] for j in range(p)]
+    before = base.copy()
+    shapes = [pieces[rank].shape] * p      # every rank cuts its pieces the same way
+    outs = comm.all_to_all_v(list(pieces), shapes)
+
+    def piece_of(j: int) -> np.ndarray:     # the piece rank j built for this rank, from scratch
+        b, o = _local(j, (4 * p, 3), dt), _local(j, (4 * p, 3), dt, seed=1)
+        return {"split-1d": lambda: np.split(b.reshape(-1)[: 6 * p], p)[rank],
+                "row-blocks": lambda: b[4 * rank:4 * rank + 4],
+                "same-view-everywhere": lambda: b[1:3],
+                "column-blocks": lambda: _local(j, (3, 2 * p), dt)[:, 2 * rank:2 * rank + 2],
+                "two-buffers": lambda: (b if rank % 2 else o)[4 * rank:4 * rank + 4],
+                "with-gaps-and-empty": lambda: b[4 * rank + 1:4 * rank + 1 + rank % 3]}[source]()
+
+    for j, out in enumerate(outs):
+        assert out is not None
+        np.testing.assert_array_equal(out, piece_of(j), strict=True)
+    np.testing.assert_array_equal(base, before)
+    assert not any(np.shares_memory(out, base) for out in outs if out is not None)
+
+
 @pytest.mark.mpi(min_size=2)
 def test_all_to_all_v_disagreeing_sizes_fail_on_every_rank(world: tuple[int, int]) -> None:
     rank, p = world

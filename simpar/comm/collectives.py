@@ -361,7 +361,7 @@ def _one_buffer(pieces: Sequence[np.ndarray | None]) -> tuple[np.ndarray, np.nda
     for j, a in enumerate(pieces):
         if a is None or not a.size:
             continue
-        if not a.flags.c_contiguous or not np.shares_memory(a, base):
+        if not a.flags.c_contiguous or a.dtype != base.dtype:
             return None
         offset = a.__array_interface__["data"][0] - start
         if offset < 0 or offset % item or offset // item + a.size > flat.size:
