@@ -899,3 +899,37 @@ def test_env_decision_table() -> None:
     got = json.loads(result.stdout)
     for (env, cores, want), row in zip(cases, got, strict=True):
         assert row == want, (env, cores)
+
+
+# ---------------------------------------------------------------- out= buffers
+@pytest.mark.mpi
+def test_out_buffers_receive_the_result(world: tuple[int, int]) -> None:
+    rank, p = world
+    x = np.arange(4 * p, dtype=np.float64).reshape(2 * p, 2) + rank
+    total = sum(np.arange(4 * p, dtype=np.float64).reshape(2 * p, 2) + r for r in range(p))
+    out = np.empty_like(x)
+    assert comm.all_reduce(x, out=out) is out
+    np.testing.assert_array_equal(out, total)
+    inplace = x.copy()
+    comm.all_reduce(inplace, out=inplace)
+    np.testing.assert_array_equal(inplace, total)
+    gathered = np.empty((p * 2 * p, 2))
+    assert comm.all_gather(x, out=gathered) is gathered
+    np.testing.assert_array_equal(gathered, np.concatenate(
+        [np.arange(4 * p, dtype=np.float64).reshape(2 * p, 2) + r for r in range(p)]))
+    side = np.empty((2 * p, 2 * p))
+    comm.all_gather(x, axis=1, out=side)
+    np.testing.assert_array_equal(side, np.concatenate(
+        [np.arange(4 * p, dtype=np.float64).reshape(2 * p, 2) + r for r in range(p)], axis=1))
+    piece = np.empty((2, 2))
+    comm.reduce_scatter(x, out=piece)
+    np.testing.assert_array_equal(piece, total[2 * rank:2 * rank + 2])
+    moved = np.empty_like(x)
+    np.testing.assert_array_equal(comm.all_to_all(x, 0, 0, out=moved), comm.all_to_all(x, 0, 0))
+    b = x.copy()
+    comm.broadcast(b, root=p - 1, out=b)
+    np.testing.assert_array_equal(b, np.arange(4 * p, dtype=np.float64).reshape(2 * p, 2) + p - 1)
+    with pytest.raises(ValueError, match="out must be a C-contiguous float64 array of shape"):
+        comm.all_reduce(x, out=np.empty((3,)))
+    with pytest.raises(TypeError, match="out must be a numpy.ndarray"):
+        comm.all_reduce(x, out=[0.0])  # type: ignore[arg-type]

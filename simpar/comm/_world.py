@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import traceback
@@ -122,12 +123,17 @@ def create_group(ranks: Sequence[int]) -> Group:
     return group
 
 
+@functools.lru_cache(maxsize=4)
+def _world_group(size: int) -> Group:
+    return Group(tuple(range(size)))
+
+
 def resolve(group: Group | Sequence[int] | None) -> tuple[Group, Any]:
     """(Group, communicator) for a group given as ``None`` (world), a Group or world ranks."""
     comm = world()
     size, me = comm.Get_size(), comm.Get_rank()
     if group is None:
-        return Group(tuple(range(size))), comm
+        return _world_group(size), comm
     g = group if isinstance(group, Group) else Group(tuple(int(r) for r in group))
     cached = _COMMS.get(g.ranks)
     if cached is not None:

@@ -15,9 +15,11 @@ naming each rank's shape, instead of hanging or corrupting memory.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from itertools import accumulate
 from time import perf_counter
 from typing import Any
 
@@ -156,6 +158,20 @@ def _agree_on(comm: Any, group: Group, name: str, desc: str) -> None:
                             f"arrays or arguments ({parts}); every rank must pass the same")
 
 
+def _result(out: np.ndarray | None, shape: tuple[int, ...], dtype: np.dtype, name: str
+            ) -> np.ndarray:
+    """``out`` checked (C-contiguous, this shape and dtype), or a new array."""
+    if out is None:
+        return np.empty(shape, dtype=dtype)
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"{name}: out must be a numpy.ndarray, got {type(out).__name__}")
+    if out.shape != shape or out.dtype != dtype or not out.flags.c_contiguous:
+        raise ValueError(f"{name}: out must be a C-contiguous {dtype} array of shape {shape}, "
+                         f"got {out.dtype}{list(out.shape)}"
+                         f"{'' if out.flags.c_contiguous else ' (not contiguous)'}")
+    return out
+
+
 def _split_blocks(x: np.ndarray, axis: int, p: int) -> np.ndarray:
     """(p, *block) contiguous: block i is x's i-th of p equal pieces along ``axis``."""
     if axis == 0:
@@ -180,9 +196,10 @@ def _divisible(x: np.ndarray, axis: int, p: int, name: str) -> None:
                          f"which does not split into {p} equal parts for a group of {p} ranks")
 
 
-def all_reduce(x: np.ndarray, op: str = "sum", group: Group | Sequence[int] | None = None
-               ) -> np.ndarray:
-    """Elementwise reduction over the group; every rank gets the result.
+def all_reduce(x: np.ndarray, op: str = "sum", group: Group | Sequence[int] | None = None,
+               out: np.ndarray | None = None) -> np.ndarray:
+    """Elementwise reduction over the group; every rank gets the result (in ``out`` if given,
+    a C-contiguous array like ``x``; it may be ``x`` itself when ``x`` is contiguous).
 
     On ranks 0..3 holding ``[r, r]``, ``all_reduce(x)`` gives ``[6, 6]`` everywhere.
     """
@@ -193,19 +210,19 @@ def all_reduce(x: np.ndarray, op: str = "sum", group: Group | Sequence[int] | No
     mpi_op = _reduce_op(op, name, x.dtype)
     start = perf_counter()
     send = np.ascontiguousarray(x)
-    out = np.empty_like(send)
-    comm.Allreduce(send, out, op=mpi_op)
+    out = _result(out, x.shape, x.dtype, name)
+    comm.Allreduce(_mpi().IN_PLACE if out is send else send, out, op=mpi_op)
     if op == "mean":
         out /= g.size
     p, n = g.size, send.nbytes
     trace.record("AllReduce", g.ranks, 2 * (p - 1) * n // p, 2 * (p - 1) * n // p,
-                 perf_counter() - start, str(x.dtype), x.shape, op)
-    return out.reshape(x.shape)
+                 perf_counter() - start, x.dtype, x.shape, op)
+    return out
 
 
-def all_gather(x: np.ndarray, axis: int = 0, group: Group | Sequence[int] | None = None
-               ) -> np.ndarray:
-    """Concatenate every rank's ``x`` along ``axis``, in group order.
+def all_gather(x: np.ndarray, axis: int = 0, group: Group | Sequence[int] | None = None,
+               out: np.ndarray | None = None) -> np.ndarray:
+    """Concatenate every rank's ``x`` along ``axis``, in group order (into ``out`` if given).
 
     Ranks 4..7 each holding a (2, 8) block get the (8, 8) concatenation, rank 4's rows first.
     """
@@ -218,16 +235,25 @@ def all_gather(x: np.ndarray, axis: int = 0, group: Group | Sequence[int] | None
     _agree(comm, g, name, x, f"axis={axis}")
     start = perf_counter()
     send = np.ascontiguousarray(x)
-    blocks = np.empty((g.size,) + x.shape, dtype=x.dtype)
-    comm.Allgather(send, blocks)
-    out = _join_blocks(blocks, axis)
+    shape = x.shape[:axis] + (g.size * x.shape[axis],) + x.shape[axis + 1:]
+    if axis == 0:  # the gathered blocks are the result: receive straight into it
+        out = _result(out, shape, x.dtype, name)
+        comm.Allgather(send, out.reshape((g.size,) + x.shape))
+    else:
+        blocks = np.empty((g.size,) + x.shape, dtype=x.dtype)
+        comm.Allgather(send, blocks)
+        joined = _join_blocks(blocks, axis)
+        out = joined if out is None else _result(out, shape, x.dtype, name)
+        if out is not joined:
+            out[...] = joined
     n = (g.size - 1) * send.nbytes
-    trace.record("AllGather", g.ranks, n, n, perf_counter() - start, str(x.dtype), x.shape)
+    trace.record("AllGather", g.ranks, n, n, perf_counter() - start, x.dtype, x.shape)
     return out
 
 
 def reduce_scatter(x: np.ndarray, axis: int = 0, op: str = "sum",
-                   group: Group | Sequence[int] | None = None) -> np.ndarray:
+                   group: Group | Sequence[int] | None = None,
+                   out: np.ndarray | None = None) -> np.ndarray:
     """Reduce over the group, then give group rank ``i`` the ``i``-th piece along ``axis``.
 
     With 4 ranks and an (8, 4) input, each rank gets 2 rows of the sum; group rank 1 rows 2..3.
@@ -244,17 +270,18 @@ def reduce_scatter(x: np.ndarray, axis: int = 0, op: str = "sum",
     _divisible(x, axis, g.size, name)
     start = perf_counter()
     send = _split_blocks(x, axis, g.size)
-    out = np.empty(send.shape[1:], dtype=x.dtype)
+    out = _result(out, send.shape[1:], x.dtype, name)
     comm.Reduce_scatter_block(send, out, op=mpi_op)
     if op == "mean":
         out /= g.size
     n = (g.size - 1) * out.nbytes
-    trace.record("ReduceScatter", g.ranks, n, n, perf_counter() - start, str(x.dtype), x.shape, op)
+    trace.record("ReduceScatter", g.ranks, n, n, perf_counter() - start, x.dtype, x.shape, op)
     return out
 
 
 def all_to_all(x: np.ndarray, split_axis: int, concat_axis: int,
-               group: Group | Sequence[int] | None = None) -> np.ndarray:
+               group: Group | Sequence[int] | None = None,
+               out: np.ndarray | None = None) -> np.ndarray:
     """Split ``x`` into group-size pieces along ``split_axis``; piece ``j`` goes to group rank
     ``j``; the pieces received are concatenated along ``concat_axis`` in group order.
 
@@ -272,20 +299,30 @@ def all_to_all(x: np.ndarray, split_axis: int, concat_axis: int,
     _divisible(x, split_axis, g.size, name)
     start = perf_counter()
     send = _split_blocks(x, split_axis, g.size)
-    blocks = np.empty_like(send)
-    comm.Alltoall(send, blocks)
-    out = _join_blocks(blocks, concat_axis)
+    block = send.shape[1:]
+    shape = block[:concat_axis] + (g.size * block[concat_axis],) + block[concat_axis + 1:]
+    if concat_axis == 0:  # the received blocks are the result: receive straight into it
+        out = _result(out, shape, x.dtype, name)
+        comm.Alltoall(send, out.reshape(send.shape))
+    else:
+        blocks = np.empty_like(send)
+        comm.Alltoall(send, blocks)
+        joined = _join_blocks(blocks, concat_axis)
+        out = joined if out is None else _result(out, shape, x.dtype, name)
+        if out is not joined:
+            out[...] = joined
     n = (g.size - 1) * send[0].nbytes
-    trace.record("AllToAll", g.ranks, n, n, perf_counter() - start, str(x.dtype), x.shape)
+    trace.record("AllToAll", g.ranks, n, n, perf_counter() - start, x.dtype, x.shape)
     return out
 
 
 def all_to_all_v(pieces: Sequence[np.ndarray | None], recv_shapes: Sequence[Sequence[int] | None],
-                 group: Group | Sequence[int] | None = None, dtype: Any = None
-                 ) -> list[np.ndarray | None]:
+                 group: Group | Sequence[int] | None = None, dtype: Any = None,
+                 out: np.ndarray | None = None) -> list[np.ndarray | None]:
     """Send ``pieces[j]`` to group rank ``j`` and receive a ``recv_shapes[j]`` array from it.
 
-    ``None`` means nothing goes that way. The piece for oneself is copied, not sent. All pieces
+    ``None`` means nothing goes that way. The piece for oneself is copied, not sent. ``out``
+    (1-D, the total received size) is the receive buffer to use. All pieces
     travel in one ``MPI_Alltoallv`` on one packed buffer; the arrays returned are views of the
     receive buffer. Redistribution uses this for transitions no single regular collective does.
     """
@@ -307,43 +344,41 @@ def all_to_all_v(pieces: Sequence[np.ndarray | None], recv_shapes: Sequence[Sequ
     if (own is None) != (shapes[me] is None) or (own is not None and own.shape != shapes[me]):
         raise ValueError(f"{name}: the piece a rank keeps for itself must match its own receive "
                          f"shape, got {None if own is None else own.shape} and {shapes[me]}")
-    send_counts = np.array([0 if a is None or j == me else a.size for j, a in enumerate(pieces)],
-                           dtype=np.int64)
-    recv_counts = np.array([0 if s is None or j == me else int(np.prod(s))
-                            for j, s in enumerate(shapes)], dtype=np.int64)
+    # Counts and offsets in Python ints: on 8 ranks sharing 2 cores every microsecond of a
+    # rank's bookkeeping shows up in the collective, so none of it goes through numpy.
+    scount = [0 if a is None or j == me else a.size for j, a in enumerate(pieces)]
+    rcount = [0 if sh is None or j == me else math.prod(sh) for j, sh in enumerate(shapes)]
+    rdispl = list(accumulate(rcount, initial=0))
     start = perf_counter()
     if _validate and p > 1:
-        _agree_counts(comm, g, send_counts, recv_counts, name)
+        _agree_counts(comm, g, np.array(scount, dtype=np.int64),
+                      np.array(rcount, dtype=np.int64), name)
     sent = [a if a is not None and j != me else None for j, a in enumerate(pieces)]
     zero_copy = _one_buffer(sent)
     if zero_copy is not None:
-        send, send_displ = zero_copy
+        send, sdispl = zero_copy
     else:
-        send = np.empty(int(send_counts.sum()), dtype=dt)
-        send_displ = np.concatenate(([0], np.cumsum(send_counts)[:-1]))
+        sdispl = list(accumulate(scount, initial=0))
+        send = np.empty(sdispl[-1], dtype=dt)
         for j, a in enumerate(sent):
             if a is not None and a.size:
-                send[send_displ[j]:send_displ[j] + a.size].reshape(a.shape)[...] = a
-    recvbuf = np.empty(int(recv_counts.sum()), dtype=dt)
-    recv_displ = np.concatenate(([0], np.cumsum(recv_counts)[:-1]))
+                send[sdispl[j]:sdispl[j] + a.size].reshape(a.shape)[...] = a
+    recvbuf = _result(out, (rdispl[-1],), dt, name)
     if p > 1:
-        comm.Alltoallv([send, (send_counts, send_displ)], [recvbuf, (recv_counts, recv_displ)])
-    out: list[np.ndarray | None] = []
-    for j, s in enumerate(shapes):
-        if s is None:
-            out.append(None)
-        elif j == me:
-            out.append(np.array(own))
-        else:
-            out.append(recvbuf[recv_displ[j]:recv_displ[j] + recv_counts[j]].reshape(s))
+        comm.Alltoallv([send, (scount, sdispl[:p])], [recvbuf, (rcount, rdispl[:p])])
+    result: list[np.ndarray | None] = [None] * p
+    for j, sh in enumerate(shapes):
+        if sh is not None and j != me:
+            result[j] = recvbuf[rdispl[j]:rdispl[j + 1]].reshape(sh)
+    if own is not None:
+        result[me] = own.copy()
     item = dt.itemsize
-    trace.record("AllToAllV", g.ranks, int(send_counts.sum()) * item,
-                 int(recv_counts.sum()) * item, perf_counter() - start, str(dt),
-                 own.shape if own is not None else (0,))
-    return out
+    trace.record("AllToAllV", g.ranks, sum(scount) * item, rdispl[-1] * item,
+                 perf_counter() - start, dt, own.shape if own is not None else (0,))
+    return result
 
 
-def _one_buffer(pieces: Sequence[np.ndarray | None]) -> tuple[np.ndarray, np.ndarray] | None:
+def _one_buffer(pieces: Sequence[np.ndarray | None]) -> tuple[np.ndarray, list[int]] | None:
     """When every piece is a C-contiguous view into one contiguous array, that array and the
     pieces' element offsets in it: Alltoallv then sends straight from it, with no packing."""
     real = [a for a in pieces if a is not None and a.size]
@@ -355,15 +390,15 @@ def _one_buffer(pieces: Sequence[np.ndarray | None]) -> tuple[np.ndarray, np.nda
     if not base.flags.c_contiguous or base.dtype != real[0].dtype:
         return None
     flat = base.reshape(-1)
-    start = flat.__array_interface__["data"][0]
+    start = flat.ctypes.data
     item = base.dtype.itemsize
-    displ = np.zeros(len(pieces), dtype=np.int64)
+    displ = [0] * len(pieces)
     for j, a in enumerate(pieces):
         if a is None or not a.size:
             continue
         if not a.flags.c_contiguous or a.dtype != base.dtype:
             return None
-        offset = a.__array_interface__["data"][0] - start
+        offset = a.ctypes.data - start
         if offset < 0 or offset % item or offset // item + a.size > flat.size:
             return None
         displ[j] = offset // item
@@ -388,10 +423,12 @@ def _agree_counts(comm: Any, g: Group, send_counts: np.ndarray, recv_counts: np.
                                 f"piece sizes: {detail}{more}")
 
 
-def broadcast(x: np.ndarray, root: int, group: Group | Sequence[int] | None = None) -> np.ndarray:
+def broadcast(x: np.ndarray, root: int, group: Group | Sequence[int] | None = None,
+              out: np.ndarray | None = None) -> np.ndarray:
     """Every rank gets the ``root`` rank's ``x`` (``root`` is a world rank inside the group).
 
     Every rank passes an array of the same shape and dtype, as MindSpore's Broadcast requires.
+    With ``out`` the result lands there; ``out=x`` broadcasts in place.
     """
     name = "broadcast"
     x = _array(x, name)
@@ -403,11 +440,13 @@ def broadcast(x: np.ndarray, root: int, group: Group | Sequence[int] | None = No
     me = world().Get_rank()
     # Only the root's values matter: the others receive into fresh memory instead of copying
     # their own x first (on 8 ranks that copy made a 1 MiB broadcast 2-2.7x a raw Bcast).
-    out = np.array(x, order="C", copy=True) if me == root else np.empty(x.shape, x.dtype)
+    out = _result(out, x.shape, x.dtype, name)
+    if me == root and out is not x:
+        out[...] = x
     comm.Bcast(out, root=g.index(root))
     n = out.nbytes
     sent, got = ((g.size - 1) * n, 0) if me == root else (0, n)
-    trace.record("Broadcast", g.ranks, sent, got, perf_counter() - start, str(x.dtype), x.shape)
+    trace.record("Broadcast", g.ranks, sent, got, perf_counter() - start, x.dtype, x.shape)
     return out
 
 
@@ -418,7 +457,7 @@ def send(x: np.ndarray, dest: int, tag: int = 0) -> None:
     buf = np.ascontiguousarray(x)
     world().Send(buf, dest=dest, tag=tag)
     me = world().Get_rank()
-    trace.record("Send", (me, dest), buf.nbytes, 0, perf_counter() - start, str(x.dtype), x.shape)
+    trace.record("Send", (me, dest), buf.nbytes, 0, perf_counter() - start, x.dtype, x.shape)
 
 
 def recv(source: int, shape: Sequence[int], dtype: Any, tag: int = 0) -> np.ndarray:
@@ -435,7 +474,7 @@ def recv(source: int, shape: Sequence[int], dtype: Any, tag: int = 0) -> np.ndar
         raise CommMismatchError(f"recv: expected {out.nbytes} bytes ({dt}{list(out.shape)}) from "
                                 f"rank {source}, got {got}")
     me = world().Get_rank()
-    trace.record("Receive", (source, me), 0, out.nbytes, perf_counter() - start, str(dt), out.shape)
+    trace.record("Receive", (source, me), 0, out.nbytes, perf_counter() - start, dt, out.shape)
     return out
 
 

@@ -155,13 +155,14 @@ def label(text: str) -> Iterator[None]:
 
 
 def record(kind: str, group: tuple[int, ...], bytes_sent: int, bytes_recv: int, seconds: float,
-           dtype: str, shape: tuple[int, ...], op: str | None = None) -> None:
-    """Add one event to every active trace (called by simpar.comm only)."""
+           dtype: object, shape: tuple[int, ...], op: str | None = None) -> None:
+    """Add one event to every active trace (called by simpar.comm only). Costs one lookup
+    when no trace is active: naming the dtype is left until an event is really kept."""
     traces = _active()
     if not traces:
         return
     labels = _labels()
-    event = CommEvent(kind, group, int(bytes_sent), int(bytes_recv), seconds, dtype, shape, op,
-                      "/".join(labels))
+    event = CommEvent(kind, group, int(bytes_sent), int(bytes_recv), seconds, str(dtype), shape,
+                      op, "/".join(labels))
     for t in traces:
         t.events.append(event)
