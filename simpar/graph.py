@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from simpar.nn.cell import Parameter
     from simpar.ops._base import Primitive
 
-__all__ = ["Graph", "Node", "Value", "record", "scope", "trace", "tracing"]
+__all__ = ["Graph", "Node", "Value", "current_scope", "record", "scope", "trace", "tracing"]
 
 
 @dataclass(eq=False)
@@ -174,6 +174,12 @@ def scope(name: str) -> Iterator[None]:
         yield
     finally:
         t.scopes.pop()
+
+
+def current_scope() -> str:
+    """The scope path ops recorded now would get (``"Default/network-WithLossCell/..."``)."""
+    t = _tracer()
+    return "/".join(t.scopes) if t is not None else ""
 
 
 def record(op: Primitive, args: Sequence[Any]) -> Any:

@@ -89,6 +89,7 @@ def run_op(op: Primitive, *global_inputs: np.ndarray, grad_output: np.ndarray | 
                          f"{len(global_inputs)}")
     xs = [np.asarray(x) for x in global_inputs]
     rank, size = comm.get_rank(), comm.get_group_size()
+    op.check_values(*xs)
     sh = op.sharding([x.shape for x in xs], size)
     local_in = tuple(distribute(x, lay, rank) for x, lay in zip(xs, sh.in_layouts))
     with comm.label("run_op:forward"):

@@ -272,7 +272,9 @@ def _plan(src: TensorLayout, dst: TensorLayout, enable_alltoall: bool) -> Redist
         return _plan_unrelated(src, dst, enable_alltoall)
     s, d = refine(src, fine), refine(dst, fine)
     steps: list[Step] = []
-    cur = _resolve_partial(s, d, steps)
+    # Slice before reducing: a pending sum is then reduced only over the piece dst keeps.
+    cur = _free_slice(s, d, steps) if s.partial else s
+    cur = _resolve_partial(cur, d, steps)
     # Axes partial in dst but not in the source: reach dst without them, then zero replicas.
     extra_partial = [a for a in d.partial if a not in cur.partial]
     target = d.with_partial([a for a in d.partial if a in cur.partial])
@@ -349,12 +351,9 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return k
 
 
-def _move(cur: TensorLayout, d: TensorLayout, steps: list[Step], enable_alltoall: bool
-          ) -> TensorLayout:
-    """Non-partial move (partial axes common to both are carried along untouched)."""
-    if cur == d:
-        return cur
-    # 1. Free slice: extend each dim's split by dst's next axes that cur replicates.
+def _free_slice(cur: TensorLayout, d: TensorLayout, steps: list[Step]) -> TensorLayout:
+    """Cut each dim further by dst's next axes that cur replicates: free, local, and done
+    first, so that any collective after it moves (or reduces) only the smaller piece."""
     replica = set(cur.replica_axes)
     new_axes = [list(x) for x in cur.dim_axes]
     for i, (ca, da) in enumerate(zip(cur.dim_axes, d.dim_axes)):
@@ -365,10 +364,20 @@ def _move(cur: TensorLayout, d: TensorLayout, steps: list[Step], enable_alltoall
                     break
                 new_axes[i].append(a)
                 replica.discard(a)
-    if new_axes != [list(x) for x in cur.dim_axes]:
-        sliced = TensorLayout.from_dim_axes(cur.device_matrix, new_axes, cur.shape, cur.partial)
-        steps.append(Step(SLICE, cur, sliced))
-        cur = sliced
+    if new_axes == [list(x) for x in cur.dim_axes]:
+        return cur
+    sliced = TensorLayout.from_dim_axes(cur.device_matrix, new_axes, cur.shape, cur.partial)
+    steps.append(Step(SLICE, cur, sliced))
+    return sliced
+
+
+def _move(cur: TensorLayout, d: TensorLayout, steps: list[Step], enable_alltoall: bool
+          ) -> TensorLayout:
+    """Non-partial move (partial axes common to both are carried along untouched)."""
+    if cur == d:
+        return cur
+    # 1. Free slice: extend each dim's split by dst's next axes that cur replicates.
+    cur = _free_slice(cur, d, steps)
     if cur == d:
         return cur
     # 2. AllGather: dst's split of every dim is a prefix of cur's.

@@ -31,6 +31,7 @@ CASES = [
     ("Add", lambda: ops.Add(), [_r(8, 4, 8), _r(8)]),
     ("Sub", lambda: ops.Sub(), [_r(8, 1, 8), _r(4, 8)]),
     ("Mul", lambda: ops.Mul(), [_r(8, 8), _r(8, 8)]),
+    ("Mul_0d", lambda: ops.Mul(), [np.asarray(3.0), _r(8, 4)]),
     ("RealDiv", lambda: ops.RealDiv(), [_r(8, 8), 2.0 + np.abs(_r(1, 8))]),
     ("BiasAdd", lambda: ops.BiasAdd(), [_r(8, 16), _r(16)]),
     ("BiasAdd_NHWC", lambda: ops.BiasAdd("NHWC"), [_r(4, 2, 8), _r(8)]),

@@ -542,3 +542,16 @@ def test_execute_errors_before_any_communication() -> None:
         two.run(lambda r: execute(p, np.zeros((2, 8)), comm=two))
     with pytest.raises(ValueError, match=r"shard has shape \(8, 8\)"):
         sim.run(lambda r: execute(p, np.zeros((8, 8)), comm=sim))
+
+
+def test_partial_source_is_sliced_before_it_is_reduced():
+    # dst splits rows over axis 0, which the partial source replicates: slice first (free),
+    # then AllReduce only the kept half, never the whole tensor.
+    src = TensorLayout((2, 4), (-1, -1), (8, 8), partial=(1,))
+    dst = TensorLayout((2, 4), (1, -1), (8, 8))
+    p = plan(src, dst)
+    assert p.kinds() == ["Slice", "AllReduce"]
+    assert p.recv_bytes(0, 8) == 2 * 3 * (4 * 8 * 8) // 4       # AllReduce of a (4, 8) piece
+    src3 = TensorLayout((2, 2, 2), (-1, -1), (8, 8), partial=(0,))
+    p3 = plan(src3, TensorLayout((4, 2), (-1, 0), (8, 8)))
+    assert p3.kinds() == ["Slice", "AllReduce"] and p3.recv_bytes(0, 8) == 256

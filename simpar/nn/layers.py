@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from simpar import ops
+from simpar import graph, ops
 from simpar.nn.cell import Cell, Parameter, initializer
 
 __all__ = ["GPT", "MLP", "Dense", "Dropout", "Embedding", "FeedForward", "LayerNorm",
@@ -123,6 +123,13 @@ class Dropout(Cell):
     def construct(self, x: Any) -> Any:
         if not self.training or self.keep_prob == 1.0:
             return x
+        if graph.tracing():
+            # Each Dropout layer draws its own mask: seed1 comes from the global seed and the
+            # layer's place in the model, the same on every rank and in the reference run.
+            from simpar.nn.cell import _stable_seed
+            from simpar.seed import get_seed
+
+            self.dropout.seed1 = _stable_seed(get_seed(), graph.current_scope()) & 0x7FFFFFFF
         return self.dropout(x)
 
 

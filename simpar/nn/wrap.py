@@ -43,9 +43,10 @@ class WithLossCell(Cell):
 class TrainOneStepCell:
     """Calling it on ``(data, label)`` runs one training step and returns the global loss.
 
-    ``data``/``label`` may be the global batch (each rank takes its slice per the dataset
-    strategy) or this rank's slice already. ``parallel_mode`` overrides the context's mode
-    (tests build a stand-alone reference in the same process this way).
+    The first call must pass the global batch: its shapes are the graph's. Later calls may
+    pass the global batch (each rank takes its slice per the dataset strategy) or this rank's
+    slice. ``parallel_mode`` overrides the context's mode (tests build a stand-alone reference
+    in the same process this way).
     """
 
     def __init__(self, network: Cell, optimizer: Optimizer, sens: float = 1.0,

@@ -350,6 +350,13 @@ class Primitive:
     def differentiable(self, i: int) -> bool:
         return i not in self.nondiff_inputs
 
+    def check_values(self, *global_inputs: np.ndarray) -> None:
+        """Reject bad input *values* (ids or labels out of range) on the global arrays.
+
+        ``run_op`` calls it on every rank before sharding, so every rank raises the same
+        error; a shard-local check inside the per-rank kernel would raise only on the ranks
+        holding the bad value and leave the others waiting in a collective."""
+
     def output_dtype(self, input_dtype: np.dtype) -> np.dtype:
         """The output's dtype for inputs of ``input_dtype`` (Cast changes it)."""
         return input_dtype

@@ -79,6 +79,10 @@ class Gather(Primitive):
         idims = tuple(f"i{d}" for d in range(len(i)))
         return IterSpace((pdims, idims), pdims[:a] + idims + pdims[a + 1:], idims + pdims)
 
+    def check_values(self, *global_inputs: np.ndarray) -> None:
+        params, indices = global_inputs
+        self._check(params, indices, params.shape[self._axis(params.ndim)])
+
     # -- checks shared by the single-device and the per-rank kernels
     def _check(self, params: np.ndarray, indices: np.ndarray, rows: int) -> None:
         if params.dtype.kind not in "fiu":

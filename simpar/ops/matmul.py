@@ -107,7 +107,8 @@ def _unbroadcast(g: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     while g.ndim > len(shape):
         g = g.sum(axis=0)
     axes = tuple(d for d, (n, m) in enumerate(zip(shape, g.shape)) if n == 1 and m != 1)
-    return g.sum(axis=axes, keepdims=True) if axes else g
+    # np.asarray: summing down to 0-d gives a numpy scalar, and collectives take arrays.
+    return np.asarray(g.sum(axis=axes, keepdims=True) if axes else g)
 
 
 @register

@@ -427,6 +427,10 @@ class SparseSoftmaxCrossEntropyWithLogits(Primitive):
         self.infer_shape(*shapes)
         return IterSpace((("n", "c"), ("n",)), (), ("n", "c"))
 
+    def check_values(self, *global_inputs: np.ndarray) -> None:
+        logits, labels = global_inputs
+        self._check(logits, labels, logits.shape[1])
+
     def _check(self, logits: np.ndarray, labels: np.ndarray, classes: int,
                row_offset: int = 0) -> None:
         _check_float(self.name, "logits", logits)
