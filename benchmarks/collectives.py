@@ -131,7 +131,7 @@ def _pair(kind: str, nbytes: int
         def raw() -> None:
             world.Alltoallv([send, (scounts, displ)], [recv, (rcounts_mpi, rdispl)])
             own[...] = pieces[rank]
-        mine = np.empty(int(rcounts_mpi.sum()), np.float32)
+        mine = np.empty(int(rcounts.sum()), np.float32)
         return lambda: comm.all_to_all_v(pieces, shapes, out=mine), raw, recv
     raise ValueError(f"unknown collective {kind!r}")
 

@@ -322,7 +322,8 @@ def all_to_all_v(pieces: Sequence[np.ndarray | None], recv_shapes: Sequence[Sequ
     """Send ``pieces[j]`` to group rank ``j`` and receive a ``recv_shapes[j]`` array from it.
 
     ``None`` means nothing goes that way. The piece for oneself is copied, not sent. ``out``
-    (1-D, the total received size) is the receive buffer to use. All pieces
+    (1-D, the sum of all ``recv_shapes`` sizes, own piece included) is the buffer the results
+    are views of. All pieces
     travel in one ``MPI_Alltoallv`` on one packed buffer; the arrays returned are views of the
     receive buffer. Redistribution uses this for transitions no single regular collective does.
     """
@@ -347,8 +348,11 @@ def all_to_all_v(pieces: Sequence[np.ndarray | None], recv_shapes: Sequence[Sequ
     # Counts and offsets in Python ints: on 8 ranks sharing 2 cores every microsecond of a
     # rank's bookkeeping shows up in the collective, so none of it goes through numpy.
     scount = [0 if a is None or j == me else a.size for j, a in enumerate(pieces)]
-    rcount = [0 if sh is None or j == me else math.prod(sh) for j, sh in enumerate(shapes)]
-    rdispl = list(accumulate(rcount, initial=0))
+    # The receive buffer also has a slot for the piece this rank keeps (MPI moves 0 of it).
+    rsize = [0 if sh is None else math.prod(sh) for sh in shapes]
+    rcount = list(rsize)
+    rcount[me] = 0
+    rdispl = list(accumulate(rsize, initial=0))
     start = perf_counter()
     if _validate and p > 1:
         _agree_counts(comm, g, np.array(scount, dtype=np.int64),
@@ -368,12 +372,12 @@ def all_to_all_v(pieces: Sequence[np.ndarray | None], recv_shapes: Sequence[Sequ
         comm.Alltoallv([send, (scount, sdispl[:p])], [recvbuf, (rcount, rdispl[:p])])
     result: list[np.ndarray | None] = [None] * p
     for j, sh in enumerate(shapes):
-        if sh is not None and j != me:
+        if sh is not None:
             result[j] = recvbuf[rdispl[j]:rdispl[j + 1]].reshape(sh)
     if own is not None:
-        result[me] = own.copy()
+        result[me][...] = own  # type: ignore[index]
     item = dt.itemsize
-    trace.record("AllToAllV", g.ranks, sum(scount) * item, rdispl[-1] * item,
+    trace.record("AllToAllV", g.ranks, sum(scount) * item, sum(rcount) * item,
                  perf_counter() - start, dt, own.shape if own is not None else (0,))
     return result
 
