@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -28,8 +29,23 @@ def _launcher_rank() -> int:
     return 0
 
 
-@pytest.hookimpl(trylast=True)
+def _per_rank_basetemp(config: pytest.Config) -> None:
+    """Under mpirun every rank is a pytest process: give each its own tmp_path root, or one
+    rank's clean-up of old /tmp/pytest-of-<user> directories deletes another rank's files."""
+    if config.option.basetemp or not any(v in os.environ for v in ("PMI_RANK",
+                                                                   "OMPI_COMM_WORLD_RANK")):
+        return
+    parent = os.environ.get("SIMPAR_TEST_LOGDIR") or tempfile.gettempdir()
+    config.option.basetemp = os.path.join(parent, f"pytest-rank{_launcher_rank()}-{os.getpid()}")
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
+    _per_rank_basetemp(config)  # before the tmp_path plugin reads --basetemp
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    config = session.config
     rank = _launcher_rank()
     logdir = os.environ.get("SIMPAR_TEST_LOGDIR")
     if rank > 0 and logdir:
