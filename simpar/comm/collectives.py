@@ -47,6 +47,7 @@ __all__ = [
 
 DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.int32), np.dtype(np.int64))
 REDUCE_OPS = ("sum", "mean", "max", "min")
+_DTYPE_NUMS = frozenset(d.num for d in DTYPES)  # a set lookup, not four dtype comparisons
 
 _validate = os.environ.get("SIMPAR_COMM_CHECK", "1") not in ("0", "false", "no")
 
@@ -90,7 +91,7 @@ def _mpi() -> Any:
 def _array(x: object, name: str) -> np.ndarray:
     if not isinstance(x, np.ndarray):
         raise TypeError(f"{name}: expected a numpy.ndarray, got {type(x).__name__}")
-    if x.dtype not in DTYPES:
+    if x.dtype.num not in _DTYPE_NUMS:
         raise TypeError(f"{name}: dtype {x.dtype} is not supported; use one of "
                         f"{[str(d) for d in DTYPES]}")
     return x
@@ -337,7 +338,7 @@ def all_to_all_v(pieces: Sequence[np.ndarray | None], recv_shapes: Sequence[Sequ
     dt = np.dtype(dtype) if dtype is not None else (given[0].dtype if given else None)
     if dt is None:
         raise ValueError(f"{name}: pass dtype= when this rank sends no piece")
-    if dt not in DTYPES or any(a.dtype != dt for a in given):
+    if dt.num not in _DTYPE_NUMS or any(a.dtype.num != dt.num for a in given):
         raise TypeError(f"{name}: all pieces must share one supported dtype, got "
                         f"{sorted({str(a.dtype) for a in given} | {str(dt)})}")
     shapes = [tuple(int(s) for s in rs) if rs is not None else None for rs in recv_shapes]
@@ -394,7 +395,7 @@ def _one_buffer(pieces: Sequence[np.ndarray | None]) -> tuple[np.ndarray, list[i
     if not base.flags.c_contiguous or base.dtype != real[0].dtype:
         return None
     flat = base.reshape(-1)
-    start = flat.ctypes.data
+    start = flat.__array_interface__["data"][0]
     item = base.dtype.itemsize
     displ = [0] * len(pieces)
     for j, a in enumerate(pieces):
@@ -402,7 +403,7 @@ def _one_buffer(pieces: Sequence[np.ndarray | None]) -> tuple[np.ndarray, list[i
             continue
         if not a.flags.c_contiguous or a.dtype != base.dtype:
             return None
-        offset = a.ctypes.data - start
+        offset = a.__array_interface__["data"][0] - start
         if offset < 0 or offset % item or offset // item + a.size > flat.size:
             return None
         displ[j] = offset // item
