@@ -140,9 +140,15 @@ def main(argv: list[str] | None = None) -> int:
     say = print if rank == 0 else (lambda *a, **k: None)
     device_num = args.device_num if args.device_num is not None else world
     simpar.set_seed(args.seed)
-    simpar.set_auto_parallel_context(parallel_mode=args.parallel_mode, device_num=device_num,
-                                     gradients_mean=args.gradients_mean, enable_alltoall=True)
-    comm.check_context()
+    try:  # every rank gets the same verdict, so every rank stops here alike
+        simpar.set_auto_parallel_context(parallel_mode=args.parallel_mode,
+                                         device_num=device_num,
+                                         gradients_mean=args.gradients_mean,
+                                         enable_alltoall=True)
+        comm.check_context()
+    except ValueError as e:
+        say(f"python -m simpar.train: error: {e}")
+        return 2
     if args.parallel_mode == "auto_parallel":
         say("parallel_mode auto_parallel needs the strategy search, which is not implemented "
             "yet; use semi_auto_parallel or data_parallel")
