@@ -292,6 +292,10 @@ class TensorLayout:
     def with_shape(self, shape: Sequence[int]) -> TensorLayout:
         return TensorLayout(self.device_matrix, self.tensor_map, shape, self.partial)
 
+    def replicated(self) -> TensorLayout:
+        """The same tensor held whole by every rank of the same device matrix."""
+        return TensorLayout(self.device_matrix, [-1] * self.ndim, self.shape)
+
     def with_partial(self, partial: Sequence[int]) -> TensorLayout:
         return TensorLayout(self.device_matrix, self.tensor_map, self.shape, partial)
 

@@ -37,16 +37,12 @@ class OpRun:
     local_grads: tuple[np.ndarray | None, ...] | None
 
 
-def _replicated(layout: TensorLayout) -> TensorLayout:
-    return TensorLayout(layout.device_matrix, [-1] * layout.ndim, layout.shape)
-
-
 def _gather_global(local: np.ndarray, layout: TensorLayout) -> np.ndarray:
     """Every rank gets the global array (for returning results; not part of the op)."""
     from simpar import comm
 
     with comm.label("run_op:assemble"):
-        return execute(plan(layout, _replicated(layout)), local)
+        return execute(plan(layout, layout.replicated()), local)
 
 
 def _tolerance(dtype: np.dtype) -> float:

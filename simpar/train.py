@@ -232,8 +232,7 @@ def check_against_single_device(args: argparse.Namespace, train: nn.TrainOneStep
         if not args.gradients_mean:
             # The parallel gradients are the sum over the D batch shards at the loss op (see
             # simpar.nn.wrap): D times the single-device gradient, which sens=D reproduces.
-            loss_step = next(s for s in prog.steps if s.node is prog.graph.outputs[0].producer)
-            ref.sens = float(loss_step.sharding.in_layouts[0].cuts[0])
+            ref.sens = float(prog.loss_batch_cut())
         for k in range(args.steps):
             ref_losses[k] = ref(*get_batch(k))
         for n in names:

@@ -9,8 +9,6 @@ a collective, so it aborts the job at once (with this rank's traceback) instead 
 
 from __future__ import annotations
 
-import sys
-import traceback
 from itertools import product
 
 import numpy as np
@@ -24,6 +22,7 @@ from simpar.layout import TensorLayout
 from simpar.mesh import DeviceMesh
 from simpar.redistribution import RedistributionPlan, execute, min_bytes, plan
 from tests.layout_strategies import layout_pairs
+from tests.mpi_guard import abort_job_on_error
 
 L = TensorLayout
 COLLECTIVE_KINDS = {"AllGather", "AllToAll", "AllToAllV", "ReduceScatter", "AllReduce"}
@@ -72,15 +71,8 @@ def _my_input(g: np.ndarray, lay: TensorLayout, rank: int, seed: int) -> np.ndar
 
 # ------------------------------------------------------------------ the check
 def _run(p: RedistributionPlan, local: np.ndarray) -> tuple[np.ndarray, CommTrace]:
-    try:
-        with CommTrace() as trace:
-            out = execute(p, local)
-    except BaseException:
-        sys.stderr.write(f"[rank {comm.get_rank()}] execute raised on plan\n{p}\n"
-                         f"{traceback.format_exc()}")
-        sys.stderr.flush()
-        comm.world().Abort(1)
-        raise
+    with abort_job_on_error(f"execute on plan\n{p}\n"), CommTrace() as trace:
+        out = execute(p, local)
     return out, trace
 
 

@@ -18,8 +18,6 @@ rank 0's report shows a failure that happened on any rank.
 from __future__ import annotations
 
 import math
-import sys
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import cache
@@ -36,6 +34,7 @@ from simpar.dataset import CharCorpus, random_classification
 from simpar.layout import distribute
 from simpar.nn import presets
 from simpar.runtime import ParallelProgram
+from tests.mpi_guard import abort_job_on_error
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -276,7 +275,7 @@ def _train(case: Case) -> Run:
         # Planning is pure and the same on every rank, so a failure here fails every rank.
         train.build(*_batch(case.model, case.dtype, 0))
         run = Run(train, [], {k: v.copy() for k, v in train.params.items()}, {})
-        try:
+        with abort_job_on_error(f"{case} while training"):
             for k in range(case.steps):
                 with CommTrace() as trace:
                     run.losses.append(train(*_batch(case.model, case.dtype, k)))
@@ -284,14 +283,6 @@ def _train(case: Case) -> Run:
                     run.first_grads = {name: g.copy() for name, g in train.last_grads.items()}
                 if k == TRACED_STEP:
                     run.events = list(trace.events)
-        except BaseException:
-            # A step that fails may leave the other ranks inside a collective: end the job
-            # now, with this rank's traceback, rather than let it hang.
-            sys.stderr.write(f"[rank {comm.get_rank()}] {case} raised while training\n"
-                             f"{traceback.format_exc()}")
-            sys.stderr.flush()
-            comm.world().Abort(1)
-            raise
     finally:
         simpar.reset_auto_parallel_context()
     return run

@@ -74,6 +74,8 @@ class TrainOneStepCell:
         self.mode = parallel_mode or str(context.get_auto_parallel_context("parallel_mode"))
         self.seed = get_seed() if seed is None else seed
         self.program: ParallelProgram | None = None
+        self._ctx: context.ParallelContext | None = None
+        self._seed = 1.0
         self.params: dict[str, np.ndarray] = {}
         self.step_count = 0
         self.last_grads: dict[str, np.ndarray] = {}
@@ -85,6 +87,7 @@ class TrainOneStepCell:
         from simpar import comm
 
         ctx = context.auto_parallel_context()
+        self._ctx = ctx
         device_num = 1 if self.mode == "stand_alone" else comm.get_group_size()
         if device_num > 1:
             comm.check_context()
@@ -103,6 +106,7 @@ class TrainOneStepCell:
                 raise ValueError(f"TrainOneStepCell: parameter {name} is trainable but not "
                                  "in the optimizer's params")
         self.optimizer.init_state({n: self.params[n] for n in self.optimizer.names()})
+        self._seed = self.loss_seed()
         return self.program
 
     def _local(self, x: np.ndarray, lay: TensorLayout, rank: int) -> np.ndarray:
@@ -114,15 +118,13 @@ class TrainOneStepCell:
                          f"batch {lay.shape} nor this rank's slice {lay.local_shape()}")
 
     def loss_seed(self) -> float:
-        """The cotangent each rank gives its copy of the loss (see module docstring)."""
-        assert self.program is not None
-        ctx = context.auto_parallel_context()
+        """The cotangent each rank gives its copy of the loss (see module docstring), for the
+        context the program was built under."""
+        assert self.program is not None and self._ctx is not None
+        ctx = self._ctx
         lay = self.program.output_layouts()[0]
         replicas = math.prod(lay.device_matrix[a] for a in lay.replica_axes)
-        out = self.program.graph.outputs[0]
-        step = next(s for s in self.program.steps if s.node is out.producer)
-        first = step.sharding.in_layouts[0]
-        dp = first.cuts[0] if first.ndim else 1
+        dp = self.program.loss_batch_cut()
         seed = self.sens * (1.0 if ctx.gradients_mean or self.mode == "stand_alone" else dp)
         return seed / replicas if ctx.loss_repeated_mean else seed
 
@@ -140,7 +142,7 @@ class TrainOneStepCell:
         local_in = [self._local(data, lays[0], rank), self._local(label, lays[1], rank)]
         outs, tape = prog.forward(local_in, self.params, step=self.step_count)
         loss = outs[0]
-        seed = np.full(loss.shape, self.loss_seed(), dtype=loss.dtype)
+        seed = np.full(loss.shape, self._seed, dtype=loss.dtype)
         grads = prog.backward(tape, [seed])
         self.last_grads = grads
         self.optimizer.step(self.params, grads)
@@ -159,8 +161,7 @@ class TrainOneStepCell:
             if self.program.device_num == 1:
                 out[name] = self.params[name].copy()
                 continue
-            full = TensorLayout(lay.device_matrix, [-1] * lay.ndim, lay.shape)
             with comm.label("assemble"):
-                out[name] = execute(plan(lay, full), self.params[name])
+                out[name] = execute(plan(lay, lay.replicated()), self.params[name])
         return out
 

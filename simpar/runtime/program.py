@@ -15,6 +15,7 @@ accumulating gradient *contributions* (see ``simpar/ops/_base.py``), then the Mi
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -62,6 +63,8 @@ class ParallelProgram:
     param_values: dict[str, Value]
     needs_grad: set[int] = field(default_factory=set)
     enable_alltoall: bool = True
+    #: Nodes with an input on a path from a trainable parameter: the forward keeps their tape.
+    grad_nodes: frozenset[int] = frozenset()
 
     # ------------------------------------------------------------ description
     def input_layouts(self) -> list[TensorLayout]:
@@ -72,9 +75,15 @@ class ParallelProgram:
 
     def mirror_group(self, name: str, rank: int) -> tuple[int, ...]:
         """The ranks whose gradients of parameter ``name`` are summed (size 1: no Mirror)."""
-        lay = self.param_layouts[name]
-        axes = tuple(a for a in lay.replica_axes if lay.device_matrix[a] > 1)
-        return lay.mesh.group_of(rank, axes) if axes else (rank,)
+        return _replica_group(self.param_layouts[name], rank)
+
+    def loss_batch_cut(self) -> int:
+        """How many ways the batch (dim 0 of its first input) is cut at the op producing the
+        first output: the data-parallel degree ``D`` that summed gradients scale with."""
+        out = self.graph.outputs[0]
+        step = next(s for s in self.steps if s.node is out.producer)
+        first = step.sharding.in_layouts[0]
+        return first.cuts[0] if first.ndim else 1
 
     def strategies(self) -> dict[str, list[list[int]]]:
         """{op name: strategy} for every node (what a strategy file records)."""
@@ -158,14 +167,9 @@ class ParallelProgram:
             outs = out if len(node.outputs) > 1 else (out,)
             for v, o in zip(node.outputs, outs):
                 vals[v.id] = o
-            if node.id in self._grad_nodes:
+            if node.id in self.grad_nodes:
                 tape[node.id] = saved
         return [vals[v.id] for v in self.graph.outputs], tape
-
-    @property
-    def _grad_nodes(self) -> set[int]:
-        return {s.node.id for s in self.steps if any(v.id in self.needs_grad
-                                                     for v in s.node.inputs)}
 
     def backward(self, tape: dict[int, Any], output_grads: Sequence[np.ndarray | None]
                  ) -> dict[str, np.ndarray]:
@@ -223,6 +227,14 @@ class ParallelProgram:
                 out[n] = flat[offset:offset + size].reshape(out[n].shape)
                 offset += size
         return out
+
+
+@functools.lru_cache(maxsize=65536)
+def _replica_group(lay: TensorLayout, rank: int) -> tuple[int, ...]:
+    """The ranks holding what ``rank`` holds of ``lay`` (computed once per layout and rank:
+    the backward asks for every parameter's group on every step)."""
+    axes = tuple(a for a in lay.replica_axes if lay.device_matrix[a] > 1)
+    return lay.mesh.group_of(rank, axes) if axes else (rank,)
 
 
 # ------------------------------------------------------------------ lowering
@@ -313,7 +325,7 @@ def _choose(node: Node, shapes: list[tuple[int, ...]], device_num: int, mode: st
     if _param_cuts_ok(node, follow, mode, param_plans):
         try:
             sh = op.sharding(shapes, device_num, follow)
-            if score(sh)[:2] == (0, 0):
+            if score(sh)[:2] == (0, 0):  # no byte and no step to move: nothing can beat it
                 return sh, chosen
         except (StrategyError, ValueError):
             pass
@@ -392,5 +404,6 @@ def lower(graph: Graph, device_num: int, mode: str, dataset_strategy: Any = "ful
     for node in graph.nodes:
         if any(v.id in needs for v in node.inputs):
             needs.update(v.id for v in node.outputs)
+    grad_nodes = frozenset(n.id for n in graph.nodes if any(v.id in needs for v in n.inputs))
     return ParallelProgram(graph, device_num, mode, steps, layouts, param_layouts,
-                           param_values, needs, enable_alltoall)
+                           param_values, needs, enable_alltoall, grad_nodes)
