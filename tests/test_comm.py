@@ -556,6 +556,135 @@ def test_argument_mismatch_raises_on_every_rank(world: tuple[int, int], what: st
         assert w in str(info.value)
 
 
+# A bad argument on one rank only: without the shared check the others would wait forever in
+# the collective. Every case names (call on the bad rank, error it raises, words of it).
+ONE_RANK_BAD: dict[str, tuple[Callable[[np.ndarray], object], type[Exception], str]] = {
+    "non-array": (lambda x: comm.all_reduce(x.tolist()), TypeError, "expected a numpy.ndarray"),
+    "dtype": (lambda x: comm.all_gather(x.astype(np.float16)), TypeError, "dtype float16 is not"),
+    "axis": (lambda x: comm.all_gather(x, axis=5), ValueError, "axis=5 is out of range"),
+    "op": (lambda x: comm.reduce_scatter(x, op="prod"), ValueError, "op must be one of"),
+    "out": (lambda x: comm.all_to_all(x, 0, 1, out=np.empty(3, x.dtype)), ValueError,
+            "out must be a C-contiguous"),
+    "root": (lambda x: comm.broadcast(x, root=-1), ValueError, "root -1 is not in group"),
+    "a2av-dtype": (lambda x: comm.all_to_all_v([x[:1]] * comm.get_group_size(),
+                                               [(1, 2)] * comm.get_group_size(), dtype=np.int32),
+                   TypeError, "share one supported dtype"),
+}
+GOOD_CALL: dict[str, Callable[[np.ndarray], object]] = {
+    "non-array": lambda x: comm.all_reduce(x),
+    "dtype": lambda x: comm.all_gather(x),
+    "axis": lambda x: comm.all_gather(x, axis=1),
+    "op": lambda x: comm.reduce_scatter(x),
+    "out": lambda x: comm.all_to_all(x, 0, 1),
+    "root": lambda x: comm.broadcast(x, root=0),
+    "a2av-dtype": lambda x: comm.all_to_all_v([x[:1]] * comm.get_group_size(),
+                                              [(1, 2)] * comm.get_group_size()),
+}
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("case", list(ONE_RANK_BAD))
+def test_a_bad_argument_on_one_rank_raises_on_every_rank(world: tuple[int, int],
+                                                         case: str) -> None:
+    rank, p = world
+    bad = p - 1
+    x = np.zeros((2 * p, 2), dtype=np.float32)
+    call, error, words = ONE_RANK_BAD[case]
+    with pytest.raises(ValueError if rank != bad else error) as info:
+        (call if rank == bad else GOOD_CALL[case])(x)
+    message = str(info.value)
+    assert words in message
+    if rank != bad:  # the others quote what the bad rank raised
+        assert isinstance(info.value, CommMismatchError)
+        assert f"rank {bad}: raised {error.__name__}: " in message
+    # Every rank took part in the same check: the world is still usable.
+    np.testing.assert_array_equal(comm.all_reduce(np.ones(2, np.int64)), [p, p])
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("other", ["all_gather", "all_to_all_v", "check_agreement"])
+def test_different_collectives_on_different_ranks_raise_on_every_rank(
+        world: tuple[int, int], other: str) -> None:
+    rank, p = world
+    x = np.zeros((p, 2), dtype=np.float64)
+    with pytest.raises(CommMismatchError) as info:
+        if rank == 0:
+            comm.all_reduce(x)
+        elif other == "all_gather":
+            comm.all_gather(x)
+        elif other == "all_to_all_v":
+            comm.all_to_all_v([x[:1]] * p, [(1, 2)] * p)
+        else:
+            comm.check_agreement("plan", "a description")
+    message = str(info.value)
+    assert "rank 0: all_reduce: float64[" in message
+    assert {"all_gather": "all_gather: float64[", "all_to_all_v": "all_to_all_v: float64",
+            "check_agreement": "plan: a description"}[other] in message
+    np.testing.assert_array_equal(comm.all_reduce(np.ones(1, np.int64)), [p])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_check_agreement_passes_and_fails_on_every_rank(world: tuple[int, int]) -> None:
+    rank, p = world
+    comm.check_agreement("plan", "S0 -> S1 float32")
+    with pytest.raises(CommMismatchError, match=r"plan: the ranks of group .* passed different"
+                                                r" arrays or arguments") as info:
+        comm.check_agreement("plan", "S0 -> S1" if rank else "S0 -> R")
+    assert "rank 0: S0 -> R" in str(info.value)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_all_to_all_v_reuses_its_exchange_only_for_the_same_call(world: tuple[int, int]) -> None:
+    rank, p = world
+    a = np.arange(2 * p, dtype=np.float64)
+    b = np.arange(3 * p, dtype=np.int64)
+    for _ in range(2):  # the second round runs from the cached exchanges
+        got_a = comm.all_to_all_v([a[2 * j:2 * j + 2] for j in range(p)], [(2,)] * p)
+        got_b = comm.all_to_all_v([b[3 * j:3 * j + 3].reshape(3, 1) for j in range(p)],
+                                   [(3, 1)] * p)
+        got_c = comm.all_to_all_v([b[2 * j:2 * j + 2] for j in range(p)], [(2,)] * p)
+        for j in range(p):
+            np.testing.assert_array_equal(got_a[j], [2 * rank, 2 * rank + 1], strict=False)
+            assert got_a[j].dtype == np.float64 and got_b[j].dtype == np.int64
+            np.testing.assert_array_equal(got_b[j].reshape(-1), np.arange(3) + 3 * rank)
+            assert got_b[j].shape == (3, 1) and got_c[j].dtype == np.int64
+
+
+def test_claims_cancel_exactly_when_all_ranks_agree() -> None:
+    """The XOR of every rank's claims is 0 iff the ranks agree (pure: no MPI needed)."""
+    from simpar.comm.collectives import piece_claims, ring_claims
+
+    rng = np.random.default_rng(7)
+    for p in (2, 3, 8, 64):
+        for trial in range(200):
+            keys = [int(k) for k in rng.integers(0, 5, size=p)] if trial % 2 else [3] * p
+            total = 0
+            for me, key in enumerate(keys):
+                total ^= ring_claims(key, me, p)
+            assert (total == 0) == (len(set(keys)) == 1), (p, keys)
+            # all_to_all_v counts: a consistent matrix, then one entry changed on one side.
+            sends = rng.integers(0, 4, size=(p, p))
+            expects = sends.T.copy()
+            if trial % 3:
+                i, j = rng.choice(p, size=2, replace=False)
+                expects[j, i] += 1
+            total = 0
+            for me in range(p):
+                total ^= piece_claims(me, [int(v) for v in sends[me]],
+                                      [int(v) for v in expects[me]])
+            off = ~np.eye(p, dtype=bool)
+            agree = bool(np.all((sends == expects.T)[off]))
+            assert (total == 0) == agree, (p, trial)
+
+
+@pytest.mark.mpi
+def test_int64_of_every_type_number_is_accepted(world: tuple[int, int]) -> None:
+    _, p = world
+    x = np.ones(3, dtype=np.longlong)  # numpy's "longlong": int64, another type number
+    assert x.dtype == np.int64
+    np.testing.assert_array_equal(comm.all_reduce(x), np.full(3, p))
+
+
 @pytest.mark.mpi
 def test_validation_switch(world: tuple[int, int]) -> None:
     rank, p = world

@@ -6,10 +6,19 @@ ranks (group order is list order). Each call runs exactly one MPI collective on 
 buffer, packing at most once on the way in and once on the way out, and records one
 :class:`~simpar.comm.trace.CommEvent` (see trace.py for the byte-count convention).
 
-When validation is on (the default; ``set_validation(False)`` or ``SIMPAR_COMM_CHECK=0`` turns
-it off), each call first agrees on the shape, dtype and arguments across the group with one
-8-byte-per-rank Allreduce, so that a mismatch raises the same ``ValueError`` on every rank,
-naming each rank's shape, instead of hanging or corrupting memory.
+Agreement. When validation is on (the default; ``set_validation(False)`` or
+``SIMPAR_COMM_CHECK=0`` turns it off), every call first checks that the ranks of the group
+agree, with one 8-byte ``MPI_Allreduce(BXOR)`` that is the same whatever the call, so that a
+mismatch raises on every rank, naming each rank's shape, instead of hanging or corrupting
+memory. Each rank XORs hashed *claims* into one word: for every edge ``(i, i+1)`` of a ring
+over the group, each of its two ends claims "this edge carries my call signature" (kind,
+dtype, shape, arguments), and for ``all_to_all_v`` the sender and the receiver of every piece
+each claim its element count. When all claims agree they cancel in pairs and the XOR is 0, on
+every rank alike; any disagreement leaves it nonzero (a false 0 has probability 2**-64), and
+only then do the ranks exchange readable descriptions for the message. A rank whose own
+arguments are bad (a wrong axis, dtype, op, ``out``) takes part in the same check with its
+error in place of a signature, so the error reaches every rank: that rank raises its own
+``TypeError``/``ValueError`` and the others a :class:`CommMismatchError` that quotes it.
 """
 
 from __future__ import annotations
@@ -19,9 +28,10 @@ import math
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from itertools import accumulate
 from time import perf_counter
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -47,7 +57,15 @@ __all__ = [
 
 DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.int32), np.dtype(np.int64))
 REDUCE_OPS = ("sum", "mean", "max", "min")
-_DTYPE_NUMS = frozenset(d.num for d in DTYPES)  # a set lookup, not four dtype comparisons
+# dtype.num -> index in DTYPES, for every type number that means one of them (int64 is both
+# numpy's "long" and "longlong" on Linux): one dict lookup per call, and a hashable int.
+_DTYPE_CODE = {np.dtype(c).num: DTYPES.index(np.dtype(c))
+               for c in np.typecodes["All"] if np.dtype(c) in DTYPES}
+# Signatures are hashed from ints only: Python salts the hash of str per process.
+_KIND_CODE = {name: i for i, name in enumerate(
+    ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_v", "broadcast",
+     "check_agreement"))}
+_OP_CODE = {op: i for i, op in enumerate(REDUCE_OPS)}
 
 _validate = os.environ.get("SIMPAR_COMM_CHECK", "1") not in ("0", "false", "no")
 
@@ -82,23 +100,30 @@ def validation_disabled() -> Iterator[None]:
         _validate = before
 
 
-def _mpi() -> Any:
-    from mpi4py import MPI
+_MPI: Any = None
 
-    return MPI
+
+def _mpi() -> Any:
+    """mpi4py's MPI module, imported on first use (importing simpar.comm starts no MPI)."""
+    global _MPI
+    if _MPI is None:
+        from mpi4py import MPI
+
+        _MPI = MPI
+    return _MPI
 
 
 def _array(x: object, name: str) -> np.ndarray:
     if not isinstance(x, np.ndarray):
         raise TypeError(f"{name}: expected a numpy.ndarray, got {type(x).__name__}")
-    if x.dtype.num not in _DTYPE_NUMS:
+    if x.dtype.num not in _DTYPE_CODE:
         raise TypeError(f"{name}: dtype {x.dtype} is not supported; use one of "
                         f"{[str(d) for d in DTYPES]}")
     return x
 
 
 def _reduce_op(op: str, name: str, dtype: np.dtype) -> Any:
-    if op not in REDUCE_OPS:
+    if op not in _OP_CODE:
         raise ValueError(f"{name}: op must be one of {list(REDUCE_OPS)}, got {op!r}")
     if op == "mean" and dtype.kind != "f":
         raise TypeError(f"{name}: op 'mean' needs a floating dtype, got {dtype}")
@@ -114,49 +139,129 @@ def _axis(axis: int, ndim: int, name: str, what: str = "axis") -> int:
     return int(axis) % ndim
 
 
-def _agree(comm: Any, group: Group, name: str, x: np.ndarray, *args: object) -> None:
-    """Raise CommMismatchError on every rank if the ranks disagree on (shape, dtype, args)."""
-    if not _validate or group.size == 1:
+# ---------------------------------------------------------------- agreement across ranks
+
+
+def _agree(comm: Any, g: Group, name: str, x: np.ndarray, args: tuple[int, ...] = (),
+           labels: tuple[str, ...] = ()) -> None:
+    """Check that every rank of ``g`` calls ``name`` on the same dtype and shape with the same
+    ``args`` (ints; ``labels`` name them in a mismatch message); raise on every rank if not."""
+    if not _validate or g.size == 1:
         return
-    _agree_on(comm, group, name, f"{x.dtype}{list(x.shape)}" + "".join(f" {a}" for a in args))
+    key = (_KIND_CODE[name], _DTYPE_CODE[x.dtype.num], x.shape, *args)
+    _settle(comm, g, name, _ring_claims(hash(key), g), lambda: _describe(x, args, labels))
+
+
+def _refuse(comm: Any, g: Group, name: str, error: Exception) -> NoReturn:
+    """This rank's own arguments are bad: with validation on, tell the other ranks through the
+    agreement check (so they raise too, instead of waiting in the collective), then raise."""
+    if _validate and g.size > 1:
+        me = g.index(int(world().Get_rank()))
+        _settle(comm, g, name, hash((-2, me)),
+                lambda: f"raised {type(error).__name__}: {error}", error=error)
+    raise error
+
+
+def ring_claims(key: int, me: int, p: int) -> int:
+    """Group rank ``me``'s two claims on the ring edges it ends: "edge (me-1, me) and edge
+    (me, me+1) carry ``key``" (edge ``e`` joins ranks ``e`` and ``e+1`` mod ``p``). Its
+    neighbours claim the same edges with their own keys, so the XOR over all ranks is 0 when
+    all keys agree."""
+    return hash((me, key)) ^ hash(((me - 1) % p, key))
+
+
+def piece_claims(me: int, send_counts: Sequence[int], recv_counts: Sequence[int]) -> int:
+    """Group rank ``me``'s claims on the pieces of an all_to_all_v: as the sender of piece
+    ``(me, j)`` it claims ``send_counts[j]`` elements, as the receiver of piece ``(j, me)`` it
+    claims ``recv_counts[j]``. A piece's two claims cancel when the counts agree."""
+    claims = 0
+    for j in range(len(send_counts)):
+        if j != me:
+            claims ^= hash((me, j, send_counts[j])) ^ hash((j, me, recv_counts[j]))
+    return claims
+
+
+def _ring_claims(key: int, g: Group) -> int:
+    return ring_claims(key, g.index(int(world().Get_rank())), g.size)
+
+
+def _settle(comm: Any, g: Group, name: str, claims: int, describe: Any,
+            counts: tuple[list[int], list[int]] | None = None,
+            error: Exception | None = None) -> None:
+    """The one 8-byte XOR-Allreduce of every rank's ``claims``; on a nonzero result (some
+    claim unmatched) every rank explains and raises."""
+    _CLAIMS[0] = claims
+    comm.Allreduce(_CLAIMS, _TOTAL, op=_mpi().BXOR)
+    if _TOTAL[0]:
+        _explain(comm, g, name, describe(), counts, error)
+
+
+# The check's buffers, reused: collectives are called from one thread at a time.
+_CLAIMS = np.zeros(1, dtype=np.int64)
+_TOTAL = np.zeros(1, dtype=np.int64)
+
+
+def _describe(x: np.ndarray, args: tuple[int, ...], labels: tuple[str, ...]) -> str:
+    words = [f"{x.dtype}{list(x.shape)}"]
+    for label, value in zip(labels, args):
+        words.append(REDUCE_OPS[value] if label == "op" else f"{label}={value}")
+    return " ".join(words)
+
+
+def _explain(comm: Any, g: Group, name: str, desc: str,
+             counts: tuple[list[int], list[int]] | None, error: Exception | None) -> NoReturn:
+    """Share every rank's description (fixed-size bytes, no pickle) and, for all_to_all_v,
+    its send and expected-receive counts; raise the same message on every rank (a rank that
+    raised on its own arguments raises that error)."""
+    p = g.size
+    width = 256
+    raw = f"{name}: {desc}".encode()[:width]
+    buf = np.zeros(width, dtype=np.uint8)
+    buf[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    every = np.empty((p, width), dtype=np.uint8)
+    comm.Allgather(buf, every)
+    descs = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in every]
+    rows = np.full(2 * p, -1, dtype=np.int64)
+    if counts is not None:
+        rows[:p], rows[p:] = counts
+    table = np.empty((p, 2 * p), dtype=np.int64)
+    comm.Allgather(rows, table)
+    if error is not None:
+        raise error
+    names = {d.split(": ", 1)[0] for d in descs}
+    if len(names) == 1:  # one kind of call everywhere: the kind is the message's prefix
+        descs = [d.split(": ", 1)[1] for d in descs]
+    seen: dict[str, list[int]] = {}
+    for rank, d in zip(g.ranks, descs):
+        seen.setdefault(d, []).append(rank)
+    if len(seen) > 1 or counts is None:
+        parts = "; ".join(f"rank{'s' if len(r) > 1 else ''} {','.join(map(str, r))}: {d}"
+                          for d, r in seen.items())
+        raise CommMismatchError(f"{name}: the ranks of group {list(g.ranks)} passed different "
+                                f"arrays or arguments ({parts}); every rank must pass the same")
+    sends, expects = table[:, :p], table[:, p:]
+    bad = [(i, j) for i, j in zip(*np.nonzero(sends != expects.T)) if i != j]
+    detail = "; ".join(f"rank {g.ranks[i]} sends {sends[i, j]} elements to rank "
+                       f"{g.ranks[j]}, which expects {expects[j, i]}" for i, j in bad[:4])
+    more = f" (and {len(bad) - 4} more)" if len(bad) > 4 else ""
+    raise CommMismatchError(f"{name}: the ranks of group {list(g.ranks)} disagree on the "
+                            f"piece sizes: {detail}{more}")
 
 
 def check_agreement(name: str, description: str,
                     group: Group | Sequence[int] | None = None) -> None:
     """Raise the same :class:`CommMismatchError` on every rank of ``group`` unless all of
-    them pass the same ``description`` (one 16-byte Allreduce when they agree).
+    them pass the same ``description`` (one 8-byte Allreduce when they agree).
 
     Callers that run many collectives from one plan check the plan once this way, then run
     them under :func:`validation_disabled`.
     """
     g, comm = resolve(group)
-    if g.size > 1:
-        _agree_on(comm, g, name, description)
-
-
-def _agree_on(comm: Any, group: Group, name: str, desc: str) -> None:
-    h = int.from_bytes(hashlib.blake2b(desc.encode(), digest_size=7).digest(), "little")
-    mine = np.array([h, -h], dtype=np.int64)
-    top = np.empty_like(mine)
-    comm.Allreduce(mine, top, op=_mpi().MAX)
-    if top[0] == h and top[1] == -h:
+    if g.size == 1:
         return
-    # Only on a mismatch: share every rank's description (fixed-size bytes, no pickle).
-    width = 160
-    buf = np.zeros(width, dtype=np.uint8)
-    raw = desc.encode()[:width]
-    buf[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-    allbuf = np.empty(width * group.size, dtype=np.uint8)
-    comm.Allgather(buf, allbuf)
-    descs = [bytes(allbuf[i * width:(i + 1) * width]).rstrip(b"\0").decode(errors="replace")
-             for i in range(group.size)]
-    seen: dict[str, list[int]] = {}
-    for rank, d in zip(group.ranks, descs):
-        seen.setdefault(d, []).append(rank)
-    parts = "; ".join(f"rank{'s' if len(r) > 1 else ''} {','.join(map(str, r))}: {d}"
-                      for d, r in seen.items())
-    raise CommMismatchError(f"{name}: the ranks of group {list(group.ranks)} passed different "
-                            f"arrays or arguments ({parts}); every rank must pass the same")
+    digest = hashlib.blake2b(f"{name}\0{description}".encode(), digest_size=8).digest()
+    key = hash((_KIND_CODE["check_agreement"], int.from_bytes(digest, "little")))
+    _settle(comm, g, name, _ring_claims(key, g), lambda: description)
 
 
 def _result(out: np.ndarray | None, shape: tuple[int, ...], dtype: np.dtype, name: str
@@ -205,13 +310,16 @@ def all_reduce(x: np.ndarray, op: str = "sum", group: Group | Sequence[int] | No
     On ranks 0..3 holding ``[r, r]``, ``all_reduce(x)`` gives ``[6, 6]`` everywhere.
     """
     name = "all_reduce"
-    x = _array(x, name)
     g, comm = resolve(group)
-    _agree(comm, g, name, x, op)
-    mpi_op = _reduce_op(op, name, x.dtype)
+    try:
+        x = _array(x, name)
+        mpi_op = _reduce_op(op, name, x.dtype)
+        out = _result(out, x.shape, x.dtype, name)
+    except (TypeError, ValueError) as error:
+        _refuse(comm, g, name, error)
+    _agree(comm, g, name, x, (_OP_CODE[op],), ("op",))
     start = perf_counter()
     send = np.ascontiguousarray(x)
-    out = _result(out, x.shape, x.dtype, name)
     comm.Allreduce(_mpi().IN_PLACE if out is send else send, out, op=mpi_op)
     if op == "mean":
         out /= g.size
@@ -228,24 +336,29 @@ def all_gather(x: np.ndarray, axis: int = 0, group: Group | Sequence[int] | None
     Ranks 4..7 each holding a (2, 8) block get the (8, 8) concatenation, rank 4's rows first.
     """
     name = "all_gather"
-    x = _array(x, name)
-    if x.ndim == 0:
-        raise ValueError(f"{name}: needs an array of rank >= 1, got a 0-d array")
-    axis = _axis(axis, x.ndim, name)
     g, comm = resolve(group)
-    _agree(comm, g, name, x, f"axis={axis}")
+    try:
+        x = _array(x, name)
+        if x.ndim == 0:
+            raise ValueError(f"{name}: needs an array of rank >= 1, got a 0-d array")
+        axis = _axis(axis, x.ndim, name)
+        shape = x.shape[:axis] + (g.size * x.shape[axis],) + x.shape[axis + 1:]
+        if out is not None or axis == 0:
+            out = _result(out, shape, x.dtype, name)
+    except (TypeError, ValueError) as error:
+        _refuse(comm, g, name, error)
+    _agree(comm, g, name, x, (axis,), ("axis",))
     start = perf_counter()
     send = np.ascontiguousarray(x)
-    shape = x.shape[:axis] + (g.size * x.shape[axis],) + x.shape[axis + 1:]
     if axis == 0:  # the gathered blocks are the result: receive straight into it
-        out = _result(out, shape, x.dtype, name)
         comm.Allgather(send, out.reshape((g.size,) + x.shape))
     else:
         blocks = np.empty((g.size,) + x.shape, dtype=x.dtype)
         comm.Allgather(send, blocks)
         joined = _join_blocks(blocks, axis)
-        out = joined if out is None else _result(out, shape, x.dtype, name)
-        if out is not joined:
+        if out is None:
+            out = joined
+        else:
             out[...] = joined
     n = (g.size - 1) * send.nbytes
     trace.record("AllGather", g.ranks, n, n, perf_counter() - start, x.dtype, x.shape)
@@ -260,18 +373,22 @@ def reduce_scatter(x: np.ndarray, axis: int = 0, op: str = "sum",
     With 4 ranks and an (8, 4) input, each rank gets 2 rows of the sum; group rank 1 rows 2..3.
     """
     name = "reduce_scatter"
-    x = _array(x, name)
-    if x.ndim == 0:
-        raise ValueError(f"{name}: needs an array of rank >= 1, got a 0-d array")
-    axis = _axis(axis, x.ndim, name)
     g, comm = resolve(group)
-    # Agree first: a check that fails on one rank only would leave the others hanging.
-    _agree(comm, g, name, x, f"axis={axis}", op)
-    mpi_op = _reduce_op(op, name, x.dtype)
+    try:
+        x = _array(x, name)
+        if x.ndim == 0:
+            raise ValueError(f"{name}: needs an array of rank >= 1, got a 0-d array")
+        axis = _axis(axis, x.ndim, name)
+        mpi_op = _reduce_op(op, name, x.dtype)
+        if x.shape[axis] % g.size == 0:  # else it fails below, on every rank alike
+            piece = x.shape[:axis] + (x.shape[axis] // g.size,) + x.shape[axis + 1:]
+            out = _result(out, piece, x.dtype, name)
+    except (TypeError, ValueError) as error:
+        _refuse(comm, g, name, error)
+    _agree(comm, g, name, x, (axis, _OP_CODE[op]), ("axis", "op"))
     _divisible(x, axis, g.size, name)
     start = perf_counter()
     send = _split_blocks(x, axis, g.size)
-    out = _result(out, send.shape[1:], x.dtype, name)
     comm.Reduce_scatter_block(send, out, op=mpi_op)
     if op == "mean":
         out /= g.size
@@ -290,27 +407,35 @@ def all_to_all(x: np.ndarray, split_axis: int, concat_axis: int,
     ``all_to_all(x, split_axis=1, concat_axis=0)``.
     """
     name = "all_to_all"
-    x = _array(x, name)
-    if x.ndim == 0:
-        raise ValueError(f"{name}: needs an array of rank >= 1, got a 0-d array")
-    split_axis = _axis(split_axis, x.ndim, name, "split_axis")
-    concat_axis = _axis(concat_axis, x.ndim, name, "concat_axis")
     g, comm = resolve(group)
-    _agree(comm, g, name, x, f"split_axis={split_axis}", f"concat_axis={concat_axis}")
+    try:
+        x = _array(x, name)
+        if x.ndim == 0:
+            raise ValueError(f"{name}: needs an array of rank >= 1, got a 0-d array")
+        split_axis = _axis(split_axis, x.ndim, name, "split_axis")
+        concat_axis = _axis(concat_axis, x.ndim, name, "concat_axis")
+        n, p = x.shape[split_axis], g.size
+        if n % p == 0 and (out is not None or concat_axis == 0):  # else: fails below
+            block = x.shape[:split_axis] + (n // p,) + x.shape[split_axis + 1:]
+            shape = block[:concat_axis] + (p * block[concat_axis],) + block[concat_axis + 1:]
+            out = _result(out, shape, x.dtype, name)
+    except (TypeError, ValueError) as error:
+        _refuse(comm, g, name, error)
+    _agree(comm, g, name, x, (split_axis, concat_axis), ("split_axis", "concat_axis"))
+    # Whether the axis divides depends only on what the ranks just agreed on: every rank
+    # raises here alike, or none does.
     _divisible(x, split_axis, g.size, name)
     start = perf_counter()
     send = _split_blocks(x, split_axis, g.size)
-    block = send.shape[1:]
-    shape = block[:concat_axis] + (g.size * block[concat_axis],) + block[concat_axis + 1:]
     if concat_axis == 0:  # the received blocks are the result: receive straight into it
-        out = _result(out, shape, x.dtype, name)
         comm.Alltoall(send, out.reshape(send.shape))
     else:
         blocks = np.empty_like(send)
         comm.Alltoall(send, blocks)
         joined = _join_blocks(blocks, concat_axis)
-        out = joined if out is None else _result(out, shape, x.dtype, name)
-        if out is not joined:
+        if out is None:
+            out = joined
+        else:
             out[...] = joined
     n = (g.size - 1) * send[0].nbytes
     trace.record("AllToAll", g.ranks, n, n, perf_counter() - start, x.dtype, x.shape)
@@ -324,12 +449,94 @@ def all_to_all_v(pieces: Sequence[np.ndarray | None], recv_shapes: Sequence[Sequ
 
     ``None`` means nothing goes that way. The piece for oneself is copied, not sent. ``out``
     (1-D, the sum of all ``recv_shapes`` sizes, own piece included) is the buffer the results
-    are views of. All pieces
-    travel in one ``MPI_Alltoallv`` on one packed buffer; the arrays returned are views of the
-    receive buffer. Redistribution uses this for transitions no single regular collective does.
+    are views of. All pieces travel in one ``MPI_Alltoallv`` on one packed buffer (no packing
+    at all when the pieces are views into one contiguous array); the arrays returned are views
+    of the receive buffer. Pieces travel as elements: a receiver may view the elements it gets
+    in any shape of the same size. Redistribution uses this for transitions no single regular
+    collective does.
     """
     name = "all_to_all_v"
     g, comm = resolve(group)
+    try:
+        ex = _exchange(g, pieces, recv_shapes, dtype)
+        recvbuf = _result(out, (ex.rdispl[-1],), ex.dtype, name)
+    except (TypeError, ValueError) as error:
+        _refuse(comm, g, name, error)
+    p, me = g.size, ex.me
+    start = perf_counter()
+    if _validate and p > 1:
+        _settle(comm, g, name, ex.claims, lambda: str(ex.dtype), counts=(ex.scount, ex.rcount))
+    if p > 1:
+        zero_copy = _one_buffer(pieces, ex.sent)
+        if zero_copy is not None:
+            send, sdispl = zero_copy
+        else:
+            sdispl = ex.sdispl
+            send = np.empty(sdispl[-1], dtype=ex.dtype)
+            for j, a in enumerate(pieces):
+                if j != me and a is not None and a.size:
+                    send[sdispl[j]:sdispl[j] + a.size].reshape(a.shape)[...] = a
+        comm.Alltoallv([send, (ex.scount, sdispl[:p])], [recvbuf, (ex.rcount, ex.rdispl[:p])])
+    result: list[np.ndarray | None] = [None] * p
+    rdispl = ex.rdispl
+    for j, sh in enumerate(ex.shapes):
+        if sh is not None:
+            view = recvbuf[rdispl[j]:rdispl[j + 1]]
+            result[j] = view if len(sh) == 1 else view.reshape(sh)
+    own = pieces[me]
+    if own is not None:
+        result[me][...] = own  # type: ignore[index]
+    trace.record("AllToAllV", g.ranks, ex.bytes_sent, ex.bytes_recv, perf_counter() - start,
+                 ex.dtype, ex.own_shape)
+    return result
+
+
+@dataclass(frozen=True, slots=True)
+class _Exchange:
+    """What an all_to_all_v needs besides the data, worked out once per distinct call: piece
+    counts and offsets in elements, the receive shapes, and this rank's agreement claims."""
+
+    me: int
+    dtype: np.dtype
+    shapes: tuple[tuple[int, ...] | None, ...]
+    scount: list[int]   # 0 for the piece kept, which MPI does not move
+    sent: list[int]     # the group ranks a non-empty piece goes to
+    sdispl: list[int]   # offsets of the pieces when packed (unused when sent in place)
+    rcount: list[int]
+    rdispl: list[int]   # the receive buffer keeps a slot for the piece kept, too
+    claims: int
+    bytes_sent: int
+    bytes_recv: int
+    own_shape: tuple[int, ...]
+
+
+_EXCHANGES: dict[tuple[Any, ...], _Exchange] = {}
+
+
+def _exchange(g: Group, pieces: Sequence[np.ndarray | None],
+              recv_shapes: Sequence[Sequence[int] | None], dtype: Any) -> _Exchange:
+    """The exchange for these pieces and shapes: from the cache when the same call (group,
+    dtype, piece shapes and dtypes, receive shapes) was seen before. On 8 ranks sharing 2 cores
+    every microsecond of bookkeeping shows up several times over in the collective's time."""
+    try:
+        key = (g.ranks, dtype, tuple(recv_shapes),
+               tuple([None if a is None else (type(a), a.shape, a.dtype.num) for a in pieces]))
+        hit = _EXCHANGES.get(key)
+    except (TypeError, AttributeError):  # unhashable shapes or non-arrays: no cache
+        key, hit = None, None
+    if hit is not None:
+        return hit
+    ex = _new_exchange(g, pieces, recv_shapes, dtype)
+    if key is not None:
+        if len(_EXCHANGES) >= 1024:
+            _EXCHANGES.clear()
+        _EXCHANGES[key] = ex
+    return ex
+
+
+def _new_exchange(g: Group, pieces: Sequence[np.ndarray | None],
+                  recv_shapes: Sequence[Sequence[int] | None], dtype: Any) -> _Exchange:
+    name = "all_to_all_v"
     p, me = g.size, g.index(int(world().Get_rank()))
     if len(pieces) != p or len(recv_shapes) != p:
         raise ValueError(f"{name}: needs one piece and one receive shape per rank of the group "
@@ -338,94 +545,55 @@ def all_to_all_v(pieces: Sequence[np.ndarray | None], recv_shapes: Sequence[Sequ
     dt = np.dtype(dtype) if dtype is not None else (given[0].dtype if given else None)
     if dt is None:
         raise ValueError(f"{name}: pass dtype= when this rank sends no piece")
-    if dt.num not in _DTYPE_NUMS or any(a.dtype.num != dt.num for a in given):
+    if dt.num not in _DTYPE_CODE or any(a.dtype.num != dt.num for a in given):
         raise TypeError(f"{name}: all pieces must share one supported dtype, got "
                         f"{sorted({str(a.dtype) for a in given} | {str(dt)})}")
-    shapes = [tuple(int(s) for s in rs) if rs is not None else None for rs in recv_shapes]
+    shapes = tuple(tuple(int(s) for s in rs) if rs is not None else None for rs in recv_shapes)
     own = pieces[me]
     if (own is None) != (shapes[me] is None) or (own is not None and own.shape != shapes[me]):
         raise ValueError(f"{name}: the piece a rank keeps for itself must match its own receive "
                          f"shape, got {None if own is None else own.shape} and {shapes[me]}")
-    # Counts and offsets in Python ints: on 8 ranks sharing 2 cores every microsecond of a
-    # rank's bookkeeping shows up in the collective, so none of it goes through numpy.
     scount = [0 if a is None or j == me else a.size for j, a in enumerate(pieces)]
-    # The receive buffer also has a slot for the piece this rank keeps (MPI moves 0 of it).
     rsize = [0 if sh is None else math.prod(sh) for sh in shapes]
-    rcount = list(rsize)
+    rcount = rsize.copy()
     rcount[me] = 0
-    rdispl = list(accumulate(rsize, initial=0))
-    start = perf_counter()
-    if _validate and p > 1:
-        _agree_counts(comm, g, np.array(scount, dtype=np.int64),
-                      np.array(rcount, dtype=np.int64), name)
-    sent = [a if a is not None and j != me else None for j, a in enumerate(pieces)]
-    zero_copy = _one_buffer(sent)
-    if zero_copy is not None:
-        send, sdispl = zero_copy
-    else:
-        sdispl = list(accumulate(scount, initial=0))
-        send = np.empty(sdispl[-1], dtype=dt)
-        for j, a in enumerate(sent):
-            if a is not None and a.size:
-                send[sdispl[j]:sdispl[j] + a.size].reshape(a.shape)[...] = a
-    recvbuf = _result(out, (rdispl[-1],), dt, name)
-    if p > 1:
-        comm.Alltoallv([send, (scount, sdispl[:p])], [recvbuf, (rcount, rdispl[:p])])
-    result: list[np.ndarray | None] = [None] * p
-    for j, sh in enumerate(shapes):
-        if sh is not None:
-            result[j] = recvbuf[rdispl[j]:rdispl[j + 1]].reshape(sh)
-    if own is not None:
-        result[me][...] = own  # type: ignore[index]
+    claims = (ring_claims(hash((_KIND_CODE[name], _DTYPE_CODE[dt.num])), me, p)
+              ^ piece_claims(me, scount, rcount))
     item = dt.itemsize
-    trace.record("AllToAllV", g.ranks, sum(scount) * item, sum(rcount) * item,
-                 perf_counter() - start, dt, own.shape if own is not None else (0,))
-    return result
+    return _Exchange(me, dt, shapes, scount, [j for j, n in enumerate(scount) if n],
+                     list(accumulate(scount, initial=0)), rcount,
+                     list(accumulate(rsize, initial=0)), claims, sum(scount) * item,
+                     sum(rcount) * item, own.shape if own is not None else (0,))
 
 
-def _one_buffer(pieces: Sequence[np.ndarray | None]) -> tuple[np.ndarray, list[int]] | None:
-    """When every piece is a C-contiguous view into one contiguous array, that array and the
-    pieces' element offsets in it: Alltoallv then sends straight from it, with no packing."""
-    real = [a for a in pieces if a is not None and a.size]
-    if not real:
+def _one_buffer(pieces: Sequence[np.ndarray | None], sent: Sequence[int]
+                ) -> tuple[np.ndarray, list[int]] | None:
+    """When every piece sent (``pieces[j]`` for ``j`` in ``sent``, all non-empty) is a
+    C-contiguous view into one contiguous array, that array and the pieces' element offsets
+    in it: Alltoallv then sends straight from it, with no packing."""
+    if not sent:
         return None
-    base = real[0]
-    while isinstance(base.base, np.ndarray):
-        base = base.base
-    if not base.flags.c_contiguous or base.dtype != real[0].dtype:
+    first = base = pieces[sent[0]]
+    while isinstance(base.base, np.ndarray):  # type: ignore[union-attr]
+        base = base.base  # type: ignore[union-attr]
+    if not base.flags.c_contiguous or base.dtype != first.dtype:  # type: ignore[union-attr]
         return None
-    flat = base.reshape(-1)
-    start = flat.__array_interface__["data"][0]
-    item = base.dtype.itemsize
+    address = _mpi().Get_address  # a buffer's address: ten times cheaper than .ctypes.data
+    start, item = address(base), first.itemsize  # type: ignore[union-attr]
+    end = start + base.nbytes  # type: ignore[union-attr]
     displ = [0] * len(pieces)
-    for j, a in enumerate(pieces):
-        if a is None or not a.size:
-            continue
-        if not a.flags.c_contiguous or a.dtype != base.dtype:
+    for j in sent:
+        a = pieces[j]
+        if a.ndim > 1 and not a.flags.c_contiguous:  # type: ignore[union-attr]
+            return None  # (1-D and contiguous is C-contiguous)
+        try:
+            at = address(a)
+        except BufferError:  # not contiguous
             return None
-        offset = a.__array_interface__["data"][0] - start
-        if offset < 0 or offset % item or offset // item + a.size > flat.size:
+        if at < start or at + a.nbytes > end or (at - start) % item:  # type: ignore[union-attr]
             return None
-        displ[j] = offset // item
-    return flat, displ
-
-
-def _agree_counts(comm: Any, g: Group, send_counts: np.ndarray, recv_counts: np.ndarray,
-                  name: str) -> None:
-    """One Allgather of every rank's (send row, expected receive row): every rank then checks
-    every pair the same way and raises the same error."""
-    p = g.size
-    mine = np.concatenate([send_counts, recv_counts]).astype(np.int64)
-    every = np.empty((p, 2 * p), dtype=np.int64)
-    comm.Allgather(mine, every)
-    sends, expects = every[:, :p], every[:, p:]
-    bad = [(i, j) for i in range(p) for j in range(p) if i != j and sends[i, j] != expects[j, i]]
-    if bad:
-        detail = "; ".join(f"rank {g.ranks[i]} sends {sends[i, j]} elements to rank "
-                           f"{g.ranks[j]}, which expects {expects[j, i]}" for i, j in bad[:4])
-        more = f" (and {len(bad) - 4} more)" if len(bad) > 4 else ""
-        raise CommMismatchError(f"{name}: the ranks of group {list(g.ranks)} disagree on the "
-                                f"piece sizes: {detail}{more}")
+        displ[j] = (at - start) // item
+    return base.reshape(-1), displ  # type: ignore[union-attr]
 
 
 def broadcast(x: np.ndarray, root: int, group: Group | Sequence[int] | None = None,
@@ -436,16 +604,19 @@ def broadcast(x: np.ndarray, root: int, group: Group | Sequence[int] | None = No
     With ``out`` the result lands there; ``out=x`` broadcasts in place.
     """
     name = "broadcast"
-    x = _array(x, name)
     g, comm = resolve(group)
-    _agree(comm, g, name, x, f"root={root}")
-    if root not in g.ranks:
-        raise ValueError(f"{name}: root {root} is not in group {list(g.ranks)}")
+    try:
+        x = _array(x, name)
+        if root not in g.ranks:
+            raise ValueError(f"{name}: root {root} is not in group {list(g.ranks)}")
+        out = _result(out, x.shape, x.dtype, name)
+    except (TypeError, ValueError) as error:
+        _refuse(comm, g, name, error)
+    _agree(comm, g, name, x, (int(root),), ("root",))
     start = perf_counter()
     me = world().Get_rank()
     # Only the root's values matter: the others receive into fresh memory instead of copying
     # their own x first (on 8 ranks that copy made a 1 MiB broadcast 2-2.7x a raw Bcast).
-    out = _result(out, x.shape, x.dtype, name)
     if me == root and out is not x:
         out[...] = x
     comm.Bcast(out, root=g.index(root))
@@ -468,7 +639,7 @@ def send(x: np.ndarray, dest: int, tag: int = 0) -> None:
 def recv(source: int, shape: Sequence[int], dtype: Any, tag: int = 0) -> np.ndarray:
     """Blocking receive of a ``shape``/``dtype`` array from world rank ``source``."""
     dt = np.dtype(dtype)
-    if dt not in DTYPES:
+    if dt.num not in _DTYPE_CODE:
         raise TypeError(f"recv: dtype {dt} is not supported; use one of {[str(d) for d in DTYPES]}")
     start = perf_counter()
     out = np.empty(tuple(shape), dtype=dt)
