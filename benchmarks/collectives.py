@@ -6,7 +6,8 @@
 "size" is the local input buffer of each rank, float32: 1 MiB is 262144 elements per rank.
 So all_gather's output is p times that, reduce_scatter's is 1/p of it, and all_to_all_v sends
 pieces that add up to it (uneven: the piece for group rank j is proportional to j + 1; the
-piece a rank keeps is copied locally, by simpar and by the raw side alike).
+piece a rank keeps is copied locally, by simpar and by the raw side alike); all_to_all_single
+is the same exchange in its packed form (one buffer and row counts, like the raw call).
 
 Each rep runs raw, simpar with validation on and simpar with validation off, interleaved and
 rotated; a rep's time is the slowest rank's; the table shows the median rep, and each ratio
@@ -56,7 +57,8 @@ from _common import (
 
 MIB = 2**20
 SIZES = (1 * MIB, 16 * MIB)
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "all_to_all_v")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "all_to_all_v",
+         "all_to_all_single")
 GEMM_N, GEMM_COUNT = 1024, 6          # 6 float32 GEMMs of 1024^3: 150-190 ms on one core here
 SCRIPT = "python benchmarks/collectives.py"
 
@@ -111,7 +113,7 @@ def _pair(kind: str, nbytes: int
         mine = x.copy()
         return (lambda: comm.broadcast(mine, root=0, out=mine),
                 lambda: world.Bcast(buf, root=0), buf)
-    if kind == "all_to_all_v":
+    if kind in ("all_to_all_v", "all_to_all_single"):
         # Piece for rank j has (j+1) units; every rank sends the same split, so rank r receives
         # (r+1) units from everyone. The units add up to this rank's n elements. Like simpar,
         # raw keeps its own piece out of MPI (count 0) and copies it with numpy.
@@ -132,6 +134,9 @@ def _pair(kind: str, nbytes: int
             world.Alltoallv([send, (scounts, displ)], [recv, (rcounts_mpi, rdispl)])
             own[...] = pieces[rank]
         mine = np.empty(int(rcounts.sum()), np.float32)
+        if kind == "all_to_all_single":  # the same exchange, packed: rows of x by counts
+            sc, rc = [int(c) for c in counts], [int(c) for c in rcounts]
+            return lambda: comm.all_to_all_single(send, sc, rc, out=mine), raw, recv
         return lambda: comm.all_to_all_v(pieces, shapes, out=mine), raw, recv
     raise ValueError(f"unknown collective {kind!r}")
 

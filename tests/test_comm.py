@@ -348,6 +348,72 @@ def test_all_to_all_v_disagreeing_sizes_fail_on_every_rank(world: tuple[int, int
     assert isinstance(info.value, ValueError)
 
 
+def _row_counts(p: int, seed: int) -> np.ndarray:
+    """counts[i, j]: rows rank i sends rank j (the same table on every rank; zeros included)."""
+    return np.random.default_rng(seed).integers(0, 4, size=(p, p))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_all_to_all_single_against_numpy(world: tuple[int, int], dtype: np.dtype,
+                                         layout: str) -> None:
+    rank, p = world
+    counts = _row_counts(p, seed=3)
+    rows = [_local(r, (int(counts[r].sum()), 3), dtype, layout) for r in range(p)]
+    with CommTrace() as tr:
+        got = comm.all_to_all_single(rows[rank], counts[rank].tolist(), counts[:, rank].tolist())
+        again = comm.all_to_all_single(rows[rank], counts[rank].tolist(),
+                                       counts[:, rank].tolist())
+    starts = [np.concatenate(([0], np.cumsum(counts[r]))) for r in range(p)]
+    expect = np.concatenate([rows[j][starts[j][rank]:starts[j][rank + 1]] for j in range(p)])
+    np.testing.assert_array_equal(got, expect, strict=True)
+    np.testing.assert_array_equal(again, expect, strict=True)
+    item = 3 * dtype.itemsize
+    sent = (int(counts[rank].sum()) - int(counts[rank, rank])) * item
+    recv = (int(counts[:, rank].sum()) - int(counts[rank, rank])) * item
+    for ev in tr.events:
+        assert (ev.kind, ev.bytes_sent, ev.bytes_recv) == ("AllToAllV", sent, recv)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_all_to_all_single_disagreeing_counts_fail_on_every_rank(world: tuple[int, int]) -> None:
+    rank, p = world
+    counts = np.ones((p, p), dtype=int)
+    recv = counts[:, rank].tolist()
+    if rank == 0:
+        recv[1] = 2  # rank 1 sends 1 row, rank 0 expects 2
+    x = np.zeros((p, 2), np.float32)
+    with pytest.raises(CommMismatchError, match="disagree on the piece sizes") as info:
+        comm.all_to_all_single(x, counts[rank].tolist(), recv, out=np.empty((sum(recv), 2),
+                                                                          np.float32))
+    assert "rank 1 sends 1 rows to rank 0, which expects 2" in str(info.value)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_all_to_all_single_rows_of_size_zero_must_agree_too(world: tuple[int, int]) -> None:
+    rank, p = world
+    recv = [1] * p
+    if rank == 0:
+        recv[1] = 2
+    with pytest.raises(CommMismatchError, match="rank 1 sends 1 rows to rank 0, which expects 2"):
+        comm.all_to_all_single(np.zeros((p, 0), np.float32), [1] * p, recv)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(("sends", "recvs", "words"), [
+    (lambda p: [1] * (p + 1), lambda p: [1] * p, "one send count and one receive count per"),
+    (lambda p: [2] * p, lambda p: [2] * p, "add up to"),
+    (lambda p: [-1] + [1] * (p - 1), lambda p: [1] * p, "must be non-negative ints"),
+    (lambda p: [1] * p, lambda p: [1.5] * p, "must be non-negative ints"),
+])
+def test_all_to_all_single_bad_counts(world: tuple[int, int], sends: Callable[[int], list],
+                                      recvs: Callable[[int], list], words: str) -> None:
+    _, p = world
+    with pytest.raises(ValueError, match=words):
+        comm.all_to_all_single(np.zeros((p, 2), np.float64), sends(p), recvs(p))
+
+
 # ---------------------------------------------------------------- send / recv, barrier
 
 
@@ -564,8 +630,14 @@ ONE_RANK_BAD: dict[str, tuple[Callable[[np.ndarray], object], type[Exception], s
     "axis": (lambda x: comm.all_gather(x, axis=5), ValueError, "axis=5 is out of range"),
     "op": (lambda x: comm.reduce_scatter(x, op="prod"), ValueError, "op must be one of"),
     "out": (lambda x: comm.all_to_all(x, 0, 1, out=np.empty(3, x.dtype)), ValueError,
-            "out must be a C-contiguous"),
+            "out must be a writeable C-contiguous"),
     "root": (lambda x: comm.broadcast(x, root=-1), ValueError, "root -1 is not in group"),
+    "read-only-out": (lambda x: comm.all_reduce(x, out=np.broadcast_to(x, x.shape)), ValueError,
+                      "(read-only)"),
+    "byte-order": (lambda x: comm.all_reduce(x.astype(">f4")), TypeError, "native byte order"),
+    "recv-shape": (lambda x: comm.all_to_all_v([x[:1]] * comm.get_group_size(),
+                                               [(-1, -2)] * comm.get_group_size()),
+                   ValueError, "non-negative ints"),
     "a2av-dtype": (lambda x: comm.all_to_all_v([x[:1]] * comm.get_group_size(),
                                                [(1, 2)] * comm.get_group_size(), dtype=np.int32),
                    TypeError, "share one supported dtype"),
@@ -577,6 +649,10 @@ GOOD_CALL: dict[str, Callable[[np.ndarray], object]] = {
     "op": lambda x: comm.reduce_scatter(x),
     "out": lambda x: comm.all_to_all(x, 0, 1),
     "root": lambda x: comm.broadcast(x, root=0),
+    "read-only-out": lambda x: comm.all_reduce(x),
+    "byte-order": lambda x: comm.all_reduce(x),
+    "recv-shape": lambda x: comm.all_to_all_v([x[:1]] * comm.get_group_size(),
+                                              [(1, 2)] * comm.get_group_size()),
     "a2av-dtype": lambda x: comm.all_to_all_v([x[:1]] * comm.get_group_size(),
                                               [(1, 2)] * comm.get_group_size()),
 }
@@ -596,6 +672,7 @@ def test_a_bad_argument_on_one_rank_raises_on_every_rank(world: tuple[int, int],
     assert words in message
     if rank != bad:  # the others quote what the bad rank raised
         assert isinstance(info.value, CommMismatchError)
+        assert f"rank {bad} of group {list(range(p))} refused its own arguments" in message
         assert f"rank {bad}: raised {error.__name__}: " in message
     # Every rank took part in the same check: the world is still usable.
     np.testing.assert_array_equal(comm.all_reduce(np.ones(2, np.int64)), [p, p])
@@ -648,6 +725,26 @@ def test_all_to_all_v_reuses_its_exchange_only_for_the_same_call(world: tuple[in
             assert got_a[j].dtype == np.float64 and got_b[j].dtype == np.int64
             np.testing.assert_array_equal(got_b[j].reshape(-1), np.arange(3) + 3 * rank)
             assert got_b[j].shape == (3, 1) and got_c[j].dtype == np.int64
+
+
+@pytest.mark.mpi
+def test_a_cached_call_still_checks_what_varies_per_call(world: tuple[int, int]) -> None:
+    """Repeated calls reuse what their signature determines; the types of the arguments and
+    the out= buffer are still checked on every call."""
+    _, p = world
+    x = np.ones((2 * p, 2), dtype=np.float32)
+    for _ in range(2):
+        np.testing.assert_array_equal(comm.all_gather(x, axis=1), np.ones((2 * p, 2 * p)))
+        np.testing.assert_array_equal(comm.reduce_scatter(x, axis=0), np.full((2, 2), p))
+    with pytest.raises(TypeError, match="axis must be an int, got True"):
+        comm.all_gather(x, axis=True)  # True == 1 and hashes like it
+    with pytest.raises(TypeError, match="axis must be an int, got 0.0"):
+        comm.reduce_scatter(x, axis=0.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="out must be a writeable C-contiguous float32 array of shape"):
+        comm.reduce_scatter(x, axis=0, out=np.empty((3, 2), np.float32))
+    got = comm.reduce_scatter(x.astype(np.int64), axis=0)  # same shape, another dtype
+    assert got.dtype == np.int64
+    np.testing.assert_array_equal(got, np.full((2, 2), p))
 
 
 def test_claims_cancel_exactly_when_all_ranks_agree() -> None:
@@ -772,6 +869,7 @@ def test_recv_of_an_unsupported_dtype_is_a_type_error() -> None:
                                                        "'mean', 'max', 'min'], got 'prod'"),
     (lambda x: comm.reduce_scatter(x, op="avg"), ValueError, "op must be one of"),
     (lambda x: comm.broadcast(x, root=comm.get_group_size()), ValueError, "broadcast: root"),
+    (lambda x: comm.broadcast(x, root=True), TypeError, "root must be an int (a world rank)"),
     (lambda x: comm.all_to_all_v([x], [(8, 8)] * 9), ValueError, "one piece and one receive "
                                                                  "shape per rank"),
     (lambda x: comm.all_to_all_v([None] * comm.get_group_size(),
@@ -1058,7 +1156,7 @@ def test_out_buffers_receive_the_result(world: tuple[int, int]) -> None:
     b = x.copy()
     comm.broadcast(b, root=p - 1, out=b)
     np.testing.assert_array_equal(b, np.arange(4 * p, dtype=np.float64).reshape(2 * p, 2) + p - 1)
-    with pytest.raises(ValueError, match="out must be a C-contiguous float64 array of shape"):
+    with pytest.raises(ValueError, match="out must be a writeable C-contiguous float64 array of shape"):
         comm.all_reduce(x, out=np.empty((3,)))
     with pytest.raises(TypeError, match="out must be a numpy.ndarray"):
         comm.all_reduce(x, out=[0.0])  # type: ignore[arg-type]

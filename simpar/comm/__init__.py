@@ -2,7 +2,8 @@
 
 World and groups (``init``, ``get_rank``, ``get_group_size``, ``create_group``), collectives on
 numpy arrays (``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``,
-``all_to_all_v``, ``broadcast``, ``send``/``recv``, ``barrier``) and :class:`CommTrace`.
+``all_to_all_v``, ``all_to_all_single``, ``broadcast``, ``send``/``recv``, ``barrier``) and
+:class:`CommTrace`.
 Importing this package does not start MPI; the first call does.
 """
 
@@ -20,6 +21,7 @@ from simpar.comm.collectives import (
     all_gather,
     all_reduce,
     all_to_all,
+    all_to_all_single,
     all_to_all_v,
     barrier,
     broadcast,
@@ -41,6 +43,7 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "all_to_all",
+    "all_to_all_single",
     "all_to_all_v",
     "barrier",
     "broadcast",

@@ -43,6 +43,7 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "all_to_all",
+    "all_to_all_single",
     "all_to_all_v",
     "barrier",
     "broadcast",
@@ -64,7 +65,7 @@ _DTYPE_CODE = {np.dtype(c).num: DTYPES.index(np.dtype(c))
 # Signatures are hashed from ints only: Python salts the hash of str per process.
 _KIND_CODE = {name: i for i, name in enumerate(
     ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_v", "broadcast",
-     "check_agreement"))}
+     "check_agreement", "all_to_all_single"))}
 _OP_CODE = {op: i for i, op in enumerate(REDUCE_OPS)}
 
 _validate = os.environ.get("SIMPAR_COMM_CHECK", "1") not in ("0", "false", "no")
@@ -116,9 +117,10 @@ def _mpi() -> Any:
 def _array(x: object, name: str) -> np.ndarray:
     if not isinstance(x, np.ndarray):
         raise TypeError(f"{name}: expected a numpy.ndarray, got {type(x).__name__}")
-    if x.dtype.num not in _DTYPE_CODE:
-        raise TypeError(f"{name}: dtype {x.dtype} is not supported; use one of "
-                        f"{[str(d) for d in DTYPES]}")
+    if x.dtype.num not in _DTYPE_CODE or not x.dtype.isnative:
+        raise TypeError(f"{name}: dtype {x.dtype.str if not x.dtype.isnative else x.dtype} is "
+                        f"not supported; use one of {[str(d) for d in DTYPES]} in native "
+                        "byte order")
     return x
 
 
@@ -140,16 +142,6 @@ def _axis(axis: int, ndim: int, name: str, what: str = "axis") -> int:
 
 
 # ---------------------------------------------------------------- agreement across ranks
-
-
-def _agree(comm: Any, g: Group, name: str, x: np.ndarray, args: tuple[int, ...] = (),
-           labels: tuple[str, ...] = ()) -> None:
-    """Check that every rank of ``g`` calls ``name`` on the same dtype and shape with the same
-    ``args`` (ints; ``labels`` name them in a mismatch message); raise on every rank if not."""
-    if not _validate or g.size == 1:
-        return
-    key = (_KIND_CODE[name], _DTYPE_CODE[x.dtype.num], x.shape, *args)
-    _settle(comm, g, name, _ring_claims(hash(key), g), lambda: _describe(x, args, labels))
 
 
 def _refuse(comm: Any, g: Group, name: str, error: Exception) -> NoReturn:
@@ -187,13 +179,13 @@ def _ring_claims(key: int, g: Group) -> int:
 
 def _settle(comm: Any, g: Group, name: str, claims: int, describe: Any,
             counts: tuple[list[int], list[int]] | None = None,
-            error: Exception | None = None) -> None:
+            error: Exception | None = None, unit: str = "elements") -> None:
     """The one 8-byte XOR-Allreduce of every rank's ``claims``; on a nonzero result (some
     claim unmatched) every rank explains and raises."""
     _CLAIMS[0] = claims
     comm.Allreduce(_CLAIMS, _TOTAL, op=_mpi().BXOR)
     if _TOTAL[0]:
-        _explain(comm, g, name, describe(), counts, error)
+        _explain(comm, g, name, describe(), counts, error, unit)
 
 
 # The check's buffers, reused: collectives are called from one thread at a time.
@@ -209,7 +201,8 @@ def _describe(x: np.ndarray, args: tuple[int, ...], labels: tuple[str, ...]) -> 
 
 
 def _explain(comm: Any, g: Group, name: str, desc: str,
-             counts: tuple[list[int], list[int]] | None, error: Exception | None) -> NoReturn:
+             counts: tuple[list[int], list[int]] | None, error: Exception | None,
+             unit: str = "elements") -> NoReturn:
     """Share every rank's description (fixed-size bytes, no pickle) and, for all_to_all_v,
     its send and expected-receive counts; raise the same message on every rank (a rank that
     raised on its own arguments raises that error)."""
@@ -237,11 +230,17 @@ def _explain(comm: Any, g: Group, name: str, desc: str,
     if len(seen) > 1 or counts is None:
         parts = "; ".join(f"rank{'s' if len(r) > 1 else ''} {','.join(map(str, r))}: {d}"
                           for d, r in seen.items())
+        refused = sorted(r for d, rs in seen.items() if d.startswith("raised ") for r in rs)
+        if refused:
+            raise CommMismatchError(f"{name}: rank{'s' if len(refused) > 1 else ''} "
+                                    f"{','.join(map(str, refused))} of group {list(g.ranks)} "
+                                    f"refused {'its' if len(refused) == 1 else 'their'} own "
+                                    f"arguments, so no rank runs the collective ({parts})")
         raise CommMismatchError(f"{name}: the ranks of group {list(g.ranks)} passed different "
                                 f"arrays or arguments ({parts}); every rank must pass the same")
     sends, expects = table[:, :p], table[:, p:]
     bad = [(i, j) for i, j in zip(*np.nonzero(sends != expects.T)) if i != j]
-    detail = "; ".join(f"rank {g.ranks[i]} sends {sends[i, j]} elements to rank "
+    detail = "; ".join(f"rank {g.ranks[i]} sends {sends[i, j]} {unit} to rank "
                        f"{g.ranks[j]}, which expects {expects[j, i]}" for i, j in bad[:4])
     more = f" (and {len(bad) - 4} more)" if len(bad) > 4 else ""
     raise CommMismatchError(f"{name}: the ranks of group {list(g.ranks)} disagree on the "
@@ -271,10 +270,14 @@ def _result(out: np.ndarray | None, shape: tuple[int, ...], dtype: np.dtype, nam
         return np.empty(shape, dtype=dtype)
     if not isinstance(out, np.ndarray):
         raise TypeError(f"{name}: out must be a numpy.ndarray, got {type(out).__name__}")
-    if out.shape != shape or out.dtype != dtype or not out.flags.c_contiguous:
-        raise ValueError(f"{name}: out must be a C-contiguous {dtype} array of shape {shape}, "
-                         f"got {out.dtype}{list(out.shape)}"
-                         f"{'' if out.flags.c_contiguous else ' (not contiguous)'}")
+    if (out.shape != shape or out.dtype != dtype or not out.flags.c_contiguous
+            or not out.flags.writeable):
+        flaw = (" (not contiguous)" if not out.flags.c_contiguous
+                else " (read-only)" if not out.flags.writeable else "")
+        raise ValueError(f"{name}: out must be a writeable C-contiguous {dtype} array of shape "
+                         f"{shape}, got {out.dtype}{list(out.shape)}{flaw}")
+    if out.dtype.num != dtype.num:  # int64 as numpy's "long" vs "longlong": one MPI type
+        return out.view(dtype)
     return out
 
 
@@ -296,10 +299,86 @@ def _join_blocks(blocks: np.ndarray, axis: int) -> np.ndarray:
     return np.moveaxis(blocks, 0, axis).reshape(shape)
 
 
-def _divisible(x: np.ndarray, axis: int, p: int, name: str) -> None:
-    if x.shape[axis] % p:
-        raise ValueError(f"{name}: axis {axis} of shape {x.shape} has length {x.shape[axis]}, "
-                         f"which does not split into {p} equal parts for a group of {p} ranks")
+# ---------------------------------------------------------------- the regular collectives
+#
+# Each call looks up what it derives from its signature alone (kind, group, dtype, shape and
+# arguments: validation, result shape, MPI op, byte counts, agreement claims) in a cache, so
+# a repeated call does almost no Python before its MPI call: on 8 ranks sharing 2 cores every
+# microsecond of a rank's bookkeeping shows up many times over in the collective's time.
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """One regular collective's signature, validated and worked out."""
+
+    out_shape: tuple[int, ...]       # the result's shape
+    mpi_shape: tuple[int, ...]       # the shape of the blocks MPI moves
+    axes: tuple[int, ...]            # normalized axes (or the root's group index)
+    mpi_op: Any
+    bytes_sent: int
+    bytes_recv: int
+    claims: int                      # this rank's agreement claims (see ring_claims)
+    args: tuple[int, ...]            # the agreed arguments, and their names for messages
+    labels: tuple[str, ...]
+    late_error: str | None = None    # raised after the agreement, on every rank alike
+
+
+_CALLS: dict[tuple[Any, ...], _Call] = {}
+
+
+def _cached(cache: dict[tuple[Any, ...], Any], key: tuple[Any, ...] | None, build: Any) -> Any:
+    """``cache[key]``, built on a miss (``key`` None: arguments of unusual types, never
+    cached). A full cache (4096 signatures) starts over."""
+    if key is None:
+        return build()
+    value = cache.get(key)
+    if value is None:
+        value = build()
+        if len(cache) >= 4096:
+            cache.clear()
+        cache[key] = value
+    return value
+
+
+def _call(key: tuple[Any, ...] | None, build: Any) -> _Call:
+    return _cached(_CALLS, key, build)
+
+
+def _new_call(name: str, g: Group, x: np.ndarray, out_shape: tuple[int, ...],
+              mpi_shape: tuple[int, ...], axes: tuple[int, ...], mpi_op: Any, nbytes: int,
+              args: tuple[int, ...], labels: tuple[str, ...],
+              late_error: str | None = None, bytes_recv: int | None = None) -> _Call:
+    key = hash((_KIND_CODE[name], _DTYPE_CODE[x.dtype.num], x.shape, *args))
+    claims = ring_claims(key, g.index(int(world().Get_rank())), g.size) if g.size > 1 else 0
+    return _Call(out_shape, mpi_shape, axes, mpi_op, nbytes,
+                 nbytes if bytes_recv is None else bytes_recv, claims, args, labels, late_error)
+
+
+def _check(comm: Any, g: Group, name: str, x: np.ndarray, c: _Call) -> None:
+    """The agreement check with ``c``'s claims, then the errors that depend only on what was
+    agreed (so that every rank raises them alike)."""
+    if _validate and g.size > 1:
+        _settle(comm, g, name, c.claims, lambda: _describe(x, c.args, c.labels))
+    if c.late_error is not None:
+        raise ValueError(c.late_error)
+
+
+def _indivisible(x: np.ndarray, axis: int, p: int, name: str) -> str | None:
+    if x.shape[axis] % p == 0:
+        return None
+    return (f"{name}: axis {axis} of shape {x.shape} has length {x.shape[axis]}, which does "
+            f"not split into {p} equal parts for a group of {p} ranks")
+
+
+def _keyable(x: object) -> bool:
+    """An array whose (shape, dtype number) identify its plan: a plain, native-order ndarray
+    (anything else is validated in full on every call)."""
+    return type(x) is np.ndarray and x.dtype.isnative
+
+
+def _plain(*args: object) -> bool:
+    """Arguments whose hash identifies them: ints that are not bools, and strings."""
+    return all(type(a) is int or type(a) is str for a in args)
 
 
 def all_reduce(x: np.ndarray, op: str = "sum", group: Group | Sequence[int] | None = None,
@@ -312,21 +391,30 @@ def all_reduce(x: np.ndarray, op: str = "sum", group: Group | Sequence[int] | No
     name = "all_reduce"
     g, comm = resolve(group)
     try:
-        x = _array(x, name)
-        mpi_op = _reduce_op(op, name, x.dtype)
+        key = (name, g.ranks, x.shape, x.dtype.num, op) if (_keyable(x)
+                                                            and _plain(op)) else None
+        c = _call(key, lambda: _plan_all_reduce(x, op, g))
         out = _result(out, x.shape, x.dtype, name)
-    except (TypeError, ValueError) as error:
+    except Exception as error:  # noqa: BLE001 (every error must reach the other ranks)
         _refuse(comm, g, name, error)
-    _agree(comm, g, name, x, (_OP_CODE[op],), ("op",))
+    _check(comm, g, name, x, c)
     start = perf_counter()
     send = np.ascontiguousarray(x)
-    comm.Allreduce(_mpi().IN_PLACE if out is send else send, out, op=mpi_op)
+    comm.Allreduce(_mpi().IN_PLACE if out is send else send, out, op=c.mpi_op)
     if op == "mean":
         out /= g.size
-    p, n = g.size, send.nbytes
-    trace.record("AllReduce", g.ranks, 2 * (p - 1) * n // p, 2 * (p - 1) * n // p,
-                 perf_counter() - start, x.dtype, x.shape, op)
+    trace.record("AllReduce", g.ranks, c.bytes_sent, c.bytes_recv, perf_counter() - start,
+                 x.dtype, x.shape, op)
     return out
+
+
+def _plan_all_reduce(x: np.ndarray, op: str, g: Group) -> _Call:
+    name = "all_reduce"
+    x = _array(x, name)
+    mpi_op = _reduce_op(op, name, x.dtype)
+    p = g.size
+    n = 2 * (p - 1) * x.nbytes // p
+    return _new_call(name, g, x, x.shape, x.shape, (), mpi_op, n, (_OP_CODE[op],), ("op",))
 
 
 def all_gather(x: np.ndarray, axis: int = 0, group: Group | Sequence[int] | None = None,
@@ -338,31 +426,41 @@ def all_gather(x: np.ndarray, axis: int = 0, group: Group | Sequence[int] | None
     name = "all_gather"
     g, comm = resolve(group)
     try:
-        x = _array(x, name)
-        if x.ndim == 0:
-            raise ValueError(f"{name}: needs an array of rank >= 1, got a 0-d array")
-        axis = _axis(axis, x.ndim, name)
-        shape = x.shape[:axis] + (g.size * x.shape[axis],) + x.shape[axis + 1:]
-        if out is not None or axis == 0:
-            out = _result(out, shape, x.dtype, name)
-    except (TypeError, ValueError) as error:
+        key = (name, g.ranks, x.shape, x.dtype.num, axis) if (_keyable(x)
+                                                              and _plain(axis)) else None
+        c = _call(key, lambda: _plan_all_gather(x, axis, g))
+        if out is not None or c.axes[0] == 0:
+            out = _result(out, c.out_shape, x.dtype, name)
+    except Exception as error:  # noqa: BLE001 (every error must reach the other ranks)
         _refuse(comm, g, name, error)
-    _agree(comm, g, name, x, (axis,), ("axis",))
+    _check(comm, g, name, x, c)
     start = perf_counter()
     send = np.ascontiguousarray(x)
-    if axis == 0:  # the gathered blocks are the result: receive straight into it
-        comm.Allgather(send, out.reshape((g.size,) + x.shape))
+    if c.axes[0] == 0:  # the gathered blocks are the result: receive straight into it
+        comm.Allgather(send, out.reshape(c.mpi_shape))
     else:
-        blocks = np.empty((g.size,) + x.shape, dtype=x.dtype)
+        blocks = np.empty(c.mpi_shape, dtype=x.dtype)
         comm.Allgather(send, blocks)
-        joined = _join_blocks(blocks, axis)
+        joined = _join_blocks(blocks, c.axes[0])
         if out is None:
             out = joined
         else:
             out[...] = joined
-    n = (g.size - 1) * send.nbytes
-    trace.record("AllGather", g.ranks, n, n, perf_counter() - start, x.dtype, x.shape)
+    trace.record("AllGather", g.ranks, c.bytes_sent, c.bytes_recv, perf_counter() - start,
+                 x.dtype, x.shape)
     return out
+
+
+def _plan_all_gather(x: np.ndarray, axis: int, g: Group) -> _Call:
+    name = "all_gather"
+    x = _array(x, name)
+    if x.ndim == 0:
+        raise ValueError(f"{name}: needs an array of rank >= 1, got a 0-d array")
+    axis = _axis(axis, x.ndim, name)
+    p = g.size
+    shape = x.shape[:axis] + (p * x.shape[axis],) + x.shape[axis + 1:]
+    return _new_call(name, g, x, shape, (p,) + x.shape, (axis,), None, (p - 1) * x.nbytes,
+                     (axis,), ("axis",))
 
 
 def reduce_scatter(x: np.ndarray, axis: int = 0, op: str = "sum",
@@ -375,26 +473,36 @@ def reduce_scatter(x: np.ndarray, axis: int = 0, op: str = "sum",
     name = "reduce_scatter"
     g, comm = resolve(group)
     try:
-        x = _array(x, name)
-        if x.ndim == 0:
-            raise ValueError(f"{name}: needs an array of rank >= 1, got a 0-d array")
-        axis = _axis(axis, x.ndim, name)
-        mpi_op = _reduce_op(op, name, x.dtype)
-        if x.shape[axis] % g.size == 0:  # else it fails below, on every rank alike
-            piece = x.shape[:axis] + (x.shape[axis] // g.size,) + x.shape[axis + 1:]
-            out = _result(out, piece, x.dtype, name)
-    except (TypeError, ValueError) as error:
+        key = (name, g.ranks, x.shape, x.dtype.num, axis, op) if (
+            _keyable(x) and _plain(axis, op)) else None
+        c = _call(key, lambda: _plan_reduce_scatter(x, axis, op, g))
+        if c.late_error is None:  # else it fails after the agreement, on every rank alike
+            out = _result(out, c.out_shape, x.dtype, name)
+    except Exception as error:  # noqa: BLE001 (every error must reach the other ranks)
         _refuse(comm, g, name, error)
-    _agree(comm, g, name, x, (axis, _OP_CODE[op]), ("axis", "op"))
-    _divisible(x, axis, g.size, name)
+    _check(comm, g, name, x, c)
     start = perf_counter()
-    send = _split_blocks(x, axis, g.size)
-    comm.Reduce_scatter_block(send, out, op=mpi_op)
+    send = _split_blocks(x, c.axes[0], g.size)
+    comm.Reduce_scatter_block(send, out, op=c.mpi_op)
     if op == "mean":
         out /= g.size
-    n = (g.size - 1) * out.nbytes
-    trace.record("ReduceScatter", g.ranks, n, n, perf_counter() - start, x.dtype, x.shape, op)
+    trace.record("ReduceScatter", g.ranks, c.bytes_sent, c.bytes_recv, perf_counter() - start,
+                 x.dtype, x.shape, op)
     return out
+
+
+def _plan_reduce_scatter(x: np.ndarray, axis: int, op: str, g: Group) -> _Call:
+    name = "reduce_scatter"
+    x = _array(x, name)
+    if x.ndim == 0:
+        raise ValueError(f"{name}: needs an array of rank >= 1, got a 0-d array")
+    axis = _axis(axis, x.ndim, name)
+    mpi_op = _reduce_op(op, name, x.dtype)
+    p = g.size
+    piece = x.shape[:axis] + (x.shape[axis] // p,) + x.shape[axis + 1:]
+    n = (p - 1) * x.nbytes // p
+    return _new_call(name, g, x, piece, piece, (axis,), mpi_op, n, (axis, _OP_CODE[op]),
+                     ("axis", "op"), _indivisible(x, axis, p, name))
 
 
 def all_to_all(x: np.ndarray, split_axis: int, concat_axis: int,
@@ -409,37 +517,45 @@ def all_to_all(x: np.ndarray, split_axis: int, concat_axis: int,
     name = "all_to_all"
     g, comm = resolve(group)
     try:
-        x = _array(x, name)
-        if x.ndim == 0:
-            raise ValueError(f"{name}: needs an array of rank >= 1, got a 0-d array")
-        split_axis = _axis(split_axis, x.ndim, name, "split_axis")
-        concat_axis = _axis(concat_axis, x.ndim, name, "concat_axis")
-        n, p = x.shape[split_axis], g.size
-        if n % p == 0 and (out is not None or concat_axis == 0):  # else: fails below
-            block = x.shape[:split_axis] + (n // p,) + x.shape[split_axis + 1:]
-            shape = block[:concat_axis] + (p * block[concat_axis],) + block[concat_axis + 1:]
-            out = _result(out, shape, x.dtype, name)
-    except (TypeError, ValueError) as error:
+        key = (name, g.ranks, x.shape, x.dtype.num, split_axis, concat_axis) if (
+            _keyable(x) and _plain(split_axis, concat_axis)) else None
+        c = _call(key, lambda: _plan_all_to_all(x, split_axis, concat_axis, g))
+        if c.late_error is None and (out is not None or c.axes[1] == 0):  # else: fails below
+            out = _result(out, c.out_shape, x.dtype, name)
+    except Exception as error:  # noqa: BLE001 (every error must reach the other ranks)
         _refuse(comm, g, name, error)
-    _agree(comm, g, name, x, (split_axis, concat_axis), ("split_axis", "concat_axis"))
-    # Whether the axis divides depends only on what the ranks just agreed on: every rank
-    # raises here alike, or none does.
-    _divisible(x, split_axis, g.size, name)
+    _check(comm, g, name, x, c)
     start = perf_counter()
-    send = _split_blocks(x, split_axis, g.size)
-    if concat_axis == 0:  # the received blocks are the result: receive straight into it
-        comm.Alltoall(send, out.reshape(send.shape))
+    send = _split_blocks(x, c.axes[0], g.size)
+    if c.axes[1] == 0:  # the received blocks are the result: receive straight into it
+        comm.Alltoall(send, out.reshape(c.mpi_shape))
     else:
         blocks = np.empty_like(send)
         comm.Alltoall(send, blocks)
-        joined = _join_blocks(blocks, concat_axis)
+        joined = _join_blocks(blocks, c.axes[1])
         if out is None:
             out = joined
         else:
             out[...] = joined
-    n = (g.size - 1) * send[0].nbytes
-    trace.record("AllToAll", g.ranks, n, n, perf_counter() - start, x.dtype, x.shape)
+    trace.record("AllToAll", g.ranks, c.bytes_sent, c.bytes_recv, perf_counter() - start,
+                 x.dtype, x.shape)
     return out
+
+
+def _plan_all_to_all(x: np.ndarray, split_axis: int, concat_axis: int, g: Group) -> _Call:
+    name = "all_to_all"
+    x = _array(x, name)
+    if x.ndim == 0:
+        raise ValueError(f"{name}: needs an array of rank >= 1, got a 0-d array")
+    split_axis = _axis(split_axis, x.ndim, name, "split_axis")
+    concat_axis = _axis(concat_axis, x.ndim, name, "concat_axis")
+    p = g.size
+    block = x.shape[:split_axis] + (x.shape[split_axis] // p,) + x.shape[split_axis + 1:]
+    shape = block[:concat_axis] + (p * block[concat_axis],) + block[concat_axis + 1:]
+    n = (p - 1) * x.nbytes // p
+    return _new_call(name, g, x, shape, (p,) + block, (split_axis, concat_axis), None, n,
+                     (split_axis, concat_axis), ("split_axis", "concat_axis"),
+                     _indivisible(x, split_axis, p, name))
 
 
 def all_to_all_v(pieces: Sequence[np.ndarray | None], recv_shapes: Sequence[Sequence[int] | None],
@@ -460,7 +576,7 @@ def all_to_all_v(pieces: Sequence[np.ndarray | None], recv_shapes: Sequence[Sequ
     try:
         ex = _exchange(g, pieces, recv_shapes, dtype)
         recvbuf = _result(out, (ex.rdispl[-1],), ex.dtype, name)
-    except (TypeError, ValueError) as error:
+    except Exception as error:  # noqa: BLE001 (every error must reach the other ranks)
         _refuse(comm, g, name, error)
     p, me = g.size, ex.me
     start = perf_counter()
@@ -508,6 +624,7 @@ class _Exchange:
     bytes_sent: int
     bytes_recv: int
     own_shape: tuple[int, ...]
+    rows: tuple[list[int], list[int]] | None = None  # all_to_all_single: counts in rows
 
 
 _EXCHANGES: dict[tuple[Any, ...], _Exchange] = {}
@@ -520,18 +637,14 @@ def _exchange(g: Group, pieces: Sequence[np.ndarray | None],
     every microsecond of bookkeeping shows up several times over in the collective's time."""
     try:
         key = (g.ranks, dtype, tuple(recv_shapes),
-               tuple([None if a is None else (type(a), a.shape, a.dtype.num) for a in pieces]))
+               tuple([None if a is None else (type(a), a.shape, a.dtype.num, a.dtype.isnative)
+                      for a in pieces]))
         hit = _EXCHANGES.get(key)
     except (TypeError, AttributeError):  # unhashable shapes or non-arrays: no cache
         key, hit = None, None
     if hit is not None:
         return hit
-    ex = _new_exchange(g, pieces, recv_shapes, dtype)
-    if key is not None:
-        if len(_EXCHANGES) >= 1024:
-            _EXCHANGES.clear()
-        _EXCHANGES[key] = ex
-    return ex
+    return _exchanges_for(key, lambda: _new_exchange(g, pieces, recv_shapes, dtype))
 
 
 def _new_exchange(g: Group, pieces: Sequence[np.ndarray | None],
@@ -548,6 +661,11 @@ def _new_exchange(g: Group, pieces: Sequence[np.ndarray | None],
     if dt.num not in _DTYPE_CODE or any(a.dtype.num != dt.num for a in given):
         raise TypeError(f"{name}: all pieces must share one supported dtype, got "
                         f"{sorted({str(a.dtype) for a in given} | {str(dt)})}")
+    for rs in recv_shapes:
+        if rs is not None and not all(isinstance(n, (int, np.integer)) and not isinstance(n, bool)
+                                      and n >= 0 for n in rs):
+            raise ValueError(f"{name}: a receive shape must be a sequence of non-negative ints "
+                             f"or None, got {rs!r}")
     shapes = tuple(tuple(int(s) for s in rs) if rs is not None else None for rs in recv_shapes)
     own = pieces[me]
     if (own is None) != (shapes[me] is None) or (own is not None and own.shape != shapes[me]):
@@ -564,6 +682,92 @@ def _new_exchange(g: Group, pieces: Sequence[np.ndarray | None],
                      list(accumulate(scount, initial=0)), rcount,
                      list(accumulate(rsize, initial=0)), claims, sum(scount) * item,
                      sum(rcount) * item, own.shape if own is not None else (0,))
+
+
+def all_to_all_single(x: np.ndarray, send_counts: Sequence[int], recv_counts: Sequence[int],
+                      group: Group | Sequence[int] | None = None,
+                      out: np.ndarray | None = None) -> np.ndarray:
+    """The packed all_to_all_v (PyTorch's ``all_to_all_single``): the first
+    ``send_counts[0]`` rows of ``x`` go to group rank 0, the next ``send_counts[1]`` to rank 1,
+    and so on; the result stacks the ``recv_counts[j]`` rows from each rank ``j`` in group
+    order. Rows are ``x[i]`` (every rank's rows have the same shape); the rows a rank keeps
+    for itself (``send_counts[me] == recv_counts[me]``) are copied, not sent.
+
+    On 2 ranks, rank 0 holding rows a, b, c with ``send_counts=[1, 2]`` and rank 1 holding d, e
+    with ``send_counts=[1, 1]``: rank 0 gets ``[a, d]`` (``recv_counts=[1, 1]``) and rank 1
+    ``[b, c, e]`` (``recv_counts=[2, 1]``). One ``MPI_Alltoallv``, straight from ``x`` when it
+    is C-contiguous, into ``out``.
+    """
+    name = "all_to_all_single"
+    g, comm = resolve(group)
+    try:
+        key = None
+        if _keyable(x):
+            key = (name, g.ranks, x.shape, x.dtype.num, tuple(send_counts), tuple(recv_counts))
+            if not _plain(*key[4], *key[5]):
+                key = None
+        ex = _exchanges_for(key, lambda: _new_single(g, x, send_counts, recv_counts))
+        recvbuf = _result(out, ex.shapes[0], ex.dtype, name)  # type: ignore[arg-type]
+    except Exception as error:  # noqa: BLE001 (every error must reach the other ranks)
+        _refuse(comm, g, name, error)
+    p, me = g.size, ex.me
+    start = perf_counter()
+    if _validate and p > 1:
+        _settle(comm, g, name, ex.claims, lambda: f"{ex.dtype} rows of {list(x.shape[1:])}",
+                counts=ex.rows, unit="rows")
+    send = np.ascontiguousarray(x).reshape(-1)
+    flat = recvbuf.reshape(-1)
+    if p > 1:
+        comm.Alltoallv([send, (ex.scount, ex.sdispl[:p])], [flat, (ex.rcount, ex.rdispl[:p])])
+    own = ex.own_shape[0]
+    if own:
+        flat[ex.rdispl[me]:ex.rdispl[me] + own] = send[ex.sdispl[me]:ex.sdispl[me] + own]
+    trace.record("AllToAllV", g.ranks, ex.bytes_sent, ex.bytes_recv, perf_counter() - start,
+                 ex.dtype, x.shape)
+    return recvbuf
+
+
+def _exchanges_for(key: tuple[Any, ...] | None, build: Any) -> _Exchange:
+    return _cached(_EXCHANGES, key, build)
+
+
+def _new_single(g: Group, x: np.ndarray, send_counts: Sequence[int],
+                recv_counts: Sequence[int]) -> _Exchange:
+    name = "all_to_all_single"
+    x = _array(x, name)
+    if x.ndim == 0:
+        raise ValueError(f"{name}: needs an array of rank >= 1 (rows), got a 0-d array")
+    p, me = g.size, g.index(int(world().Get_rank()))
+    sc, rc = list(send_counts), list(recv_counts)
+    if len(sc) != p or len(rc) != p:
+        raise ValueError(f"{name}: needs one send count and one receive count per rank of the "
+                         f"group ({p}), got {len(sc)} and {len(rc)}")
+    for what, counts in (("send_counts", sc), ("recv_counts", rc)):
+        if not all(isinstance(c, (int, np.integer)) and not isinstance(c, bool) and c >= 0
+                   for c in counts):
+            raise ValueError(f"{name}: {what} must be non-negative ints, got {counts}")
+    if sum(sc) != x.shape[0]:
+        raise ValueError(f"{name}: send_counts {sc} add up to {sum(sc)} rows, but x has "
+                         f"{x.shape[0]} (shape {x.shape})")
+    if sc[me] != rc[me]:
+        raise ValueError(f"{name}: a rank keeps as many rows as it sends itself, got "
+                         f"send_counts[{me}]={sc[me]} and recv_counts[{me}]={rc[me]}")
+    sc, rc = [int(c) for c in sc], [int(c) for c in rc]
+    row = math.prod(x.shape[1:])
+    sel = [c * row for c in sc]
+    rel = [c * row for c in rc]
+    scount, rcount = sel.copy(), rel.copy()
+    scount[me] = rcount[me] = 0
+    # Claims on rows, not elements: rows of size 0 still have to agree.
+    srows, rrows = sc.copy(), rc.copy()
+    srows[me] = rrows[me] = 0
+    claims = (ring_claims(hash((_KIND_CODE[name], _DTYPE_CODE[x.dtype.num], x.shape[1:])), me, p)
+              ^ piece_claims(me, srows, rrows))
+    item = x.dtype.itemsize
+    return _Exchange(me, x.dtype, ((sum(rc),) + x.shape[1:],), scount,
+                     [j for j, n in enumerate(scount) if n], list(accumulate(sel, initial=0)),
+                     rcount, list(accumulate(rel, initial=0)), claims, sum(scount) * item,
+                     sum(rcount) * item, (sel[me],), (srows, rrows))
 
 
 def _one_buffer(pieces: Sequence[np.ndarray | None], sent: Sequence[int]
@@ -606,24 +810,34 @@ def broadcast(x: np.ndarray, root: int, group: Group | Sequence[int] | None = No
     name = "broadcast"
     g, comm = resolve(group)
     try:
-        x = _array(x, name)
-        if root not in g.ranks:
-            raise ValueError(f"{name}: root {root} is not in group {list(g.ranks)}")
+        key = (name, g.ranks, x.shape, x.dtype.num, root) if (_keyable(x)
+                                                              and _plain(root)) else None
+        c = _call(key, lambda: _plan_broadcast(x, root, g))
         out = _result(out, x.shape, x.dtype, name)
-    except (TypeError, ValueError) as error:
+    except Exception as error:  # noqa: BLE001 (every error must reach the other ranks)
         _refuse(comm, g, name, error)
-    _agree(comm, g, name, x, (int(root),), ("root",))
+    _check(comm, g, name, x, c)
     start = perf_counter()
     me = world().Get_rank()
     # Only the root's values matter: the others receive into fresh memory instead of copying
     # their own x first (on 8 ranks that copy made a 1 MiB broadcast 2-2.7x a raw Bcast).
     if me == root and out is not x:
         out[...] = x
-    comm.Bcast(out, root=g.index(root))
-    n = out.nbytes
-    sent, got = ((g.size - 1) * n, 0) if me == root else (0, n)
+    comm.Bcast(out, root=c.axes[0])
+    sent, got = (c.bytes_sent, 0) if me == root else (0, c.bytes_recv)
     trace.record("Broadcast", g.ranks, sent, got, perf_counter() - start, x.dtype, x.shape)
     return out
+
+
+def _plan_broadcast(x: np.ndarray, root: int, g: Group) -> _Call:
+    name = "broadcast"
+    x = _array(x, name)
+    if not isinstance(root, (int, np.integer)) or isinstance(root, bool):
+        raise TypeError(f"{name}: root must be an int (a world rank), got {root!r}")
+    if root not in g.ranks:
+        raise ValueError(f"{name}: root {root} is not in group {list(g.ranks)}")
+    return _new_call(name, g, x, x.shape, x.shape, (g.index(root),), None,
+                     (g.size - 1) * x.nbytes, (int(root),), ("root",), bytes_recv=x.nbytes)
 
 
 def send(x: np.ndarray, dest: int, tag: int = 0) -> None:
