@@ -41,9 +41,8 @@ def setup() -> None:
     stamp = VENV / ".simpar-installed"
     if PY.exists() and stamp.exists() and stamp.read_text() == want:
         return
-    if not PY.exists():
-        if _run([sys.executable, "-m", "venv", VENV]) != 0:
-            sys.exit("dev.py: could not create the virtual environment at " + str(VENV))
+    if not PY.exists() and _run([sys.executable, "-m", "venv", VENV]) != 0:
+        sys.exit("dev.py: could not create the virtual environment at " + str(VENV))
     pip = [PY, "-m", "pip", "install", "--disable-pip-version-check", "-q"]
     if _run([*pip, "--upgrade", "pip"]) != 0 or _run([*pip, "-e", f".[{extras}]"], cwd=ROOT) != 0:
         sys.exit("dev.py: pip install failed (see above)")

@@ -740,7 +740,7 @@ def test_a_cached_call_still_checks_what_varies_per_call(world: tuple[int, int])
         comm.all_gather(x, axis=True)  # True == 1 and hashes like it
     with pytest.raises(TypeError, match="axis must be an int, got 0.0"):
         comm.reduce_scatter(x, axis=0.0)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="out must be a writeable C-contiguous float32 array of shape"):
+    with pytest.raises(ValueError, match="out must be a writeable C-contiguous float32 array"):
         comm.reduce_scatter(x, axis=0, out=np.empty((3, 2), np.float32))
     got = comm.reduce_scatter(x.astype(np.int64), axis=0)  # same shape, another dtype
     assert got.dtype == np.int64
@@ -1156,7 +1156,7 @@ def test_out_buffers_receive_the_result(world: tuple[int, int]) -> None:
     b = x.copy()
     comm.broadcast(b, root=p - 1, out=b)
     np.testing.assert_array_equal(b, np.arange(4 * p, dtype=np.float64).reshape(2 * p, 2) + p - 1)
-    with pytest.raises(ValueError, match="out must be a writeable C-contiguous float64 array of shape"):
+    with pytest.raises(ValueError, match="out must be a writeable C-contiguous float64 array"):
         comm.all_reduce(x, out=np.empty((3,)))
     with pytest.raises(TypeError, match="out must be a numpy.ndarray"):
         comm.all_reduce(x, out=[0.0])  # type: ignore[arg-type]
