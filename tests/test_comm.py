@@ -390,6 +390,15 @@ def test_all_to_all_single_disagreeing_counts_fail_on_every_rank(world: tuple[in
     assert "rank 1 sends 1 rows to rank 0, which expects 2" in str(info.value)
 
 
+@pytest.mark.mpi
+def test_all_to_all_single_float_counts_fail_even_after_int_counts(world: tuple[int, int]) -> None:
+    _, p = world
+    x = np.zeros((p, 2), np.float64)
+    assert comm.all_to_all_single(x, [1] * p, [1] * p).shape == (p, 2)  # cached now
+    with pytest.raises(ValueError, match="send_counts must be non-negative ints"):
+        comm.all_to_all_single(x, [1.0] * p, [1] * p)  # 1.0 == 1, but not an int
+
+
 @pytest.mark.mpi(min_size=2)
 def test_all_to_all_single_rows_of_size_zero_must_agree_too(world: tuple[int, int]) -> None:
     rank, p = world

@@ -130,6 +130,8 @@ def _world_group(size: int) -> Group:
 
 def resolve(group: Group | Sequence[int] | None) -> tuple[Group, Any]:
     """(Group, communicator) for a group given as ``None`` (world), a Group or world ranks."""
+    if group is None and _WORLD is not None:  # the common case, on every collective call
+        return _world_group(_WORLD.Get_size()), _WORLD
     comm = world()
     size, me = comm.Get_size(), comm.Get_rank()
     if group is None:

@@ -376,9 +376,7 @@ def _keyable(x: object) -> bool:
     return type(x) is np.ndarray and x.dtype.isnative
 
 
-def _plain(*args: object) -> bool:
-    """Arguments whose hash identifies them: ints that are not bools, and strings."""
-    return all(type(a) is int or type(a) is str for a in args)
+_INT = {int}
 
 
 def all_reduce(x: np.ndarray, op: str = "sum", group: Group | Sequence[int] | None = None,
@@ -392,7 +390,7 @@ def all_reduce(x: np.ndarray, op: str = "sum", group: Group | Sequence[int] | No
     g, comm = resolve(group)
     try:
         key = (name, g.ranks, x.shape, x.dtype.num, op) if (_keyable(x)
-                                                            and _plain(op)) else None
+                                                            and type(op) is str) else None
         c = _call(key, lambda: _plan_all_reduce(x, op, g))
         out = _result(out, x.shape, x.dtype, name)
     except Exception as error:  # noqa: BLE001 (every error must reach the other ranks)
@@ -427,7 +425,7 @@ def all_gather(x: np.ndarray, axis: int = 0, group: Group | Sequence[int] | None
     g, comm = resolve(group)
     try:
         key = (name, g.ranks, x.shape, x.dtype.num, axis) if (_keyable(x)
-                                                              and _plain(axis)) else None
+                                                              and type(axis) is int) else None
         c = _call(key, lambda: _plan_all_gather(x, axis, g))
         if out is not None or c.axes[0] == 0:
             out = _result(out, c.out_shape, x.dtype, name)
@@ -474,7 +472,7 @@ def reduce_scatter(x: np.ndarray, axis: int = 0, op: str = "sum",
     g, comm = resolve(group)
     try:
         key = (name, g.ranks, x.shape, x.dtype.num, axis, op) if (
-            _keyable(x) and _plain(axis, op)) else None
+            _keyable(x) and type(axis) is int and type(op) is str) else None
         c = _call(key, lambda: _plan_reduce_scatter(x, axis, op, g))
         if c.late_error is None:  # else it fails after the agreement, on every rank alike
             out = _result(out, c.out_shape, x.dtype, name)
@@ -518,7 +516,7 @@ def all_to_all(x: np.ndarray, split_axis: int, concat_axis: int,
     g, comm = resolve(group)
     try:
         key = (name, g.ranks, x.shape, x.dtype.num, split_axis, concat_axis) if (
-            _keyable(x) and _plain(split_axis, concat_axis)) else None
+            _keyable(x) and type(split_axis) is int and type(concat_axis) is int) else None
         c = _call(key, lambda: _plan_all_to_all(x, split_axis, concat_axis, g))
         if c.late_error is None and (out is not None or c.axes[1] == 0):  # else: fails below
             out = _result(out, c.out_shape, x.dtype, name)
@@ -526,7 +524,10 @@ def all_to_all(x: np.ndarray, split_axis: int, concat_axis: int,
         _refuse(comm, g, name, error)
     _check(comm, g, name, x, c)
     start = perf_counter()
-    send = _split_blocks(x, c.axes[0], g.size)
+    if c.axes[0] == 0:  # the pieces are consecutive already
+        send = np.ascontiguousarray(x).reshape(c.mpi_shape)
+    else:
+        send = _split_blocks(x, c.axes[0], g.size)
     if c.axes[1] == 0:  # the received blocks are the result: receive straight into it
         comm.Alltoall(send, out.reshape(c.mpi_shape))
     else:
@@ -636,9 +637,9 @@ def _exchange(g: Group, pieces: Sequence[np.ndarray | None],
     dtype, piece shapes and dtypes, receive shapes) was seen before. On 8 ranks sharing 2 cores
     every microsecond of bookkeeping shows up several times over in the collective's time."""
     try:
+        # dtype objects compare by value, byte order included.
         key = (g.ranks, dtype, tuple(recv_shapes),
-               tuple([None if a is None else (type(a), a.shape, a.dtype.num, a.dtype.isnative)
-                      for a in pieces]))
+               tuple([None if a is None else (a.shape, a.dtype) for a in pieces]))
         hit = _EXCHANGES.get(key)
     except (TypeError, AttributeError):  # unhashable shapes or non-arrays: no cache
         key, hit = None, None
@@ -704,7 +705,7 @@ def all_to_all_single(x: np.ndarray, send_counts: Sequence[int], recv_counts: Se
         key = None
         if _keyable(x):
             key = (name, g.ranks, x.shape, x.dtype.num, tuple(send_counts), tuple(recv_counts))
-            if not _plain(*key[4], *key[5]):
+            if set(map(type, key[4] + key[5])) != _INT:  # 1.0 == 1: only ints are keys
                 key = None
         ex = _exchanges_for(key, lambda: _new_single(g, x, send_counts, recv_counts))
         recvbuf = _result(out, ex.shapes[0], ex.dtype, name)  # type: ignore[arg-type]
@@ -715,8 +716,9 @@ def all_to_all_single(x: np.ndarray, send_counts: Sequence[int], recv_counts: Se
     if _validate and p > 1:
         _settle(comm, g, name, ex.claims, lambda: f"{ex.dtype} rows of {list(x.shape[1:])}",
                 counts=ex.rows, unit="rows")
-    send = np.ascontiguousarray(x).reshape(-1)
-    flat = recvbuf.reshape(-1)
+    send = np.ascontiguousarray(x)
+    send = send if send.ndim == 1 else send.reshape(-1)
+    flat = recvbuf if recvbuf.ndim == 1 else recvbuf.reshape(-1)
     if p > 1:
         comm.Alltoallv([send, (ex.scount, ex.sdispl[:p])], [flat, (ex.rcount, ex.rdispl[:p])])
     own = ex.own_shape[0]
@@ -811,7 +813,7 @@ def broadcast(x: np.ndarray, root: int, group: Group | Sequence[int] | None = No
     g, comm = resolve(group)
     try:
         key = (name, g.ranks, x.shape, x.dtype.num, root) if (_keyable(x)
-                                                              and _plain(root)) else None
+                                                              and type(root) is int) else None
         c = _call(key, lambda: _plan_broadcast(x, root, g))
         out = _result(out, x.shape, x.dtype, name)
     except Exception as error:  # noqa: BLE001 (every error must reach the other ranks)
