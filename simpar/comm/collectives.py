@@ -376,6 +376,8 @@ def _keyable(x: object) -> bool:
     return type(x) is np.ndarray and x.dtype.isnative
 
 
+# The one type a count may have in a cache key: 1.0 and True equal 1 and hash like it, and the
+# first call with them must still be refused, not served the plan of an earlier int call.
 _INT = {int}
 
 
