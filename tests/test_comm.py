@@ -631,6 +631,23 @@ def test_argument_mismatch_raises_on_every_rank(world: tuple[int, int], what: st
         assert w in str(info.value)
 
 
+def _gather_into_itself(x: np.ndarray) -> object:
+    """MPI's in-place all-gather idiom (own block inside the output), which simpar refuses."""
+    out = np.zeros((x.shape[0] * comm.get_group_size(), x.shape[1]), x.dtype)
+    return comm.all_gather(out[:x.shape[0]], out=out)
+
+
+@pytest.mark.mpi
+def test_all_reduce_in_place_through_a_view_and_overlap_refused(world: tuple[int, int]) -> None:
+    rank, p = world
+    y = np.full(6, rank + 1, dtype=np.float64)
+    got = comm.all_reduce(y, out=y[...])  # another view of y's memory: in place
+    np.testing.assert_array_equal(y, np.full(6, p * (p + 1) / 2))
+    assert np.shares_memory(got, y)
+    with pytest.raises(ValueError, match="out overlaps the input's memory without being"):
+        comm.all_reduce(y[:3], out=y[1:4])
+
+
 # A bad argument on one rank only: without the shared check the others would wait forever in
 # the collective. Every case names (call on the bad rank, error it raises, words of it).
 ONE_RANK_BAD: dict[str, tuple[Callable[[np.ndarray], object], type[Exception], str]] = {
@@ -644,6 +661,7 @@ ONE_RANK_BAD: dict[str, tuple[Callable[[np.ndarray], object], type[Exception], s
     "read-only-out": (lambda x: comm.all_reduce(x, out=np.broadcast_to(x, x.shape)), ValueError,
                       "(read-only)"),
     "byte-order": (lambda x: comm.all_reduce(x.astype(">f4")), TypeError, "native byte order"),
+    "overlap": (lambda x: _gather_into_itself(x), ValueError, "cannot run in place"),
     "recv-shape": (lambda x: comm.all_to_all_v([x[:1]] * comm.get_group_size(),
                                                [(-1, -2)] * comm.get_group_size()),
                    ValueError, "non-negative ints"),
@@ -660,6 +678,7 @@ GOOD_CALL: dict[str, Callable[[np.ndarray], object]] = {
     "root": lambda x: comm.broadcast(x, root=0),
     "read-only-out": lambda x: comm.all_reduce(x),
     "byte-order": lambda x: comm.all_reduce(x),
+    "overlap": lambda x: comm.all_gather(x),
     "recv-shape": lambda x: comm.all_to_all_v([x[:1]] * comm.get_group_size(),
                                               [(1, 2)] * comm.get_group_size()),
     "a2av-dtype": lambda x: comm.all_to_all_v([x[:1]] * comm.get_group_size(),
@@ -785,10 +804,20 @@ def test_claims_cancel_exactly_when_all_ranks_agree() -> None:
 
 @pytest.mark.mpi
 def test_int64_of_every_type_number_is_accepted(world: tuple[int, int]) -> None:
-    _, p = world
+    rank, p = world
     x = np.ones(3, dtype=np.longlong)  # numpy's "longlong": int64, another type number
     assert x.dtype == np.int64
     np.testing.assert_array_equal(comm.all_reduce(x), np.full(3, p))
+    out = np.empty(3, dtype=np.int64)  # "long" out for a "longlong" input
+    comm.all_reduce(x, out=out)
+    np.testing.assert_array_equal(out, np.full(3, p))
+    # all_to_all_v: "longlong" pieces, with and without dtype=, into a "long" receive buffer
+    base = np.arange(2 * p, dtype=np.longlong) + 10 * rank
+    for dtype in (None, np.longlong, np.int64):
+        got = comm.all_to_all_v([base[2 * j:2 * j + 2] for j in range(p)], [(2,)] * p,
+                                dtype=dtype, out=np.empty(2 * p, dtype=np.int64))
+        for j in range(p):
+            np.testing.assert_array_equal(got[j], [10 * j + 2 * rank, 10 * j + 2 * rank + 1])
 
 
 @pytest.mark.mpi

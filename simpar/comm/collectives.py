@@ -281,6 +281,39 @@ def _result(out: np.ndarray | None, shape: tuple[int, ...], dtype: np.dtype, nam
     return out
 
 
+def _overlap(x: np.ndarray, out: np.ndarray) -> str | None:
+    """"same" when ``out`` is exactly ``x``'s memory, "partial" when they overlap otherwise."""
+    if out is x:
+        return "same"
+    xb, ob = x.base, out.base  # numpy makes every view's base the array that owns the memory
+    if (x if xb is None else xb) is not (out if ob is None else ob):
+        return None
+    if not x.flags.c_contiguous or not x.nbytes or not out.nbytes:
+        return None  # a non-contiguous x is packed into fresh memory first
+    address = _mpi().Get_address
+    a, b = address(x), address(out)
+    if a == b and x.nbytes == out.nbytes:
+        return "same"
+    return "partial" if a < b + out.nbytes and b < a + x.nbytes else None
+
+
+def _same_memory(x: np.ndarray, out: np.ndarray, name: str) -> bool:
+    """Whether ``out`` is exactly ``x``'s memory (an in-place call); a partial overlap is an
+    error, which MPI would report on this rank only."""
+    overlap = _overlap(x, out)
+    if overlap == "partial":
+        raise ValueError(f"{name}: out overlaps the input's memory without being the input; "
+                         "pass separate arrays, or out=x itself")
+    return overlap == "same"
+
+
+def _apart(x: np.ndarray, out: np.ndarray, name: str) -> None:
+    """Refuse an ``out`` that shares memory with ``x`` (this collective has no in-place form)."""
+    if _overlap(x, out) is not None:
+        raise ValueError(f"{name}: out overlaps the input's memory; this collective cannot run "
+                         "in place, pass separate arrays")
+
+
 def _split_blocks(x: np.ndarray, axis: int, p: int) -> np.ndarray:
     """(p, *block) contiguous: block i is x's i-th of p equal pieces along ``axis``."""
     if axis == 0:
@@ -395,12 +428,13 @@ def all_reduce(x: np.ndarray, op: str = "sum", group: Group | Sequence[int] | No
                                                             and type(op) is str) else None
         c = _call(key, lambda: _plan_all_reduce(x, op, g))
         out = _result(out, x.shape, x.dtype, name)
+        in_place = _same_memory(x, out, name)
     except Exception as error:  # noqa: BLE001 (every error must reach the other ranks)
         _refuse(comm, g, name, error)
     _check(comm, g, name, x, c)
     start = perf_counter()
     send = np.ascontiguousarray(x)
-    comm.Allreduce(_mpi().IN_PLACE if out is send else send, out, op=c.mpi_op)
+    comm.Allreduce(_mpi().IN_PLACE if in_place else send, out, op=c.mpi_op)
     if op == "mean":
         out /= g.size
     trace.record("AllReduce", g.ranks, c.bytes_sent, c.bytes_recv, perf_counter() - start,
@@ -431,6 +465,7 @@ def all_gather(x: np.ndarray, axis: int = 0, group: Group | Sequence[int] | None
         c = _call(key, lambda: _plan_all_gather(x, axis, g))
         if out is not None or c.axes[0] == 0:
             out = _result(out, c.out_shape, x.dtype, name)
+            _apart(x, out, name)
     except Exception as error:  # noqa: BLE001 (every error must reach the other ranks)
         _refuse(comm, g, name, error)
     _check(comm, g, name, x, c)
@@ -478,6 +513,7 @@ def reduce_scatter(x: np.ndarray, axis: int = 0, op: str = "sum",
         c = _call(key, lambda: _plan_reduce_scatter(x, axis, op, g))
         if c.late_error is None:  # else it fails after the agreement, on every rank alike
             out = _result(out, c.out_shape, x.dtype, name)
+            _apart(x, out, name)
     except Exception as error:  # noqa: BLE001 (every error must reach the other ranks)
         _refuse(comm, g, name, error)
     _check(comm, g, name, x, c)
@@ -522,6 +558,7 @@ def all_to_all(x: np.ndarray, split_axis: int, concat_axis: int,
         c = _call(key, lambda: _plan_all_to_all(x, split_axis, concat_axis, g))
         if c.late_error is None and (out is not None or c.axes[1] == 0):  # else: fails below
             out = _result(out, c.out_shape, x.dtype, name)
+            _apart(x, out, name)
     except Exception as error:  # noqa: BLE001 (every error must reach the other ranks)
         _refuse(comm, g, name, error)
     _check(comm, g, name, x, c)
@@ -586,7 +623,7 @@ def all_to_all_v(pieces: Sequence[np.ndarray | None], recv_shapes: Sequence[Sequ
     if _validate and p > 1:
         _settle(comm, g, name, ex.claims, lambda: str(ex.dtype), counts=(ex.scount, ex.rcount))
     if p > 1:
-        zero_copy = _one_buffer(pieces, ex.sent)
+        zero_copy = _one_buffer(pieces, ex.sent, ex.dtype)
         if zero_copy is not None:
             send, sdispl = zero_copy
         else:
@@ -661,9 +698,12 @@ def _new_exchange(g: Group, pieces: Sequence[np.ndarray | None],
     dt = np.dtype(dtype) if dtype is not None else (given[0].dtype if given else None)
     if dt is None:
         raise ValueError(f"{name}: pass dtype= when this rank sends no piece")
-    if dt.num not in _DTYPE_CODE or any(a.dtype.num != dt.num for a in given):
+    code = _DTYPE_CODE.get(dt.num)
+    if code is None or not dt.isnative or any(_DTYPE_CODE.get(a.dtype.num) != code
+                                              for a in given):
         raise TypeError(f"{name}: all pieces must share one supported dtype, got "
-                        f"{sorted({str(a.dtype) for a in given} | {str(dt)})}")
+                        f"{sorted({a.dtype.str for a in given} | {dt.str})}")
+    dt = DTYPES[code]  # numpy's two int64 type numbers travel as one MPI type
     for rs in recv_shapes:
         if rs is not None and not all(isinstance(n, (int, np.integer)) and not isinstance(n, bool)
                                       and n >= 0 for n in rs):
@@ -711,6 +751,7 @@ def all_to_all_single(x: np.ndarray, send_counts: Sequence[int], recv_counts: Se
                 key = None
         ex = _exchanges_for(key, lambda: _new_single(g, x, send_counts, recv_counts))
         recvbuf = _result(out, ex.shapes[0], ex.dtype, name)  # type: ignore[arg-type]
+        _apart(x, recvbuf, name)
     except Exception as error:  # noqa: BLE001 (every error must reach the other ranks)
         _refuse(comm, g, name, error)
     p, me = g.size, ex.me
@@ -774,7 +815,7 @@ def _new_single(g: Group, x: np.ndarray, send_counts: Sequence[int],
                      sum(rcount) * item, (sel[me],), (srows, rrows))
 
 
-def _one_buffer(pieces: Sequence[np.ndarray | None], sent: Sequence[int]
+def _one_buffer(pieces: Sequence[np.ndarray | None], sent: Sequence[int], dtype: np.dtype
                 ) -> tuple[np.ndarray, list[int]] | None:
     """When every piece sent (``pieces[j]`` for ``j`` in ``sent``, all non-empty) is a
     C-contiguous view into one contiguous array, that array and the pieces' element offsets
@@ -784,7 +825,7 @@ def _one_buffer(pieces: Sequence[np.ndarray | None], sent: Sequence[int]
     first = base = pieces[sent[0]]
     while isinstance(base.base, np.ndarray):  # type: ignore[union-attr]
         base = base.base  # type: ignore[union-attr]
-    if not base.flags.c_contiguous or base.dtype != first.dtype:  # type: ignore[union-attr]
+    if not base.flags.c_contiguous or base.dtype != dtype:  # type: ignore[union-attr]
         return None
     address = _mpi().Get_address  # a buffer's address: ten times cheaper than .ctypes.data
     start, item = address(base), first.itemsize  # type: ignore[union-attr]
@@ -801,7 +842,9 @@ def _one_buffer(pieces: Sequence[np.ndarray | None], sent: Sequence[int]
         if at < start or at + a.nbytes > end or (at - start) % item:  # type: ignore[union-attr]
             return None
         displ[j] = (at - start) // item
-    return base.reshape(-1), displ  # type: ignore[union-attr]
+    flat = base.reshape(-1)  # type: ignore[union-attr]
+    # numpy's two int64 type numbers: send as the one the receive buffer has
+    return (flat if flat.dtype.num == dtype.num else flat.view(dtype)), displ
 
 
 def broadcast(x: np.ndarray, root: int, group: Group | Sequence[int] | None = None,
