@@ -423,6 +423,20 @@ def test_all_to_all_single_bad_counts(world: tuple[int, int], sends: Callable[[i
         comm.all_to_all_single(np.zeros((p, 2), np.float64), sends(p), recvs(p))
 
 
+@pytest.mark.mpi(min_size=2)
+def test_piece_size_mismatch_in_a_group_too_large_to_list(world: tuple[int, int],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from simpar.comm import collectives
+
+    rank, p = world
+    monkeypatch.setattr(collectives, "_COUNT_TABLE_MAX", 1)  # as if the group were huge
+    recv = [1] * p
+    if rank == 0:
+        recv[1] = 2
+    with pytest.raises(CommMismatchError, match=rf"\({p} ranks\) disagree on the piece sizes"):
+        comm.all_to_all_single(np.zeros((p, 1), np.float32), [1] * p, recv)
+
+
 # ---------------------------------------------------------------- send / recv, barrier
 
 

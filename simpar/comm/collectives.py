@@ -188,6 +188,9 @@ def _settle(comm: Any, g: Group, name: str, claims: int, describe: Any,
         _explain(comm, g, name, describe(), counts, error, unit)
 
 
+# The largest group whose piece counts a mismatch message lists (2p^2 int64 on each rank).
+_COUNT_TABLE_MAX = 512
+
 # The check's buffers, reused: collectives are called from one thread at a time.
 _CLAIMS = np.zeros(1, dtype=np.int64)
 _TOTAL = np.zeros(1, dtype=np.int64)
@@ -214,11 +217,13 @@ def _explain(comm: Any, g: Group, name: str, desc: str,
     every = np.empty((p, width), dtype=np.uint8)
     comm.Allgather(buf, every)
     descs = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in every]
-    rows = np.full(2 * p, -1, dtype=np.int64)
-    if counts is not None:
-        rows[:p], rows[p:] = counts
-    table = np.empty((p, 2 * p), dtype=np.int64)
-    comm.Allgather(rows, table)
+    table = None
+    if p <= _COUNT_TABLE_MAX:  # every rank's counts: 2p^2 int64 on each rank
+        rows = np.full(2 * p, -1, dtype=np.int64)
+        if counts is not None:
+            rows[:p], rows[p:] = counts
+        table = np.empty((p, 2 * p), dtype=np.int64)
+        comm.Allgather(rows, table)
     if error is not None:
         raise error
     names = {d.split(": ", 1)[0] for d in descs}
@@ -238,6 +243,9 @@ def _explain(comm: Any, g: Group, name: str, desc: str,
                                     f"arguments, so no rank runs the collective ({parts})")
         raise CommMismatchError(f"{name}: the ranks of group {list(g.ranks)} passed different "
                                 f"arrays or arguments ({parts}); every rank must pass the same")
+    if table is None:
+        raise CommMismatchError(f"{name}: the ranks of group {list(g.ranks)[:8]}... ({p} "
+                                f"ranks) disagree on the piece sizes")
     sends, expects = table[:, :p], table[:, p:]
     bad = [(i, j) for i, j in zip(*np.nonzero(sends != expects.T)) if i != j]
     detail = "; ".join(f"rank {g.ranks[i]} sends {sends[i, j]} {unit} to rank "
