@@ -675,7 +675,7 @@ ONE_RANK_BAD: dict[str, tuple[Callable[[np.ndarray], object], type[Exception], s
     "read-only-out": (lambda x: comm.all_reduce(x, out=np.broadcast_to(x, x.shape)), ValueError,
                       "(read-only)"),
     "byte-order": (lambda x: comm.all_reduce(x.astype(">f4")), TypeError, "native byte order"),
-    "overlap": (lambda x: _gather_into_itself(x), ValueError, "cannot run in place"),
+    "overlap": (_gather_into_itself, ValueError, "cannot run in place"),
     "recv-shape": (lambda x: comm.all_to_all_v([x[:1]] * comm.get_group_size(),
                                                [(-1, -2)] * comm.get_group_size()),
                    ValueError, "non-negative ints"),

@@ -381,10 +381,6 @@ def _cached(cache: dict[tuple[Any, ...], Any], key: tuple[Any, ...] | None, buil
     return value
 
 
-def _call(key: tuple[Any, ...] | None, build: Any) -> _Call:
-    return _cached(_CALLS, key, build)
-
-
 def _new_call(name: str, g: Group, x: np.ndarray, out_shape: tuple[int, ...],
               mpi_shape: tuple[int, ...], axes: tuple[int, ...], mpi_op: Any, nbytes: int,
               args: tuple[int, ...], labels: tuple[str, ...],
@@ -434,7 +430,7 @@ def all_reduce(x: np.ndarray, op: str = "sum", group: Group | Sequence[int] | No
     try:
         key = (name, g.ranks, x.shape, x.dtype.num, op) if (_keyable(x)
                                                             and type(op) is str) else None
-        c = _call(key, lambda: _plan_all_reduce(x, op, g))
+        c = _cached(_CALLS, key, lambda: _plan_all_reduce(x, op, g))
         out = _result(out, x.shape, x.dtype, name)
         in_place = _same_memory(x, out, name)
     except Exception as error:  # noqa: BLE001 (every error must reach the other ranks)
@@ -470,7 +466,7 @@ def all_gather(x: np.ndarray, axis: int = 0, group: Group | Sequence[int] | None
     try:
         key = (name, g.ranks, x.shape, x.dtype.num, axis) if (_keyable(x)
                                                               and type(axis) is int) else None
-        c = _call(key, lambda: _plan_all_gather(x, axis, g))
+        c = _cached(_CALLS, key, lambda: _plan_all_gather(x, axis, g))
         if out is not None or c.axes[0] == 0:
             out = _result(out, c.out_shape, x.dtype, name)
             _apart(x, out, name)
@@ -518,7 +514,7 @@ def reduce_scatter(x: np.ndarray, axis: int = 0, op: str = "sum",
     try:
         key = (name, g.ranks, x.shape, x.dtype.num, axis, op) if (
             _keyable(x) and type(axis) is int and type(op) is str) else None
-        c = _call(key, lambda: _plan_reduce_scatter(x, axis, op, g))
+        c = _cached(_CALLS, key, lambda: _plan_reduce_scatter(x, axis, op, g))
         if c.late_error is None:  # else it fails after the agreement, on every rank alike
             out = _result(out, c.out_shape, x.dtype, name)
             _apart(x, out, name)
@@ -563,7 +559,7 @@ def all_to_all(x: np.ndarray, split_axis: int, concat_axis: int,
     try:
         key = (name, g.ranks, x.shape, x.dtype.num, split_axis, concat_axis) if (
             _keyable(x) and type(split_axis) is int and type(concat_axis) is int) else None
-        c = _call(key, lambda: _plan_all_to_all(x, split_axis, concat_axis, g))
+        c = _cached(_CALLS, key, lambda: _plan_all_to_all(x, split_axis, concat_axis, g))
         if c.late_error is None and (out is not None or c.axes[1] == 0):  # else: fails below
             out = _result(out, c.out_shape, x.dtype, name)
             _apart(x, out, name)
@@ -662,7 +658,7 @@ class _Exchange:
 
     me: int
     dtype: np.dtype
-    shapes: tuple[tuple[int, ...] | None, ...]
+    shapes: tuple[tuple[int, ...] | None, ...]  # per source (all_to_all_single: the result's)
     scount: list[int]   # 0 for the piece kept, which MPI does not move
     sent: list[int]     # the group ranks a non-empty piece goes to
     sdispl: list[int]   # offsets of the pieces when packed (unused when sent in place)
@@ -683,16 +679,15 @@ def _exchange(g: Group, pieces: Sequence[np.ndarray | None],
     """The exchange for these pieces and shapes: from the cache when the same call (group,
     dtype, piece shapes and dtypes, receive shapes) was seen before. On 8 ranks sharing 2 cores
     every microsecond of bookkeeping shows up several times over in the collective's time."""
+    key: tuple[Any, ...] | None
     try:
         # dtype objects compare by value, byte order included.
         key = (g.ranks, dtype, tuple(recv_shapes),
                tuple([None if a is None else (a.shape, a.dtype) for a in pieces]))
-        hit = _EXCHANGES.get(key)
+        hash(key)
     except (TypeError, AttributeError):  # unhashable shapes or non-arrays: no cache
-        key, hit = None, None
-    if hit is not None:
-        return hit
-    return _exchanges_for(key, lambda: _new_exchange(g, pieces, recv_shapes, dtype))
+        key = None
+    return _cached(_EXCHANGES, key, lambda: _new_exchange(g, pieces, recv_shapes, dtype))
 
 
 def _new_exchange(g: Group, pieces: Sequence[np.ndarray | None],
@@ -757,7 +752,7 @@ def all_to_all_single(x: np.ndarray, send_counts: Sequence[int], recv_counts: Se
             key = (name, g.ranks, x.shape, x.dtype.num, tuple(send_counts), tuple(recv_counts))
             if set(map(type, key[4] + key[5])) != _INT:  # 1.0 == 1: only ints are keys
                 key = None
-        ex = _exchanges_for(key, lambda: _new_single(g, x, send_counts, recv_counts))
+        ex = _cached(_EXCHANGES, key, lambda: _new_single(g, x, send_counts, recv_counts))
         recvbuf = _result(out, ex.shapes[0], ex.dtype, name)  # type: ignore[arg-type]
         _apart(x, recvbuf, name)
     except Exception as error:  # noqa: BLE001 (every error must reach the other ranks)
@@ -778,10 +773,6 @@ def all_to_all_single(x: np.ndarray, send_counts: Sequence[int], recv_counts: Se
     trace.record("AllToAllV", g.ranks, ex.bytes_sent, ex.bytes_recv, perf_counter() - start,
                  ex.dtype, x.shape)
     return recvbuf
-
-
-def _exchanges_for(key: tuple[Any, ...] | None, build: Any) -> _Exchange:
-    return _cached(_EXCHANGES, key, build)
 
 
 def _new_single(g: Group, x: np.ndarray, send_counts: Sequence[int],
@@ -867,7 +858,7 @@ def broadcast(x: np.ndarray, root: int, group: Group | Sequence[int] | None = No
     try:
         key = (name, g.ranks, x.shape, x.dtype.num, root) if (_keyable(x)
                                                               and type(root) is int) else None
-        c = _call(key, lambda: _plan_broadcast(x, root, g))
+        c = _cached(_CALLS, key, lambda: _plan_broadcast(x, root, g))
         out = _result(out, x.shape, x.dtype, name)
     except Exception as error:  # noqa: BLE001 (every error must reach the other ranks)
         _refuse(comm, g, name, error)
