@@ -9,12 +9,12 @@ pieces that add up to it (uneven: the piece for group rank j is proportional to 
 piece a rank keeps is copied locally, by simpar and by the raw side alike); all_to_all_single
 is the same exchange in its packed form (one buffer and row counts, like the raw call).
 
-Each rep runs raw, simpar with validation on and simpar with validation off, interleaved and
-rotated; a rep's time is the slowest rank's; the table shows the median rep, and each ratio
-is the median over reps of simpar / raw within the rep. Before timing, simpar's result is
-checked against raw's on every rank. The raw side gets
-pre-allocated contiguous buffers (``COMM_WORLD.Allreduce(send, recv)``); simpar allocates its
-output on every call, as callers use it. Both run on the same input arrays.
+Each rep runs raw, raw plus a hand-written agreement check, and simpar with validation on and
+off, interleaved and rotated; a rep's time is the slowest rank's; the table shows the median
+rep, and each ratio is the median over reps of simpar / raw within the rep. Before timing,
+simpar's result is checked against raw's on every rank. Both sides run on the same input
+arrays into pre-allocated contiguous buffers (raw: ``COMM_WORLD.Allreduce(send, recv)``;
+simpar: its ``out=``). benchmarks/agreement_check.py prices other designs of the check.
 
 The wait-policy comparison runs ``mpirun -n 8`` with ``SIMPAR_WAIT_POLICY=spin`` and then
 ``=yield`` (simpar/_env.py applies it before MPI_Init) and measures one collective plus a GEMM
@@ -32,6 +32,7 @@ import shlex
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
 from typing import Any
@@ -80,39 +81,55 @@ def _max_over_ranks(x: np.ndarray) -> np.ndarray:
     return out
 
 
-def _pair(kind: str, nbytes: int
-          ) -> tuple[Callable[[], object], Callable[[], object], np.ndarray]:
-    """(simpar call, raw mpi4py call, raw's result buffer) for one collective on one rank's
-    ``nbytes`` input."""
+@dataclass(frozen=True)
+class Pair:
+    """One collective on one rank's input, both ways: ``simpar()`` and ``raw()``, with raw's
+    result buffer. Raw is ``COMM_WORLD.<mpi_name>(*mpi_args)`` followed by ``after`` (the
+    local copy of the piece all_to_all_v keeps), so other benchmarks can vary the raw call
+    (its nonblocking form: "I" + mpi_name, lower-cased first letter)."""
+
+    simpar: Callable[[], object]
+    raw_out: np.ndarray
+    mpi_name: str
+    mpi_args: tuple[Any, ...]
+    after: Callable[[], None] | None = None
+
+    @property
+    def raw(self) -> Callable[[], None]:
+        call, args, after = getattr(_mpi().COMM_WORLD, self.mpi_name), self.mpi_args, self.after
+        if after is None:
+            return lambda: call(*args)
+
+        def raw_then_after() -> None:
+            call(*args)
+            after()
+        return raw_then_after
+
+
+def make_pair(kind: str, nbytes: int) -> Pair:
+    """The :class:`Pair` for ``kind`` on this rank's ``nbytes`` of float32 input."""
     MPI = _mpi()
     world = MPI.COMM_WORLD
     p, rank = world.Get_size(), world.Get_rank()
     n = nbytes // 4
     x = np.random.default_rng(rank).standard_normal(n, dtype=np.float32)
     if kind == "all_reduce":
-        out = np.empty_like(x)
-        mine = np.empty_like(x)
-        return (lambda: comm.all_reduce(x, out=mine),
-                lambda: world.Allreduce(x, out, op=MPI.SUM), out)
+        out, mine = np.empty_like(x), np.empty_like(x)
+        return Pair(lambda: comm.all_reduce(x, out=mine), out, "Allreduce", (x, out, MPI.SUM))
     if kind == "all_gather":
-        out = np.empty((p, n), np.float32)
-        mine = np.empty(p * n, np.float32)
-        return (lambda: comm.all_gather(x, out=mine), lambda: world.Allgather(x, out), out)
+        out, mine = np.empty((p, n), np.float32), np.empty(p * n, np.float32)
+        return Pair(lambda: comm.all_gather(x, out=mine), out, "Allgather", (x, out))
     if kind == "reduce_scatter":
-        out = np.empty(n // p, np.float32)
-        mine = np.empty(n // p, np.float32)
-        return (lambda: comm.reduce_scatter(x, out=mine),
-                lambda: world.Reduce_scatter_block(x, out, op=MPI.SUM), out)
+        out, mine = np.empty(n // p, np.float32), np.empty(n // p, np.float32)
+        return Pair(lambda: comm.reduce_scatter(x, out=mine), out, "Reduce_scatter_block",
+                    (x, out, MPI.SUM))
     if kind == "all_to_all":
-        out = np.empty_like(x)
-        mine = np.empty_like(x)
-        return (lambda: comm.all_to_all(x, split_axis=0, concat_axis=0, out=mine),
-                lambda: world.Alltoall(x, out), out)
+        out, mine = np.empty_like(x), np.empty_like(x)
+        return Pair(lambda: comm.all_to_all(x, split_axis=0, concat_axis=0, out=mine), out,
+                    "Alltoall", (x, out))
     if kind == "broadcast":
-        buf = x.copy()
-        mine = x.copy()
-        return (lambda: comm.broadcast(mine, root=0, out=mine),
-                lambda: world.Bcast(buf, root=0), buf)
+        buf, mine = x.copy(), x.copy()
+        return Pair(lambda: comm.broadcast(mine, root=0, out=mine), buf, "Bcast", (buf, 0))
     if kind in ("all_to_all_v", "all_to_all_single"):
         # Piece for rank j has (j+1) units; every rank sends the same split, so rank r receives
         # (r+1) units from everyone. The units add up to this rank's n elements. Like simpar,
@@ -130,14 +147,16 @@ def _pair(kind: str, nbytes: int
         scounts[rank] = rcounts_mpi[rank] = 0
         own = recv[rdispl[rank]:rdispl[rank] + rcounts[rank]]
 
-        def raw() -> None:
-            world.Alltoallv([send, (scounts, displ)], [recv, (rcounts_mpi, rdispl)])
+        def keep_own() -> None:
             own[...] = pieces[rank]
         mine = np.empty(int(rcounts.sum()), np.float32)
+        args = ([send, (scounts, displ)], [recv, (rcounts_mpi, rdispl)])
         if kind == "all_to_all_single":  # the same exchange, packed: rows of x by counts
             sc, rc = [int(c) for c in counts], [int(c) for c in rcounts]
-            return lambda: comm.all_to_all_single(send, sc, rc, out=mine), raw, recv
-        return lambda: comm.all_to_all_v(pieces, shapes, out=mine), raw, recv
+            return Pair(lambda: comm.all_to_all_single(send, sc, rc, out=mine), recv,
+                        "Alltoallv", args, keep_own)
+        return Pair(lambda: comm.all_to_all_v(pieces, shapes, out=mine), recv, "Alltoallv",
+                    args, keep_own)
     raise ValueError(f"unknown collective {kind!r}")
 
 
@@ -181,8 +200,9 @@ def compare(kinds: tuple[str, ...], sizes: tuple[int, ...], reps: dict[int, int]
     rows = []
     for size in sizes:
         for kind in kinds:
-            simpar_call, raw_call, raw_out = _pair(kind, size)
-            _check_same(kind, simpar_call(), raw_call, raw_out)
+            pair = make_pair(kind, size)
+            simpar_call, raw_call = pair.simpar, pair.raw
+            _check_same(kind, simpar_call(), raw_call, pair.raw_out)
             times = interleaved_times(
                 {"raw": raw_call, "raw_checked": _with_check(raw_call),
                  "on": _with_validation(True, simpar_call),

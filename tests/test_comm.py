@@ -293,7 +293,8 @@ def test_all_to_all_v_without_any_piece_and_in_a_reversed_group(world: tuple[int
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("source", ["split-1d", "row-blocks", "same-view-everywhere",
-                                    "column-blocks", "two-buffers", "with-gaps-and-empty"])
+                                    "column-blocks", "two-buffers", "with-gaps-and-empty",
+                                    "strided-1d", "transposed-2d"])
 def test_all_to_all_v_pieces_that_are_views(world: tuple[int, int], source: str) -> None:
     """Pieces cut from one contiguous array go out without packing; any other pieces are
     packed. Either way every rank receives exactly its pieces."""
@@ -312,6 +313,10 @@ def test_all_to_all_v_pieces_that_are_views(world: tuple[int, int], source: str)
         pieces = [wide[:, 2 * j:2 * j + 2] for j in range(p)]
     elif source == "two-buffers":
         pieces = [(base if j % 2 else other)[4 * j:4 * j + 4] for j in range(p)]
+    elif source == "strided-1d":  # inside one buffer, but not contiguous: packed
+        pieces = [base.reshape(-1)[6 * j:6 * j + 6:2] for j in range(p)]
+    elif source == "transposed-2d":  # contiguous in Fortran order only: packed
+        pieces = [base[4 * j:4 * j + 4].T for j in range(p)]
     else:
         pieces = [base[4 * j + 1:4 * j + 1 + j % 3] for j in range(p)]
     before = base.copy()
@@ -325,6 +330,8 @@ def test_all_to_all_v_pieces_that_are_views(world: tuple[int, int], source: str)
                 "same-view-everywhere": lambda: b[1:3],
                 "column-blocks": lambda: _local(j, (3, 2 * p), dt)[:, 2 * rank:2 * rank + 2],
                 "two-buffers": lambda: (b if rank % 2 else o)[4 * rank:4 * rank + 4],
+                "strided-1d": lambda: b.reshape(-1)[6 * rank:6 * rank + 6:2],
+                "transposed-2d": lambda: b[4 * rank:4 * rank + 4].T,
                 "with-gaps-and-empty": lambda: b[4 * rank + 1:4 * rank + 1 + rank % 3]}[source]()
 
     for j, out in enumerate(outs):
@@ -1212,3 +1219,35 @@ def test_out_buffers_receive_the_result(world: tuple[int, int]) -> None:
         comm.all_reduce(x, out=np.empty((3,)))
     with pytest.raises(TypeError, match="out must be a numpy.ndarray"):
         comm.all_reduce(x, out=[0.0])  # type: ignore[arg-type]
+
+
+def test_trace_belongs_to_its_thread() -> None:
+    """A trace open on one thread records that thread's collectives only, and closing it
+    leaves no trace recording anywhere (record() skips all work while none is open)."""
+    import threading
+
+    from simpar.comm import trace as trace_module
+
+    started, release = threading.Event(), threading.Event()
+    seen: dict[str, list[str]] = {}
+
+    def other() -> None:
+        with CommTrace() as t:
+            started.set()
+            release.wait(timeout=30)
+            trace_module.record("AllGather", (0,), 4, 4, 0.0, np.float32, (1,))
+        seen["other"] = t.kinds()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    assert started.wait(timeout=30)
+    with CommTrace() as mine:
+        trace_module.record("AllReduce", (0,), 8, 8, 0.0, np.float32, (2,), "sum")
+    release.set()
+    thread.join(timeout=30)
+    assert mine.kinds() == ["AllReduce"] and seen["other"] == ["AllGather"]
+    assert trace_module._open == 0 and not trace_module.tracing()
+    with CommTrace() as late:
+        pass
+    trace_module.record("AllReduce", (0,), 8, 8, 0.0, np.float32, (2,), "sum")
+    assert late.events == []

@@ -47,6 +47,7 @@ class Group:
 
 
 _WORLD: MPI.Intracomm | None = None
+_WORLD_PAIR: tuple[Group, Any] | None = None  # what resolve(None) returns, once MPI is up
 _COMMS: dict[tuple[int, ...], Any] = {}
 
 
@@ -55,7 +56,7 @@ def init() -> None:
 
     Called lazily by every collective; call it yourself to start MPI early.
     """
-    global _WORLD
+    global _WORLD, _WORLD_PAIR
     if _WORLD is not None:
         return
     _env.apply()
@@ -63,6 +64,7 @@ def init() -> None:
 
     _WORLD = MPI.COMM_WORLD.Dup()  # simpar's traffic never mixes with the user's COMM_WORLD
     _COMMS[tuple(range(_WORLD.Get_size()))] = _WORLD
+    _WORLD_PAIR = (_world_group(_WORLD.Get_size()), _WORLD)
     if _WORLD.Get_size() > 1:
         _install_abort_hook()
     from simpar import context
@@ -130,8 +132,8 @@ def _world_group(size: int) -> Group:
 
 def resolve(group: Group | Sequence[int] | None) -> tuple[Group, Any]:
     """(Group, communicator) for a group given as ``None`` (world), a Group or world ranks."""
-    if group is None and _WORLD is not None:  # the common case, on every collective call
-        return _world_group(_WORLD.Get_size()), _WORLD
+    if group is None and _WORLD_PAIR is not None:  # the common case, on every collective call
+        return _WORLD_PAIR
     comm = world()
     size, me = comm.Get_size(), comm.Get_rank()
     if group is None:

@@ -30,6 +30,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import accumulate
+from operator import add
 from time import perf_counter
 from typing import Any, NoReturn
 
@@ -278,10 +279,10 @@ def _result(out: np.ndarray | None, shape: tuple[int, ...], dtype: np.dtype, nam
         return np.empty(shape, dtype=dtype)
     if not isinstance(out, np.ndarray):
         raise TypeError(f"{name}: out must be a numpy.ndarray, got {type(out).__name__}")
-    if (out.shape != shape or out.dtype != dtype or not out.flags.c_contiguous
-            or not out.flags.writeable):
-        flaw = (" (not contiguous)" if not out.flags.c_contiguous
-                else " (read-only)" if not out.flags.writeable else "")
+    flags = out.flags
+    if out.shape != shape or out.dtype != dtype or not (flags.c_contiguous and flags.writeable):
+        flaw = (" (not contiguous)" if not flags.c_contiguous
+                else " (read-only)" if not flags.writeable else "")
         raise ValueError(f"{name}: out must be a writeable C-contiguous {dtype} array of shape "
                          f"{shape}, got {out.dtype}{list(out.shape)}{flaw}")
     if out.dtype.num != dtype.num:  # int64 as numpy's "long" vs "longlong": one MPI type
@@ -367,14 +368,15 @@ class _Call:
 _CALLS: dict[tuple[Any, ...], _Call] = {}
 
 
-def _cached(cache: dict[tuple[Any, ...], Any], key: tuple[Any, ...] | None, build: Any) -> Any:
-    """``cache[key]``, built on a miss (``key`` None: arguments of unusual types, never
-    cached). A full cache (4096 signatures) starts over."""
+def _cached(cache: dict[tuple[Any, ...], Any], key: tuple[Any, ...] | None, build: Any,
+            *args: Any) -> Any:
+    """``cache[key]``, ``build(*args)`` on a miss (``key`` None: arguments of unusual types,
+    never cached). A full cache (4096 signatures) starts over."""
     if key is None:
-        return build()
+        return build(*args)
     value = cache.get(key)
     if value is None:
-        value = build()
+        value = build(*args)
         if len(cache) >= 4096:
             cache.clear()
         cache[key] = value
@@ -430,12 +432,13 @@ def all_reduce(x: np.ndarray, op: str = "sum", group: Group | Sequence[int] | No
     try:
         key = (name, g.ranks, x.shape, x.dtype.num, op) if (_keyable(x)
                                                             and type(op) is str) else None
-        c = _cached(_CALLS, key, lambda: _plan_all_reduce(x, op, g))
+        c = _cached(_CALLS, key, _plan_all_reduce, x, op, g)
         out = _result(out, x.shape, x.dtype, name)
         in_place = _same_memory(x, out, name)
     except Exception as error:  # noqa: BLE001 (every error must reach the other ranks)
         _refuse(comm, g, name, error)
-    _check(comm, g, name, x, c)
+    if _validate or c.late_error is not None:
+        _check(comm, g, name, x, c)
     start = perf_counter()
     send = np.ascontiguousarray(x)
     comm.Allreduce(_mpi().IN_PLACE if in_place else send, out, op=c.mpi_op)
@@ -466,13 +469,14 @@ def all_gather(x: np.ndarray, axis: int = 0, group: Group | Sequence[int] | None
     try:
         key = (name, g.ranks, x.shape, x.dtype.num, axis) if (_keyable(x)
                                                               and type(axis) is int) else None
-        c = _cached(_CALLS, key, lambda: _plan_all_gather(x, axis, g))
+        c = _cached(_CALLS, key, _plan_all_gather, x, axis, g)
         if out is not None or c.axes[0] == 0:
             out = _result(out, c.out_shape, x.dtype, name)
             _apart(x, out, name)
     except Exception as error:  # noqa: BLE001 (every error must reach the other ranks)
         _refuse(comm, g, name, error)
-    _check(comm, g, name, x, c)
+    if _validate or c.late_error is not None:
+        _check(comm, g, name, x, c)
     start = perf_counter()
     send = np.ascontiguousarray(x)
     if c.axes[0] == 0:  # the gathered blocks are the result: receive straight into it
@@ -514,13 +518,14 @@ def reduce_scatter(x: np.ndarray, axis: int = 0, op: str = "sum",
     try:
         key = (name, g.ranks, x.shape, x.dtype.num, axis, op) if (
             _keyable(x) and type(axis) is int and type(op) is str) else None
-        c = _cached(_CALLS, key, lambda: _plan_reduce_scatter(x, axis, op, g))
+        c = _cached(_CALLS, key, _plan_reduce_scatter, x, axis, op, g)
         if c.late_error is None:  # else it fails after the agreement, on every rank alike
             out = _result(out, c.out_shape, x.dtype, name)
             _apart(x, out, name)
     except Exception as error:  # noqa: BLE001 (every error must reach the other ranks)
         _refuse(comm, g, name, error)
-    _check(comm, g, name, x, c)
+    if _validate or c.late_error is not None:
+        _check(comm, g, name, x, c)
     start = perf_counter()
     send = _split_blocks(x, c.axes[0], g.size)
     comm.Reduce_scatter_block(send, out, op=c.mpi_op)
@@ -559,13 +564,14 @@ def all_to_all(x: np.ndarray, split_axis: int, concat_axis: int,
     try:
         key = (name, g.ranks, x.shape, x.dtype.num, split_axis, concat_axis) if (
             _keyable(x) and type(split_axis) is int and type(concat_axis) is int) else None
-        c = _cached(_CALLS, key, lambda: _plan_all_to_all(x, split_axis, concat_axis, g))
+        c = _cached(_CALLS, key, _plan_all_to_all, x, split_axis, concat_axis, g)
         if c.late_error is None and (out is not None or c.axes[1] == 0):  # else: fails below
             out = _result(out, c.out_shape, x.dtype, name)
             _apart(x, out, name)
     except Exception as error:  # noqa: BLE001 (every error must reach the other ranks)
         _refuse(comm, g, name, error)
-    _check(comm, g, name, x, c)
+    if _validate or c.late_error is not None:
+        _check(comm, g, name, x, c)
     start = perf_counter()
     if c.axes[0] == 0:  # the pieces are consecutive already
         send = np.ascontiguousarray(x).reshape(c.mpi_shape)
@@ -627,7 +633,7 @@ def all_to_all_v(pieces: Sequence[np.ndarray | None], recv_shapes: Sequence[Sequ
     if _validate and p > 1:
         _settle(comm, g, name, ex.claims, lambda: str(ex.dtype), counts=(ex.scount, ex.rcount))
     if p > 1:
-        zero_copy = _one_buffer(pieces, ex.sent, ex.dtype)
+        zero_copy = _one_buffer(pieces, ex)
         if zero_copy is not None:
             send, sdispl = zero_copy
         else:
@@ -637,12 +643,9 @@ def all_to_all_v(pieces: Sequence[np.ndarray | None], recv_shapes: Sequence[Sequ
                 if j != me and a is not None and a.size:
                     send[sdispl[j]:sdispl[j] + a.size].reshape(a.shape)[...] = a
         comm.Alltoallv([send, (ex.scount, sdispl[:p])], [recvbuf, (ex.rcount, ex.rdispl[:p])])
-    result: list[np.ndarray | None] = [None] * p
-    rdispl = ex.rdispl
-    for j, sh in enumerate(ex.shapes):
-        if sh is not None:
-            view = recvbuf[rdispl[j]:rdispl[j + 1]]
-            result[j] = view if len(sh) == 1 else view.reshape(sh)
+    result: list[np.ndarray | None] = [
+        None if at is None else recvbuf[at] if sh is None else recvbuf[at].reshape(sh)
+        for at, sh in ex.views]
     own = pieces[me]
     if own is not None:
         result[me][...] = own  # type: ignore[index]
@@ -669,6 +672,12 @@ class _Exchange:
     bytes_recv: int
     own_shape: tuple[int, ...]
     rows: tuple[list[int], list[int]] | None = None  # all_to_all_single: counts in rows
+    # all_to_all_v: the bytes of each piece sent (in ``sent`` order), whether they are all
+    # 1-D (then Get_address alone proves them contiguous), and per source the slice of the
+    # receive buffer its piece is and the shape to view it in (None: 1-D, as received)
+    sent_bytes: tuple[int, ...] = ()
+    sent_flat: bool = True
+    views: tuple[tuple[slice | None, tuple[int, ...] | None], ...] = ()
 
 
 _EXCHANGES: dict[tuple[Any, ...], _Exchange] = {}
@@ -679,15 +688,16 @@ def _exchange(g: Group, pieces: Sequence[np.ndarray | None],
     """The exchange for these pieces and shapes: from the cache when the same call (group,
     dtype, piece shapes and dtypes, receive shapes) was seen before. On 8 ranks sharing 2 cores
     every microsecond of bookkeeping shows up several times over in the collective's time."""
-    key: tuple[Any, ...] | None
+    def build() -> _Exchange:
+        return _new_exchange(g, pieces, recv_shapes, dtype)
     try:
         # dtype objects compare by value, byte order included.
         key = (g.ranks, dtype, tuple(recv_shapes),
                tuple([None if a is None else (a.shape, a.dtype) for a in pieces]))
-        hash(key)
+        found = _EXCHANGES.get(key)
     except (TypeError, AttributeError):  # unhashable shapes or non-arrays: no cache
-        key = None
-    return _cached(_EXCHANGES, key, lambda: _new_exchange(g, pieces, recv_shapes, dtype))
+        return build()
+    return found if found is not None else _cached(_EXCHANGES, key, build)
 
 
 def _new_exchange(g: Group, pieces: Sequence[np.ndarray | None],
@@ -724,10 +734,17 @@ def _new_exchange(g: Group, pieces: Sequence[np.ndarray | None],
     claims = (ring_claims(hash((_KIND_CODE[name], _DTYPE_CODE[dt.num])), me, p)
               ^ piece_claims(me, scount, rcount))
     item = dt.itemsize
-    return _Exchange(me, dt, shapes, scount, [j for j, n in enumerate(scount) if n],
-                     list(accumulate(scount, initial=0)), rcount,
-                     list(accumulate(rsize, initial=0)), claims, sum(scount) * item,
-                     sum(rcount) * item, own.shape if own is not None else (0,))
+    sent = [j for j, n in enumerate(scount) if n]
+    rdispl = list(accumulate(rsize, initial=0))
+    views = tuple((None, None) if sh is None else
+                  (slice(rdispl[j], rdispl[j + 1]), None if len(sh) == 1 else sh)
+                  for j, sh in enumerate(shapes))
+    return _Exchange(me, dt, shapes, scount, sent, list(accumulate(scount, initial=0)),
+                     rcount, rdispl, claims, sum(scount) * item, sum(rcount) * item,
+                     own.shape if own is not None else (0,),
+                     sent_bytes=tuple(scount[j] * item for j in sent),
+                     sent_flat=all(pieces[j].ndim == 1 for j in sent),  # type: ignore[union-attr]
+                     views=views)
 
 
 def all_to_all_single(x: np.ndarray, send_counts: Sequence[int], recv_counts: Sequence[int],
@@ -752,7 +769,7 @@ def all_to_all_single(x: np.ndarray, send_counts: Sequence[int], recv_counts: Se
             key = (name, g.ranks, x.shape, x.dtype.num, tuple(send_counts), tuple(recv_counts))
             if set(map(type, key[4] + key[5])) != _INT:  # 1.0 == 1: only ints are keys
                 key = None
-        ex = _cached(_EXCHANGES, key, lambda: _new_single(g, x, send_counts, recv_counts))
+        ex = _cached(_EXCHANGES, key, _new_single, g, x, send_counts, recv_counts)
         recvbuf = _result(out, ex.shapes[0], ex.dtype, name)  # type: ignore[arg-type]
         _apart(x, recvbuf, name)
     except Exception as error:  # noqa: BLE001 (every error must reach the other ranks)
@@ -814,36 +831,41 @@ def _new_single(g: Group, x: np.ndarray, send_counts: Sequence[int],
                      sum(rcount) * item, (sel[me],), (srows, rrows))
 
 
-def _one_buffer(pieces: Sequence[np.ndarray | None], sent: Sequence[int], dtype: np.dtype
+def _one_buffer(pieces: Sequence[np.ndarray | None], ex: _Exchange
                 ) -> tuple[np.ndarray, list[int]] | None:
-    """When every piece sent (``pieces[j]`` for ``j`` in ``sent``, all non-empty) is a
-    C-contiguous view into one contiguous array, that array and the pieces' element offsets
-    in it: Alltoallv then sends straight from it, with no packing."""
+    """When every piece sent is a C-contiguous view into one contiguous array, that array
+    and the pieces' element offsets in it: Alltoallv then sends straight from it, with no
+    packing. (The per-piece loop is the hot path of a repeated exchange: the sizes and
+    whether the pieces are 1-D come from the cached exchange.)"""
+    sent = ex.sent
     if not sent:
         return None
-    first = base = pieces[sent[0]]
-    while isinstance(base.base, np.ndarray):  # type: ignore[union-attr]
-        base = base.base  # type: ignore[union-attr]
-    if not base.flags.c_contiguous or base.dtype != dtype:  # type: ignore[union-attr]
+    first = pieces[sent[0]]
+    base = first.base  # type: ignore[union-attr]
+    if type(base) is not np.ndarray:  # numpy makes a view's base the array owning the memory
+        base = first
+    if not base.flags.c_contiguous or base.dtype != ex.dtype:  # type: ignore[union-attr]
         return None
     address = _mpi().Get_address  # a buffer's address: ten times cheaper than .ctypes.data
-    start, item = address(base), first.itemsize  # type: ignore[union-attr]
-    end = start + base.nbytes  # type: ignore[union-attr]
+    try:  # Get_address refuses a piece that is not contiguous
+        at = [address(pieces[j]) for j in sent]
+    except BufferError:
+        return None
+    if not ex.sent_flat and not all(pieces[j].flags.c_contiguous  # type: ignore[union-attr]
+                                    for j in sent):
+        return None
+    start, item = address(base), ex.dtype.itemsize
+    if min(at) < start or max(map(add, at, ex.sent_bytes)) > start + base.nbytes:
+        return None  # type: ignore[union-attr]
+    offsets = [a - start for a in at]
+    if any(o % item for o in offsets):  # a piece not aligned to whole elements of the base
+        return None
     displ = [0] * len(pieces)
-    for j in sent:
-        a = pieces[j]
-        if a.ndim > 1 and not a.flags.c_contiguous:  # type: ignore[union-attr]
-            return None  # (1-D and contiguous is C-contiguous)
-        try:
-            at = address(a)
-        except BufferError:  # not contiguous
-            return None
-        if at < start or at + a.nbytes > end or (at - start) % item:  # type: ignore[union-attr]
-            return None
-        displ[j] = (at - start) // item
+    for j, o in zip(sent, offsets):
+        displ[j] = o // item
     flat = base.reshape(-1)  # type: ignore[union-attr]
     # numpy's two int64 type numbers: send as the one the receive buffer has
-    return (flat if flat.dtype.num == dtype.num else flat.view(dtype)), displ
+    return (flat if flat.dtype.num == ex.dtype.num else flat.view(ex.dtype)), displ
 
 
 def broadcast(x: np.ndarray, root: int, group: Group | Sequence[int] | None = None,
@@ -858,11 +880,12 @@ def broadcast(x: np.ndarray, root: int, group: Group | Sequence[int] | None = No
     try:
         key = (name, g.ranks, x.shape, x.dtype.num, root) if (_keyable(x)
                                                               and type(root) is int) else None
-        c = _cached(_CALLS, key, lambda: _plan_broadcast(x, root, g))
+        c = _cached(_CALLS, key, _plan_broadcast, x, root, g)
         out = _result(out, x.shape, x.dtype, name)
     except Exception as error:  # noqa: BLE001 (every error must reach the other ranks)
         _refuse(comm, g, name, error)
-    _check(comm, g, name, x, c)
+    if _validate or c.late_error is not None:
+        _check(comm, g, name, x, c)
     start = perf_counter()
     me = world().Get_rank()
     # Only the root's values matter: the others receive into fresh memory instead of copying

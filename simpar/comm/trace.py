@@ -70,11 +70,17 @@ class CommTrace:
     events: list[CommEvent] = field(default_factory=list)
 
     def __enter__(self) -> CommTrace:
+        global _open
         _active().append(self)
+        with _open_lock:
+            _open += 1
         return self
 
     def __exit__(self, *exc: object) -> None:
+        global _open
         _active().remove(self)
+        with _open_lock:
+            _open -= 1
 
     def kinds(self) -> list[str]:
         """Kinds of the recorded events, in order."""
@@ -125,6 +131,8 @@ class CommTrace:
 
 
 _state = threading.local()
+_open = 0  # active traces over all threads: record() returns at once while it is 0
+_open_lock = threading.Lock()
 
 
 def _active() -> list[CommTrace]:
@@ -158,6 +166,8 @@ def record(kind: str, group: tuple[int, ...], bytes_sent: int, bytes_recv: int, 
            dtype: object, shape: tuple[int, ...], op: str | None = None) -> None:
     """Add one event to every active trace (called by simpar.comm only). Costs one lookup
     when no trace is active: naming the dtype is left until an event is really kept."""
+    if not _open:
+        return
     traces = _active()
     if not traces:
         return
