@@ -794,6 +794,12 @@ def test_a_cached_call_still_checks_what_varies_per_call(world: tuple[int, int])
     got = comm.reduce_scatter(x.astype(np.int64), axis=0)  # same shape, another dtype
     assert got.dtype == np.int64
     np.testing.assert_array_equal(got, np.full((2, 2), p))
+    pieces = [np.ones(2, np.float32) for _ in range(p)]
+    for _ in range(2):
+        comm.all_to_all_v(pieces, [(2,)] * p)
+    for bad in ((2.0,), (True, 2)):  # equal to (2,) and (1, 2), and hashing like them
+        with pytest.raises(ValueError, match="a receive shape must be a sequence of non-neg"):
+            comm.all_to_all_v(pieces, [bad] * p)
 
 
 def test_claims_cancel_exactly_when_all_ranks_agree() -> None:
@@ -1219,6 +1225,20 @@ def test_out_buffers_receive_the_result(world: tuple[int, int]) -> None:
         comm.all_reduce(x, out=np.empty((3,)))
     with pytest.raises(TypeError, match="out must be a numpy.ndarray"):
         comm.all_reduce(x, out=[0.0])  # type: ignore[arg-type]
+
+
+def test_nested_traces_with_equal_events_close_in_order() -> None:
+    """Each trace is its own recording: closing the inner of two traces that hold the same
+    events closes that one, and the outer goes on recording."""
+    from simpar.comm import trace as trace_module
+
+    with CommTrace() as outer:
+        with CommTrace() as inner:
+            trace_module.record("AllReduce", (0,), 8, 8, 0.0, np.float32, (2,), "sum")
+        assert inner.events == outer.events
+        trace_module.record("AllGather", (0,), 4, 4, 0.0, np.float32, (1,))
+    assert inner.kinds() == ["AllReduce"] and outer.kinds() == ["AllReduce", "AllGather"]
+    assert trace_module._open == 0 and not trace_module.tracing()
 
 
 def test_trace_belongs_to_its_thread() -> None:

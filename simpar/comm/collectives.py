@@ -691,8 +691,11 @@ def _exchange(g: Group, pieces: Sequence[np.ndarray | None],
     def build() -> _Exchange:
         return _new_exchange(g, pieces, recv_shapes, dtype)
     try:
+        shapes = tuple(recv_shapes)
+        if not {type(n) for sh in shapes if sh is not None for n in sh} <= _INT:
+            return build()  # 2.0 == 2 and True == 1: such shapes get the full check each time
         # dtype objects compare by value, byte order included.
-        key = (g.ranks, dtype, tuple(recv_shapes),
+        key = (g.ranks, dtype, shapes,
                tuple([None if a is None else (a.shape, a.dtype) for a in pieces]))
         found = _EXCHANGES.get(key)
     except (TypeError, AttributeError):  # unhashable shapes or non-arrays: no cache
@@ -840,10 +843,9 @@ def _one_buffer(pieces: Sequence[np.ndarray | None], ex: _Exchange
     sent = ex.sent
     if not sent:
         return None
-    first = pieces[sent[0]]
-    base = first.base  # type: ignore[union-attr]
-    if type(base) is not np.ndarray:  # numpy makes a view's base the array owning the memory
-        base = first
+    base = pieces[sent[0]]
+    while isinstance(base.base, np.ndarray):  # type: ignore[union-attr]
+        base = base.base  # type: ignore[union-attr]
     if not base.flags.c_contiguous or base.dtype != ex.dtype:  # type: ignore[union-attr]
         return None
     address = _mpi().Get_address  # a buffer's address: ten times cheaper than .ctypes.data

@@ -55,7 +55,7 @@ class CommEvent:
                 f"sent={self.bytes_sent} recv={self.bytes_recv} {self.seconds * 1e3:.3f}ms{tag}")
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # two traces are never "equal": each is its own recording
 class CommTrace:
     """Records the collectives run while it is active.
 
@@ -78,7 +78,7 @@ class CommTrace:
 
     def __exit__(self, *exc: object) -> None:
         global _open
-        _active().remove(self)
+        _active().remove(self)  # by identity (eq=False): a trace equal to another is not it
         with _open_lock:
             _open -= 1
 
