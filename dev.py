@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -36,17 +37,42 @@ def _run(cmd: list[str], **kw: object) -> int:
 
 
 def setup() -> None:
-    extras = "test" if os.environ.get("SIMPAR_SYSTEM_MPI") else "test,mpich"
-    want = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + extras.encode()).hexdigest()
+    system_mpi = bool(os.environ.get("SIMPAR_SYSTEM_MPI"))
+    extras = "test" if system_mpi else "test,mpich"
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    want = hashlib.sha256((pyproject + extras).encode()).hexdigest()
     stamp = VENV / ".simpar-installed"
     if PY.exists() and stamp.exists() and stamp.read_text() == want:
         return
     if not PY.exists() and _run([sys.executable, "-m", "venv", VENV]) != 0:
         sys.exit("dev.py: could not create the virtual environment at " + str(VENV))
     pip = [PY, "-m", "pip", "install", "--disable-pip-version-check", "-q"]
-    if _run([*pip, "--upgrade", "pip"]) != 0 or _run([*pip, "-e", f".[{extras}]"], cwd=ROOT) != 0:
+    if _run([*pip, "--upgrade", "pip"]) != 0:
+        sys.exit("dev.py: pip install failed (see above)")
+    if system_mpi:
+        # The bundled MPI out (its mpirun would come first on the venv's PATH), and mpi4py
+        # compiled from source against the MPI whose mpicc is on PATH (or $MPICC).
+        if _run([PY, "-m", "pip", "show", "-q", "mpich"], stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL) == 0:
+            _run([PY, "-m", "pip", "uninstall", "-y", "-q", "mpich"])
+        spec = re.search(r'"(mpi4py[^"]*)"', pyproject)
+        if spec is None:
+            sys.exit("dev.py: pyproject.toml does not list mpi4py")
+        if _run([*pip, "--no-binary=mpi4py", "--force-reinstall", "--no-deps", spec[1]]) != 0:
+            sys.exit("dev.py: building mpi4py against your MPI failed (see above); is mpicc "
+                     "on PATH, or MPICC set?")
+    if _run([*pip, "-e", f".[{extras}]"], cwd=ROOT) != 0:
         sys.exit("dev.py: pip install failed (see above)")
     stamp.write_text(want)
+
+
+def _mpirun(env: dict[str, str]) -> str:
+    """The venv's mpirun (the bundled MPICH), else the first one on PATH (SIMPAR_SYSTEM_MPI)."""
+    found = shutil.which("mpirun", path=env["PATH"])
+    if found is None:
+        sys.exit("dev.py: no mpirun in the venv nor on PATH; run without SIMPAR_SYSTEM_MPI to "
+                 "install the bundled MPICH, or put your MPI's bin directory on PATH")
+    return found
 
 
 def _env() -> dict[str, str]:
@@ -58,7 +84,8 @@ def _env() -> dict[str, str]:
 
 
 def train(args: list[str]) -> int:
-    return _run([BIN / "mpirun", "-n", "8", PY, "-m", "simpar.train", *args], env=_env())
+    env = _env()
+    return _run([_mpirun(env), "-n", "8", PY, "-m", "simpar.train", *args], env=env)
 
 
 _SUMMARY = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)")
@@ -95,7 +122,7 @@ def test(args: list[str]) -> int:
     for n in MPI_RUNS:
         with tempfile.TemporaryDirectory(prefix=f"simpar-np{n}-") as logdir:
             env_n = dict(env, SIMPAR_TEST_LOGDIR=logdir)
-            cmd = [BIN / "mpirun", "-n", str(n), PY, "-m", "pytest", "-q", "--with-mpi",
+            cmd = [_mpirun(env), "-n", str(n), PY, "-m", "pytest", "-q", "--with-mpi",
                    "-m", "mpi", *args]
             if _pytest(cmd, env_n, totals) != 0:
                 failed.append(f"mpirun -n {n}")

@@ -36,14 +36,16 @@ strategy_ckpt_load_file/_save   ""                         str; views of strateg
 auto_parallel_search_mode       (search_mode)              old name of search_mode
 =============================== ========================== ======================================
 
-``set_algo_parameters``: fully_use_devices=True, elementwise_op_strategy_follow=False,
+``set_algo_parameters``: fully_use_devices=False, elementwise_op_strategy_follow=False,
 enable_algo_approxi=False, algo_approxi_epsilon=0.1 (a float in (0, 1]),
 tensor_slice_align_enable=False, tensor_slice_align_size=16 (an int in [1, 1024]).
 
-The ``search_mode`` default moved: MindSpore 2.0 documents ``"dynamic_programming"`` (and the
-older C++ ``Reset`` sets it), 2.2 and later document ``"recursive_programming"``. simpar follows
-the newer one. ``enable_alltoall`` defaults to False and ``loss_repeated_mean`` to True in every
-version looked at.
+Two defaults moved, and simpar follows the newer value of each. ``search_mode``: MindSpore 2.0
+documents ``"dynamic_programming"`` (and the older C++ ``Reset`` sets it), 2.2 and later
+``"recursive_programming"``. ``fully_use_devices``: True up to 2.3, False from 2.4 on (the
+``set_algo_parameters`` and ``reset_algo_parameters`` pages of 2.4.0, 2.5.0 and master).
+``enable_alltoall`` defaults to False and ``loss_repeated_mean`` to True in every version
+looked at.
 
 Where simpar decides differently from MindSpore, on purpose:
 
@@ -397,7 +399,7 @@ _AUTO_VIEWS: dict[str, _Spec] = {
 _AUTO_KEYS: dict[str, _Spec] = {**_AUTO_SPECS, **_AUTO_VIEWS}
 
 _ALGO_SPECS: dict[str, _Spec] = {
-    "fully_use_devices": _Spec(bool, True),
+    "fully_use_devices": _Spec(bool, False),
     "elementwise_op_strategy_follow": _Spec(bool, False),
     "enable_algo_approxi": _Spec(bool, False),
     "algo_approxi_epsilon": _Spec(float, 0.1, bounds=_Bounds(0, 1, lo_open=True)),
@@ -465,8 +467,9 @@ def _check_world(state: Mapping[str, Any], world_size: int, world_rank: int) -> 
     device_num, global_rank = state["device_num"], state["global_rank"]
     if device_num is not None and device_num != world_size:
         raise WorldMismatchError(
-            f"device_num is {device_num} but the MPI world has {world_size} ranks "
-            f"(mpirun -n {world_size}); set device_num={world_size} or launch with -n {device_num}."
+            f"device_num is {device_num} on rank {world_rank}, but the MPI world has {world_size} "
+            f"ranks (mpirun -n {world_size}); set device_num={world_size} or launch with -n "
+            f"{device_num}."
         )
     if global_rank is not None and global_rank != world_rank:
         raise WorldMismatchError(
@@ -496,8 +499,8 @@ def set_world(world_size: int, world_rank: int) -> None:
         set_world(8, 5)                          # done by simpar.comm.init()
         get_auto_parallel_context("device_num")  # 8
         get_auto_parallel_context("global_rank") # 5
-        set_auto_parallel_context(device_num=4)  # WorldMismatchError: device_num is 4 but the
-                                                 # MPI world has 8 ranks (mpirun -n 8); ...
+        set_auto_parallel_context(device_num=4)  # WorldMismatchError: device_num is 4 on
+                                                 # rank 5, but the MPI world has 8 ranks ...
     """
     global _world
     _check_world_args("set_world", world_size, world_rank)
@@ -515,7 +518,7 @@ def validate_against_world(world_size: int, world_rank: int) -> None:
     >>> validate_against_world(8, 2)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    simpar.context.WorldMismatchError: device_num is 4 but the MPI world has 8 ranks (mpirun ...
+    simpar.context.WorldMismatchError: device_num is 4 on rank 2, but the MPI world has 8 ranks ...
     >>> reset_auto_parallel_context()
     """
     _check_world_args("validate_against_world", world_size, world_rank)
@@ -659,7 +662,7 @@ def algo_parameters() -> AlgoParameters:
     """Return an immutable snapshot of the strategy-search parameters.
 
     >>> algo_parameters().fully_use_devices
-    True
+    False
     """
     return AlgoParameters(**_algo)
 
@@ -677,10 +680,10 @@ def get_algo_parameters(key: str) -> Any:
 def reset_algo_parameters() -> None:
     """Restore every strategy-search parameter to MindSpore's default.
 
-    >>> set_algo_parameters(fully_use_devices=False)
+    >>> set_algo_parameters(fully_use_devices=True)
     >>> reset_algo_parameters()
     >>> get_algo_parameters("fully_use_devices")
-    True
+    False
     """
     global _algo
     _algo = _defaults(_ALGO_SPECS)

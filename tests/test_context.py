@@ -85,7 +85,7 @@ AUTO_DEFAULTS: dict[str, Any] = {
 }
 
 ALGO_DEFAULTS: dict[str, Any] = {
-    "fully_use_devices": True,
+    "fully_use_devices": False,  # MindSpore 2.4 and later (True up to 2.3)
     "elementwise_op_strategy_follow": False,
     "enable_algo_approxi": False,
     "algo_approxi_epsilon": 0.1,
@@ -154,7 +154,7 @@ def test_auto_set_get_reset(key: str, value: object) -> None:
 
 
 ALGO_VALUES = [
-    ("fully_use_devices", False),
+    ("fully_use_devices", True),
     ("elementwise_op_strategy_follow", True),
     ("enable_algo_approxi", True),
     ("algo_approxi_epsilon", 1.0),
@@ -354,8 +354,8 @@ def test_no_half_applied_auto_call(bad: dict[str, object]) -> None:
 
 
 def test_no_half_applied_algo_call() -> None:
-    for kwargs in ({"fully_use_devices": False, "tensor_slice_align_size": 0},
-                   {"tensor_slice_align_size": 0, "fully_use_devices": False}):
+    for kwargs in ({"fully_use_devices": True, "tensor_slice_align_size": 0},
+                   {"tensor_slice_align_size": 0, "fully_use_devices": True}):
         with pytest.raises(ContextError):
             set_algo_parameters(**kwargs)
         assert algo_parameters() == context.AlgoParameters(**ALGO_DEFAULTS)
@@ -407,8 +407,8 @@ def test_validate_against_world_device_num_message() -> None:
     with pytest.raises(WorldMismatchError) as info:
         validate_against_world(8, 0)
     assert isinstance(info.value, ValueError)
-    assert str(info.value) == ("device_num is 4 but the MPI world has 8 ranks (mpirun -n 8); "
-                               "set device_num=8 or launch with -n 4.")
+    assert str(info.value) == ("device_num is 4 on rank 0, but the MPI world has 8 ranks "
+                               "(mpirun -n 8); set device_num=8 or launch with -n 4.")
 
 
 def test_validate_against_world_global_rank_message() -> None:

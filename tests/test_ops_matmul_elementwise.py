@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import simpar
 import simpar.comm as comm
 from simpar import ops
 from simpar.ops import StrategyError
@@ -123,13 +124,20 @@ def test_broadcast_dim_cut_must_be_one():
 
 
 def test_candidates_power_of_two_and_not():
-    c8 = ops.MatMul().candidate_strategies([(8, 16), (16, 8)], 8)
+    c8 = ops.MatMul().candidate_strategies([(8, 16), (16, 8)], 8, fully_use_devices=True)
     assert c8 and all(np.prod(s[0]) * s[1][1] == 8 for s in c8)
-    c6 = ops.MatMul().candidate_strategies([(6, 12), (12, 6)], 6)
+    c6 = ops.MatMul().candidate_strategies([(6, 12), (12, 6)], 6, fully_use_devices=True)
     assert ((6, 1), (1, 1)) in c6 and ((3, 2), (2, 1)) in c6
     assert all(np.prod(s[0]) * s[1][1] == 6 for s in c6)
     partial = ops.MatMul().candidate_strategies([(8, 16), (16, 8)], 8, fully_use_devices=False)
     assert ((1, 1), (1, 1)) in partial and len(partial) > len(c8)
+    # The default is the algo parameter, False as in MindSpore 2.4 and later.
+    assert ops.MatMul().candidate_strategies([(8, 16), (16, 8)], 8) == partial
+    simpar.set_algo_parameters(fully_use_devices=True)
+    try:
+        assert ops.MatMul().candidate_strategies([(8, 16), (16, 8)], 8) == c8
+    finally:
+        simpar.reset_algo_parameters()
 
 
 def test_tensor_slice_align(monkeypatch):

@@ -146,7 +146,7 @@ def test_device_num_must_match_the_world(capsys: pytest.CaptureFixture[str]) -> 
     n = comm.get_group_size()
     assert train.main(["--device-num", str(n + 3), "--steps", "1"]) == 2
     if comm.get_rank() == 0:
-        assert (f"device_num is {n + 3} but the MPI world has {n} ranks"
+        assert (f"device_num is {n + 3} on rank 0, but the MPI world has {n} ranks"
                 in capsys.readouterr().out)
 
 
