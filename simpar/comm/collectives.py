@@ -324,9 +324,11 @@ def _apart(x: np.ndarray, out: np.ndarray, name: str) -> None:
 
 
 def _split_blocks(x: np.ndarray, axis: int, p: int) -> np.ndarray:
-    """(p, *block) contiguous: block i is x's i-th of p equal pieces along ``axis``."""
+    """x contiguous, its i-th of p equal pieces along ``axis`` as the i-th p-th of its memory
+    (what MPI sends to group rank i). Along axis 0 that is x itself, unreshaped: MPI cuts a
+    buffer into p blocks itself."""
     if axis == 0:
-        return np.ascontiguousarray(x).reshape((p, x.shape[0] // p) + x.shape[1:])
+        return np.ascontiguousarray(x)
     s = x.shape
     split = x.reshape(s[:axis] + (p, s[axis] // p) + s[axis + 1:])
     return np.ascontiguousarray(np.moveaxis(split, axis, 0))
@@ -480,7 +482,7 @@ def all_gather(x: np.ndarray, axis: int = 0, group: Group | Sequence[int] | None
     start = perf_counter()
     send = np.ascontiguousarray(x)
     if c.axes[0] == 0:  # the gathered blocks are the result: receive straight into it
-        comm.Allgather(send, out.reshape(c.mpi_shape))
+        comm.Allgather(send, out)  # MPI puts block i at the i-th p-th of out
     else:
         blocks = np.empty(c.mpi_shape, dtype=x.dtype)
         comm.Allgather(send, blocks)
@@ -573,14 +575,11 @@ def all_to_all(x: np.ndarray, split_axis: int, concat_axis: int,
     if _validate or c.late_error is not None:
         _check(comm, g, name, x, c)
     start = perf_counter()
-    if c.axes[0] == 0:  # the pieces are consecutive already
-        send = np.ascontiguousarray(x).reshape(c.mpi_shape)
-    else:
-        send = _split_blocks(x, c.axes[0], g.size)
+    send = _split_blocks(x, c.axes[0], g.size)
     if c.axes[1] == 0:  # the received blocks are the result: receive straight into it
-        comm.Alltoall(send, out.reshape(c.mpi_shape))
+        comm.Alltoall(send, out)
     else:
-        blocks = np.empty_like(send)
+        blocks = np.empty(c.mpi_shape, dtype=x.dtype)
         comm.Alltoall(send, blocks)
         joined = _join_blocks(blocks, c.axes[1])
         if out is None:
