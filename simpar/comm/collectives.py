@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 from operator import add, is_
 from time import perf_counter
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import numpy as np
 
@@ -493,7 +493,7 @@ def all_gather(x: np.ndarray, axis: int = 0, group: Group | Sequence[int] | None
             out[...] = joined
     trace.record("AllGather", g.ranks, c.bytes_sent, c.bytes_recv, perf_counter() - start,
                  x.dtype, x.shape)
-    return out
+    return cast(np.ndarray, out)
 
 
 def _plan_all_gather(x: np.ndarray, axis: int, g: Group) -> _Call:
@@ -528,6 +528,7 @@ def reduce_scatter(x: np.ndarray, axis: int = 0, op: str = "sum",
         _refuse(comm, g, name, error)
     if _validate or c.late_error is not None:
         _check(comm, g, name, x, c)
+    out = cast(np.ndarray, out)  # set in the try, unless a late error that _check raised
     start = perf_counter()
     send = _split_blocks(x, c.axes[0], g.size)
     comm.Reduce_scatter_block(send, out, op=c.mpi_op)
@@ -588,7 +589,7 @@ def all_to_all(x: np.ndarray, split_axis: int, concat_axis: int,
             out[...] = joined
     trace.record("AllToAll", g.ranks, c.bytes_sent, c.bytes_recv, perf_counter() - start,
                  x.dtype, x.shape)
-    return out
+    return cast(np.ndarray, out)
 
 
 def _plan_all_to_all(x: np.ndarray, split_axis: int, concat_axis: int, g: Group) -> _Call:
@@ -777,7 +778,7 @@ def all_to_all_single(x: np.ndarray, send_counts: Sequence[int], recv_counts: Se
             if set(map(type, key[4] + key[5])) != _INT:  # 1.0 == 1: only ints are keys
                 key = None
         ex = _cached(_EXCHANGES, key, _new_single, g, x, send_counts, recv_counts)
-        recvbuf = _result(out, ex.shapes[0], ex.dtype, name)  # type: ignore[arg-type]
+        recvbuf = _result(out, ex.shapes[0], ex.dtype, name)
         _apart(x, recvbuf, name)
     except Exception as error:  # noqa: BLE001 (every error must reach the other ranks)
         _refuse(comm, g, name, error)
@@ -847,10 +848,10 @@ def _one_buffer(pieces: Sequence[np.ndarray | None], ex: _Exchange
     sent = ex.sent
     if not sent:
         return None
-    base = pieces[sent[0]]
-    while isinstance(base.base, np.ndarray):  # type: ignore[union-attr]
-        base = base.base  # type: ignore[union-attr]
-    if not base.flags.c_contiguous or base.dtype != ex.dtype:  # type: ignore[union-attr]
+    base = cast(np.ndarray, pieces[sent[0]])  # a piece sent is never None
+    while isinstance(base.base, np.ndarray):
+        base = base.base
+    if not base.flags.c_contiguous or base.dtype != ex.dtype:
         return None
     address = _mpi().Get_address  # a buffer's address: ten times cheaper than .ctypes.data
     try:  # Get_address refuses a piece that is not contiguous
@@ -862,14 +863,14 @@ def _one_buffer(pieces: Sequence[np.ndarray | None], ex: _Exchange
         return None
     start, item = address(base), ex.dtype.itemsize
     if min(at) < start or max(map(add, at, ex.sent_bytes)) > start + base.nbytes:
-        return None  # type: ignore[union-attr]
+        return None
     offsets = [a - start for a in at]
     if any(o % item for o in offsets):  # a piece not aligned to whole elements of the base
         return None
     displ = [0] * len(pieces)
     for j, o in zip(sent, offsets):
         displ[j] = o // item
-    flat = base.reshape(-1)  # type: ignore[union-attr]
+    flat = base.reshape(-1)
     # numpy's two int64 type numbers: send as the one the receive buffer has
     return (flat if flat.dtype.num == ex.dtype.num else flat.view(ex.dtype)), displ
 
