@@ -439,8 +439,7 @@ def all_reduce(x: np.ndarray, op: str = "sum", group: Group | Sequence[int] | No
         in_place = _same_memory(x, out, name)
     except Exception as error:  # noqa: BLE001 (every error must reach the other ranks)
         _refuse(comm, g, name, error)
-    if _validate or c.late_error is not None:
-        _check(comm, g, name, x, c)
+    _check(comm, g, name, x, c)
     start = perf_counter()
     send = np.ascontiguousarray(x)
     comm.Allreduce(_mpi().IN_PLACE if in_place else send, out, op=c.mpi_op)
@@ -477,8 +476,7 @@ def all_gather(x: np.ndarray, axis: int = 0, group: Group | Sequence[int] | None
             _apart(x, out, name)
     except Exception as error:  # noqa: BLE001 (every error must reach the other ranks)
         _refuse(comm, g, name, error)
-    if _validate or c.late_error is not None:
-        _check(comm, g, name, x, c)
+    _check(comm, g, name, x, c)
     start = perf_counter()
     send = np.ascontiguousarray(x)
     if c.axes[0] == 0:  # the gathered blocks are the result: receive straight into it
@@ -526,8 +524,7 @@ def reduce_scatter(x: np.ndarray, axis: int = 0, op: str = "sum",
             _apart(x, out, name)
     except Exception as error:  # noqa: BLE001 (every error must reach the other ranks)
         _refuse(comm, g, name, error)
-    if _validate or c.late_error is not None:
-        _check(comm, g, name, x, c)
+    _check(comm, g, name, x, c)
     out = cast(np.ndarray, out)  # set in the try, unless a late error that _check raised
     start = perf_counter()
     send = _split_blocks(x, c.axes[0], g.size)
@@ -573,8 +570,7 @@ def all_to_all(x: np.ndarray, split_axis: int, concat_axis: int,
             _apart(x, out, name)
     except Exception as error:  # noqa: BLE001 (every error must reach the other ranks)
         _refuse(comm, g, name, error)
-    if _validate or c.late_error is not None:
-        _check(comm, g, name, x, c)
+    _check(comm, g, name, x, c)
     start = perf_counter()
     send = _split_blocks(x, c.axes[0], g.size)
     if c.axes[1] == 0:  # the received blocks are the result: receive straight into it
@@ -891,8 +887,7 @@ def broadcast(x: np.ndarray, root: int, group: Group | Sequence[int] | None = No
         out = _result(out, x.shape, x.dtype, name)
     except Exception as error:  # noqa: BLE001 (every error must reach the other ranks)
         _refuse(comm, g, name, error)
-    if _validate or c.late_error is not None:
-        _check(comm, g, name, x, c)
+    _check(comm, g, name, x, c)
     start = perf_counter()
     me = world().Get_rank()
     # Only the root's values matter: the others receive into fresh memory instead of copying
