@@ -31,7 +31,7 @@ import ctypes
 import os
 import sys
 
-__all__ = ["SETTINGS", "apply", "local_ranks", "usable_cores"]
+__all__ = ["RANK_VARS", "SETTINGS", "apply", "launcher_rank", "local_ranks", "usable_cores"]
 
 _THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
                 "BLIS_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
@@ -43,6 +43,21 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3          # glibc's mallopt paramet
 _MMAP_THRESHOLD, _TRIM_THRESHOLD = 256 * 2**20, 512 * 2**20
 
 SETTINGS: dict[str, object] = {}
+
+
+# Where launchers put a process's rank: MPICH/Hydra, Open MPI, PMIx, MVAPICH, Slurm.
+RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK",
+             "SLURM_PROCID")
+
+
+def launcher_rank() -> int:
+    """This process's rank as its launcher announced it (0 when started without one), read
+    without starting MPI: for "only rank 0 prints" decisions made before MPI_Init."""
+    for var in RANK_VARS:
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    return 0
 
 
 def usable_cores() -> int:

@@ -109,8 +109,7 @@ TAIL_LINES = 20
 _STOP_WAIT_S = 2.0  # after SIGTERM to mpirun, before SIGKILL to everything left
 _POLL_S = 0.05
 _EXIT_MARK = b"\x1esimpar-rank-exit "  # wrapper -> launcher record, on the wrapper's stdout
-_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK",
-              "SLURM_PROCID")
+_RANK_VARS = _env.RANK_VARS
 _PYTHON = re.compile(r"^python(\d+(\.\d+)*)?$")
 # Messages an aborting rank leaves in its own log (MPICH, Open MPI, simpar.comm's hook).
 _ABORT_SIGNS = (re.compile(r"application called MPI_Abort\("),

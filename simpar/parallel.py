@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from simpar.check import relative_error
 from simpar.layout import TensorLayout, distribute
 from simpar.ops._base import OpSharding, Primitive
 from simpar.redistribution import execute, plan
@@ -49,20 +50,30 @@ def _tolerance(dtype: np.dtype) -> float:
     return 1e-5 if dtype == np.float32 else 1e-12
 
 
-def _check(what: str, got: np.ndarray, want: np.ndarray, op: Primitive) -> None:
+def _check(what: str, got: np.ndarray, want: np.ndarray, local: np.ndarray | None,
+           op: Primitive) -> None:
+    """Raise :class:`OpCheckError` on every rank unless ``got`` (assembled, the same on every
+    rank) matches ``want``; a non-finite value fails and names the ranks whose shard holds it
+    (``local`` is this rank's shard; collective)."""
+    from simpar import comm
+
     if got.shape != want.shape:
         raise OpCheckError(f"{op.name}: parallel {what} has shape {got.shape}, single device "
                            f"{want.shape}")
-    if got.dtype.kind != "f":
-        if not np.array_equal(got, want):
-            raise OpCheckError(f"{op.name}: parallel {what} differs from single device")
+    err = relative_error(got, want)
+    if err <= (_tolerance(want.dtype) if want.dtype.kind == "f" else 0.0):
         return
-    scale = max(float(np.max(np.abs(want))) if want.size else 0.0, 1e-30)
-    err = float(np.max(np.abs(got - want))) / scale if want.size else 0.0
-    if err > _tolerance(want.dtype):
-        raise OpCheckError(f"{op.name}: parallel {what} differs from single device by "
-                           f"{err:.3e} (relative to max |value|), more than "
-                           f"{_tolerance(want.dtype):.0e}; strategy {op.in_strategy}")
+    where = ""
+    if local is not None and got.dtype.kind in "fc" and not np.isfinite(got).all():
+        bad = np.array([0 if np.isfinite(local).all() else 1], dtype=np.int32)
+        flags = comm.all_gather(bad) if comm.get_group_size() > 1 else bad
+        where = f" (non-finite values in the shards of ranks {np.flatnonzero(flags).tolist()})"
+    elif want.dtype.kind == "f" and not np.isfinite(want).all():
+        where = " (the single-device result itself is non-finite)"
+    amount = "non-finite" if err == float("inf") else f"{err:.3e} (relative to max |value|)"
+    tol = f", more than {_tolerance(want.dtype):.0e}" if err != float("inf") else ""
+    raise OpCheckError(f"{op.name}: parallel {what} differs from single device: {amount}"
+                       f"{tol}{where}; strategy {op.in_strategy}")
 
 
 def run_op(op: Primitive, *global_inputs: np.ndarray, grad_output: np.ndarray | None = None,
@@ -85,6 +96,8 @@ def run_op(op: Primitive, *global_inputs: np.ndarray, grad_output: np.ndarray | 
                          f"{len(global_inputs)}")
     xs = [np.asarray(x) for x in global_inputs]
     rank, size = comm.get_rank(), comm.get_group_size()
+    if size > 1:
+        comm.check_same_arrays(f"run_op({op.name})", [(f"input {i}", x) for i, x in enumerate(xs)])
     op.check_values(*xs)
     sh = op.sharding([x.shape for x in xs], size)
     local_in = tuple(distribute(x, lay, rank) for x, lay in zip(xs, sh.in_layouts))
@@ -96,8 +109,8 @@ def run_op(op: Primitive, *global_inputs: np.ndarray, grad_output: np.ndarray | 
     out: Any = outs if multi else outs[0]
     if check:
         want = op.kernel(*xs)
-        for k, (o, w) in enumerate(zip(outs, want if multi else (want,))):
-            _check(f"output {k}" if multi else "output", o, np.asarray(w), op)
+        for k, (o, w, lo) in enumerate(zip(outs, want if multi else (want,), local_outs)):
+            _check(f"output {k}" if multi else "output", o, np.asarray(w), lo, op)
     grads: tuple[np.ndarray | None, ...] | None = None
     local_grads: tuple[np.ndarray | None, ...] | None = None
     if grad_output is not None:
@@ -127,7 +140,8 @@ def run_op(op: Primitive, *global_inputs: np.ndarray, grad_output: np.ndarray | 
                 if (g is None) != (w is None):
                     raise OpCheckError(f"{op.name}: gradient {i} presence differs")
                 if g is not None and w is not None:
-                    _check(f"gradient of input {i}", g, np.asarray(w), op)
+                    _check(f"gradient of input {i}", g, np.asarray(w),
+                           None if local_grads is None else local_grads[i], op)
     if full:
         return OpRun(out, grads, sh, local_in, local_out, local_grads)
     return out if grads is None else (out, grads)

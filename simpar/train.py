@@ -15,43 +15,76 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
-from typing import Any
+from typing import IO, Any, NoReturn
 
 import numpy as np
 
 import simpar
-from simpar import comm, nn
+from simpar import _env, comm, graph, nn
+from simpar.check import CheckReport, check_against_single_device
+from simpar.context import ContextError
 from simpar.dataset import VOCAB_SIZE, CharCorpus, random_classification
-from simpar.layout import distribute
 from simpar.nn import presets
+from simpar.runtime.program import lower
 
 MODES = ("stand_alone", "data_parallel", "semi_auto_parallel", "auto_parallel")
 
 
+class UsageError(ValueError):
+    """A contradictory or unusable combination of options; the job prints it and exits 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, printing (usage, errors, --help) on rank 0 only: the other ranks exit with
+    the same code, quietly."""
+
+    def _print_message(self, message: str, file: IO[str] | None = None) -> None:  # type: ignore[override]
+        if _env.launcher_rank() == 0:
+            super()._print_message(message, file)
+
+    def error(self, message: str) -> NoReturn:
+        """One line, no usage block: the mistake, and where the options are listed."""
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m simpar.train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--parallel-mode", default="semi_auto_parallel", choices=MODES)
+    p = _Parser(prog="python -m simpar.train", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parallel-mode", default="semi_auto_parallel", choices=MODES,
+                   help="stand_alone runs on one rank only; auto_parallel is not built yet")
     p.add_argument("--device-num", type=int, default=None,
                    help="must equal the number of MPI ranks (default: the world size)")
-    p.add_argument("--strategy", default="hybrid", choices=presets.PRESETS,
-                   help="semi_auto preset: dp, mp (Megatron), hybrid (dp=2 x mp=N/2)")
+    p.add_argument("--strategy", default=None, choices=presets.PRESETS,
+                   help="semi_auto_parallel preset: dp, mp (Megatron over every rank), hybrid "
+                   "(dp=2 x mp=N/2, N even); default hybrid on an even number of ranks, mp "
+                   "otherwise")
     p.add_argument("--model", default="gpt", choices=("gpt", "mlp"))
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="global batch; must divide among the data-parallel ranks")
     p.add_argument("--seq-length", type=int, default=32)
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--n-layers", type=int, default=2)
-    p.add_argument("--n-heads", type=int, default=8)
+    p.add_argument("--n-heads", type=int, default=8,
+                   help="must divide --d-model, and be divisible by the model-parallel cut")
     p.add_argument("--hidden", type=int, default=64, help="MLP hidden width")
-    p.add_argument("--lr", type=float, default=None, help="default 3e-3 (Adam) / 0.1 (SGD)")
+    p.add_argument("--lr", type=_positive_float, default=None,
+                   help="default 3e-3 (Adam, AdamW) / 0.1 (Momentum, SGD)")
     p.add_argument("--optimizer", default="adam", choices=("adam", "adamw", "momentum", "sgd"))
     p.add_argument("--dtype", default="float64", choices=("float32", "float64"),
-                   help="float64 (default) checks to 1e-10; float32 to 1e-5 (prefer --optimizer "
-                   "momentum: Adam turns float32 round-off in near-zero gradients into steps)")
+                   help="the check's tolerance follows the dtype and optimizer (README, 'The "
+                   "single-device check')")
     p.add_argument("--gradients-mean", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-check", action="store_true", help="skip the single-device check")
@@ -61,11 +94,95 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                  "hidden"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.seed < 0:
+        p.error(f"--seed must be >= 0, got {args.seed}")
+    if args.model == "gpt" and args.d_model % args.n_heads:
+        p.error(f"--n-heads {args.n_heads} must divide --d-model {args.d_model} (each head "
+                f"gets d_model / n_heads features)")
+    if args.strategy is not None and args.parallel_mode != "semi_auto_parallel":
+        p.error(f"--strategy {args.strategy} sets semi_auto_parallel strategies, but "
+                f"--parallel-mode is {args.parallel_mode}; drop --strategy or use "
+                "--parallel-mode semi_auto_parallel")
+    if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
+        p.error(f"--out {args.out} exists and is not a directory")
     return args
 
 
-def build(args: argparse.Namespace, mode: str, device_num: int
-          ) -> tuple[nn.TrainOneStepCell, tuple[int, int]]:
+def mesh(args: argparse.Namespace, world: int) -> tuple[int, int]:
+    """(dp, mp) for these options on ``world`` ranks; :class:`UsageError` when they cannot
+    run there. Pure: the job calls it for its own world and for the -n values it suggests."""
+    mode = args.parallel_mode
+    if mode == "auto_parallel":
+        raise UsageError("--parallel-mode auto_parallel needs the strategy search, which is not "
+                         "implemented yet; use semi_auto_parallel or data_parallel")
+    if mode == "stand_alone":
+        if world != 1:
+            raise UsageError(f"--parallel-mode stand_alone runs on one device, but this job "
+                             f"has {world} ranks; run it on one (mpirun -n 1, or plain python "
+                             "-m simpar.train)")
+        return 1, 1
+    if mode == "data_parallel":
+        dp, mp, where = world, 1, f"data_parallel on {world} ranks"
+    else:
+        strategy = strategy_name(args, world) or "hybrid"
+        default = "" if args.strategy else (
+            ", the default on an odd number of ranks" if strategy == "mp" else ", the default")
+        if strategy == "hybrid" and world % 2:
+            raise UsageError(f"--strategy hybrid is dp=2 x mp=N/2, which needs an even number "
+                             f"of ranks; this job has {world}")
+        dp, mp = {"dp": (world, 1), "mp": (1, world), "hybrid": (2, world // 2)}[strategy]
+        where = f"strategy {strategy}{default}, on {world} ranks is dp={dp} x mp={mp}"
+    if args.batch_size % dp:
+        raise UsageError(f"--batch-size {args.batch_size} does not split among {dp} "
+                         f"data-parallel ranks ({where}); use a multiple of {dp}")
+    if args.model == "gpt" and args.n_heads % mp:
+        raise UsageError(f"--n-heads {args.n_heads} does not split among {mp} model-parallel "
+                         f"ranks ({where}; Megatron gives each rank whole heads); use a "
+                         f"multiple of {mp}")
+    return dp, mp
+
+
+def dataset_strategy(args: argparse.Namespace, dp: int, mp: int, device_num: int) -> Any:
+    """Each rank loads only its batch slice where the strategy cuts the batch."""
+    if args.parallel_mode == "semi_auto_parallel" and args.model == "gpt" and dp > 1:
+        return ((dp, 1), (dp, 1)) if dp * mp == device_num else "full_batch"
+    return "full_batch"
+
+
+def plan_only(args: argparse.Namespace, world: int) -> None:
+    """Check, without MPI or data, that these options plan on ``world`` ranks (raises
+    :class:`UsageError` or the planner's ``ValueError``)."""
+    dp, mp = mesh(args, world)
+    train = build(args, args.parallel_mode, world)
+    shapes = batch_shapes(args)
+    g = graph.trace(train.network, shapes, ["data", "label"])
+    lower(g, world, args.parallel_mode, dataset_strategy(args, dp, mp, world), True,
+          cell=train.network)
+
+
+def working_world_sizes(args: argparse.Namespace, up_to: int = 16) -> list[int]:
+    """The ``mpirun -n`` values up to ``up_to`` on which these options plan."""
+    ok = []
+    for n in range(1, up_to + 1):
+        try:
+            plan_only(args, n)
+        except ValueError:
+            continue
+        ok.append(n)
+    return ok
+
+
+def batch_shapes(args: argparse.Namespace) -> list[tuple[tuple[int, ...], Any]]:
+    if args.model == "gpt":
+        shape = (args.batch_size, args.seq_length)
+        return [(shape, np.dtype(np.int32)), (shape, np.dtype(np.int32))]
+    return [((args.batch_size, args.d_model), np.dtype(args.dtype)),
+            ((args.batch_size,), np.dtype(np.int32))]
+
+
+def build(args: argparse.Namespace, mode: str, device_num: int) -> nn.TrainOneStepCell:
+    """The training cell for these options; in semi_auto_parallel its ops carry the preset's
+    strategies for ``device_num`` ranks (:func:`mesh` says which)."""
     dtype = np.dtype(args.dtype)
     loss = nn.SoftmaxCrossEntropyWithLogits()
     model: nn.Cell
@@ -74,13 +191,15 @@ def build(args: argparse.Namespace, mode: str, device_num: int
                        dtype=dtype)
     else:
         model = nn.MLP(args.d_model, args.hidden, 8, n_hidden=1, dtype=dtype)
-    dp_mp = (1, 1)
     if mode == "semi_auto_parallel":
-        dp_mp = presets.apply(args.strategy, model, device_num, loss)
-        if args.strategy == "dp":  # data parallel written as semi-auto strategies
+        dp, mp = mesh(args, device_num)
+        if strategy_name(args, device_num) == "dp":  # data parallel as semi-auto strategies
             _data_parallel_strategies(model, device_num)
-    elif mode == "data_parallel":
-        dp_mp = (device_num, 1)
+        elif isinstance(model, nn.GPT):
+            presets.megatron_gpt(model, dp, mp, loss)
+        else:
+            assert isinstance(model, nn.MLP)
+            presets.megatron_mlp(model, dp, mp)
     net = nn.WithLossCell(model, loss)
     params = net.trainable_params()
     lr = args.lr if args.lr is not None else (3e-3 if args.optimizer.startswith("adam") else 0.1)
@@ -88,7 +207,7 @@ def build(args: argparse.Namespace, mode: str, device_num: int
                          "adamw": lambda: nn.AdamW(params, lr),
                          "momentum": lambda: nn.Momentum(params, lr, 0.9),
                          "sgd": lambda: nn.SGD(params, lr)}[args.optimizer]()
-    return nn.TrainOneStepCell(net, opt, parallel_mode=mode, seed=args.seed), dp_mp
+    return nn.TrainOneStepCell(net, opt, parallel_mode=mode, seed=args.seed)
 
 
 def _data_parallel_strategies(model: nn.Cell, n: int) -> None:
@@ -105,10 +224,29 @@ def batches(args: argparse.Namespace) -> Any:
                                            np.dtype(args.dtype))
 
 
-def _short(name: str) -> str:
-    parts = [p.split("-")[0] for p in name.split("/")[2:]]
-    short = {"SparseSoftmaxCrossEntropyWithLogits": "SparseSoftmaxCE"}
-    return "/".join(short.get(p, p) for p in parts[-3:])
+# ------------------------------------------------------------------ the strategy table
+def display_names(names: list[str]) -> dict[str, str]:
+    """Short, unique, readable op names: the cell path below the network without class
+    names ("block1/attn/q/MatMul"), with MindSpore's ``-opN`` kept only where two ops of one
+    cell would read alike ("block1/attn/BatchMatMul-op20")."""
+    short = {}
+    for name in names:
+        parts = name.split("/")
+        parts = parts[2:] if len(parts) > 2 and parts[0] == "Default" else parts
+        cells = [p.split("-")[0].lstrip("_") for p in parts[:-1]]
+        cells = [c for c in cells if c != "backbone"]
+        short[name] = "/".join([*cells, parts[-1].rsplit("-op", 1)[0]])
+    seen: dict[str, int] = {}
+    for s in short.values():
+        seen[s] = seen.get(s, 0) + 1
+    return {n: s if seen[s] == 1 else f"{s}-op{n.rsplit('-op', 1)[-1]}"
+            for n, s in short.items()}
+
+
+def _columns(rows: list[list[str]], indent: str = "  ") -> list[str]:
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    return [indent + "  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip()
+            for r in rows]
 
 
 def print_strategy_table(train: nn.TrainOneStepCell) -> None:
@@ -116,15 +254,16 @@ def print_strategy_table(train: nn.TrainOneStepCell) -> None:
     assert prog is not None
     rows = prog.comm_table()
     shown = [r for r in rows if r["chosen"] == "annotated" or r["forward"] or r["redistribution"]]
+    names = display_names([r["op"] for r in rows])
     print(f"\nstrategies ({len(shown)} of {len(rows)} ops shown: annotated or communicating; "
           "the rest follow their producers)")
-    print(f"  {'op':<34}{'strategy':<28}{'out map':<16}{'forward':<24}backward")
+    table = [["op", "strategy", "out map", "forward", "backward"]]
     for r in shown:
-        fwd = ", ".join(r["redistribution"] + r["forward"]) or "-"
-        bwd = ", ".join(r["backward"]) or "-"
-        strat = str(r["strategy"]).replace(" ", "")
-        print(f"  {_short(r['op'])[-33:]:<34}{strat:<28}"
-              f"{str(r['out_tensor_map']).replace(' ', ''):<16}{fwd:<24} {bwd}")
+        table.append([names[r["op"]], str(r["strategy"]).replace(" ", ""),
+                      str(r["out_tensor_map"]).replace(" ", ""),
+                      ", ".join(r["redistribution"] + r["forward"]) or "-",
+                      ", ".join(r["backward"]) or "-"])
+    print("\n".join(_columns(table)))
     mirrors: dict[int, int] = {}
     for name in prog.param_layouts:
         g = len(prog.mirror_group(name, 0))
@@ -134,44 +273,42 @@ def print_strategy_table(train: nn.TrainOneStepCell) -> None:
         for g, n in sorted(mirrors.items())))
 
 
+# ------------------------------------------------------------------ the job
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rank, world = comm.get_rank(), comm.get_group_size()
     say = print if rank == 0 else (lambda *a, **k: None)
     device_num = args.device_num if args.device_num is not None else world
     simpar.set_seed(args.seed)
-    try:  # every rank gets the same verdict, so every rank stops here alike
+    get_batch = batches(args)
+    try:  # every rank reaches the same verdict, so every rank stops here alike
         simpar.set_auto_parallel_context(parallel_mode=args.parallel_mode,
                                          device_num=device_num,
                                          gradients_mean=args.gradients_mean,
                                          enable_alltoall=True)
         comm.check_context()
+        dp, mp = mesh(args, world)
+        train = build(args, args.parallel_mode, world)
+        simpar.set_auto_parallel_context(dataset_strategy=dataset_strategy(args, dp, mp, world))
+        t_build = time.perf_counter()
+        data0, label0 = get_batch(0)
+        train.build(data0, label0)
+        t_build = time.perf_counter() - t_build
     except ValueError as e:
-        say(f"python -m simpar.train: error: {e}")
+        if rank == 0:
+            hint = ""
+            if not isinstance(e, ContextError):
+                sizes = working_world_sizes(args)
+                hint = (f"; with these options -n can be {', '.join(map(str, sizes))}"
+                        if sizes else "")
+            print(f"python -m simpar.train: error: {e}{hint}", file=sys.stderr)
         return 2
-    if args.parallel_mode == "auto_parallel":
-        say("parallel_mode auto_parallel needs the strategy search, which is not implemented "
-            "yet; use semi_auto_parallel or data_parallel")
-        return 2
-    train, (dp, mp) = build(args, args.parallel_mode, device_num)
-    if args.parallel_mode == "semi_auto_parallel" and args.model == "gpt":
-        simpar.set_auto_parallel_context(
-            dataset_strategy=((dp, 1), (dp, 1)) if dp * mp == device_num else "full_batch")
-    get_batch = batches(args)
-    from simpar import _env
-
     env = _env.SETTINGS
     say(f"simpar {simpar.__version__}: {world} ranks, mode {args.parallel_mode}, model "
         f"{args.model}, dtype {args.dtype}; BLAS threads/rank {env.get('blas_threads')}, MPI "
         f"wait policy {env.get('wait_policy')}")
     if args.parallel_mode == "semi_auto_parallel":
-        say(f"mesh: dp x mp = {dp} x {mp}" + (f" (x {device_num // (dp * mp)} repeated)"
-                                               if dp * mp < device_num else "") +
-            f", strategy preset {args.strategy!r}")
-    t_build = time.perf_counter()
-    data0, label0 = get_batch(0)
-    train.build(data0, label0)
-    t_build = time.perf_counter() - t_build
+        say(f"mesh: dp x mp = {dp} x {mp}, strategy preset {strategy_name(args, world)!r}")
     print_strategy_table(train) if rank == 0 else None
     say(f"\nplanned in {t_build:.2f} s; training {args.steps} steps of {args.batch_size} x "
         f"{args.seq_length if args.model == 'gpt' else 1} tokens")
@@ -195,64 +332,45 @@ def main(argv: list[str] | None = None) -> int:
     say("collectives per rank 0 over the run:\n" + "\n".join(
         "  " + line for line in trace.summary().splitlines()))
     summary: dict[str, Any] = {
-        "mode": args.parallel_mode, "strategy": args.strategy, "dp": dp, "mp": mp,
-        "model": args.model, "dtype": args.dtype, "steps": args.steps, "losses": losses,
-        "tokens_per_s": tok_s, "plan_seconds": t_build, "step_seconds": step_times,
-        "comm": trace.by_kind(), "strategies": train.program.strategies() if train.program
-        else {}, "passed": None}
+        "mode": args.parallel_mode, "strategy": strategy_name(args, world), "dp": dp,
+        "mp": mp, "model": args.model, "dtype": args.dtype, "steps": args.steps,
+        "losses": [_json_float(x) for x in losses], "tokens_per_s": tok_s,
+        "plan_seconds": t_build, "step_seconds": step_times, "comm": trace.by_kind(),
+        "strategies": train.program.strategies() if train.program else {}, "passed": None}
     ok = True
     if not args.no_check:
-        ok, diffs = check_against_single_device(args, train, losses, get_batch)
-        summary.update(diffs, passed=ok)
+        report = check_against_single_device(
+            train, lambda: build(args, "stand_alone", 1),
+            [get_batch(k) for k in range(args.steps)], losses=losses)
+        ok = report.passed
+        say("\n" + (report.summary() if ok else str(report)))
+        summary.update(_check_fields(report))
     if args.out and rank == 0:
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, "summary.json")
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
-            json.dump(summary, f, indent=1, default=float)
+            json.dump(summary, f, indent=1, default=float, allow_nan=False)
         os.replace(tmp, path)
         say(f"wrote {path}")
     return 0 if ok else 1
 
 
-def check_against_single_device(args: argparse.Namespace, train: nn.TrainOneStepCell,
-                                losses: list[float], get_batch: Any
-                                ) -> tuple[bool, dict[str, float]]:
-    """Rank 0 trains the same steps on one device and broadcasts the result; every rank
-    compares its own shards with the matching slices."""
-    rank = comm.get_rank()
-    prog = train.program
-    assert prog is not None
-    names = sorted(prog.param_layouts)
-    ref_losses = np.zeros(len(losses))
-    ref_params = {n: np.zeros(prog.param_layouts[n].shape, dtype=train.params[n].dtype)
-                  for n in names}
-    if rank == 0:
-        ref, _ = build(args, "stand_alone", 1)
-        if not args.gradients_mean:
-            # The parallel gradients are the sum over the D batch shards at the loss op (see
-            # simpar.nn.wrap): D times the single-device gradient, which sens=D reproduces.
-            ref.sens = float(prog.loss_batch_cut())
-        for k in range(args.steps):
-            ref_losses[k] = ref(*get_batch(k))
-        for n in names:
-            ref_params[n] = ref.params[n]
-    ref_losses = comm.broadcast(ref_losses, root=0)
-    d_loss = float(np.max(np.abs(ref_losses - np.asarray(losses)) / np.maximum(
-        np.abs(ref_losses), 1e-30)))
-    d_param = 0.0
-    for n in names:
-        want = distribute(comm.broadcast(ref_params[n], root=0), prog.param_layouts[n], rank)
-        scale = max(float(np.max(np.abs(want))), 1e-30)
-        d_param = max(d_param, float(np.max(np.abs(train.params[n] - want))) / scale)
-    worst = comm.all_reduce(np.array([d_loss, d_param]), op="max")
-    tol = 1e-5 if args.dtype == "float32" else 1e-10
-    ok = bool(worst[0] <= tol and worst[1] <= tol)
-    if rank == 0:
-        print(f"\ncheck against one device ({args.steps} steps, every rank's shards): max "
-              f"|Δloss| {worst[0]:.2e}, max |Δparam| {worst[1]:.2e} (relative; tolerance "
-              f"{tol:.0e}): {'PASS' if ok else 'FAIL'}")
-    return ok, {"max_dloss": float(worst[0]), "max_dparam": float(worst[1])}
+def strategy_name(args: argparse.Namespace, world: int) -> str | None:
+    """The semi_auto_parallel preset these options use on ``world`` ranks (None otherwise)."""
+    if args.parallel_mode != "semi_auto_parallel":
+        return None
+    return args.strategy or ("hybrid" if world % 2 == 0 else "mp")
+
+
+def _json_float(x: float) -> float | str:
+    return x if math.isfinite(x) else str(x)
+
+
+def _check_fields(report: CheckReport) -> dict[str, Any]:
+    d = report.to_dict()
+    return {"passed": d["passed"], "max_dloss": d["max_dloss"], "max_dparam": d["max_dparam"],
+            "tolerance": d["tolerance"], "param_errors": d["param_errors"]}
 
 
 if __name__ == "__main__":

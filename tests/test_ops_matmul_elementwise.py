@@ -109,6 +109,15 @@ def test_bad_strategies(strategy, device_num, words):
         ops.MatMul().sharding([(8, 16), (16, 8)], device_num, strategy)
 
 
+@pytest.mark.parametrize("strategy", [((0, 1), (1, 4)), ((2, -2), (1, 4)), ((2, 1), (1, 0))])
+def test_shard_refuses_zero_and_negative_cuts_at_once(strategy):
+    with pytest.raises(StrategyError, match=r"MatMul: in_strategy .* holds the cut -?\d; cuts "
+                       r"must be >= 1"):
+        ops.MatMul().shard(strategy)
+    with pytest.raises(StrategyError, match="out_strategy .* holds the cut 0"):
+        ops.MatMul().shard(((2, 1), (1, 1)), out_strategy=((0, 1),))
+
+
 def test_bad_strategy_types():
     with pytest.raises(TypeError, match="tuple of tuples"):
         ops.MatMul().shard(2)

@@ -147,7 +147,7 @@ def test_device_num_must_match_the_world(capsys: pytest.CaptureFixture[str]) -> 
     assert train.main(["--device-num", str(n + 3), "--steps", "1"]) == 2
     if comm.get_rank() == 0:
         assert (f"device_num is {n + 3} on rank 0, but the MPI world has {n} ranks"
-                in capsys.readouterr().out)
+                in capsys.readouterr().err)
 
 
 def test_auto_parallel_refuses_clearly(capsys: pytest.CaptureFixture[str]) -> None:
@@ -155,4 +155,124 @@ def test_auto_parallel_refuses_clearly(capsys: pytest.CaptureFixture[str]) -> No
         pytest.skip("one process")
     assert train.main(["--parallel-mode", "auto_parallel", "--steps", "1"]) == 2
     assert "auto_parallel needs the strategy search, which is not implemented" in \
-        capsys.readouterr().out
+        capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ user errors, every rank
+def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """Run the job with options it must refuse: exit code 2 on every rank, one line without
+    a traceback on rank 0's stderr, nothing from the other ranks. Returns rank 0's line."""
+    try:
+        code = train.main(argv)
+    except SystemExit as e:  # argparse
+        code = e.code  # type: ignore[assignment]
+    out, err = capsys.readouterr()
+    assert code == 2
+    codes = comm.all_gather(np.array([code], dtype=np.int64))
+    assert (codes == 2).all(), codes
+    if comm.get_rank() > 0:
+        assert out == "" and err == ""
+        return ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("python -m simpar.train: error: ")
+    return lines[0]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--lr", "-1"], "argument --lr: must be a finite number > 0, got -1"),
+    (["--lr", "nan"], "argument --lr: must be a finite number > 0, got nan"),
+    (["--lr", "inf"], "argument --lr: must be a finite number > 0, got inf"),
+    (["--n-heads", "3"], "--n-heads 3 must divide --d-model 64"),
+    (["--steps", "0"], "--steps must be >= 1, got 0"),
+    (["--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["--parallel-mode", "pipeline"], "argument --parallel-mode: invalid choice: 'pipeline'"),
+    (["--parallel-mode", "data_parallel", "--strategy", "mp"],
+     "--strategy mp sets semi_auto_parallel strategies, but --parallel-mode is data_parallel"),
+    (["--parallel-mode", "auto_parallel"], "auto_parallel needs the strategy search"),
+], ids=["lr-negative", "lr-nan", "lr-inf", "heads-not-dividing", "steps-0", "seed", "mode",
+        "strategy-with-dp", "auto"])
+def test_user_errors_print_one_line_on_rank_0(argv: list[str], message: str,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    line = _refused([*argv, "--steps", "1"] if "--steps" not in argv else argv, capsys)
+    if comm.get_rank() == 0:
+        assert message in line
+
+
+@pytest.mark.mpi(min_size=2)
+def test_stand_alone_on_several_ranks_is_refused_before_any_work(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    line = _refused(["--parallel-mode", "stand_alone", "--steps", "1"], capsys)
+    if comm.get_rank() == 0:
+        n = comm.get_group_size()
+        assert f"stand_alone runs on one device, but this job has {n} ranks" in line
+        assert line.endswith("with these options -n can be 1")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_batch_that_does_not_split_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    line = _refused(["--batch-size", "3", "--steps", "1"], capsys)
+    if comm.get_rank() == 0:
+        assert "--batch-size 3 does not split among 2 data-parallel ranks (strategy hybrid, " \
+            "the default" in line
+
+
+@pytest.mark.mpi(min_size=4)
+def test_heads_that_do_not_split_among_mp_are_refused(capsys: pytest.CaptureFixture[str]
+                                                      ) -> None:
+    n = comm.get_group_size()
+    heads = 6 if n == 8 else 3  # the issue's --d-model 66 --n-heads 6 on 8 ranks: mp=4
+    line = _refused(["--d-model", "66", "--n-heads", str(heads), "--steps", "1"], capsys)
+    if comm.get_rank() == 0:
+        assert f"--n-heads {heads} does not split among {n // 2} model-parallel ranks" in line
+        assert "with these options -n can be 1, 2" in line
+
+
+def test_which_world_sizes_work_is_computed_by_planning() -> None:
+    args = train.parse_args(["--strategy", "hybrid"])
+    assert train.working_world_sizes(args) == [2, 4, 8, 16]
+    with pytest.raises(train.UsageError, match="--strategy hybrid is dp=2 x mp=N/2, which "
+                       "needs an even number of ranks; this job has 3"):
+        train.mesh(args, 3)
+    default = train.parse_args([])
+    with pytest.raises(train.UsageError, match=r"--n-heads 8 does not split among 3 "
+                       r"model-parallel ranks \(strategy mp, the default on an odd number of "
+                       r"ranks, on 3 ranks is dp=1 x mp=3"):
+        train.mesh(default, 6 // 2)
+    assert train.mesh(default, 8) == (2, 4) and train.mesh(default, 1) == (1, 1)
+
+
+def test_strategy_table_names_are_unique_and_readable() -> None:
+    names = ["Default/network-WithLossCell/_backbone-GPT/block0-TransformerBlock/"
+             "attn-MultiHeadAttention/q-Dense/MatMul-op4",
+             "Default/network-WithLossCell/_backbone-GPT/block1-TransformerBlock/"
+             "attn-MultiHeadAttention/q-Dense/MatMul-op45",
+             "Default/network-WithLossCell/_backbone-GPT/block1-TransformerBlock/"
+             "attn-MultiHeadAttention/BatchMatMul-op61",
+             "Default/network-WithLossCell/_backbone-GPT/block1-TransformerBlock/"
+             "attn-MultiHeadAttention/BatchMatMul-op65",
+             "Default/network-WithLossCell/_loss_fn-SoftmaxCrossEntropyWithLogits/"
+             "SparseSoftmaxCrossEntropyWithLogits-op90"]
+    short = train.display_names(names)
+    assert list(short.values()) == [
+        "block0/attn/q/MatMul", "block1/attn/q/MatMul", "block1/attn/BatchMatMul-op61",
+        "block1/attn/BatchMatMul-op65", "loss_fn/SparseSoftmaxCrossEntropyWithLogits"]
+
+
+def test_strategy_table_columns_are_aligned(capsys: pytest.CaptureFixture[str]) -> None:
+    if comm.get_group_size() != 1:
+        pytest.skip("one process")
+    args = train.parse_args(["--steps", "1"])
+    cell = train.build(args, "semi_auto_parallel", 1)
+    data, label = train.batches(args)(0)
+    cell.build(data, label)
+    train.print_strategy_table(cell)
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("  ") and
+            "parameter gradients" not in r]
+    header = rows[0]
+    starts = [header.index(c) for c in ("strategy", "out map", "forward", "backward")]
+    for row in rows[1:]:
+        for s in starts:  # every column starts after a gap of at least two spaces
+            assert row[s - 2:s] == "  " and row[s] != " ", (row, s)
+    assert len({r.split()[0] for r in rows[1:]}) == len(rows) - 1  # unique names

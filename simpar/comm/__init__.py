@@ -18,6 +18,7 @@ from simpar.comm._world import (
 )
 from simpar.comm.collectives import (
     CommMismatchError,
+    InputMismatchError,
     all_gather,
     all_reduce,
     all_to_all,
@@ -26,6 +27,7 @@ from simpar.comm.collectives import (
     barrier,
     broadcast,
     check_agreement,
+    check_same_arrays,
     recv,
     reduce_scatter,
     send,
@@ -40,6 +42,7 @@ __all__ = [
     "CommMismatchError",
     "CommTrace",
     "Group",
+    "InputMismatchError",
     "all_gather",
     "all_reduce",
     "all_to_all",
@@ -49,6 +52,7 @@ __all__ = [
     "broadcast",
     "check_agreement",
     "check_context",
+    "check_same_arrays",
     "create_group",
     "get_group_size",
     "get_rank",

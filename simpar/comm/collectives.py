@@ -41,6 +41,7 @@ from simpar.comm._world import Group, resolve, world
 
 __all__ = [
     "CommMismatchError",
+    "InputMismatchError",
     "all_gather",
     "all_reduce",
     "all_to_all",
@@ -49,6 +50,7 @@ __all__ = [
     "barrier",
     "broadcast",
     "check_agreement",
+    "check_same_arrays",
     "recv",
     "reduce_scatter",
     "send",
@@ -73,7 +75,14 @@ _validate = os.environ.get("SIMPAR_COMM_CHECK", "1") not in ("0", "false", "no")
 
 
 class CommMismatchError(ValueError):
-    """Ranks of one group called a collective with different shapes, dtypes or arguments."""
+    """Ranks of one group called a collective with different shapes, dtypes or arguments.
+
+    ``detail`` holds what each rank passed ("rank 0: …; ranks 1,2: …") when that is known.
+    """
+
+    def __init__(self, message: str, detail: str = "") -> None:
+        super().__init__(message)
+        self.detail = detail
 
 
 def set_validation(on: bool) -> None:
@@ -243,7 +252,8 @@ def _explain(comm: Any, g: Group, name: str, desc: str,
                                     f"refused {'its' if len(refused) == 1 else 'their'} own "
                                     f"arguments, so no rank runs the collective ({parts})")
         raise CommMismatchError(f"{name}: the ranks of group {list(g.ranks)} passed different "
-                                f"arrays or arguments ({parts}); every rank must pass the same")
+                                f"arrays or arguments ({parts}); every rank must pass the same",
+                                parts)
     if table is None:
         raise CommMismatchError(f"{name}: the ranks of group {list(g.ranks)[:8]}... ({p} "
                                 f"ranks) disagree on the piece sizes")
@@ -270,6 +280,40 @@ def check_agreement(name: str, description: str,
     digest = hashlib.blake2b(f"{name}\0{description}".encode(), digest_size=8).digest()
     key = hash((_KIND_CODE["check_agreement"], int.from_bytes(digest, "little")))
     _settle(comm, g, name, _ring_claims(key, g), lambda: description)
+
+
+class InputMismatchError(CommMismatchError):
+    """The ranks passed different values where every rank must pass the same global array."""
+
+
+def check_same_arrays(name: str, arrays: Sequence[tuple[str, Any]],
+                      group: Group | Sequence[int] | None = None) -> None:
+    """Raise the same :class:`InputMismatchError` on every rank of ``group`` unless every rank
+    passes equal ``(label, array)`` pairs: same shape, dtype and bytes (a blake2b checksum of
+    each array, then one 8-byte Allreduce; it is not recorded in a CommTrace).
+
+    ``run_op`` and ``TrainOneStepCell`` call it on their global inputs: an unseeded
+    ``np.random.rand`` on every rank gives each rank a different "global" array, and the
+    parallel result would then differ from one device for a reason that is not the parallel
+    math. ``check_same_arrays("run_op", [("a", a)])`` on ranks holding different ``a`` raises
+    "run_op: the global inputs differ across ranks: ranks 0,2: a float64[8, 16] #…".
+    """
+    g, _ = resolve(group)
+    if g.size == 1:
+        return
+    words = []
+    for label, x in arrays:
+        a = np.ascontiguousarray(x)
+        digest = hashlib.blake2b(a.data.cast("B") if a.ndim and a.size else a.tobytes(),
+                                 digest_size=8).hexdigest()
+        words.append(f"{label} {a.dtype}{list(a.shape)} #{digest}")
+    try:
+        check_agreement(name, ", ".join(words), g)
+    except CommMismatchError as e:
+        raise InputMismatchError(
+            f"{name}: the global inputs differ across ranks ({e.detail or e}); every rank must "
+            "pass the same global arrays: seed the random generator alike on every rank (e.g. "
+            "np.random.default_rng(0)) or load the same data on each") from None
 
 
 def _result(out: np.ndarray | None, shape: tuple[int, ...], dtype: np.dtype, name: str

@@ -12,7 +12,7 @@ from simpar.nn.layers import (
     MultiHeadAttention,
     TransformerBlock,
 )
-from simpar.nn.loss import SoftmaxCrossEntropyWithLogits
+from simpar.nn.loss import L1Loss, MSELoss, SoftmaxCrossEntropyWithLogits
 from simpar.nn.optim import SGD, Adam, AdamW, Momentum, Optimizer
 from simpar.nn.wrap import TrainOneStepCell, WithLossCell
 
@@ -27,7 +27,9 @@ __all__ = [
     "Dropout",
     "Embedding",
     "FeedForward",
+    "L1Loss",
     "LayerNorm",
+    "MSELoss",
     "Momentum",
     "MultiHeadAttention",
     "Optimizer",

@@ -10,7 +10,9 @@ import numpy as np
 from simpar import ops
 from simpar.nn.cell import Cell
 
-__all__ = ["SoftmaxCrossEntropyWithLogits"]
+__all__ = ["L1Loss", "MSELoss", "SoftmaxCrossEntropyWithLogits"]
+
+_REDUCTIONS = ("none", "mean", "sum")
 
 
 class SoftmaxCrossEntropyWithLogits(Cell):
@@ -45,3 +47,85 @@ class SoftmaxCrossEntropyWithLogits(Cell):
         if self.reduction == "sum":
             loss = self.to_sum(loss, np.asarray(float(n), dtype=logits.dtype))
         return loss
+
+
+class _PointwiseLoss(Cell):
+    """``reduce(f(logits - labels))`` from primitives, so their sharding rules apply: ``sub``
+    and ``f`` are pointwise, and ``reduce`` (ReduceMean or ReduceSum over every axis, None for
+    ``reduction="none"``) leaves each rank a partial sum of its own slice that one
+    AllReduce(sum) completes. Nothing is ever gathered.
+
+    Logits (8, 4), "mean", data parallel over 4 ranks: rank 2 holds rows 4..5 and computes
+    ``f(x - y)[4:6].sum() / 32``; the AllReduce over ranks 0..3 makes it the mean. With the
+    feature axis split as well (dev_matrix (2, 2), cuts (2, 2)), rank 3 sums the block
+    ``[4:8, 2:4]`` and the AllReduce runs over all four ranks.
+
+    Strategies can be set on the primitives, ``loss.sub.shard(((dp, mp), (dp, mp)))``; left
+    unset, they follow the layouts of the logits.
+    """
+
+    def __init__(self, reduction: str = "mean") -> None:
+        super().__init__()
+        if not isinstance(reduction, str) or reduction not in _REDUCTIONS:
+            raise ValueError(f"{type(self).__name__}: reduction must be 'none', 'mean' or "
+                             f"'sum', got {reduction!r}")
+        self.reduction = reduction
+        self.sub = ops.Sub()
+        self.reduce: ops.Primitive | None = {
+            "none": None, "mean": ops.ReduceMean(axis=()), "sum": ops.ReduceSum(axis=())
+        }[reduction]
+
+    def _pointwise(self, diff: Any) -> Any:
+        raise NotImplementedError
+
+    def _check(self, logits: Any, labels: Any) -> None:
+        x, y = (v if hasattr(v, "shape") and hasattr(v, "dtype") else np.asarray(v)
+                for v in (logits, labels))
+        name = type(self).__name__
+        if np.dtype(x.dtype).kind != "f" or np.dtype(y.dtype) != np.dtype(x.dtype):
+            raise TypeError(f"{name}: logits and labels must be floating point of one dtype, "
+                            f"got {np.dtype(x.dtype)} and {np.dtype(y.dtype)}")
+        try:
+            np.broadcast_shapes(tuple(x.shape), tuple(y.shape))
+        except ValueError:
+            raise ValueError(f"{name}: logits of shape {tuple(x.shape)} and labels of shape "
+                             f"{tuple(y.shape)} must have the same shape or broadcast to each "
+                             "other") from None
+
+    def construct(self, logits: Any, labels: Any) -> Any:
+        self._check(logits, labels)
+        loss = self._pointwise(self.sub(logits, labels))
+        return loss if self.reduce is None else self.reduce(loss)
+
+
+class MSELoss(_PointwiseLoss):
+    """Mean squared error (MindSpore's ``nn.MSELoss(reduction="mean")``): the elementwise
+    loss is ``(logits - labels) ** 2`` over the broadcast shape of the two; ``reduction``
+    "mean" (default) averages it over every element, "sum" sums it, "none" returns it.
+
+    ``MSELoss()(np.array([1., 2., 3.]), np.array([1., 1., 1.]))`` is ``5 / 3``.
+    """
+
+    def __init__(self, reduction: str = "mean") -> None:
+        super().__init__(reduction)
+        self.square = ops.Square()
+
+    def _pointwise(self, diff: Any) -> Any:
+        return self.square(diff)
+
+
+class L1Loss(_PointwiseLoss):
+    """Mean absolute error (MindSpore's ``nn.L1Loss(reduction="mean")``): the elementwise
+    loss is ``|logits - labels|`` over the broadcast shape of the two; ``reduction`` "mean"
+    (default), "sum" or "none" as for :class:`MSELoss`. Its gradient at ``logits == labels``
+    is 0.
+
+    ``L1Loss()(np.array([1., 2., 3.]), np.array([1., 2., 2.]))`` is ``1 / 3``.
+    """
+
+    def __init__(self, reduction: str = "mean") -> None:
+        super().__init__(reduction)
+        self.abs = ops.Abs()
+
+    def _pointwise(self, diff: Any) -> Any:
+        return self.abs(diff)

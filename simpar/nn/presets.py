@@ -85,13 +85,16 @@ def redistributing_mlp(mlp: MLP, device_num: int) -> MLP:
 
 def apply(preset: str, model: Any, device_num: int, loss: Any = None) -> tuple[int, int]:
     """Apply a named preset; returns (dp, mp). ``dp``: nothing to set (use data_parallel
-    mode); ``mp``: Megatron over every device; ``hybrid``: dp=2 x mp=device_num/2."""
+    mode); ``mp``: Megatron over every device; ``hybrid``: dp=2 x mp=device_num/2, for an
+    even device_num."""
     if preset not in PRESETS:
         raise ValueError(f"strategy preset must be one of {list(PRESETS)}, got {preset!r}")
     if preset == "dp":
         return device_num, 1
-    dp, mp = (1, device_num) if preset == "mp" else (
-        (2, device_num // 2) if device_num % 2 == 0 and device_num > 1 else (1, device_num))
+    if preset == "hybrid" and device_num % 2:
+        raise ValueError(f"strategy preset 'hybrid' is dp=2 x mp=device_num/2, which needs an "
+                         f"even device_num, got {device_num}; use 'mp' or 'dp' instead")
+    dp, mp = (1, device_num) if preset == "mp" else (2, device_num // 2)
     if isinstance(model, GPT):
         megatron_gpt(model, dp, mp, loss)
     elif isinstance(model, MLP):

@@ -91,6 +91,8 @@ class TrainOneStepCell:
         device_num = 1 if self.mode == "stand_alone" else comm.get_group_size()
         if device_num > 1:
             comm.check_context()
+        if device_num > 1:  # shapes decide the program: every rank must trace the same
+            comm.check_same_arrays("TrainOneStepCell.build", [("data", data), ("label", label)])
         g = graph.trace(self.network, [(data.shape, data.dtype), (label.shape, label.dtype)],
                         ["data", "label"])
         dataset = "full_batch" if ctx.full_batch else ctx.dataset_strategy
@@ -139,6 +141,10 @@ class TrainOneStepCell:
         assert prog is not None
         rank = comm.get_rank() if prog.device_num > 1 else 0
         lays = prog.input_layouts()
+        if prog.device_num > 1:
+            comm.check_same_arrays("TrainOneStepCell", [
+                _agreed(what, x, lay) for what, x, lay in zip(("data", "label"), (data, label),
+                                                               lays)])
         local_in = [self._local(data, lays[0], rank), self._local(label, lays[1], rank)]
         outs, tape = prog.forward(local_in, self.params, step=self.step_count)
         loss = outs[0]
@@ -150,6 +156,14 @@ class TrainOneStepCell:
         return float(loss)
 
     # ------------------------------------------------------------ inspection
+    @property
+    def gradients_mean(self) -> bool:
+        """The context's ``gradients_mean`` when the program was built (``build`` first)."""
+        if self._ctx is None:
+            raise ValueError("TrainOneStepCell.gradients_mean: the cell has not been built; "
+                             "call it (or build) on a batch first")
+        return bool(self._ctx.gradients_mean)
+
     def global_parameters(self) -> dict[str, np.ndarray]:
         """Every parameter assembled to its global value (collective: every rank calls)."""
         from simpar import comm
@@ -165,3 +179,11 @@ class TrainOneStepCell:
                 out[name] = execute(plan(lay, lay.replicated()), self.params[name])
         return out
 
+
+
+def _agreed(what: str, x: np.ndarray, lay: TensorLayout) -> tuple[str, np.ndarray]:
+    """What every rank must agree on for one input: a global batch, byte for byte; a rank's
+    own slice (which differs between ranks by design), only its shape."""
+    if tuple(x.shape) == lay.shape:
+        return what, x
+    return f"{what} (this rank's slice; shape)", np.asarray(x.shape, dtype=np.int64)

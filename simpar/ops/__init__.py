@@ -17,6 +17,7 @@ from simpar.ops._base import (
 from simpar.ops.array_ops import Concat, Reshape, Split, Transpose
 from simpar.ops.elementwise import (
     GELU,
+    Abs,
     Add,
     BiasAdd,
     Cast,
@@ -26,6 +27,7 @@ from simpar.ops.elementwise import (
     RealDiv,
     ReLU,
     Sigmoid,
+    Square,
     Sub,
     Tanh,
 )
@@ -36,6 +38,7 @@ from simpar.ops.reduce_ops import ReduceMax, ReduceMean, ReduceSum
 
 __all__ = [
     "GELU",
+    "Abs",
     "Add",
     "BatchMatMul",
     "BiasAdd",
@@ -63,6 +66,7 @@ __all__ = [
     "Softmax",
     "SparseSoftmaxCrossEntropyWithLogits",
     "Split",
+    "Square",
     "Strategy",
     "StrategyError",
     "Sub",

@@ -535,6 +535,9 @@ def _as_strategy(strategy: object, op: str, what: str) -> Strategy:
         for c in s:
             if isinstance(c, bool) or not isinstance(c, (int, np.integer)):
                 raise TypeError(f"{op}: {what} entries must be ints, got {c!r} in {strategy!r}")
+            if c < 1:
+                raise StrategyError(f"{op}: {what} {strategy!r} holds the cut {c}; cuts must "
+                                    "be >= 1 (1 leaves a dimension whole)")
         out.append(tuple(int(c) for c in s))
     return tuple(out)
 

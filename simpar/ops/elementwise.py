@@ -1,5 +1,5 @@
 """Elementwise operators: Add, Sub, Mul, RealDiv (numpy broadcasting), BiasAdd, ReLU, GeLU,
-Tanh, Sigmoid and Cast.
+Tanh, Sigmoid, Abs, Square and Cast.
 
 Every output dimension is one iteration dimension. An input dimension of size 1 that
 broadcasts against a larger one must have cut 1: that input is then replicated along the
@@ -18,8 +18,8 @@ import numpy as np
 from simpar.ops._base import IterSpace, Primitive, dim_names, register
 from simpar.ops.matmul import _unbroadcast
 
-__all__ = ["GELU", "Add", "BiasAdd", "Cast", "GeLU", "Identity", "Mul", "RealDiv", "ReLU",
-           "Sigmoid", "Sub", "Tanh"]
+__all__ = ["GELU", "Abs", "Add", "BiasAdd", "Cast", "GeLU", "Identity", "Mul", "RealDiv",
+           "ReLU", "Sigmoid", "Square", "Sub", "Tanh"]
 
 
 def _broadcast_space(op: str, *shapes: tuple[int, ...]) -> IterSpace:
@@ -253,6 +253,30 @@ class Sigmoid(_Unary):
     def vjp(self, xs: Sequence[np.ndarray], y: np.ndarray, dy: np.ndarray
             ) -> tuple[np.ndarray | None, ...]:
         return (dy * y * (1.0 - y),)
+
+
+@register
+class Abs(_Unary):
+    """``|x|``. The gradient is ``sign(x) * dy``, so 0 at ``x == 0`` (MindSpore's AbsGrad)."""
+
+    def kernel(self, *xs: np.ndarray) -> np.ndarray:
+        return np.abs(xs[0])
+
+    def vjp(self, xs: Sequence[np.ndarray], y: np.ndarray, dy: np.ndarray
+            ) -> tuple[np.ndarray | None, ...]:
+        return (dy * np.sign(xs[0]),)
+
+
+@register
+class Square(_Unary):
+    """``x * x``."""
+
+    def kernel(self, *xs: np.ndarray) -> np.ndarray:
+        return np.square(xs[0])
+
+    def vjp(self, xs: Sequence[np.ndarray], y: np.ndarray, dy: np.ndarray
+            ) -> tuple[np.ndarray | None, ...]:
+        return (2 * xs[0] * dy,)
 
 
 _CASTS = ("float32", "float64", "int32", "int64")

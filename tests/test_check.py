@@ -1,0 +1,91 @@
+"""The single-device check's arithmetic, in one process: every comparison fails on a
+non-finite value, and the report says which parameter and rank.
+
+    python -m pytest tests/test_check.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from simpar import nn
+from simpar.check import CheckReport, default_tolerance, relative_error
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("side", ["got", "want"])
+def test_relative_error_is_infinite_for_any_non_finite_value(bad: float, side: str) -> None:
+    clean = np.array([1.0, 2.0, 3.0])
+    dirty = clean.copy()
+    dirty[1] = bad
+    got, want = (dirty, clean) if side == "got" else (clean, dirty)
+    assert relative_error(got, want) == math.inf
+    assert not relative_error(got, want) <= 1e-10
+
+
+def test_relative_error_is_relative_to_the_largest_reference_value() -> None:
+    assert relative_error(np.array([1.0, 2.0]), np.array([1.0, 2.5])) == pytest.approx(0.2)
+    assert relative_error(np.zeros(3), np.zeros(3)) == 0.0
+    assert relative_error(np.zeros((0, 4)), np.zeros((0, 4))) == 0.0
+    assert relative_error(np.float32(1.0), np.float32(1.0)) == 0.0
+
+
+def test_integer_arrays_compare_exactly() -> None:
+    assert relative_error(np.arange(4), np.arange(4)) == 0.0
+    assert relative_error(np.arange(4), np.arange(4) + 1) == math.inf
+
+
+def test_relative_error_refuses_different_shapes() -> None:
+    with pytest.raises(ValueError, match=r"got has shape \(2,\), want has shape \(3,\)"):
+        relative_error(np.zeros(2), np.zeros(3))
+
+
+def _report(loss: tuple[float, ...], params: dict[str, tuple[float, ...]]) -> CheckReport:
+    return CheckReport(len(loss), 1e-10, loss, params)
+
+
+def test_a_nan_on_one_rank_fails_and_is_named() -> None:
+    report = _report((0.0, 1e-16), {"fc1.weight": (1e-13, math.nan, 1e-13),
+                                    "fc2.weight": (1e-12, 1e-12, 1e-12)})
+    assert not report.passed
+    assert report.worst_param[:2] == ("fc1.weight", 1)
+    assert "fc1.weight on rank 1: non-finite" in report.summary()
+    assert report.summary().splitlines()[0].endswith("FAIL")
+    # Python's max() would have dropped the NaN: the report does not.
+    assert max(1e-13, math.nan, 1e-13) == 1e-13
+    assert math.isnan(report.max_param_error)
+
+
+def test_a_non_finite_loss_fails() -> None:
+    report = _report((0.0, math.inf), {"w": (0.0,)})
+    assert not report.passed
+    assert report.failures == ["loss of step 2: non-finite"]
+
+
+def test_passing_report_and_its_table() -> None:
+    report = _report((1e-16,), {"a.weight": (1e-13, 3e-13), "b": (0.0, 0.0)})
+    assert report.passed and report.failures == []
+    text = str(report)
+    assert "a.weight" in text and text.rstrip().endswith("PASS")
+    # The table's rows are aligned: every row puts its verdict in the same column.
+    rows = text.splitlines()[1:3]
+    assert len({r.rindex("ok") for r in rows}) == 1
+
+
+def test_report_json_has_no_bare_nan() -> None:
+    d = _report((math.nan,), {"w": (math.inf, 0.0)}).to_dict()
+    text = json.dumps(d, allow_nan=False)  # raises on a bare NaN or Infinity
+    assert d["passed"] is False and json.loads(text)["param_errors"]["w"] == ["inf", 0.0]
+
+
+def test_default_tolerance_follows_dtype_and_optimizer() -> None:
+    params = nn.Dense(2, 2).trainable_params()
+    assert default_tolerance(np.float64, nn.Adam(params, 1e-3)) == 1e-10
+    assert default_tolerance(np.float32, nn.Momentum(params, 0.1, 0.9)) == 1e-5
+    assert default_tolerance(np.float32) == 1e-5
+    with pytest.raises(TypeError, match="dtype must be a floating dtype, got int32"):
+        default_tolerance(np.int32)

@@ -1,0 +1,128 @@
+"""The single-device check on real ranks: it passes a correct run, fails a NaN or a wrong
+value on any one rank and names it, and refuses inputs that differ between ranks.
+
+    mpirun -n 8 python -m pytest tests/test_check_mpi.py -q --with-mpi -m mpi
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+import simpar
+import simpar.comm as comm
+from simpar import nn, ops
+from simpar.check import check_against_single_device
+from simpar.parallel import OpCheckError, run_op
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.fixture(autouse=True)
+def _context() -> Iterator[None]:
+    simpar.set_auto_parallel_context(parallel_mode="semi_auto_parallel", gradients_mean=True,
+                                     enable_alltoall=True, dataset_strategy="full_batch")
+    yield
+    simpar.reset_auto_parallel_context()
+
+
+def _make(mp: int | None = None) -> nn.TrainOneStepCell:
+    """A Megatron MLP over every rank (column- then row-parallel) with an MSE loss."""
+    mp = comm.get_group_size() if mp is None else mp
+    fc1 = nn.Dense(8, 16, activation="gelu", dtype=np.float64)
+    fc2 = nn.Dense(16, 4, dtype=np.float64)
+    fc1.matmul.shard(((1, 1), (mp, 1)))
+    fc1.bias_add.shard(((1, mp), (mp,)))
+    fc2.matmul.shard(((1, mp), (1, mp)))
+
+    class Net(nn.Cell):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = fc1, fc2
+
+        def construct(self, x: object) -> object:
+            return self.fc2(self.fc1(x))
+
+    net = Net()
+    return nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()),
+                               nn.Momentum(net.trainable_params(), 0.05, 0.9))
+
+
+def _batches(k: int = 2) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(5)
+    return [(rng.standard_normal((4, 8)), rng.standard_normal((4, 4))) for _ in range(k)]
+
+
+def test_a_correct_run_passes_on_every_rank() -> None:
+    report = check_against_single_device(_make(), _make, _batches())
+    assert report.passed, str(report)
+    assert report.steps == 2 and report.tolerance == 1e-10
+    n = comm.get_group_size()
+    assert set(report.param_errors) == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
+    assert all(len(per_rank) == n for per_rank in report.param_errors.values())
+    # Every rank holds the same report.
+    worst = comm.all_gather(np.array([report.max_param_error]))
+    assert np.all(worst == worst[0])
+
+
+def test_a_nan_in_one_ranks_shard_fails_everywhere_and_names_the_rank() -> None:
+    train, batches = _make(), _batches()
+    losses = [train(x, y) for x, y in batches]
+    bad = comm.get_group_size() - 1
+    if comm.get_rank() == bad:
+        train.params["fc2.weight"][0, 0] = np.nan
+    report = check_against_single_device(train, _make, batches, losses=losses)
+    assert not report.passed
+    assert report.worst_param[:2] == ("fc2.weight", bad)
+    assert f"fc2.weight on rank {bad}: non-finite" in report.summary()
+    assert report.summary().splitlines()[0].endswith("FAIL")
+
+
+def test_a_small_error_on_one_rank_fails() -> None:
+    train, batches = _make(), _batches()
+    losses = [train(x, y) for x, y in batches]
+    if comm.get_rank() == 0:
+        train.params["fc1.bias"] *= 1 + 1e-7
+    report = check_against_single_device(train, _make, batches, losses=losses)
+    assert not report.passed and report.worst_param[:2] == ("fc1.bias", 0)
+    assert 1e-10 < report.max_param_error < 1e-6
+
+
+def test_check_refuses_a_cell_that_already_trained() -> None:
+    train, batches = _make(), _batches()
+    train(*batches[0])
+    with pytest.raises(ValueError, match="train has already run 1 steps"):
+        check_against_single_device(train, _make, batches)
+    with pytest.raises(ValueError, match="2 losses and 2 batches for a cell that ran 1 steps"):
+        check_against_single_device(train, _make, batches, losses=[1.0, 2.0])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_training_refuses_inputs_that_differ_between_ranks() -> None:
+    train = _make()
+    x, y = _batches(1)[0]
+    if comm.get_rank() == 1:
+        x = x + 1.0  # an unseeded generator, in effect
+    with pytest.raises(comm.InputMismatchError,
+                       match="the global inputs differ across ranks .*rank 1: data float64"):
+        train(x, y)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_run_op_refuses_inputs_that_differ_between_ranks() -> None:
+    rng = np.random.default_rng(comm.get_rank())  # a different "global" array per rank
+    a, b = rng.random((4, 4)), np.ones((4, 4))
+    with pytest.raises(comm.InputMismatchError, match=r"run_op\(MatMul\): the global inputs "
+                       r"differ across ranks .*seed the random generator"):
+        run_op(ops.MatMul().shard(((2, 1), (1, 1))), a, b, check=True)
+
+
+def test_run_op_check_fails_on_a_nan_and_names_the_rank() -> None:
+    n = comm.get_group_size()
+    a = np.random.default_rng(0).random((2 * n, 4))
+    a[-1, 0] = np.nan  # in the last rank's rows
+    with pytest.raises(OpCheckError, match=rf"output differs from single device: non-finite "
+                       rf".*shards of ranks \[{n - 1}\]"):
+        run_op(ops.MatMul().shard(((n, 1), (1, 1))), a, np.ones((4, 3)), check=True)
