@@ -75,8 +75,9 @@ class _PointwiseLoss(Cell):
             "none": None, "mean": ops.ReduceMean(axis=()), "sum": ops.ReduceSum(axis=())
         }[reduction]
 
-    def _pointwise(self, diff: Any) -> Any:
-        raise NotImplementedError
+    # The name of the subclass's pointwise primitive (``loss.square``, ``loss.abs``), which
+    # users shard like any other.
+    pointwise: str
 
     def _check(self, logits: Any, labels: Any) -> None:
         x, y = (v if hasattr(v, "shape") and hasattr(v, "dtype") else np.asarray(v)
@@ -94,7 +95,7 @@ class _PointwiseLoss(Cell):
 
     def construct(self, logits: Any, labels: Any) -> Any:
         self._check(logits, labels)
-        loss = self._pointwise(self.sub(logits, labels))
+        loss = getattr(self, self.pointwise)(self.sub(logits, labels))
         return loss if self.reduce is None else self.reduce(loss)
 
 
@@ -106,12 +107,11 @@ class MSELoss(_PointwiseLoss):
     ``MSELoss()(np.array([1., 2., 3.]), np.array([1., 1., 1.]))`` is ``5 / 3``.
     """
 
+    pointwise = "square"
+
     def __init__(self, reduction: str = "mean") -> None:
         super().__init__(reduction)
         self.square = ops.Square()
-
-    def _pointwise(self, diff: Any) -> Any:
-        return self.square(diff)
 
 
 class L1Loss(_PointwiseLoss):
@@ -123,9 +123,8 @@ class L1Loss(_PointwiseLoss):
     ``L1Loss()(np.array([1., 2., 3.]), np.array([1., 2., 2.]))`` is ``1 / 3``.
     """
 
+    pointwise = "abs"
+
     def __init__(self, reduction: str = "mean") -> None:
         super().__init__(reduction)
         self.abs = ops.Abs()
-
-    def _pointwise(self, diff: Any) -> Any:
-        return self.abs(diff)
