@@ -3,11 +3,14 @@
 Under ``mpirun -n N`` every rank runs pytest. Rank 0 reports to the console; the other ranks
 write their report to ``$SIMPAR_TEST_LOGDIR/rank{r}.log`` (dev.py prints it when a run fails),
 so a failure on any rank is still seen and still fails the run (mpirun exits non-zero).
+With ``$SIMPAR_TEST_RESULTS`` set (dev.py sets it), every rank also appends one JSON line per
+report to ``results-rank{r}.jsonl`` there, so that dev.py counts the outcomes of every rank.
 Hypothesis draws the same examples on every rank (derandomize), or the ranks would deadlock.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
@@ -29,6 +32,45 @@ def _launcher_rank() -> int:
     return 0
 
 
+def _launcher_size() -> int:
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 1
+
+
+class _ResultsWriter:
+    """Appends this rank's reports to ``<directory>/results-rank{r}.jsonl``, one JSON line per
+    phase (setup, call, teardown; collect when a file fails to collect), between a ``start`` and
+    a ``finish`` line. dev.py folds them into one outcome per test; a file without ``finish``
+    means the rank died, and a test without teardown is the one it died in. Line-buffered, so
+    what was written before a crash (or an MPI Abort) is on disk."""
+
+    def __init__(self, directory: str) -> None:
+        self.rank, self.size = _launcher_rank(), _launcher_size()
+        path = os.path.join(directory, f"results-rank{self.rank}.jsonl")
+        self._file = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+        self._write(event="start")
+
+    def _write(self, **record: object) -> None:
+        self._file.write(json.dumps({**record, "rank": self.rank, "size": self.size}) + "\n")
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self._write(event="report", nodeid=report.nodeid, when=report.when,
+                    outcome=report.outcome, xfail=hasattr(report, "wasxfail"))
+
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        if not report.passed:
+            self._write(event="report", nodeid=report.nodeid, when="collect",
+                        outcome=report.outcome, xfail=False)
+
+    def pytest_sessionfinish(self, exitstatus: int) -> None:
+        self._write(event="finish", exitstatus=int(exitstatus))
+
+    def pytest_unconfigure(self) -> None:
+        self._file.close()
+
+
 def _per_rank_basetemp(config: pytest.Config) -> None:
     """Under mpirun every rank is a pytest process: give each its own tmp_path root, or one
     rank's clean-up of old /tmp/pytest-of-<user> directories deletes another rank's files."""
@@ -42,6 +84,9 @@ def _per_rank_basetemp(config: pytest.Config) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
     _per_rank_basetemp(config)  # before the tmp_path plugin reads --basetemp
+    results = os.environ.get("SIMPAR_TEST_RESULTS")
+    if results:
+        config.pluginmanager.register(_ResultsWriter(results), "simpar-results")
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
