@@ -1,16 +1,23 @@
 """The single-device check: a parallel run must match one device, number for number.
 
-``check_against_single_device(train, build_reference, batches)`` runs a few training steps in
-parallel and the same steps on one device, and reports, for every parameter and every rank,
-the largest relative difference between the rank's shard and the matching slice of the
-single-device parameter, with PASS or FAIL::
+``check_against_single_device(train, build_reference, batches)`` trains a few steps in
+parallel and the same steps on one device, and compares, for every parameter and every rank:
 
-    report = check_against_single_device(train, lambda: make_train_cell(), batches)
-    print(report)            # a table: loss and every parameter, worst rank, PASS/FAIL
+* the trajectory: every step's loss, and the rank's parameter shards after the last step
+  against the matching slices of the single-device parameters;
+* the arithmetic: the loss and every gradient shard at *identical* parameters (the parallel
+  run's final ones, handed to the single-device twin), for the first batch.
+
+::
+
+    report = check_against_single_device(train, make_train_cell, batches)
+    print(report)            # one row per parameter: worst rank, Δparam, Δgrad, verdict
     assert report.passed     # the same verdict on every rank
 
-Every comparison here fails on a non-finite value: a NaN or an infinity in either run counts
-as an infinite difference (Python's ``max`` silently drops NaN, so nothing here relies on it).
+The tolerances follow the dtype and the optimizer (:func:`default_tolerance`; the README's
+"The single-device check" says why). Every comparison fails on a non-finite value: a NaN or an
+infinity on either side counts as an infinite difference (Python's ``max`` silently drops
+NaN, so nothing here relies on it).
 """
 
 from __future__ import annotations
@@ -29,10 +36,29 @@ from simpar.nn.wrap import TrainOneStepCell
 
 __all__ = [
     "CheckReport",
+    "Tolerance",
     "check_against_single_device",
     "default_tolerance",
     "relative_error",
 ]
+
+
+def _largest_difference(got: Any, want: Any) -> tuple[float, float]:
+    """(max |got - want|, max |want|), with ``inf`` as the difference when either side holds a
+    non-finite value; integer and boolean arrays differ by 0 or ``inf``."""
+    a, b = np.asarray(got), np.asarray(want)
+    if a.shape != b.shape:
+        raise ValueError(f"relative_error: got has shape {a.shape}, want has shape {b.shape}; "
+                         "compare arrays of one shape")
+    if a.size == 0:
+        return 0.0, 0.0
+    if a.dtype.kind not in "fc" and b.dtype.kind not in "fc":
+        return (0.0 if np.array_equal(a, b) else math.inf), float(np.max(np.abs(b)))
+    kind = np.complex128 if "c" in (a.dtype.kind, b.dtype.kind) else np.float64
+    a64, b64 = a.astype(kind), b.astype(kind)
+    if not (np.isfinite(a64).all() and np.isfinite(b64).all()):
+        return math.inf, math.inf
+    return float(np.max(np.abs(a64 - b64))), float(np.max(np.abs(b64)))
 
 
 def relative_error(got: Any, want: Any) -> float:
@@ -45,84 +71,111 @@ def relative_error(got: Any, want: Any) -> float:
     >>> relative_error(np.array([np.nan]), np.array([1.0]))
     inf
     """
-    a, b = np.asarray(got), np.asarray(want)
-    if a.shape != b.shape:
-        raise ValueError(f"relative_error: got has shape {a.shape}, want has shape {b.shape}; "
-                         "compare arrays of one shape")
-    if a.size == 0:
-        return 0.0
-    if a.dtype.kind not in "fc" and b.dtype.kind not in "fc":
-        return 0.0 if np.array_equal(a, b) else math.inf
-    a64, b64 = a.astype(np.complex128 if a.dtype.kind == "c" else np.float64), \
-        b.astype(np.complex128 if b.dtype.kind == "c" else np.float64)
-    if not (np.isfinite(a64).all() and np.isfinite(b64).all()):
-        return math.inf
-    scale = max(float(np.max(np.abs(b64))), 1e-30)
-    return float(np.max(np.abs(a64 - b64))) / scale
+    diff, scale = _largest_difference(got, want)
+    return diff if math.isinf(diff) else diff / max(scale, 1e-30)
 
 
-def default_tolerance(dtype: Any, optimizer: Optimizer | None = None) -> float:
-    """The relative tolerance of the single-device check, derived from the dtype and the
-    optimizer (README, "The single-device check").
+@dataclass(frozen=True, slots=True)
+class Tolerance:
+    """What the single-device check allows, derived from the dtype and the optimizer.
 
-    float64: 1e-10 for every optimizer. float32: 1e-5, except for Adam-style optimizers
-    (Adam, AdamW), see :func:`_adam_float32_tolerance`.
+    ``rtol`` (1e-10 in float64, 1e-5 in float32) bounds, relative to the largest reference
+    value: the loss and every gradient at identical parameters, the first step's loss, and the
+    parameters and losses of optimizers that are linear in the gradient (SGD, Momentum).
+
+    Adam and AdamW divide each gradient element by its own running size, so round-off in a
+    tiny, cancelling gradient (any two summation orders, parallel or not) becomes a parameter
+    difference of up to ``lr * u * G / eps_hat`` per step (``u`` the dtype's unit round-off,
+    ``G`` ~ 1 the largest gradient, ``eps_hat = eps / sqrt(1 - beta2**t)``). So their
+    parameters may also differ by ``param_atol = lr * sqrt(steps) * u * sqrt(1 - beta2) /
+    eps`` (float32, defaults, 20 steps: 0.84 lr; float64: 3.5e-10 sqrt(steps) lr), and their
+    losses after the first step (which differ only because the parameters do) are judged by
+    that parameter rule, not on their own: ``judge_later_losses`` is False. Non-finite values
+    fail everything.
+    """
+
+    rtol: float
+    param_atol: float = 0.0
+    judge_later_losses: bool = True
+
+    def __str__(self) -> str:
+        adam = f"; Adam parameters + {self.param_atol:.2g} absolute" if self.param_atol else ""
+        return f"relative {self.rtol:.0e}{adam}"
+
+
+def default_tolerance(dtype: Any, optimizer: Optimizer | None = None,
+                      steps: int = 1) -> Tolerance:
+    """The :class:`Tolerance` of a run of ``steps`` steps in ``dtype`` with ``optimizer``.
+
+    >>> default_tolerance(np.float32, nn.Momentum(params, 0.1, 0.9)).rtol
+    1e-05
     """
     dt = np.dtype(dtype)
     if dt.kind != "f":
         raise TypeError(f"default_tolerance: dtype must be a floating dtype, got {dt}")
-    if dt.itemsize >= 8:
-        return 1e-10
-    if isinstance(optimizer, Adam):
-        return _adam_float32_tolerance(optimizer)
-    return 1e-5
-
-
-def _adam_float32_tolerance(optimizer: Adam) -> float:
-    return 1e-5
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"default_tolerance: steps must be an int >= 1, got {steps!r}")
+    rtol = 1e-10 if dt.itemsize >= 8 else 1e-5
+    if not isinstance(optimizer, Adam):  # AdamW is an Adam
+        return Tolerance(rtol)
+    u = float(np.finfo(dt).eps) / 2
+    atol = (optimizer.learning_rate * math.sqrt(steps) * u * math.sqrt(1 - optimizer.beta2)
+            / optimizer.eps)
+    return Tolerance(rtol, atol, judge_later_losses=False)
 
 
 @dataclass(frozen=True, slots=True)
 class CheckReport:
     """The outcome of one single-device check, identical on every rank.
 
-    ``loss_errors[k]`` is the relative difference of step ``k``'s loss;
-    ``param_errors[name][r]`` the relative difference of rank ``r``'s shard of ``name``
-    against the matching slice of the single-device parameter (``inf`` for a non-finite
-    value on either side).
+    ``loss_errors[k]``: the relative difference of step ``k``'s loss. ``param_errors[name][r]``:
+    max |rank ``r``'s shard - the matching single-device slice| / max |single-device
+    parameter|, judged against ``param_tolerances[name]``. ``grad_errors[name][r]`` and
+    ``same_params_loss_error``: the same for the gradients and the loss at identical
+    parameters. ``inf`` stands for a non-finite value on either side.
     """
 
     steps: int
-    tolerance: float
+    tolerance: Tolerance
     loss_errors: tuple[float, ...]
     param_errors: Mapping[str, tuple[float, ...]]
+    param_tolerances: Mapping[str, float]
+    grad_errors: Mapping[str, tuple[float, ...]]
+    same_params_loss_error: float
 
     @property
     def max_loss_error(self) -> float:
-        return max(self.loss_errors, default=0.0, key=_nan_last)
+        return _worst(self.loss_errors)
 
     @property
     def worst_param(self) -> tuple[str, int, float]:
-        """(parameter, rank, relative error) of the largest parameter difference."""
-        worst = ("", -1, 0.0)
-        for name, per_rank in self.param_errors.items():
-            for rank, err in enumerate(per_rank):
-                if _nan_last(err) > _nan_last(worst[2]):
-                    worst = (name, rank, err)
-        return worst
+        """(parameter, rank, relative difference) of the largest parameter difference."""
+        return _worst_of(self.param_errors)
 
     @property
     def max_param_error(self) -> float:
         return self.worst_param[2]
 
     @property
+    def worst_grad(self) -> tuple[str, int, float]:
+        """(parameter, rank, relative difference) of the largest gradient difference."""
+        return _worst_of(self.grad_errors)
+
+    @property
     def failures(self) -> list[str]:
-        """One line per loss step and per (parameter, rank) outside the tolerance."""
+        """One line per comparison outside its tolerance."""
+        rtol = self.tolerance.rtol
         out = [f"loss of step {k + 1}: {_fmt(e)}" for k, e in enumerate(self.loss_errors)
-               if not e <= self.tolerance]
+               if not (e <= rtol or (k and not self.tolerance.judge_later_losses
+                                     and math.isfinite(e)))]
         for name, per_rank in self.param_errors.items():
             out += [f"{name} on rank {r}: {_fmt(e)}" for r, e in enumerate(per_rank)
-                    if not e <= self.tolerance]
+                    if not e <= self.param_tolerances[name]]
+        if not self.same_params_loss_error <= rtol:
+            out.append(f"loss at the same parameters: {_fmt(self.same_params_loss_error)}")
+        for name, per_rank in self.grad_errors.items():
+            out += [f"gradient of {name} on rank {r}: {_fmt(e)}" for r, e in enumerate(per_rank)
+                    if not e <= rtol]
         return out
 
     @property
@@ -130,13 +183,14 @@ class CheckReport:
         return not self.failures
 
     def summary(self) -> str:
-        """One line: the worst loss and parameter differences and the verdict."""
+        """The verdict in one line (plus the first few failures, if any)."""
         name, rank, err = self.worst_param
-        where = f" ({name} on rank {rank})" if name else ""
-        verdict = "PASS" if self.passed else "FAIL"
+        gname, grank, gerr = self.worst_grad
         line = (f"check against one device ({self.steps} steps, every rank's shards): max "
-                f"|Δloss| {_fmt(self.max_loss_error)}, max |Δparam| {_fmt(err)}{where} "
-                f"(relative; tolerance {self.tolerance:.0e}): {verdict}")
+                f"|Δloss| {_fmt(self.max_loss_error)}, max |Δparam| {_fmt(err)}"
+                f"{f' ({name} on rank {rank})' if name else ''}, at the same parameters max "
+                f"|Δgrad| {_fmt(gerr)}{f' ({gname} on rank {grank})' if gname else ''} "
+                f"(tolerance {self.tolerance}): {'PASS' if self.passed else 'FAIL'}")
         bad = self.failures
         if bad:
             more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
@@ -144,29 +198,56 @@ class CheckReport:
         return line
 
     def __str__(self) -> str:
-        width = max([len("parameter"), *map(len, self.param_errors)]) + 2
-        lines = [f"  {'parameter':<{width}}{'max |Δ| (relative)':>20}  {'worst rank':>10}  "
-                 "verdict"]
+        rows = [["parameter", "max |Δparam|", "tolerance", "max |Δgrad|", "worst rank",
+                 "verdict"]]
         for name, per_rank in self.param_errors.items():
-            rank = max(range(len(per_rank)), key=lambda r: _nan_last(per_rank[r]))
-            err = per_rank[rank]
-            lines.append(f"  {name:<{width}}{_fmt(err):>20}  {rank:>10}  "
-                         f"{'ok' if err <= self.tolerance else 'FAIL'}")
+            grads = self.grad_errors.get(name, ())
+            rank = max(range(len(per_rank)), key=lambda r: (
+                _nan_last(per_rank[r]) / self.param_tolerances[name],
+                _nan_last(grads[r]) if grads else 0.0))
+            ok = all(e <= self.param_tolerances[name] for e in per_rank) and all(
+                e <= self.tolerance.rtol for e in grads)
+            rows.append([name, _fmt(per_rank[rank]), f"{self.param_tolerances[name]:.1e}",
+                         _fmt(_worst(grads)) if grads else "-", str(rank),
+                         "ok" if ok else "FAIL"])
+        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+        lines = ["  " + "  ".join(c.ljust(w) if k == 0 else c.rjust(w)
+                                  for k, (c, w) in enumerate(zip(r, widths))) for r in rows]
         return "\n".join([*lines, self.summary()])
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: non-finite differences are written as the strings "inf"/"nan"."""
-        return {"steps": self.steps, "tolerance": self.tolerance, "passed": self.passed,
+        return {"steps": self.steps, "passed": self.passed,
+                "tolerance": {"rtol": self.tolerance.rtol,
+                              "param_atol": self.tolerance.param_atol,
+                              "judge_later_losses": self.tolerance.judge_later_losses},
                 "max_dloss": _json(self.max_loss_error),
                 "max_dparam": _json(self.max_param_error),
+                "max_dgrad": _json(self.worst_grad[2]),
+                "same_params_dloss": _json(self.same_params_loss_error),
                 "loss_errors": [_json(e) for e in self.loss_errors],
                 "param_errors": {n: [_json(e) for e in v]
-                                 for n, v in self.param_errors.items()}}
+                                 for n, v in self.param_errors.items()},
+                "param_tolerances": dict(self.param_tolerances),
+                "grad_errors": {n: [_json(e) for e in v] for n, v in self.grad_errors.items()}}
 
 
 def _nan_last(x: float) -> float:
     """Order key that ranks NaN above everything, so a NaN is never the one dropped."""
     return math.inf if math.isnan(x) else x
+
+
+def _worst(values: Iterable[float]) -> float:
+    return max(values, default=0.0, key=_nan_last)
+
+
+def _worst_of(errors: Mapping[str, tuple[float, ...]]) -> tuple[str, int, float]:
+    worst = ("", -1, 0.0)
+    for name, per_rank in errors.items():
+        for rank, err in enumerate(per_rank):
+            if _nan_last(err) > _nan_last(worst[2]):
+                worst = (name, rank, err)
+    return worst
 
 
 def _fmt(x: float) -> str:
@@ -181,21 +262,21 @@ def check_against_single_device(train: TrainOneStepCell,
                                 build_reference: Callable[[], TrainOneStepCell],
                                 batches: Iterable[tuple[np.ndarray, np.ndarray]],
                                 losses: Sequence[float] | None = None,
-                                tolerance: float | None = None) -> CheckReport:
+                                tolerance: Tolerance | None = None) -> CheckReport:
     """Run ``batches`` through ``train`` in parallel and through a single-device twin, and
-    compare every rank's parameter shards and every step's loss (collective: every rank
-    calls it with the same global batches).
+    compare every step's loss, every rank's parameter shards, and the loss and gradients at
+    identical parameters (collective: every rank calls it with the same global batches).
 
     ``build_reference()`` must build the same model and optimizer afresh (strategies set on
     it are ignored: the twin runs stand-alone). Rank 0 alone trains the twin, from the same
     seed, and broadcasts its results; every rank compares its own shards with the matching
     slices. ``losses`` says that ``train`` has already run these batches and returned these
     losses (the main job prints progress while it trains); otherwise this runs them.
-    ``tolerance`` defaults to :func:`default_tolerance` for the parameters' dtype and the
-    optimizer.
+    ``tolerance`` defaults to :func:`default_tolerance` for the parameters' dtype, the
+    optimizer and the number of steps.
 
-    On 8 ranks with a dp x mp = 2 x 4 GPT, rank 5's shard of ``fc1.weight`` is compared with
-    rows 256..511 of the single-device ``fc1.weight``.
+    On 8 ranks with a dp x mp = 2 x 4 GPT, rank 5's shard of ``head.weight`` (vocabulary
+    rows 32..63) is compared with those rows of the single-device ``head.weight``.
     """
     if not isinstance(train, TrainOneStepCell):
         raise TypeError(f"check_against_single_device: train must be a TrainOneStepCell, got "
@@ -219,38 +300,65 @@ def check_against_single_device(train: TrainOneStepCell,
                          f"{len(data)} batches for a cell that ran {train.step_count} steps; "
                          "give every batch it ran, in order, with its loss")
     prog = train.program
-    if prog is None:
-        raise ValueError("check_against_single_device: train has not run a step; pass "
-                         "losses=None to let the check run the batches")
-    rank, world = comm.get_rank(), comm.get_group_size()
+    assert prog is not None
+    rank = comm.get_rank() if prog.device_num > 1 else 0
     names = sorted(prog.param_layouts)
-    ref_losses = np.zeros(len(data))
-    ref: TrainOneStepCell | None = None
-    if rank == 0:
-        ref = _twin(train, build_reference())
-        ref_losses[:] = [ref(x, y) for x, y in data]
-    if world > 1:
-        ref_losses = comm.broadcast(ref_losses, root=0)
-    loss_errors = tuple(relative_error(np.float64(a), np.float64(b))
-                        for a, b in zip(losses, ref_losses))
-    mine = np.empty(len(names))
-    for i, name in enumerate(names):
-        lay = prog.param_layouts[name]
-        whole = ref.params[name] if ref is not None else np.empty(lay.shape,
-                                                                 train.params[name].dtype)
-        if world > 1:
-            whole = comm.broadcast(np.ascontiguousarray(whole), root=0)
-        rank_of_prog = rank if prog.device_num > 1 else 0
-        mine[i] = relative_error(train.params[name], distribute(whole, lay, rank_of_prog))
-    every = comm.all_gather(mine[None, :], axis=0) if world > 1 else mine[None, :]
-    # The losses too: a rank whose loss went non-finite makes every rank fail.
-    loss_every = (comm.all_reduce(np.array(loss_errors), op="max") if world > 1 and loss_errors
-                  else np.array(loss_errors))
     if tolerance is None:
         dtype = train.params[names[0]].dtype if names else np.dtype(np.float64)
-        tolerance = default_tolerance(dtype, train.optimizer)
-    return CheckReport(len(data), float(tolerance), tuple(float(e) for e in loss_every),
-                       {n: tuple(float(e) for e in every[:, i]) for i, n in enumerate(names)})
+        tolerance = default_tolerance(dtype, train.optimizer, len(data))
+    twin = _twin(train, build_reference()) if rank == 0 else None
+
+    # The trajectory: free-running losses, then the parameters after the last step.
+    ref_losses = _from_rank_0(np.array([twin(x, y) for x, y in data]) if twin else
+                              np.zeros(len(data)), prog.device_num)
+    loss_errors = [relative_error(np.float64(a), b) for a, b in zip(losses, ref_losses)]
+    param_diff, param_tol = {}, {}
+    for name in names:
+        diff, scale = _against_rank_0(train.params[name], twin.params if twin else None, name,
+                                      prog.param_layouts[name], rank, prog.device_num)
+        param_diff[name] = diff / scale
+        param_tol[name] = tolerance.rtol + tolerance.param_atol / scale
+
+    # The arithmetic: loss and gradients at identical parameters (the parallel run's).
+    same = train.global_parameters()
+    loss, grads = train.value_and_grad(*data[0], step=train.step_count)
+    ref_grads: dict[str, np.ndarray] | None = None
+    ref_loss = np.zeros(1)
+    if twin is not None:
+        twin.params = same
+        ref_loss[0], ref_grads = twin.value_and_grad(*data[0], step=train.step_count)
+    ref_loss = _from_rank_0(ref_loss, prog.device_num)
+    grad_names = sorted(grads)
+    grad_diff = {}
+    for name in grad_names:
+        diff, scale = _against_rank_0(grads[name], ref_grads, name, prog.param_layouts[name],
+                                      rank, prog.device_num)
+        grad_diff[name] = diff / scale
+
+    # Every rank's figures, to every rank; inf (never NaN) crosses MPI's MAX and gather.
+    mine = np.array([*(param_diff[n] for n in names), *(grad_diff[n] for n in grad_names),
+                     relative_error(np.float64(loss), ref_loss[0]), *loss_errors])
+    every = comm.all_gather(mine[None, :], axis=0) if prog.device_num > 1 else mine[None, :]
+    k, g = len(names), len(grad_names)
+    return CheckReport(
+        len(data), tolerance, tuple(float(e) for e in every[:, k + g + 1:].max(axis=0)),
+        {n: tuple(float(e) for e in every[:, i]) for i, n in enumerate(names)}, param_tol,
+        {n: tuple(float(e) for e in every[:, k + i]) for i, n in enumerate(grad_names)},
+        float(every[:, k + g].max()))
+
+
+def _from_rank_0(x: np.ndarray, device_num: int) -> np.ndarray:
+    return comm.broadcast(np.ascontiguousarray(x), root=0) if device_num > 1 else x
+
+
+def _against_rank_0(local: np.ndarray, whole: Mapping[str, np.ndarray] | None, name: str,
+                    layout: Any, rank: int, device_num: int) -> tuple[float, float]:
+    """(max |local - this rank's slice of rank 0's ``whole[name]``|, max |whole[name]|): the
+    global array crosses from rank 0 (collective), so every rank shares one scale."""
+    want = _from_rank_0(whole[name] if whole is not None else
+                        np.empty(layout.shape, local.dtype), device_num)
+    diff, _ = _largest_difference(local, distribute(want, layout, rank))
+    return diff, max(float(np.max(np.abs(want))) if want.size else 0.0, 1e-30)
 
 
 def _twin(train: TrainOneStepCell, built: TrainOneStepCell) -> TrainOneStepCell:

@@ -265,7 +265,7 @@ def plan(src: TensorLayout, dst: TensorLayout, enable_alltoall: bool = True
 
 @lru_cache(maxsize=8192)
 def _plan(src: TensorLayout, dst: TensorLayout, enable_alltoall: bool) -> RedistributionPlan:
-    if src == dst:
+    if src == dst or src.device_num == 1:  # one device: every layout is the whole tensor
         return RedistributionPlan(src, dst, (), enable_alltoall)
     fine = common_refinement(src.device_matrix, dst.device_matrix)
     if fine is None:

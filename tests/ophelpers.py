@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 import simpar.comm as comm
+from simpar.check import relative_error
 from simpar.ops import Primitive
 from simpar.parallel import get_parallel_info, run_op
 
@@ -97,5 +98,8 @@ def fd_check(op: Primitive, inputs: Sequence[np.ndarray], diff: Sequence[int] | 
             down = float(np.vdot(dy, op.kernel(*xs)))
             flat[k] = old
             num.reshape(-1)[k] = (up - down) / (2 * eps)
-        err = np.max(np.abs(num - g)) / max(1.0, float(np.max(np.abs(num))))
+        # relative_error is inf for a NaN or inf on either side (np.max/abs/max could let a
+        # NaN through); the 1.0 appended to both floors its scale at 1, as before: an
+        # absolute error for gradients smaller than 1.
+        err = relative_error(np.append(g.ravel(), 1.0), np.append(num.ravel(), 1.0))
         assert err < tol, (op, i, err)

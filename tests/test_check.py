@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from simpar import nn
-from simpar.check import CheckReport, default_tolerance, relative_error
+from simpar.check import CheckReport, Tolerance, default_tolerance, relative_error
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
@@ -44,8 +44,15 @@ def test_relative_error_refuses_different_shapes() -> None:
         relative_error(np.zeros(2), np.zeros(3))
 
 
-def _report(loss: tuple[float, ...], params: dict[str, tuple[float, ...]]) -> CheckReport:
-    return CheckReport(len(loss), 1e-10, loss, params)
+FLOAT64 = Tolerance(1e-10)
+
+
+def _report(loss: tuple[float, ...], params: dict[str, tuple[float, ...]],
+            grads: dict[str, tuple[float, ...]] | None = None, same_loss: float = 0.0,
+            tolerance: Tolerance = FLOAT64) -> CheckReport:
+    tols = {n: tolerance.rtol for n in params}
+    grads = grads if grads is not None else {n: (0.0,) * len(v) for n, v in params.items()}
+    return CheckReport(len(loss), tolerance, loss, params, tols, grads, same_loss)
 
 
 def test_a_nan_on_one_rank_fails_and_is_named() -> None:
@@ -60,10 +67,27 @@ def test_a_nan_on_one_rank_fails_and_is_named() -> None:
     assert math.isnan(report.max_param_error)
 
 
+def test_a_nan_gradient_or_loss_at_the_same_parameters_fails() -> None:
+    report = _report((0.0,), {"w": (0.0, 0.0)}, {"w": (0.0, math.inf)})
+    assert report.failures == ["gradient of w on rank 1: non-finite"]
+    assert _report((0.0,), {"w": (0.0,)}, same_loss=math.inf).failures == [
+        "loss at the same parameters: non-finite"]
+
+
 def test_a_non_finite_loss_fails() -> None:
     report = _report((0.0, math.inf), {"w": (0.0,)})
     assert not report.passed
     assert report.failures == ["loss of step 2: non-finite"]
+
+
+def test_adam_losses_after_the_first_step_are_judged_through_the_parameters() -> None:
+    adam = Tolerance(1e-5, 1e-3, judge_later_losses=False)
+    # Step 2's loss differs by more than rtol: Adam's trajectory, not a failure...
+    assert _report((0.0, 3e-5), {"w": (1e-6,)}, tolerance=adam).passed
+    # ...but the first step's loss, a non-finite later loss and the gradients still count.
+    assert not _report((3e-5, 0.0), {"w": (0.0,)}, tolerance=adam).passed
+    assert not _report((0.0, math.nan), {"w": (0.0,)}, tolerance=adam).passed
+    assert not _report((0.0,), {"w": (0.0,)}, {"w": (2e-5,)}, tolerance=adam).passed
 
 
 def test_passing_report_and_its_table() -> None:
@@ -84,8 +108,17 @@ def test_report_json_has_no_bare_nan() -> None:
 
 def test_default_tolerance_follows_dtype_and_optimizer() -> None:
     params = nn.Dense(2, 2).trainable_params()
-    assert default_tolerance(np.float64, nn.Adam(params, 1e-3)) == 1e-10
-    assert default_tolerance(np.float32, nn.Momentum(params, 0.1, 0.9)) == 1e-5
-    assert default_tolerance(np.float32) == 1e-5
+    assert default_tolerance(np.float64, nn.Momentum(params, 0.1, 0.9)) == Tolerance(1e-10)
+    assert default_tolerance(np.float32, nn.SGD(params, 0.1)) == Tolerance(1e-5)
+    assert default_tolerance(np.float32) == Tolerance(1e-5)
+    # Adam: lr * sqrt(steps) * u * sqrt(1 - beta2) / eps, u = 2**-24 in float32.
+    adam = default_tolerance(np.float32, nn.Adam(params, 3e-3), steps=20)
+    assert adam.rtol == 1e-5 and not adam.judge_later_losses
+    assert adam.param_atol == pytest.approx(3e-3 * math.sqrt(20) * 2**-24 * math.sqrt(1e-3)
+                                            / 1e-8)
+    assert adam.param_atol == pytest.approx(0.84 * 3e-3, rel=0.01)
+    assert default_tolerance(np.float64, nn.AdamW(params, 3e-3), 20).param_atol < 1e-11
     with pytest.raises(TypeError, match="dtype must be a floating dtype, got int32"):
         default_tolerance(np.int32)
+    with pytest.raises(ValueError, match="steps must be an int >= 1, got 0"):
+        default_tolerance(np.float32, steps=0)

@@ -28,11 +28,12 @@ def _context() -> Iterator[None]:
     simpar.reset_auto_parallel_context()
 
 
-def _make(mp: int | None = None) -> nn.TrainOneStepCell:
+def _make(mp: int | None = None, dtype: type = np.float64, adam: bool = False
+          ) -> nn.TrainOneStepCell:
     """A Megatron MLP over every rank (column- then row-parallel) with an MSE loss."""
     mp = comm.get_group_size() if mp is None else mp
-    fc1 = nn.Dense(8, 16, activation="gelu", dtype=np.float64)
-    fc2 = nn.Dense(16, 4, dtype=np.float64)
+    fc1 = nn.Dense(8, 16, activation="gelu", dtype=dtype)
+    fc2 = nn.Dense(16, 4, dtype=dtype)
     fc1.matmul.shard(((1, 1), (mp, 1)))
     fc1.bias_add.shard(((1, mp), (mp,)))
     fc2.matmul.shard(((1, mp), (1, mp)))
@@ -46,19 +47,21 @@ def _make(mp: int | None = None) -> nn.TrainOneStepCell:
             return self.fc2(self.fc1(x))
 
     net = Net()
-    return nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()),
-                               nn.Momentum(net.trainable_params(), 0.05, 0.9))
+    opt = nn.Adam(net.trainable_params(), 3e-3) if adam else nn.Momentum(
+        net.trainable_params(), 0.05, 0.9)
+    return nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), opt)
 
 
-def _batches(k: int = 2) -> list[tuple[np.ndarray, np.ndarray]]:
+def _batches(k: int = 2, dtype: type = np.float64) -> list[tuple[np.ndarray, np.ndarray]]:
     rng = np.random.default_rng(5)
-    return [(rng.standard_normal((4, 8)), rng.standard_normal((4, 4))) for _ in range(k)]
+    return [(rng.standard_normal((4, 8)).astype(dtype),
+             rng.standard_normal((4, 4)).astype(dtype)) for _ in range(k)]
 
 
 def test_a_correct_run_passes_on_every_rank() -> None:
     report = check_against_single_device(_make(), _make, _batches())
     assert report.passed, str(report)
-    assert report.steps == 2 and report.tolerance == 1e-10
+    assert report.steps == 2 and report.tolerance.rtol == 1e-10
     n = comm.get_group_size()
     assert set(report.param_errors) == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
     assert all(len(per_rank) == n for per_rank in report.param_errors.values())
@@ -88,6 +91,29 @@ def test_a_small_error_on_one_rank_fails() -> None:
     report = check_against_single_device(train, _make, batches, losses=losses)
     assert not report.passed and report.worst_param[:2] == ("fc1.bias", 0)
     assert 1e-10 < report.max_param_error < 1e-6
+
+
+def test_float32_adam_is_judged_on_adams_scale_and_gradients_stay_sharp() -> None:
+    def make() -> nn.TrainOneStepCell:
+        return _make(dtype=np.float32, adam=True)
+
+    batches = _batches(4, np.float32)
+    report = check_against_single_device(make(), make, batches)
+    assert report.passed, str(report)
+    tol = report.tolerance
+    assert tol.rtol == 1e-5 and not tol.judge_later_losses
+    assert tol.param_atol == pytest.approx(3e-3 * 2 * 2**-24 * 0.999**0 * (1e-3) ** 0.5 / 1e-8)
+    assert report.worst_grad[2] <= 1e-5
+
+    # A 1% wrong gradient scale (say, a wrong loss seed): Adam nearly ignores the scale, so
+    # its parameters barely move, but the gradients at the same parameters catch it.
+    train = make()
+    train.build(*batches[0])
+    train._seed *= 1.01
+    report = check_against_single_device(train, make, batches)
+    assert not report.passed
+    assert any(f.startswith("gradient of ") for f in report.failures), report.failures
+    assert report.worst_grad[2] == pytest.approx(0.01, rel=0.05)
 
 
 def test_check_refuses_a_cell_that_already_trained() -> None:

@@ -18,6 +18,7 @@ rank 0's report shows a failure that happened on any rank.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import cache
@@ -29,6 +30,7 @@ import pytest
 import simpar
 import simpar.comm as comm
 from simpar import nn
+from simpar.check import relative_error
 from simpar.comm import CommEvent, CommTrace
 from simpar.dataset import CharCorpus, random_classification
 from simpar.layout import distribute
@@ -95,7 +97,8 @@ def _dp_mp(kind: str, n: int) -> tuple[int, int]:
 def _gpt_mix(gpt: nn.GPT, loss: nn.SoftmaxCrossEntropyWithLogits, n: int) -> None:
     """A GPT whose blocks disagree: vocabulary-parallel embedding over all n devices, block 0
     attention Megatron (1, n) and FFN (2, n/2), block 1 attention data parallel over n and FFN
-    Megatron (1, n), LM head and loss (2, n/2). Every boundary between them redistributes."""
+    Megatron (1, n), LM head and loss (2, n/2). Every boundary between them changes the
+    layout; most changes are free slices, two need collectives (_redistributing_gpt_step)."""
     gpt.embedding.gather.shard(((n, 1), (1, 1)))
     b0, b1 = gpt.blocks
     presets._attention(b0.attn, 1, n)
@@ -299,14 +302,23 @@ def _run(case: Case) -> Run:
 
 
 # ------------------------------------------------------------------ verdicts over all ranks
+# Every error is finite or inf, never NaN: Python's max drops a NaN that is not first, and a
+# NaN inside MPI's MAX is implementation-defined, so a NaN shard could otherwise pass.
 def _rel(a: np.ndarray, want: np.ndarray) -> float:
-    scale = max(float(np.max(np.abs(want))), 1e-30) if want.size else 1.0
-    return float(np.max(np.abs(np.asarray(a, np.float64) - want))) / scale if want.size else 0.0
+    """Relative error of ``a`` against ``want``: inf for a NaN or inf on either side, or for
+    a shape that differs (raising here would leave the other ranks in the verdict's
+    AllReduce)."""
+    a, want = np.asarray(a), np.asarray(want)
+    return relative_error(a, want) if a.shape == want.shape else math.inf
+
+
+def _finite_or_inf(err: float) -> float:
+    return err if not math.isnan(err) else math.inf
 
 
 def _worst(errors: dict[str, float]) -> float:
-    """The largest error over every rank (collective)."""
-    mine = max(errors.values(), default=0.0)
+    """The largest error over every rank (collective); a NaN anywhere counts as inf."""
+    mine = max((_finite_or_inf(e) for e in errors.values()), default=0.0)
     return float(comm.all_reduce(np.array([mine]), op="max")[0])
 
 
@@ -330,7 +342,7 @@ def _param_errors(run: Run, want_global: dict[str, np.ndarray],
 
 
 def _loss_errors(losses: list[float], want: np.ndarray) -> dict[str, float]:
-    return {f"loss[{k}]": abs(a - b) / max(abs(b), 1e-30)
+    return {f"loss[{k}]": relative_error(np.float64(a), np.float64(b))
             for k, (a, b) in enumerate(zip(losses, want, strict=True))}
 
 
@@ -338,7 +350,7 @@ def _check_against(run: Run, ref: RefResult, tol: float, what: str) -> None:
     loss_err = _loss_errors(run.losses, ref.losses)
     param_err = _param_errors(run, ref.params)
     worst_loss, worst_param = _worst(loss_err), _worst(param_err)
-    local = max(param_err, key=param_err.__getitem__)
+    local = max(param_err, key=lambda k: _finite_or_inf(param_err[k]))
     assert worst_loss <= tol and worst_param <= tol, (
         f"{what}: max relative |Δloss| {worst_loss:.2e}, |Δparam| {worst_param:.2e} over all "
         f"ranks (tolerance {tol:.0e}); on rank {comm.get_rank()} the worst parameter is "
@@ -585,12 +597,88 @@ def test_redistributing_mlp_moves_activations_between_layers() -> None:
         [str(e) for e in events]
 
 
+def _site(e: CommEvent) -> str:
+    """Where a collective ran, shortly: the cells under the backbone (or loss), the primitive
+    and the node's sub-label, e.g. ``block1/ffn/fc1/MatMul:input0`` or ``Mirror``."""
+    if e.label.startswith("Mirror:"):
+        return "Mirror"
+    parts = e.label.split("/")
+    k = next(i for i, part in enumerate(parts) if re.fullmatch(r"\w+-op\d+(:.*)?", part))
+    prim, _, tail = parts[k].partition(":")
+    cells = [part.split("-")[0] for part in parts[3:k]]
+    return "/".join([*cells, prim.split("-op")[0]]) + (f":{tail}" if tail else "")
+
+
+def _redistributing_gpt_step(n: int, rank: int) -> list[tuple[str, str, str | None,
+                                                              tuple[int, ...], tuple[int, ...]]]:
+    """Every collective of one training step of ``_gpt_mix`` on n ranks, derived from the
+    strategies (h = n/2; dp = data parallel cut, mp = model parallel cut).
+
+    Unannotated ops follow their producers, or take the free slice when two producers
+    disagree (an R -> S move is a local slice, no collective). Walking the graph: the
+    vocabulary-parallel embedding AllReduces over all n; block 0's attention (mp n) ends in
+    the row-parallel proj's AllReduce over all n; its FFN (dp 2, mp h) takes its input by a
+    free slice and ends in fc2's AllReduce over each h-block; block 1's attention (dp n) takes
+    the (2, 1, 1) activations by a free slice and communicates nothing; its FFN (mp n) needs
+    the row-split activations whole, the one AllGather over all n, and ends in fc2's
+    AllReduce; the head (dp 2, mp h) needs rows cut 2 from rows cut n, an AllGather over each
+    h-block; the loss (2, h) is vocabulary parallel over each h-block and AllReduces the
+    scalar over all n. Backward runs the adjoints in reverse (AllGather -> ReduceScatter of
+    the gathered shape); then the Mirrors, one per group of replicating ranks: all n ranks
+    (position, the LayerNorms, block 0's proj and fc2 biases, block 1's attention, fc2 bias)
+    and the pair of ranks h apart (block 0's FFN and the head, cut only by mp h).
+    """
+    h = n // 2
+    world = tuple(range(n))
+    hblock = tuple(range(rank - rank % h, rank - rank % h + h))
+    pair = (rank % h, rank % h + h)
+    tokens, d, v, d_ff = BATCH * GPT_SIZES["seq_length"], GPT_SIZES["d_model"], \
+        GPT_SIZES["vocab_size"], 4 * GPT_SIZES["d_model"]
+    seq, ce = GPT_SIZES["seq_length"], "SparseSoftmaxCrossEntropyWithLogits"
+    mine = h > 1  # the collectives over an h-block (none at n = 2, where h = 1)
+    world_params = (seq * d + 2 * (2 * d) + 2 * d                # position, block 0 LNs, biases
+                    + 2 * (2 * d) + 4 * d * d + 3 * d + d       # block 1: LNs, attn, fc2.b
+                    + 2 * d)                                    # ln_f
+    pair_params = (2 * d_ff * d + d_ff + v * d) // h            # block 0 fc1, fc2; head
+    forward = [("embedding/Gather", "AllReduce", "sum", world, (BATCH, seq, d)),
+               ("block0/attn/proj/MatMul", "AllReduce", "sum", world, (tokens, d))]
+    forward += [("block0/ffn/fc2/MatMul", "AllReduce", "sum", hblock, (tokens // 2, d))] * mine
+    forward += [("block1/ffn/fc1/MatMul:input0", "AllGather", None, world, (tokens // n, d)),
+                ("block1/ffn/fc2/MatMul", "AllReduce", "sum", world, (tokens, d))]
+    forward += [("head/MatMul:input0", "AllGather", None, hblock, (tokens // n, d))] * mine
+    forward += [(ce, "AllReduce", "max", hblock, (tokens // 2,)),
+                (ce, "AllReduce", "sum", hblock, (2, tokens // 2))] * mine
+    forward += [(ce, "AllReduce", "sum", world, ())]
+    backward = [(f"{ce}:backward", "AllReduce", "sum", world, ())]
+    backward += [("head/MatMul:input0-adjoint", "ReduceScatter", "sum", hblock,
+                  (tokens // 2, d))] * mine
+    backward += [("block1/ffn/fc2/MatMul:backward", "AllReduce", "sum", world, (tokens, d)),
+                 ("block1/ffn/fc1/MatMul:input0-adjoint", "ReduceScatter", "sum", world,
+                  (tokens, d))]
+    backward += [("block0/ffn/fc2/MatMul:backward", "AllReduce", "sum", hblock,
+                  (tokens // 2, d))] * mine
+    backward += [("block0/attn/proj/MatMul:backward", "AllReduce", "sum", world, (tokens, d)),
+                 ("embedding/Gather:backward", "AllReduce", "sum", world, (BATCH, seq, d))]
+    if mine:
+        mirrors = [("Mirror", "AllReduce", "sum", world, (world_params,)),
+                   ("Mirror", "AllReduce", "sum", pair, (pair_params,))]
+    else:  # at n = 2 the pair is the world: one Mirror for both
+        mirrors = [("Mirror", "AllReduce", "sum", world, (world_params + pair_params,))]
+    return forward + backward + mirrors
+
+
 def test_redistributing_gpt_moves_activations_between_blocks() -> None:
-    run = _run(next(c for c in GRID if c.model == "gpt" and c.kind == "redistributing"))
-    redis = [e for e in _activation_events(run, "gpt") if ":input" in e.label]
-    assert any("block1-TransformerBlock" in e.label for e in redis), [str(e) for e in redis]
-    assert all(e.kind in ("AllGather", "AllToAll", "AllToAllV", "ReduceScatter", "AllReduce")
-               for e in redis)
+    """The exact collectives of one step (see ``_redistributing_gpt_step``): the two
+    activation moves between differently sharded blocks are one AllGather each (block 1's
+    FFN input over every rank, the head's input over each h-block) and their adjoint
+    ReduceScatters; every other boundary is a free slice."""
+    run, n, rank = _run(next(c for c in GRID if c.model == "gpt" and c.kind == "redistributing")
+                        ), _n(), comm.get_rank()
+    got = [(_site(e), e.kind, e.op, e.group, e.shape) for e in run.events]
+    want = _redistributing_gpt_step(n, rank)
+    _all_agree([] if got == want else [f"traced {got}, by hand {want}"])
+    moves = [e for e in _activation_events(run, "gpt") if ":input" in e.label]
+    assert any("block1-TransformerBlock" in e.label for e in moves), [str(e) for e in moves]
 
 
 # ------------------------------------------------------------------ determinism
@@ -603,3 +691,26 @@ def test_same_seed_gives_bitwise_identical_losses(case: Case) -> None:
     _all_agree([] if same else [f"re-run losses {again.losses} != {first.losses[:3]}"])
     _all_agree([name for name, v in again.initial.items()
                 if not np.array_equal(v, first.initial[name])])
+
+
+# ------------------------------------------------------------------ the verdicts themselves
+def test_a_nan_on_one_rank_fails_every_verdict() -> None:
+    """A NaN error, shard or loss on the last rank alone fails the verdict on every rank.
+    The old verdict took Python's ``max`` of the errors, which keeps 0.0 from
+    ``{"a": 0.0, "b": nan}`` (a NaN after the first value is never larger), so it passed."""
+    n, rank = _n(), comm.get_rank()
+    last = rank == n - 1
+    errors = {"a": 0.0, "b": math.nan if last else 0.0}
+    assert max(errors.values()) == 0.0  # what the old _worst saw, on every rank
+    assert _worst(errors) == math.inf
+    assert _rel(np.array([1.0, math.nan]), np.array([1.0, 2.0])) == math.inf
+    assert _rel(np.ones(3), np.ones(2)) == math.inf
+    run, ref = _run(Case("mlp", "dp")), _references()[Ref("mlp", "momentum")]
+    poisoned = {name: v.copy() for name, v in run.train.params.items()}
+    if last:
+        poisoned["_backbone.fc3.bias"][-1] = math.nan
+    assert _worst(_param_errors(run, ref.params, poisoned)) == math.inf
+    losses = [math.nan if last and k == 1 else loss for k, loss in enumerate(run.losses)]
+    with pytest.raises(AssertionError, match=r"\|Δloss\| inf"):
+        _check_against(replace(run, losses=losses), ref, TOL["float64"], "a NaN loss")
+    _check_against(run, ref, TOL["float64"], "the same run without the NaN")

@@ -132,6 +132,16 @@ class TrainOneStepCell:
 
     # ------------------------------------------------------------ one step
     def __call__(self, data: np.ndarray, label: np.ndarray) -> float:
+        loss, grads = self.value_and_grad(data, label)
+        self.last_grads = grads
+        self.optimizer.step(self.params, grads)
+        self.step_count += 1
+        return loss
+
+    def value_and_grad(self, data: np.ndarray, label: np.ndarray, step: int | None = None
+                       ) -> tuple[float, dict[str, np.ndarray]]:
+        """The global loss and this rank's gradient shards at the current parameters, without
+        an optimizer step (``step`` numbers the dropout masks; default: the next step's)."""
         from simpar import comm
 
         data, label = np.asarray(data), np.asarray(label)
@@ -146,14 +156,11 @@ class TrainOneStepCell:
                 _agreed(what, x, lay) for what, x, lay in zip(("data", "label"), (data, label),
                                                                lays)])
         local_in = [self._local(data, lays[0], rank), self._local(label, lays[1], rank)]
-        outs, tape = prog.forward(local_in, self.params, step=self.step_count)
+        outs, tape = prog.forward(local_in, self.params,
+                                  step=self.step_count if step is None else step)
         loss = outs[0]
         seed = np.full(loss.shape, self._seed, dtype=loss.dtype)
-        grads = prog.backward(tape, [seed])
-        self.last_grads = grads
-        self.optimizer.step(self.params, grads)
-        self.step_count += 1
-        return float(loss)
+        return float(loss), prog.backward(tape, [seed])
 
     # ------------------------------------------------------------ inspection
     @property
@@ -172,13 +179,12 @@ class TrainOneStepCell:
         assert self.program is not None
         out = {}
         for name, lay in self.program.param_layouts.items():
-            if self.program.device_num == 1:
-                out[name] = self.params[name].copy()
+            if self.program.device_num == 1 or lay.replicated() == lay:
+                out[name] = self.params[name].copy()  # a snapshot, not the live shard
                 continue
             with comm.label("assemble"):
                 out[name] = execute(plan(lay, lay.replicated()), self.params[name])
         return out
-
 
 
 def _agreed(what: str, x: np.ndarray, lay: TensorLayout) -> tuple[str, np.ndarray]:

@@ -1,0 +1,379 @@
+"""The collectives of one strategy of every op family, written out by hand.
+
+``tests/ophelpers.check_one`` compares a run's CommTrace with ``get_parallel_info``, which comes
+from the same sharding rule the executor runs: a wrong rule passes its own check. Here every
+expectation is derived from the strategy alone (which device axes cut which dims, which result
+is partial, which input is replicated) and written as ``(kind, op, group, local shape)`` per
+collective, forward and backward, as a function of the world size n (1, 2, 4 or 8; at n = 1
+nothing communicates). ``run_op``'s own assembly of the results (label ``run_op:assemble``) is
+not part of the op and is left out; any other collective outside the op fails the test.
+
+The gradient semantics that the backward expectations follow (simpar/ops/_base.py): a
+replicated output's cotangent is divided among its replicas, so the adjoint of a forward
+AllReduce is an AllReduce that sums those shares; an input replicated over some device axes
+gets its gradient completed by one AllReduce over them.
+
+    python -m pytest -q --with-mpi tests/test_ops_expected_comm_mpi.py
+    mpirun -n 8 python -m pytest -q --with-mpi -m mpi tests/test_ops_expected_comm_mpi.py
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+
+import simpar.comm as comm
+from simpar import ops
+from simpar.check import relative_error
+from simpar.comm import CommEvent
+from simpar.parallel import run_op
+
+#: (kind, reduction op or None, group, local input shape) of one collective.
+Event = tuple[str, str | None, tuple[int, ...], tuple[int, ...]]
+TOL = 1e-12  # float64 throughout
+
+
+# ------------------------------------------------------------------ groups, by hand
+def _block(rank: int, size: int) -> tuple[int, ...]:
+    """The ``size`` consecutive ranks around ``rank``: its group along the innermost axis of
+    a device matrix (..., size) (row-major: the last axis varies fastest)."""
+    start = rank - rank % size
+    return tuple(range(start, start + size))
+
+
+def _strided(rank: int, inner: int, size: int) -> tuple[int, ...]:
+    """``rank``'s group along the axis of ``size`` just outside an inner extent of ``inner``
+    ranks: on (2, 4), rank 5's group along axis 0 is ``_strided(5, 4, 2) == (1, 5)``."""
+    outer = inner * size
+    first = rank - rank % outer + rank % inner
+    return tuple(first + k * inner for k in range(size))
+
+
+def _ar(group: tuple[int, ...], shape: tuple[int, ...], op: str = "sum") -> Event:
+    return ("AllReduce", op, group, shape)
+
+
+def _hybrid(n: int) -> tuple[int, int]:
+    """(d, m): a device matrix (d, m) of n devices with both axes cut from n = 4 on, and the
+    inner one (m) cut from n = 2 on."""
+    d = 2 if n >= 4 else 1
+    return d, n // d
+
+
+# ------------------------------------------------------------------ the cases
+@dataclass(frozen=True)
+class Case:
+    """``build(n, rank)`` gives (op with its strategy, global inputs, forward, backward)."""
+
+    name: str
+    build: Callable[[int, int], tuple[ops.Primitive, list[np.ndarray], list[Event],
+                                      list[Event]]]
+
+
+def _rng() -> np.random.Generator:
+    return np.random.default_rng(0)  # the same on every rank
+
+
+def _matmul(n: int, rank: int) -> Any:
+    # ((d, m), (m, 1)): k is cut m ways, so each rank's product is a partial sum over the m
+    # consecutive ranks of its row block (on 8: [0..3] and [4..7]); B is replicated over the
+    # d row blocks, so its gradient is summed over them.
+    d, m = _hybrid(n)
+    rng = _rng()
+    a, b = rng.standard_normal((4, 8)), rng.standard_normal((8, 3))
+    row = _block(rank, m)
+    fwd = [_ar(row, (4 // d, 3))] if m > 1 else []
+    bwd = list(fwd)  # the adjoint of the output AllReduce
+    if d > 1:
+        bwd.append(_ar(_strided(rank, m, d), (8 // m, 3)))  # dB over the row blocks
+    return ops.MatMul().shard(((d, m), (m, 1))), [a, b], fwd, bwd
+
+
+def _batch_matmul(n: int, rank: int) -> Any:
+    # Batch split n ways, B (2-D, broadcast over the batch) replicated: nothing forward, B's
+    # gradient summed over every rank.
+    rng = _rng()
+    a, b = rng.standard_normal((8, 2, 4)), rng.standard_normal((4, 3))
+    bwd = [_ar(tuple(range(n)), (4, 3))] if n > 1 else []
+    return ops.BatchMatMul().shard(((n, 1, 1), (1, 1))), [a, b], [], bwd
+
+
+def _add_broadcast(n: int, rank: int) -> Any:
+    # y (1, 8) broadcasts along x's rows, which are cut dd ways: y is replicated over the row
+    # axis and its gradient is summed over it.
+    dd = 2 if n >= 2 else 1
+    mm = n // dd
+    rng = _rng()
+    x, y = rng.standard_normal((4, 8)), rng.standard_normal((1, 8))
+    bwd = [_ar(_strided(rank, mm, dd), (1, 8 // mm))] if dd > 1 else []
+    return ops.Add().shard(((dd, mm), (1, mm))), [x, y], [], bwd
+
+
+def _mul(n: int, rank: int) -> Any:
+    d, m = _hybrid(n)
+    rng = _rng()
+    x, y = rng.standard_normal((4, 8)), rng.standard_normal((4, 8))
+    return ops.Mul().shard(((d, m), (d, m))), [x, y], [], []
+
+
+def _bias_add(n: int, rank: int) -> Any:
+    # Data parallel: the bias is replicated on every rank, its gradient summed over all.
+    rng = _rng()
+    x, b = rng.standard_normal((8, 4)), rng.standard_normal(4)
+    bwd = [_ar(tuple(range(n)), (4,))] if n > 1 else []
+    return ops.BiasAdd().shard(((n, 1), (1,))), [x, b], [], bwd
+
+
+def _relu_split(n: int, rank: int) -> Any:
+    x = _rng().standard_normal((4, 8))
+    return ops.ReLU().shard(((1, n),)), [x], [], []
+
+
+def _gelu_repeated(n: int, rank: int) -> Any:
+    # Repeated calculation: every rank computes the whole (4, 4). The output's cotangent is
+    # shared among the n replicas, and x's gradient is completed over all of them.
+    x = _rng().standard_normal((4, 4))
+    bwd = [_ar(tuple(range(n)), (4, 4))] if n > 1 else []
+    return ops.GeLU().shard(((1, 1),)), [x], [], bwd
+
+
+def _transpose(n: int, rank: int) -> Any:
+    d, m = _hybrid(n)
+    x = _rng().standard_normal((4, 8))
+    return ops.Transpose((1, 0)).shard(((d, m),)), [x], [], []
+
+
+def _reshape_local(n: int, rank: int) -> Any:
+    # Rows cut n ways survive (8, 4) -> (8, 2, 2) whole: a local reshape.
+    x = _rng().standard_normal((8, 4))
+    return ops.Reshape((8, 2, 2)).shard(((n, 1),)), [x], [], []
+
+
+def _reshape_redistributing(n: int, rank: int) -> Any:
+    # Columns cut n ways do not stay contiguous in (64,): the cheapest fix moves the cut onto
+    # the rows, one AllToAll over every rank (an AllGather would receive n^2 times more);
+    # backward, the inverse AllToAll of the row-cut cotangent.
+    x = _rng().standard_normal((8, 8))
+    world = tuple(range(n))
+    fwd: list[Event] = [("AllToAll", None, world, (8, 8 // n))] if n > 1 else []
+    bwd: list[Event] = [("AllToAll", None, world, (8 // n, 8))] if n > 1 else []
+    return ops.Reshape((64,)).shard(((1, n),)), [x], fwd, bwd
+
+
+def _concat_repeated(n: int, rank: int) -> Any:
+    # Rows cut n/2 ways, the remaining factor 2 repeats (the last device axis: rank pairs
+    # (0, 1), (2, 3), ...); each input's gradient is completed over its pair.
+    r = max(n // 2, 1)
+    rng = _rng()
+    a, b = rng.standard_normal((8, 2)), rng.standard_normal((8, 3))
+    pair = _block(rank, 2) if n > 1 else (rank,)
+    bwd = [_ar(pair, (8 // r, 2)), _ar(pair, (8 // r, 3))] if n > 1 else []
+    return ops.Concat(axis=1).shard(((r, 1), (r, 1))), [a, b], [], bwd
+
+
+def _split(n: int, rank: int) -> Any:
+    x = _rng().standard_normal((8, 4))
+    return ops.Split(axis=1, output_num=2).shard(((n, 1),)), [x], [], []
+
+
+def _gather(n: int, rank: int) -> Any:
+    # Table rows cut m ways (vocabulary parallel), ids rows d ways: device matrix (d, 1, m, 1).
+    # Each rank looks up the ids it owns (zeros elsewhere): the output is partial over its
+    # m-block and one AllReduce completes it. Backward: the adjoint AllReduce, then the table's
+    # gradient summed over the d id blocks that replicate it.
+    d, m = _hybrid(n)
+    rng = _rng()
+    table = rng.standard_normal((16, 4))
+    ids = rng.integers(0, 16, (4, 3)).astype(np.int32)
+    block = _block(rank, m)
+    fwd = [_ar(block, (4 // d, 3, 4))] if m > 1 else []
+    bwd = list(fwd)
+    if d > 1:
+        bwd.append(_ar(_strided(rank, m, d), (16 // m, 4)))
+    return ops.Gather().shard(((m, 1), (d, 1))), [table, ids], fwd, bwd
+
+
+def _dropout(n: int, rank: int) -> Any:
+    # The mask is a function of the global element index: no communication either way.
+    d, m = _hybrid(n)
+    x = _rng().standard_normal((8, 4))
+    return ops.Dropout(0.6, 1, 2).shard(((d, m),)), [x], [], []
+
+
+def _softmax(log: bool) -> Callable[[int, int], Any]:
+    def build(n: int, rank: int) -> Any:
+        # Softmax axis cut m ways: max-AllReduce then sum-AllReduce of one number per local
+        # row over the m-block; backward one sum-AllReduce (of y*dy, or of dy for the log).
+        d, m = _hybrid(n)
+        x = _rng().standard_normal((4, 8))
+        block = _block(rank, m)
+        stat = (4 // d, 1)
+        fwd = [_ar(block, stat, "max"), _ar(block, stat)] if m > 1 else []
+        bwd = [_ar(block, stat)] if m > 1 else []
+        op = ops.LogSoftmax() if log else ops.Softmax()
+        return op.shard(((d, m),)), [x], fwd, bwd
+    return build
+
+
+def _layer_norm(n: int, rank: int) -> Any:
+    # Normalised axis cut m ways: two sum-AllReduces of one number per row (mean, variance),
+    # never the activations; backward one sum-AllReduce of the stacked [sum g, sum g*xhat].
+    # gamma and beta are replicated over the d row blocks: each gradient summed over them.
+    d, m = _hybrid(n)
+    rng = _rng()
+    x = 3.0 + rng.standard_normal((4, 8))
+    gamma, beta = rng.standard_normal(8), rng.standard_normal(8)
+    block, rows = _block(rank, m), 4 // d
+    fwd = [_ar(block, (rows, 1)), _ar(block, (rows, 1))] if m > 1 else []
+    bwd = [_ar(block, (2, rows, 1))] if m > 1 else []
+    if d > 1:
+        col = _strided(rank, m, d)
+        bwd += [_ar(col, (8 // m,)), _ar(col, (8 // m,))]
+    return ops.LayerNorm().shard(((d, m), (m,), (m,))), [x, gamma, beta], fwd, bwd
+
+
+def _cross_entropy(n: int, rank: int) -> Any:
+    # Vocabulary parallel: classes cut m ways, rows d ways. Max-AllReduce of the row maxima,
+    # then one sum-AllReduce of the stacked (row sums of exp, target logits) over the m-block;
+    # the scalar loss is partial over both axes: one AllReduce over every rank. Backward: its
+    # adjoint only (the logits' gradient is local). Never a gather.
+    d, m = _hybrid(n)
+    rng = _rng()
+    logits = rng.standard_normal((4, 8))
+    labels = rng.integers(0, 8, 4).astype(np.int32)
+    block, rows = _block(rank, m), 4 // d
+    fwd = [_ar(block, (rows,), "max"), _ar(block, (2, rows))] if m > 1 else []
+    loss = [_ar(tuple(range(n)), ())] if n > 1 else []
+    op = ops.SparseSoftmaxCrossEntropyWithLogits().shard(((d, m), (d,)))
+    return op, [logits, labels], fwd + loss, list(loss)
+
+
+def _reduce(kind: str) -> Callable[[int, int], Any]:
+    def build(n: int, rank: int) -> Any:
+        # The reduced axis cut m ways: sum (or mean) leaves a partial sum completed by one
+        # sum-AllReduce over the m-block, max one max-AllReduce; backward, the output's
+        # cotangent (shared by the m replicas) is summed over the same block.
+        d, m = _hybrid(n)
+        x = _rng().standard_normal((4, 8))
+        block = _block(rank, m)
+        if kind == "sum":
+            op, shape, how = ops.ReduceSum(axis=1), (4 // d,), "sum"
+        elif kind == "mean":
+            op, shape, how = ops.ReduceMean(keep_dims=True, axis=1), (4 // d, 1), "sum"
+        else:
+            op, shape, how = ops.ReduceMax(axis=1), (4 // d,), "max"
+        fwd = [_ar(block, shape, how)] if m > 1 else []
+        bwd = [_ar(block, shape)] if m > 1 else []
+        return op.shard(((d, m),)), [x], fwd, bwd
+    return build
+
+
+CASES = [
+    Case("MatMul_k_split", _matmul),
+    Case("BatchMatMul_batch_split", _batch_matmul),
+    Case("Add_broadcast", _add_broadcast),
+    Case("Mul", _mul),
+    Case("BiasAdd_data_parallel", _bias_add),
+    Case("ReLU_split", _relu_split),
+    Case("GeLU_repeated", _gelu_repeated),
+    Case("Transpose", _transpose),
+    Case("Reshape_local", _reshape_local),
+    Case("Reshape_redistributing", _reshape_redistributing),
+    Case("Concat_repeated", _concat_repeated),
+    Case("Split", _split),
+    Case("Gather_row_split_table", _gather),
+    Case("Dropout", _dropout),
+    Case("Softmax_split_axis", _softmax(log=False)),
+    Case("LogSoftmax_split_axis", _softmax(log=True)),
+    Case("LayerNorm_split_normalised_axis", _layer_norm),
+    Case("CrossEntropy_vocabulary_parallel", _cross_entropy),
+    Case("ReduceSum_split_axis", _reduce("sum")),
+    Case("ReduceMean_split_axis_keep_dims", _reduce("mean")),
+    Case("ReduceMax_split_axis", _reduce("max")),
+]
+
+
+# ------------------------------------------------------------------ running and checking
+def _events(events: Sequence[CommEvent], phase: str) -> list[Event]:
+    return [(e.kind, e.op, e.group, e.shape) for e in events
+            if e.label.startswith(f"run_op:{phase}")]
+
+
+def _shard_problems(op: ops.Primitive, xs: Sequence[np.ndarray], dys: tuple[np.ndarray, ...],
+                    run: Any, rank: int) -> list[str]:
+    """This rank's shards against the numpy globals: inputs, outputs and gradients."""
+    sh = run.sharding
+    problems = []
+    for i, (x, lay, local) in enumerate(zip(xs, sh.in_layouts, run.local_inputs)):
+        if relative_error(local, x[lay.slices(rank)]) != 0.0:
+            problems.append(f"input {i} shard is not its slice")
+    want = op.kernel(*xs)
+    wants = want if isinstance(want, tuple) else (want,)
+    locals_ = run.local_output if isinstance(run.local_output, tuple) else (run.local_output,)
+    for k, (w, local, (_, lay, _)) in enumerate(zip(wants, locals_, sh.outputs)):
+        if local.shape != lay.local_shape() or relative_error(
+                local, np.asarray(w)[lay.slices(rank)]) > TOL:
+            problems.append(f"output {k} shard differs from its slice of one device")
+    grads = op.vjp(list(xs), want, dys if isinstance(want, tuple) else dys[0])
+    for i, (g, w, lay) in enumerate(zip(run.local_grads, grads, sh.in_layouts)):
+        if (g is None) != (w is None):
+            problems.append(f"gradient {i}: present {g is not None}, one device {w is not None}")
+        elif g is not None and (g.shape != lay.local_shape() or relative_error(
+                g, np.asarray(w)[lay.slices(rank)]) > TOL):
+            problems.append(f"gradient {i} shard differs from its slice of one device")
+    return problems
+
+
+def _all_agree(problems: list[str]) -> None:
+    """Fail on every rank if any rank found a problem (collective)."""
+    bad = comm.all_reduce(np.array([len(problems)], dtype=np.int64), op="max")[0]
+    if bad:
+        raise AssertionError(f"rank {comm.get_rank()}: " + (
+            "; ".join(problems) if problems else "fine here, but another rank failed"))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_collectives_are_the_hand_written_ones(case: Case) -> None:
+    rank, n = comm.get_rank(), comm.get_group_size()
+    op, xs, want_fwd, want_bwd = case.build(n, rank)
+    y = op.kernel(*xs)
+    rng = np.random.default_rng(1)
+    dys = tuple(rng.standard_normal(np.shape(o)) for o in (y if isinstance(y, tuple) else (y,)))
+    with comm.CommTrace() as trace:
+        run = run_op(op, *xs, grad_output=dys if isinstance(y, tuple) else dys[0], check=True,
+                     full=True)
+    fwd, bwd = _events(trace.events, "forward"), _events(trace.events, "backward")
+    problems = _shard_problems(op, xs, dys, run, rank)
+    if fwd != want_fwd:
+        problems.append(f"forward collectives {fwd}, by hand {want_fwd}")
+    if bwd != want_bwd:
+        problems.append(f"backward collectives {bwd}, by hand {want_bwd}")
+    stray = [str(e) for e in trace.events
+             if not e.label.startswith(("run_op:forward", "run_op:backward", "run_op:assemble"))]
+    if stray:
+        problems.append(f"collectives outside the op: {stray}")
+    _all_agree(problems)
+
+
+def test_every_op_family_has_a_case() -> None:
+    """Each module of simpar/ops is represented (and the ops the issue names)."""
+    names = {type(c.build(8, 0)[0]).__name__ for c in CASES}
+    assert names >= {"MatMul", "BatchMatMul", "Add", "Mul", "BiasAdd", "ReLU", "GeLU",
+                     "Reshape", "Transpose", "Concat", "Split", "Gather", "Dropout", "Softmax",
+                     "LogSoftmax", "LayerNorm", "SparseSoftmaxCrossEntropyWithLogits",
+                     "ReduceSum", "ReduceMean", "ReduceMax"}, names
+    modules = {type(c.build(8, 0)[0]).__module__ for c in CASES}
+    assert modules == {f"simpar.ops.{m}" for m in ("matmul", "elementwise", "array_ops",
+                                                   "gather_dropout", "nn_ops", "reduce_ops")}
+
+
+def test_groups_by_hand() -> None:
+    """The two group helpers, against the mesh examples of DESIGN.md."""
+    assert _block(5, 4) == (4, 5, 6, 7) and _block(2, 4) == (0, 1, 2, 3)
+    assert _strided(5, 4, 2) == (1, 5) and _strided(6, 2, 2) == (4, 6)
+    assert _strided(3, 1, 4) == (0, 1, 2, 3)
