@@ -306,7 +306,13 @@ def check_against_single_device(train: TrainOneStepCell,
     if tolerance is None:
         dtype = train.params[names[0]].dtype if names else np.dtype(np.float64)
         tolerance = default_tolerance(dtype, train.optimizer, len(data))
-    twin = _twin(train, build_reference()) if rank == 0 else None
+    twin, error = None, None
+    if rank == 0:
+        try:
+            twin = _twin(train, build_reference())
+        except (TypeError, ValueError) as e:
+            error = e
+    _raise_everywhere(error, prog.device_num)
 
     # The trajectory: free-running losses, then the parameters after the last step.
     ref_losses = _from_rank_0(np.array([twin(x, y) for x, y in data]) if twin else
@@ -345,6 +351,25 @@ def check_against_single_device(train: TrainOneStepCell,
         {n: tuple(float(e) for e in every[:, i]) for i, n in enumerate(names)}, param_tol,
         {n: tuple(float(e) for e in every[:, k + i]) for i, n in enumerate(grad_names)},
         float(every[:, k + g].max()))
+
+
+def _raise_everywhere(error: Exception | None, device_num: int) -> None:
+    """Rank 0's ``TypeError``/``ValueError`` (or nothing), raised on every rank alike
+    (collective): the other ranks would otherwise wait for rank 0's broadcasts forever."""
+    if device_num == 1:
+        if error is not None:
+            raise error
+        return
+    text = f"{type(error).__name__}\0{error}".encode()[:4096] if error is not None else b""
+    buf = np.zeros(4096, dtype=np.int32)  # simpar.comm moves numbers, not bytes
+    buf[:len(text)] = np.frombuffer(text, dtype=np.uint8)
+    buf = comm.broadcast(buf, root=0)
+    if error is not None:
+        raise error
+    if buf.any():
+        kind, _, message = bytes(buf.astype(np.uint8)).rstrip(b"\0").decode(
+            errors="replace").partition("\0")
+        raise (TypeError if kind == "TypeError" else ValueError)(message)
 
 
 def _from_rank_0(x: np.ndarray, device_num: int) -> np.ndarray:

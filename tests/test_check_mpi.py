@@ -152,3 +152,13 @@ def test_run_op_check_fails_on_a_nan_and_names_the_rank() -> None:
     with pytest.raises(OpCheckError, match=rf"output differs from single device: non-finite "
                        rf".*shards of ranks \[{n - 1}\]"):
         run_op(ops.MatMul().shard(((n, 1), (1, 1))), a, np.ones((4, 3)), check=True)
+
+
+def test_a_bad_reference_builder_raises_on_every_rank() -> None:
+    batches = _batches(1)
+    with pytest.raises(TypeError, match="build_reference must return a TrainOneStepCell, got "
+                       "Dense"):
+        check_against_single_device(_make(), lambda: nn.Dense(2, 2), batches)
+    train = _make()
+    with pytest.raises(ValueError, match="build_reference returned the cell under test"):
+        check_against_single_device(train, lambda: train, batches)
