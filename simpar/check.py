@@ -132,7 +132,8 @@ class CheckReport:
     max |rank ``r``'s shard - the matching single-device slice| / max |single-device
     parameter|, judged against ``param_tolerances[name]``. ``grad_errors[name][r]`` and
     ``same_params_loss_error``: the same for the gradients and the loss at identical
-    parameters. ``inf`` stands for a non-finite value on either side.
+    parameters. ``inf`` stands for a non-finite value on either side. ``reference_loss``:
+    the single-device loss of the first batch before the first step and after the last one.
     """
 
     steps: int
@@ -142,6 +143,7 @@ class CheckReport:
     param_tolerances: Mapping[str, float]
     grad_errors: Mapping[str, tuple[float, ...]]
     same_params_loss_error: float
+    reference_loss: tuple[float, float] = (0.0, 0.0)
 
     @property
     def max_loss_error(self) -> float:
@@ -179,8 +181,23 @@ class CheckReport:
         return out
 
     @property
+    def reference_diverged(self) -> bool:
+        """The single-device run made the first batch's loss worse (or non-finite): a
+        diverging run amplifies round-off without bound, so no tolerance can hold."""
+        before, after = self.reference_loss
+        return not (math.isfinite(before) and math.isfinite(after) and after <= before)
+
+    @property
+    def verdict(self) -> str:
+        """PASS; FAIL; or INCONCLUSIVE: differences beyond the tolerance in a run whose
+        single-device reference diverged, where they say nothing about the parallel math."""
+        if not self.failures:
+            return "PASS"
+        return "INCONCLUSIVE" if self.reference_diverged else "FAIL"
+
+    @property
     def passed(self) -> bool:
-        return not self.failures
+        return self.verdict == "PASS"
 
     def summary(self) -> str:
         """The verdict in one line (plus the first few failures, if any)."""
@@ -190,11 +207,17 @@ class CheckReport:
                 f"|Δloss| {_fmt(self.max_loss_error)}, max |Δparam| {_fmt(err)}"
                 f"{f' ({name} on rank {rank})' if name else ''}, at the same parameters max "
                 f"|Δgrad| {_fmt(gerr)}{f' ({gname} on rank {grank})' if gname else ''} "
-                f"(tolerance {self.tolerance}): {'PASS' if self.passed else 'FAIL'}")
+                f"(tolerance {self.tolerance}): {self.verdict}")
         bad = self.failures
         if bad:
             more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
             line += "\n  outside the tolerance: " + "; ".join(bad[:5]) + more
+        if self.verdict == "INCONCLUSIVE":
+            before, after = self.reference_loss
+            line += (f"\n  the single-device run diverged (first batch's loss {before:.4g} -> "
+                     f"{after:.4g}); a diverging run amplifies round-off without bound, so "
+                     "these differences do not show a parallel error; train stably (a smaller "
+                     "learning rate) to check")
         return line
 
     def __str__(self) -> str:
@@ -209,7 +232,7 @@ class CheckReport:
                 e <= self.tolerance.rtol for e in grads)
             rows.append([name, _fmt(per_rank[rank]), f"{self.param_tolerances[name]:.1e}",
                          _fmt(_worst(grads)) if grads else "-", str(rank),
-                         "ok" if ok else "FAIL"])
+                         "ok" if ok else "over"])
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         lines = ["  " + "  ".join(c.ljust(w) if k == 0 else c.rjust(w)
                                   for k, (c, w) in enumerate(zip(r, widths))) for r in rows]
@@ -217,7 +240,8 @@ class CheckReport:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: non-finite differences are written as the strings "inf"/"nan"."""
-        return {"steps": self.steps, "passed": self.passed,
+        return {"steps": self.steps, "passed": self.passed, "verdict": self.verdict,
+                "reference_loss": [_json(x) for x in self.reference_loss],
                 "tolerance": {"rtol": self.tolerance.rtol,
                               "param_atol": self.tolerance.param_atol,
                               "judge_later_losses": self.tolerance.judge_later_losses},
@@ -329,8 +353,9 @@ def check_against_single_device(train: TrainOneStepCell,
     same = train.global_parameters()
     loss, grads = train.value_and_grad(*data[0], step=train.step_count)
     ref_grads: dict[str, np.ndarray] | None = None
-    ref_loss = np.zeros(1)
+    ref_loss = np.zeros(2)  # at the parallel run's parameters; the twin's own, at its own
     if twin is not None:
+        ref_loss[1], _ = twin.value_and_grad(*data[0], step=train.step_count)
         twin.params = same
         ref_loss[0], ref_grads = twin.value_and_grad(*data[0], step=train.step_count)
     ref_loss = _from_rank_0(ref_loss, prog.device_num)
@@ -350,7 +375,7 @@ def check_against_single_device(train: TrainOneStepCell,
         len(data), tolerance, tuple(float(e) for e in every[:, k + g + 1:].max(axis=0)),
         {n: tuple(float(e) for e in every[:, i]) for i, n in enumerate(names)}, param_tol,
         {n: tuple(float(e) for e in every[:, k + i]) for i, n in enumerate(grad_names)},
-        float(every[:, k + g].max()))
+        float(every[:, k + g].max()), (float(ref_losses[0]), float(ref_loss[1])))
 
 
 def _raise_everywhere(error: Exception | None, device_num: int) -> None:

@@ -103,9 +103,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--strategy {args.strategy} sets semi_auto_parallel strategies, but "
                 f"--parallel-mode is {args.parallel_mode}; drop --strategy or use "
                 "--parallel-mode semi_auto_parallel")
-    if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
-        p.error(f"--out {args.out} exists and is not a directory")
+    if args.device_num is not None and args.device_num < 1:
+        p.error(f"--device-num must be >= 1 (the number of ranks), got {args.device_num}")
+    if args.out is not None:
+        problem = _unwritable_dir(args.out)
+        if problem:
+            p.error(f"--out {args.out}: {problem}")
     return args
+
+
+def _unwritable_dir(path: str) -> str | None:
+    """Why ``path`` cannot become a directory we write into, or None."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        return "exists and is not a directory"
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"{parent} is a file, so no directory can be made below it"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{parent} is not writable"
+    return None
 
 
 def mesh(args: argparse.Namespace, world: int) -> tuple[int, int]:
@@ -139,6 +157,15 @@ def mesh(args: argparse.Namespace, world: int) -> tuple[int, int]:
         raise UsageError(f"--n-heads {args.n_heads} does not split among {mp} model-parallel "
                          f"ranks ({where}; Megatron gives each rank whole heads); use a "
                          f"multiple of {mp}")
+    if args.model == "gpt" and VOCAB_SIZE % mp:
+        raise UsageError(f"the GPT's vocabulary of {VOCAB_SIZE} characters does not split "
+                         f"among {mp} model-parallel ranks ({where}; the embedding and the LM "
+                         f"head are vocabulary-parallel); use a number of ranks whose mp "
+                         f"divides {VOCAB_SIZE}")
+    if args.model == "mlp" and args.hidden % mp:
+        raise UsageError(f"--hidden {args.hidden} does not split among {mp} model-parallel "
+                         f"ranks ({where}; Megatron splits the hidden layer); use a multiple "
+                         f"of {mp}")
     return dp, mp
 
 
@@ -202,12 +229,18 @@ def build(args: argparse.Namespace, mode: str, device_num: int) -> nn.TrainOneSt
             presets.megatron_mlp(model, dp, mp)
     net = nn.WithLossCell(model, loss)
     params = net.trainable_params()
-    lr = args.lr if args.lr is not None else (3e-3 if args.optimizer.startswith("adam") else 0.1)
+    lr = learning_rate(args)
     opt: nn.Optimizer = {"adam": lambda: nn.Adam(params, lr),
                          "adamw": lambda: nn.AdamW(params, lr),
                          "momentum": lambda: nn.Momentum(params, lr, 0.9),
                          "sgd": lambda: nn.SGD(params, lr)}[args.optimizer]()
     return nn.TrainOneStepCell(net, opt, parallel_mode=mode, seed=args.seed)
+
+
+def learning_rate(args: argparse.Namespace) -> float:
+    """--lr, or the optimizer's default: 3e-3 for Adam and AdamW, 0.1 for Momentum and SGD."""
+    return args.lr if args.lr is not None else (
+        3e-3 if args.optimizer.startswith("adam") else 0.1)
 
 
 def _data_parallel_strategies(model: nn.Cell, n: int) -> None:
@@ -337,13 +370,11 @@ def main(argv: list[str] | None = None) -> int:
         "losses": [_json_float(x) for x in losses], "tokens_per_s": tok_s,
         "plan_seconds": t_build, "step_seconds": step_times, "comm": trace.by_kind(),
         "strategies": train.program.strategies() if train.program else {}, "passed": None}
-    ok = True
+    report = None
     if not args.no_check:
         report = check_against_single_device(
             train, lambda: build(args, "stand_alone", 1),
             [get_batch(k) for k in range(args.steps)], losses=losses)
-        ok = report.passed
-        say("\n" + (report.summary() if ok else str(report)))
         summary.update(_check_fields(report))
     if args.out and rank == 0:
         os.makedirs(args.out, exist_ok=True)
@@ -353,7 +384,15 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(summary, f, indent=1, default=float, allow_nan=False)
         os.replace(tmp, path)
         say(f"wrote {path}")
-    return 0 if ok else 1
+    if report is None:
+        return 0
+    say("\n" + (report.summary() if report.passed else str(report)))  # the verdict, last
+    if report.verdict == "INCONCLUSIVE" and rank == 0:
+        print(f"python -m simpar.train: error: the single-device run diverged (first batch's "
+              f"loss {report.reference_loss[0]:.4g} -> {report.reference_loss[1]:.4g}), so "
+              f"the check cannot judge this run; train stably (--lr {learning_rate(args):g} "
+              "is too large here) to check it", file=sys.stderr)
+    return {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 2}[report.verdict]
 
 
 def strategy_name(args: argparse.Namespace, world: int) -> str | None:
@@ -369,7 +408,8 @@ def _json_float(x: float) -> float | str:
 
 def _check_fields(report: CheckReport) -> dict[str, Any]:
     d = report.to_dict()
-    return {"passed": d["passed"], "max_dloss": d["max_dloss"], "max_dparam": d["max_dparam"],
+    return {"passed": d["passed"], "verdict": d["verdict"], "max_dloss": d["max_dloss"],
+            "max_dparam": d["max_dparam"], "max_dgrad": d["max_dgrad"],
             "tolerance": d["tolerance"], "param_errors": d["param_errors"]}
 
 

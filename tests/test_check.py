@@ -122,3 +122,20 @@ def test_default_tolerance_follows_dtype_and_optimizer() -> None:
         default_tolerance(np.int32)
     with pytest.raises(ValueError, match="steps must be an int >= 1, got 0"):
         default_tolerance(np.float32, steps=0)
+
+
+def test_differences_in_a_diverged_reference_are_inconclusive_not_fail() -> None:
+    bad = {"w": (1e-6,)}
+    diverged = CheckReport(2, FLOAT64, (0.0, 0.0), bad, {"w": 1e-10}, {"w": (0.0,)}, 0.0,
+                           (4.8, 172.0))
+    assert diverged.reference_diverged and diverged.verdict == "INCONCLUSIVE"
+    assert not diverged.passed and "the single-device run diverged" in diverged.summary()
+    blew_up = CheckReport(2, FLOAT64, (0.0, 0.0), bad, {"w": 1e-10}, {"w": (0.0,)}, 0.0,
+                          (4.8, math.nan))
+    assert blew_up.verdict == "INCONCLUSIVE"
+    trained = CheckReport(2, FLOAT64, (0.0, 0.0), bad, {"w": 1e-10}, {"w": (0.0,)}, 0.0,
+                          (4.8, 3.1))
+    assert trained.verdict == "FAIL"
+    clean = CheckReport(2, FLOAT64, (0.0, 0.0), {"w": (0.0,)}, {"w": 1e-10}, {"w": (0.0,)},
+                        0.0, (4.8, 172.0))
+    assert clean.verdict == "PASS" and clean.passed

@@ -276,3 +276,36 @@ def test_strategy_table_columns_are_aligned(capsys: pytest.CaptureFixture[str]) 
         for s in starts:  # every column starts after a gap of at least two spaces
             assert row[s - 2:s] == "  " and row[s] != " ", (row, s)
     assert len({r.split()[0] for r in rows[1:]}) == len(rows) - 1  # unique names
+
+
+@pytest.mark.mpi
+def test_out_below_a_regular_file_is_refused_before_any_work(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    line = _refused(["--steps", "1", "--out", str(afile / "sub")], capsys)
+    if comm.get_rank() == 0:
+        assert f"--out {afile}/sub: {afile} is a file, so no directory can be made below it" \
+            in line
+
+
+@pytest.mark.mpi(min_size=4)
+def test_an_mlp_hidden_width_that_does_not_split_is_refused(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    mp = comm.get_group_size() // 2
+    line = _refused(["--model", "mlp", "--hidden", "3", "--steps", "1"], capsys)
+    if comm.get_rank() == 0:
+        assert f"--hidden 3 does not split among {mp} model-parallel ranks" in line
+
+
+@pytest.mark.mpi(min_size=4)
+def test_a_diverged_run_is_inconclusive_not_a_fail(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """SGD at lr 1000 blows the loss up to ~1e9: round-off then grows without bound, so
+    the job says it cannot judge the run (exit 2) instead of blaming the parallel math."""
+    code, summary = _main(["--steps", "2", "--optimizer", "sgd", "--lr", "1000"], tmp_path)
+    err = capsys.readouterr().err
+    assert code == 2 and summary["verdict"] == "INCONCLUSIVE" and summary["passed"] is False
+    if comm.get_rank() == 0:
+        assert "error: the single-device run diverged (first batch's loss 4.846 -> " in err
+        assert "--lr 1000 is too large here" in err
