@@ -89,9 +89,8 @@ class TrainOneStepCell:
         ctx = context.auto_parallel_context()
         self._ctx = ctx
         device_num = 1 if self.mode == "stand_alone" else comm.get_group_size()
-        if device_num > 1:
-            comm.check_context()
         if device_num > 1:  # shapes decide the program: every rank must trace the same
+            comm.check_context()
             comm.check_same_arrays("TrainOneStepCell.build", [("data", data), ("label", label)])
         g = graph.trace(self.network, [(data.shape, data.dtype), (label.shape, label.dtype)],
                         ["data", "label"])
