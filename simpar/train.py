@@ -153,15 +153,16 @@ def mesh(args: argparse.Namespace, world: int) -> tuple[int, int]:
     if args.batch_size % dp:
         raise UsageError(f"--batch-size {args.batch_size} does not split among {dp} "
                          f"data-parallel ranks ({where}); use a multiple of {dp}")
-    if args.model == "gpt" and args.n_heads % mp:
-        raise UsageError(f"--n-heads {args.n_heads} does not split among {mp} model-parallel "
-                         f"ranks ({where}; Megatron gives each rank whole heads); use a "
-                         f"multiple of {mp}")
+    # No option sets the vocabulary: refuse for it first, so that no advice below is moot.
     if args.model == "gpt" and VOCAB_SIZE % mp:
         raise UsageError(f"the GPT's vocabulary of {VOCAB_SIZE} characters does not split "
                          f"among {mp} model-parallel ranks ({where}; the embedding and the LM "
                          f"head are vocabulary-parallel); use a number of ranks whose mp "
                          f"divides {VOCAB_SIZE}")
+    if args.model == "gpt" and args.n_heads % mp:
+        raise UsageError(f"--n-heads {args.n_heads} does not split among {mp} model-parallel "
+                         f"ranks ({where}; Megatron gives each rank whole heads); use a "
+                         f"multiple of {mp}")
     if args.model == "mlp" and args.hidden % mp:
         raise UsageError(f"--hidden {args.hidden} does not split among {mp} model-parallel "
                          f"ranks ({where}; Megatron splits the hidden layer); use a multiple "

@@ -236,10 +236,12 @@ def test_which_world_sizes_work_is_computed_by_planning() -> None:
                        "needs an even number of ranks; this job has 3"):
         train.mesh(args, 3)
     default = train.parse_args([])
-    with pytest.raises(train.UsageError, match=r"--n-heads 8 does not split among 3 "
-                       r"model-parallel ranks \(strategy mp, the default on an odd number of "
-                       r"ranks, on 3 ranks is dp=1 x mp=3"):
-        train.mesh(default, 6 // 2)
+    with pytest.raises(train.UsageError, match=r"the GPT's vocabulary of 128 characters does "
+                       r"not split among 3 model-parallel ranks \(strategy mp, the default on an "
+                       r"odd number of ranks, on 3 ranks is dp=1 x mp=3"):
+        train.mesh(default, 3)
+    with pytest.raises(train.UsageError, match=r"--n-heads 6 does not split among 4 "):
+        train.mesh(train.parse_args(["--d-model", "66", "--n-heads", "6"]), 8)
     assert train.mesh(default, 8) == (2, 4) and train.mesh(default, 1) == (1, 1)
 
 
