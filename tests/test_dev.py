@@ -294,7 +294,8 @@ def test_every_rank_of_a_real_pytest_run_is_counted(tmp_path: Path,
     (tmp_path / "logs").mkdir()
     env = dict(_clean_env(), SIMPAR_TEST_LOGDIR=str(tmp_path / "logs"))
     cmd = [sys.executable, str(launcher), "2", sys.executable, "-m", "pytest", "-q",
-           "-p", "tests.conftest", "-p", "no:cacheprovider", str(tiny)]
+           "-p", "tests.conftest", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
+           str(tiny)]
     run = dev._pytest("fake -n 2", cmd, env, 2)
     console = capsys.readouterr().out
     assert "2 passed, 1 skipped" in console  # rank 0's closing line, all that dev.py read before
@@ -343,7 +344,9 @@ def test_dev_py_test_reports_a_failure_on_rank_1_only(
     for key in set(os.environ) - set(_clean_env()):
         monkeypatch.delenv(key)
     monkeypatch.setattr(dev, "MPI_RUNS", (2,))
-    assert dev.test([str(tiny), "-p", "tests.conftest", "-p", "no:cacheprovider"]) == 1
+    # --rootdir: node ids relative to tmp_path, whatever configuration files lie above it.
+    assert dev.test([str(tiny), "-p", "tests.conftest", "-p", "no:cacheprovider",
+                     "--rootdir", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     node = "test_tiny_mpi.py::test_not_on_rank_1"
     assert "dev.py: 1 process: 1 passed, 1 skipped" in out
