@@ -29,7 +29,7 @@ from simpar.check import CheckReport, check_against_single_device
 from simpar.context import ContextError
 from simpar.dataset import VOCAB_SIZE, CharCorpus, random_classification
 from simpar.nn import presets
-from simpar.runtime.program import lower
+from simpar.runtime.program import build_program
 
 MODES = ("stand_alone", "data_parallel", "semi_auto_parallel", "auto_parallel")
 
@@ -184,7 +184,7 @@ def plan_only(args: argparse.Namespace, world: int) -> None:
     train = build(args, args.parallel_mode, world)
     shapes = batch_shapes(args)
     g = graph.trace(train.network, shapes, ["data", "label"])
-    lower(g, world, args.parallel_mode, dataset_strategy(args, dp, mp, world), True,
+    build_program(g, world, args.parallel_mode, dataset_strategy(args, dp, mp, world), True,
           cell=train.network)
 
 
@@ -287,16 +287,18 @@ def print_strategy_table(train: nn.TrainOneStepCell) -> None:
     prog = train.program
     assert prog is not None
     rows = prog.comm_table()
-    shown = [r for r in rows if r["chosen"] == "annotated" or r["forward"] or r["redistribution"]]
+    shown = [r for r in rows if r["chosen"] == "annotated" or r["forward"] or r["redistribution"]
+             or r["repeat"] > 1]
     names = display_names([r["op"] for r in rows])
-    print(f"\nstrategies ({len(shown)} of {len(rows)} ops shown: annotated or communicating; "
-          "the rest follow their producers)")
-    table = [["op", "strategy", "out map", "forward", "backward"]]
+    print(f"\nstrategies ({len(shown)} of {len(rows)} ops shown: annotated, communicating or "
+          "computed alike on several ranks; the rest follow their producers)")
+    table = [["op", "strategy", "out map", "forward", "backward", "repeated"]]
     for r in shown:
         table.append([names[r["op"]], str(r["strategy"]).replace(" ", ""),
                       str(r["out_tensor_map"]).replace(" ", ""),
                       ", ".join(r["redistribution"] + r["forward"]) or "-",
-                      ", ".join(r["backward"]) or "-"])
+                      ", ".join(r["backward"]) or "-",
+                      f"x{r['repeat']}" if r["repeat"] > 1 else "-"])
     print("\n".join(_columns(table)))
     mirrors: dict[int, int] = {}
     for name in prog.param_layouts:

@@ -13,7 +13,7 @@ import pytest
 from simpar import graph, nn, ops
 from simpar.nn import presets
 from simpar.parallel import get_parallel_info
-from simpar.runtime import OpStep, ParallelProgram, lower
+from simpar.runtime import OpStep, ParallelProgram, build_program
 from tests.ophelpers import fd_check
 
 RNG = np.random.default_rng(5)
@@ -120,7 +120,7 @@ def _program(loss: nn.Cell, x: np.ndarray, y: np.ndarray, device_num: int = 1,
     cell = _Pair(loss, x, y)
     cell.name_parameters()
     g = graph.trace(cell, [(x.shape, x.dtype), (y.shape, y.dtype)], ["a", "b"])
-    return lower(g, device_num, mode, dataset, cell=cell)
+    return build_program(g, device_num, mode, dataset, cell=cell)
 
 
 def _loss_and_grads(loss: nn.Cell, x: np.ndarray, y: np.ndarray, dy: np.ndarray
@@ -243,7 +243,7 @@ def test_megatron_mlp_regression_head_never_gathers():
     cell = nn.WithLossCell(net, loss)
     cell.name_parameters()
     g = graph.trace(cell, [((8, 8), np.float64), ((8, 8), np.float64)], ["data", "label"])
-    prog = lower(g, 8, "semi_auto_parallel", ((2, 1), (2, 1)), cell=cell)
+    prog = build_program(g, 8, "semi_auto_parallel", ((2, 1), (2, 1)), cell=cell)
     steps = {s.node.op.name: s for s in prog.steps if "_loss_fn-MSELoss" in s.node.name}
     assert all(s.chosen == "propagated" for s in steps.values())
     assert steps["Square"].sharding.in_layouts[0].cuts == (2, 4)

@@ -25,7 +25,7 @@ from simpar import graph, nn, ops
 from simpar.dataset import random_classification
 from simpar.graph import Graph
 from simpar.nn import presets
-from simpar.runtime import ParallelProgram, lower
+from simpar.runtime import ParallelProgram, build_program
 from simpar.runtime.program import dataset_layouts
 
 BATCH = 8
@@ -168,7 +168,7 @@ def test_each_node_keeps_a_snapshot_of_its_call_attributes() -> None:
     x = np.arange(32.0).reshape(2, 16)
     np.testing.assert_array_equal(cell(x), x.reshape(32))
     # Lowered on 8 devices, the first Reshape still splits (4, 8) and the second (32,).
-    prog = lower(g, 8, SEMI)
+    prog = build_program(g, 8, SEMI)
     assert [prog.layouts[n.outputs[0].id].shape for n in g.nodes] == [(4, 8), (32,)]
 
 
@@ -191,7 +191,7 @@ def test_lower_megatron_mlp_for_many_devices_in_one_process(device_num: int, dp:
                                                             mp: int) -> None:
     cell = _mlp_cell(32, 1024, 128)
     presets.megatron_mlp(cell._backbone, dp, mp)  # type: ignore[arg-type]
-    prog = lower(_trace_mlp(cell, 64, 32), device_num, SEMI, ((dp, 1), (dp,)), cell=cell)
+    prog = build_program(_trace_mlp(cell, 64, 32), device_num, SEMI, ((dp, 1), (dp,)), cell=cell)
     assert prog.device_num == device_num and len(prog.steps) == 6
     want = {"_backbone.fc1.weight": (1024 // mp, 32), "_backbone.fc1.bias": (1024 // mp,),
             "_backbone.fc2.weight": (128, 1024 // mp), "_backbone.fc2.bias": (128,)}
@@ -216,7 +216,7 @@ def test_lower_megatron_gpt_shards_every_weight_and_propagates_without_moving(
         device_num: int, dp: int, mp: int) -> None:
     cell, gpt, loss = _gpt_cell()
     presets.megatron_gpt(gpt, dp, mp, loss)
-    prog = lower(_trace_gpt(cell), device_num, SEMI, ((dp, 1), (dp, 1)), cell=cell)
+    prog = build_program(_trace_gpt(cell), device_num, SEMI, ((dp, 1), (dp, 1)), cell=cell)
     local = {k.removeprefix("_backbone."): lay.local_shape()
              for k, lay in prog.param_layouts.items()}
     assert local["embedding.embedding_table"] == (128 // mp, 64)
@@ -243,14 +243,14 @@ def test_lowering_does_not_start_mpi() -> None:
         import numpy as np
         from simpar import graph, nn
         from simpar.nn import presets
-        from simpar.runtime import lower
+        from simpar.runtime import build_program
         for n, dp, mp in ((8, 2, 4), (64, 8, 8), (1024, 8, 128)):
             mlp = nn.MLP(32, 1024, 128, dtype=np.float64)
             presets.megatron_mlp(mlp, dp, mp)
             cell = nn.WithLossCell(mlp, nn.SoftmaxCrossEntropyWithLogits())
             cell.name_parameters()
             g = graph.trace(cell, [((64, 32), np.float64), ((64,), np.int32)])
-            prog = lower(g, n, "semi_auto_parallel", ((dp, 1), (dp,)), cell=cell)
+            prog = build_program(g, n, "semi_auto_parallel", ((dp, 1), (dp,)), cell=cell)
             str(prog)
             prog.comm_table(n - 1)
         print("mpi4py loaded:", "mpi4py.MPI" in sys.modules)
@@ -266,7 +266,7 @@ def test_lowering_does_not_start_mpi() -> None:
 def test_print_program_lists_layouts_strategies_and_collectives() -> None:
     cell = _mlp_cell()
     presets.megatron_mlp(cell._backbone, 2, 4)  # type: ignore[arg-type]
-    prog = lower(_trace_mlp(cell), 8, SEMI, "data_parallel", cell=cell)
+    prog = build_program(_trace_mlp(cell), 8, SEMI, "data_parallel", cell=cell)
     text = str(prog)
     lines = text.splitlines()
     assert lines[0] == "ParallelProgram: semi_auto_parallel, 8 devices, 6 ops, 4 parameters"
@@ -292,7 +292,7 @@ def test_auto_parallel_is_not_implemented_and_says_so() -> None:
     g = _trace_mlp(_mlp_cell())
     with pytest.raises(NotImplementedError, match="auto_parallel.*not implemented.*"
                        "semi_auto_parallel"):
-        lower(g, 8, "auto_parallel")
+        build_program(g, 8, "auto_parallel")
     cell = _mlp_cell()
     train = nn.TrainOneStepCell(cell, nn.SGD(cell.trainable_params()),
                                 parallel_mode="auto_parallel")
@@ -304,7 +304,7 @@ def test_auto_parallel_is_not_implemented_and_says_so() -> None:
 def test_lower_rejects_an_unknown_mode() -> None:
     with pytest.raises(ValueError, match=r"mode must be one of .*'semi_auto_parallel'.* got "
                                          r"'hybrid_parallel'"):
-        lower(_trace_mlp(_mlp_cell()), 8, "hybrid_parallel")
+        build_program(_trace_mlp(_mlp_cell()), 8, "hybrid_parallel")
 
 
 # ------------------------------------------------------------------ propagation and modes
@@ -312,7 +312,7 @@ def test_op_after_a_column_parallel_matmul_keeps_its_layout() -> None:
     dense = nn.Dense(16, 32, has_bias=False, activation="relu", dtype=np.float64)
     dense.matmul.shard(((1, 1), (8, 1)))
     g = graph.trace(dense, [((BATCH, 16), np.float64)])
-    prog = lower(g, 8, SEMI, "full_batch")
+    prog = build_program(g, 8, SEMI, "full_batch")
     matmul, relu = prog.steps
     assert (matmul.chosen, relu.chosen) == ("annotated", "propagated")
     assert relu.sharding.strategy == ((1, 8),)
@@ -327,7 +327,7 @@ def test_op_after_a_column_parallel_matmul_keeps_its_layout() -> None:
 def test_data_parallel_mode_keeps_parameters_replicated_even_when_ops_are_sharded() -> None:
     cell, gpt, loss = _gpt_cell()
     presets.megatron_gpt(gpt, 2, 4, loss)  # ignored outside semi_auto_parallel
-    prog = lower(_trace_gpt(cell), 8, "data_parallel", cell=cell)
+    prog = build_program(_trace_gpt(cell), 8, "data_parallel", cell=cell)
     assert {s.chosen for s in prog.steps} == {"data_parallel"}
     for name, lay in prog.param_layouts.items():
         assert lay.local_shape() == lay.shape, name
@@ -336,9 +336,9 @@ def test_data_parallel_mode_keeps_parameters_replicated_even_when_ops_are_sharde
     moved = [s.node.name for s in prog.steps if any(p.steps for p in s.in_plans)]
     assert moved == []
     for mode in ("stand_alone", "data_parallel"):
-        mlp_prog = lower(_trace_mlp(_mlp_cell()), 8, mode)
+        mlp_prog = build_program(_trace_mlp(_mlp_cell()), 8, mode)
         assert all(lay.local_shape() == lay.shape for lay in mlp_prog.param_layouts.values())
-    assert lower(_trace_mlp(_mlp_cell()), 8, "stand_alone").device_num == 1
+    assert build_program(_trace_mlp(_mlp_cell()), 8, "stand_alone").device_num == 1
 
 
 def test_cell_shard_in_strategy_inserts_a_redistribution() -> None:
@@ -349,7 +349,7 @@ def test_cell_shard_in_strategy_inserts_a_redistribution() -> None:
     ident = [n for n in g.nodes if n.op.name == "Identity"]
     assert len(ident) == 1 and "fc2-Dense" in ident[0].name
     assert ident[0].op.in_strategy == ((1, 8),)
-    prog = lower(g, 8, SEMI, "data_parallel", cell=cell)
+    prog = build_program(g, 8, SEMI, "data_parallel", cell=cell)
     step = next(s for s in prog.steps if s.node is ident[0])
     assert step.chosen == "annotated"
     kinds = [st.kind for st in step.in_plans[0].steps]
@@ -364,14 +364,14 @@ def test_cell_shard_in_strategy_inserts_a_redistribution() -> None:
 def test_parameter_plan_sets_the_layout_of_a_parameter() -> None:
     cell = _mlp_cell()
     cell._backbone.fc1.shard(None, parameter_plan={"weight": (4, 1)})  # type: ignore[attr-defined]
-    prog = lower(_trace_mlp(cell), 8, SEMI, "full_batch", cell=cell)
+    prog = build_program(_trace_mlp(cell), 8, SEMI, "full_batch", cell=cell)
     lay = prog.param_layouts["_backbone.fc1.weight"]
     assert lay.cuts == (4, 1) and lay.local_shape() == (8, 16)
     matmul = _step(prog, "fc1-Dense/MatMul")
     assert matmul.chosen == "propagated" and matmul.sharding.strategy[1] == (4, 1)
     # Without the plan the same op lays the weight out otherwise.
     plain = _mlp_cell()
-    free = lower(_trace_mlp(plain), 8, SEMI, "full_batch", cell=plain)
+    free = build_program(_trace_mlp(plain), 8, SEMI, "full_batch", cell=plain)
     assert free.param_layouts["_backbone.fc1.weight"].cuts != (4, 1)
 
 
@@ -400,7 +400,7 @@ def test_bad_dataset_strategy_entries(strategy: Any, match: str) -> None:
 def test_data_parallel_batch_must_split_over_the_devices() -> None:
     with pytest.raises(ValueError, match=r"input 0 of shape \(6, 16\) has batch 6, which does "
                                          "not split over 8 devices"):
-        lower(_trace_mlp(_mlp_cell(), batch=6), 8, "data_parallel")
+        build_program(_trace_mlp(_mlp_cell(), batch=6), 8, "data_parallel")
 
 
 def test_context_rejects_bad_dataset_strategy_types() -> None:
@@ -594,7 +594,7 @@ def test_strategy_that_does_not_fit_the_op_fails_at_lowering(strategy: Any, matc
     cell = _mlp_cell()
     cell._backbone.fc1.matmul.shard(strategy)  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match=match):
-        lower(_trace_mlp(cell), 8, SEMI, cell=cell)
+        build_program(_trace_mlp(cell), 8, SEMI, cell=cell)
 
 
 def test_strategy_with_the_wrong_number_of_inputs_fails_at_shard() -> None:

@@ -23,7 +23,7 @@ from simpar import context, graph
 from simpar.layout import TensorLayout, distribute
 from simpar.nn.cell import Cell
 from simpar.nn.optim import Optimizer
-from simpar.runtime.program import ParallelProgram, lower
+from simpar.runtime.program import ParallelProgram, build_program
 
 __all__ = ["TrainOneStepCell", "WithLossCell"]
 
@@ -95,7 +95,7 @@ class TrainOneStepCell:
         g = graph.trace(self.network, [(data.shape, data.dtype), (label.shape, label.dtype)],
                         ["data", "label"])
         dataset = "full_batch" if ctx.full_batch else ctx.dataset_strategy
-        self.program = lower(g, device_num, self.mode, dataset, ctx.enable_alltoall,
+        self.program = build_program(g, device_num, self.mode, dataset, ctx.enable_alltoall,
                              cell=self.network)
         rank = comm.get_rank() if device_num > 1 else 0
         trainable = {p.name for p in self.optimizer.parameters}

@@ -1,12 +1,11 @@
-"""Lowering a traced graph into a per-rank :class:`ParallelProgram`, and running it.
+"""Lowering a traced graph and its :class:`~simpar.search.StrategyMap` into a per-rank
+:class:`ParallelProgram`, and running it.
 
-Lowering walks the graph in order. Every node gets a strategy (its ``.shard()``, or for an
-unannotated op the candidate that needs the least redistribution from its producers, ties
-going to the most parallel one; data parallel where nothing constrains it), every value a
-layout, and every edge whose producer layout differs from what the consumer's rule needs a
-redistribution plan. Parameters take the layout their first consumer needs (or their
-``parameter_plan``), and get their gradient completed by one AllReduce over the ranks that
-replicate them (MindSpore's Mirror).
+Lowering chooses nothing: every op's strategy, every parameter's and graph input's layout come
+from the strategy map (``simpar.search`` plans it). Lowering derives every value's layout from
+them, and plans a redistribution on every edge whose producer layout differs from what the
+consumer's rule needs. Every trainable parameter gets its gradient completed by one AllReduce
+over the ranks that replicate it (MindSpore's Mirror).
 
 Execution is the per-rank program: forward runs each op's local kernel and collectives on
 this rank's shards; backward runs every op's VJP and every collective's adjoint in reverse,
@@ -16,7 +15,7 @@ accumulating gradient *contributions* (see ``simpar/ops/_base.py``), then the Mi
 from __future__ import annotations
 
 import functools
-import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +25,7 @@ import numpy as np
 from simpar import comm
 from simpar.graph import Graph, Node, Value
 from simpar.layout import TensorLayout
-from simpar.ops._base import OpSharding, StrategyError
+from simpar.ops._base import OpSharding
 from simpar.redistribution import (
     LOCAL_KINDS,
     RedistributionPlan,
@@ -34,30 +33,41 @@ from simpar.redistribution import (
     execute_adjoint,
     plan,
 )
+from simpar.search import (
+    Source,
+    StrategyMap,
+    dataset_layouts,
+    parameter_plans,
+    plan_strategies,
+    repeat_factor,
+)
 
-__all__ = ["OpStep", "ParallelProgram", "lower"]
+__all__ = ["NothingParallelWarning", "OpStep", "ParallelProgram", "build_program",
+           "dataset_layouts", "lower"]
 
-MODES = ("stand_alone", "data_parallel", "semi_auto_parallel")
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class OpStep:
-    """One node of the per-rank program: its sharding and the redistributions feeding it."""
+    """One node of the per-rank program: its sharding, the redistributions feeding it, where
+    its strategy came from, and how many ranks compute each of its shards."""
 
     node: Node
     sharding: OpSharding
     in_plans: tuple[RedistributionPlan, ...]
-    chosen: str  # "annotated", "propagated" or "data_parallel"
+    chosen: Source
+    repeat: int = 1
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelProgram:
-    """The per-rank program for one traced graph on ``device_num`` devices."""
+    """The per-rank program for one traced graph on ``device_num`` devices, lowered from
+    ``strategy_map``. Nothing reassigns its fields once lowered."""
 
     graph: Graph
     device_num: int
     mode: str
-    steps: list[OpStep]
+    steps: tuple[OpStep, ...]
     layouts: dict[int, TensorLayout]            # value id -> layout of the value
     param_layouts: dict[str, TensorLayout]      # parameter name -> layout
     param_values: dict[str, Value]
@@ -65,6 +75,12 @@ class ParallelProgram:
     enable_alltoall: bool = True
     #: Nodes with an input on a path from a trainable parameter: the forward keeps their tape.
     grad_nodes: frozenset[int] = frozenset()
+    strategy_map: StrategyMap | None = None
+
+    def repeated(self) -> dict[str, int]:
+        """{op name: how many ranks compute each of its shards}, for every op computed on more
+        than one rank alike (MindSpore's repeated calculation)."""
+        return {s.node.name: s.repeat for s in self.steps if s.repeat > 1}
 
     # ------------------------------------------------------------ description
     def input_layouts(self) -> list[TensorLayout]:
@@ -100,8 +116,9 @@ class ParallelProgram:
             lines.append(f"  param {name}{list(lay.shape)}: {lay}{mirror}")
         for s in self.steps:
             sh = s.sharding
+            repeat = f", computed alike on {s.repeat} ranks" if s.repeat > 1 else ""
             lines.append(f"  [{s.node.id}] {s.node.op.name} {[list(c) for c in sh.strategy]}"
-                         f" ({s.chosen}) dev{list(sh.device_matrix)}  {s.node.name}")
+                         f" ({s.chosen}{repeat}) dev{list(sh.device_matrix)}  {s.node.name}")
             for k, p in enumerate(s.in_plans):
                 if p.steps:
                     kinds = ", ".join(st.kind + (f"{list(st.device_axes)}" if st.device_axes
@@ -120,7 +137,7 @@ class ParallelProgram:
             redis = [st.kind for p in s.in_plans for st in p.steps if st.kind not in LOCAL_KINDS]
             rows.append({"op": s.node.name, "type": s.node.op.name,
                          "strategy": [list(c) for c in s.sharding.strategy],
-                         "chosen": s.chosen,
+                         "chosen": s.chosen, "repeat": s.repeat,
                          "out_tensor_map": [list(e) if isinstance(e, tuple) else e
                                             for e in s.sharding.out.tensor_map],
                          "redistribution": redis,
@@ -238,172 +255,78 @@ def _replica_group(lay: TensorLayout, rank: int) -> tuple[int, ...]:
 
 
 # ------------------------------------------------------------------ lowering
-def dataset_layouts(shapes: Sequence[Sequence[int]], device_num: int,
-                    dataset_strategy: Any) -> list[TensorLayout]:
-    """Layouts of the graph inputs: "full_batch" replicates, "data_parallel" splits dim 0 over
-    every device, a tuple of cuts splits as given (remaining devices repeat, on the right)."""
-    out = []
-    for k, shape in enumerate(shapes):
-        shape = tuple(shape)
-        if dataset_strategy == "full_batch" or not shape:
-            out.append(TensorLayout((device_num,), [-1] * len(shape), shape))
-        elif dataset_strategy == "data_parallel":
-            if shape[0] % device_num:
-                raise ValueError(f"dataset_strategy 'data_parallel': input {k} of shape {shape} "
-                                 f"has batch {shape[0]}, which does not split over "
-                                 f"{device_num} devices; use full_batch or a tuple strategy")
-            out.append(TensorLayout((device_num,), [0] + [-1] * (len(shape) - 1), shape))
-        else:
-            if k >= len(dataset_strategy):
-                raise ValueError(f"dataset_strategy {dataset_strategy} has no entry for input "
-                                 f"{k} of shape {shape}")
-            cuts = tuple(dataset_strategy[k])
-            used = math.prod(cuts)
-            if len(cuts) != len(shape) or device_num % used:
-                raise ValueError(f"dataset_strategy entry {cuts} for input {k} of shape "
-                                 f"{shape} must have one cut per dimension and use a divisor "
-                                 f"of device_num {device_num}")
-            dm = tuple(c for c in cuts if c > 1) + ((device_num // used,)
-                                                    if device_num > used else ())
-            out.append(TensorLayout.from_strategy(dm or (1,), cuts, shape))
-    return out
+def lower(graph: Graph, strategy_map: StrategyMap, enable_alltoall: bool = True
+          ) -> ParallelProgram:
+    """The per-rank program of ``graph`` under ``strategy_map`` (pure: no MPI).
 
-
-def _cost(p: RedistributionPlan) -> int:
-    n = p.src.device_num
-    ranks = range(n) if n <= 16 else sorted({0, n // 2, n - 1} | {(k * n) // 16 for k in
-                                                                   range(16)})
-    return max(p.recv_bytes(r, 1) + p.send_bytes(r, 1) for r in ranks) if p.steps else 0
-
-
-def _follow_strategy(node: Node, known: dict[int, TensorLayout]) -> tuple[tuple[int, ...], ...]:
-    """Cuts that keep every activation input where it already is (params and consts free)."""
-    cuts = []
-    for v in node.inputs:
-        lay = known.get(v.id)
-        cuts.append(lay.cuts if lay is not None and v.kind in ("op", "input") else
-                    (1,) * v.ndim)
-    return tuple(cuts)
-
-
-def _param_cuts_ok(node: Node, strat: Sequence[Sequence[int]], mode: str,
-                   plans: dict[str, tuple[int, ...]]) -> bool:
-    for v, cuts in zip(node.inputs, strat):
-        if v.kind != "param":
-            continue
-        if v.name in plans and tuple(cuts) != plans[v.name]:
-            return False
-        if mode == "data_parallel" and any(c != 1 for c in cuts):
-            return False
-    return True
-
-
-def _choose(node: Node, shapes: list[tuple[int, ...]], device_num: int, mode: str,
-            known: dict[int, TensorLayout], param_plans: dict[str, tuple[int, ...]],
-            enable_alltoall: bool) -> tuple[OpSharding, str]:
-    op = node.op
-    if mode == "semi_auto_parallel" and op.in_strategy is not None:
-        return op.sharding(shapes, device_num), "annotated"
-
-    def score(sh: OpSharding) -> tuple[int, int, int, int]:
-        cost = steps = 0
-        for v, lay in zip(node.inputs, sh.in_layouts):
-            src = known.get(v.id)
-            if src is not None and v.kind in ("op", "input"):
-                p = plan(src, lay, enable_alltoall)
-                cost += _cost(p)
-                steps += len(p.steps)
-        cuts = sh.extra.get("cuts")
-        repeat = device_num // math.prod(cuts.values()) if cuts else 1
-        batch_cut = -sh.in_layouts[0].cuts[0] if sh.in_layouts and sh.in_layouts[0].ndim else 0
-        # Bytes first; then keep activations exactly where they are (even a free slice now
-        # can cost a gather later); then the most parallel; then the largest batch cut.
-        return cost, steps, repeat, batch_cut
-
-    chosen = "data_parallel" if mode == "data_parallel" else "propagated"
-    follow = _follow_strategy(node, known)
-    if _param_cuts_ok(node, follow, mode, param_plans):
-        try:
-            sh = op.sharding(shapes, device_num, follow)
-            if score(sh)[:2] == (0, 0):  # no byte and no step to move: nothing can beat it
-                return sh, chosen
-        except (StrategyError, ValueError):
-            pass
-    best: tuple[tuple[int, int, int, int], OpSharding] | None = None
-    for strat in op.candidate_strategies(shapes, device_num, fully_use_devices=False):
-        if not _param_cuts_ok(node, strat, mode, param_plans):
-            continue
-        try:
-            sh = op.sharding(shapes, device_num, strat)
-        except (StrategyError, ValueError):
-            continue
-        key = score(sh)
-        if best is None or key < best[0]:
-            best = (key, sh)
-    if best is None:
-        raise StrategyError(f"{node.name}: no valid strategy for shapes {shapes} on "
-                            f"{device_num} devices")
-    return best[1], chosen
-
-
-def _param_plans(cell: Any) -> dict[str, tuple[int, ...]]:
-    """{full parameter name: cuts} from every Cell's parameter_plan."""
-    out: dict[str, tuple[int, ...]] = {}
-    if cell is None:
-        return out
-    for path, sub in cell.cells_and_names():
-        for key, cuts in sub.parameter_plan.items():
-            key = key.removeprefix("self.")
-            out[f"{path}.{key}" if path else key] = cuts
-    return out
-
-
-def lower(graph: Graph, device_num: int, mode: str, dataset_strategy: Any = "full_batch",
-          enable_alltoall: bool = True, cell: Any = None) -> ParallelProgram:
-    """Plan ``graph`` for ``device_num`` devices in ``mode`` (pure: no MPI)."""
-    if mode == "auto_parallel":
-        raise NotImplementedError("parallel_mode='auto_parallel' needs the strategy search, "
-                                  "which is not implemented yet; use semi_auto_parallel with "
-                                  ".shard() strategies, or data_parallel")
-    if mode not in MODES:
-        raise ValueError(f"lower: mode must be one of {list(MODES)} or auto_parallel, got "
-                         f"{mode!r}")
-    if mode == "stand_alone":
-        device_num = 1
-    if mode == "data_parallel":
-        dataset_strategy = "data_parallel"
-    if device_num == 1:
-        dataset_strategy = "full_batch"
-    layouts: dict[int, TensorLayout] = {}
-    for v, lay in zip(graph.inputs, dataset_layouts([v.shape for v in graph.inputs],
-                                                    device_num, dataset_strategy)):
-        layouts[v.id] = lay
+    Every node must have a strategy in the map. A parameter the map gives no layout takes
+    the layout its first consumer's strategy needs (as in MindSpore, where a weight is laid
+    out by the op that reads it); a graph input without one is held whole by every rank
+    (``full_batch``). Nothing else is decided here."""
+    if not isinstance(strategy_map, StrategyMap):
+        raise TypeError(f"lower: strategy_map must be a simpar.search.StrategyMap, got "
+                        f"{type(strategy_map).__name__}")
+    smap, device_num = strategy_map, strategy_map.device_num
+    missing = [n.name for n in graph.nodes if n.name not in smap.ops]
+    if missing:
+        raise ValueError(f"lower: the strategy map has no strategy for {len(missing)} ops, "
+                         f"e.g. {missing[:2]} (planned for another graph?); plan this graph "
+                         "with simpar.search.plan_strategies")
+    params = dict(smap.params)
+    layouts: dict[int, TensorLayout] = {
+        v.id: smap.inputs.get(v.name) or TensorLayout((device_num,), [-1] * v.ndim, v.shape)
+        for v in graph.inputs}
+    layouts.update((v.id, params[v.name]) for v in graph.params if v.name in params)
     for v in graph.consts:
         layouts[v.id] = TensorLayout((device_num,), [-1] * v.ndim, v.shape)
-    plans = _param_plans(cell)
-    param_layouts: dict[str, TensorLayout] = {}
-    param_values = {v.name: v for v in graph.params}
     steps: list[OpStep] = []
     for node in graph.nodes:
-        shapes = [v.shape for v in node.inputs]
-        sh, chosen = _choose(node, shapes, device_num, mode, layouts, plans, enable_alltoall)
-        in_plans = []
+        chosen = smap.ops[node.name]
+        if chosen.op_type != node.op.name:
+            raise ValueError(f"lower: {node.name} is a {node.op.name}, but the strategy map "
+                             f"holds a {chosen.op_type} strategy for it")
+        sh = node.op.sharding([v.shape for v in node.inputs], device_num, chosen.in_strategy,
+                              chosen.out_strategy)
         for v, need in zip(node.inputs, sh.in_layouts):
             if v.kind == "param" and v.id not in layouts:
-                layouts[v.id] = need
-                param_layouts[v.name] = need
-            in_plans.append(plan(layouts[v.id], need, enable_alltoall))
+                layouts[v.id] = params[v.name] = need
+        in_plans = tuple(plan(layouts[v.id], need, enable_alltoall)
+                         for v, need in zip(node.inputs, sh.in_layouts))
         for v, (_, out, _) in zip(node.outputs, sh.outputs):
             layouts[v.id] = out
-        steps.append(OpStep(node, sh, tuple(in_plans), chosen))
-    for name, v in param_values.items():
-        if name not in param_layouts:  # unused parameter: keep it replicated
-            param_layouts[name] = TensorLayout((device_num,), [-1] * v.ndim, v.shape)
-            layouts[v.id] = param_layouts[name]
+        steps.append(OpStep(node, sh, in_plans, chosen.source,
+                            repeat_factor(sh, device_num)))
     needs = {v.id for v in graph.params if v.param is not None and v.param.requires_grad}
     for node in graph.nodes:
         if any(v.id in needs for v in node.inputs):
             needs.update(v.id for v in node.outputs)
     grad_nodes = frozenset(n.id for n in graph.nodes if any(v.id in needs for v in n.inputs))
-    return ParallelProgram(graph, device_num, mode, steps, layouts, param_layouts,
-                           param_values, needs, enable_alltoall, grad_nodes)
+    for v in graph.params:
+        if v.name not in params:  # read by no op: keep it whole
+            layouts[v.id] = params[v.name] = TensorLayout((device_num,), [-1] * v.ndim, v.shape)
+    program = ParallelProgram(graph, device_num, smap.mode, tuple(steps), layouts,
+                              params, {v.name: v for v in graph.params}, needs,
+                              enable_alltoall, grad_nodes, smap)
+    _warn_if_nothing_is_parallel(program)
+    return program
+
+
+def build_program(graph: Graph, device_num: int, mode: str, dataset_strategy: Any = "full_batch",
+                  enable_alltoall: bool = True, cell: Any = None) -> ParallelProgram:
+    """Plan (``simpar.search.plan_strategies``, with ``cell``'s parameter plans) and lower."""
+    smap = plan_strategies(graph, device_num, mode, dataset_strategy, enable_alltoall,
+                           parameter_plans(cell))
+    return lower(graph, smap, enable_alltoall)
+
+
+class NothingParallelWarning(UserWarning):
+    """Every op of a program computes the same values on every rank."""
+
+
+def _warn_if_nothing_is_parallel(program: ParallelProgram) -> None:
+    n = program.device_num
+    if n > 1 and program.steps and all(s.repeat == n for s in program.steps):
+        warnings.warn(f"every op of this program computes the whole tensor on all {n} ranks: "
+                      "nothing is parallel. Set .shard() strategies, a dataset_strategy that "
+                      "cuts the batch, or use parallel_mode='data_parallel'",
+                      NothingParallelWarning, stacklevel=3)

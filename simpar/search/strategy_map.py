@@ -1,0 +1,142 @@
+"""The strategy map: every op's strategy, and every parameter's and graph input's layout.
+
+It is the one value between planning and lowering (``../shared/DESIGN.md``): a planner (the
+semi-auto propagation, data parallel, the searches, a strategy file) produces it; ``lower``
+consumes it and chooses nothing. It is keyed by the MindSpore-style op names of the traced
+graph ("Default/network-WithLossCell/_backbone-MLP/fc1-Dense/MatMul-op3"), is immutable,
+prints as a table, and round-trips through JSON::
+
+    smap = StrategyMap(8, "semi_auto_parallel",
+                       {"…/fc1-Dense/MatMul-op1": OpStrategy("MatMul", ((2, 1), (4, 1)),
+                                                             source=Source.USER)}, ...)
+    StrategyMap.from_dict(json.loads(json.dumps(smap.to_dict()))) == smap
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from simpar.layout import TensorLayout
+from simpar.ops._base import Strategy, _as_strategy
+
+__all__ = ["OpStrategy", "Source", "StrategyMap"]
+
+
+class Source(str, enum.Enum):
+    """Where an op's strategy came from. The values are the strings simpar has always
+    printed, and compare equal to them ("annotated" is a strategy set with ``.shard()``)."""
+
+    USER = "annotated"
+    PROPAGATED = "propagated"
+    DATA_PARALLEL = "data_parallel"
+    SEARCHED = "searched"
+    FILE = "file"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True, slots=True)
+class OpStrategy:
+    """One op's strategy: one tuple of cuts per input (and optionally per output), as in
+    ``MatMul().shard(((2, 1), (1, 4)))``, and where it came from."""
+
+    op_type: str
+    in_strategy: Strategy
+    out_strategy: Strategy | None = None
+    source: Source = Source.USER
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "in_strategy",
+                           _as_strategy(self.in_strategy, self.op_type, "in_strategy"))
+        if self.out_strategy is not None:
+            object.__setattr__(self, "out_strategy",
+                               _as_strategy(self.out_strategy, self.op_type, "out_strategy"))
+        if not isinstance(self.source, Source):
+            object.__setattr__(self, "source", Source(self.source))
+
+    def __str__(self) -> str:
+        out = f" out {_cuts(self.out_strategy)}" if self.out_strategy is not None else ""
+        return f"{self.op_type} {_cuts(self.in_strategy)}{out} ({self.source})"
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"type": self.op_type,
+                             "in_strategy": [list(c) for c in self.in_strategy],
+                             "source": self.source.value}
+        if self.out_strategy is not None:
+            d["out_strategy"] = [list(c) for c in self.out_strategy]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> OpStrategy:
+        return cls(d["type"], d["in_strategy"], d.get("out_strategy"),
+                   Source(d.get("source", Source.FILE.value)))
+
+
+def _cuts(strategy: Strategy | None) -> str:
+    return str([list(c) for c in strategy or ()]).replace(" ", "")
+
+
+@dataclass(frozen=True)
+class StrategyMap:
+    """Every op's :class:`OpStrategy` by op name, every parameter's layout by parameter name,
+    and every graph input's layout by input name, for ``device_num`` devices in ``mode``."""
+
+    device_num: int
+    mode: str
+    ops: Mapping[str, OpStrategy] = field(default_factory=dict)
+    params: Mapping[str, TensorLayout] = field(default_factory=dict)
+    inputs: Mapping[str, TensorLayout] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.device_num, bool) or not isinstance(self.device_num, int) or \
+                self.device_num < 1:
+            raise ValueError(f"StrategyMap: device_num must be an int >= 1, got "
+                             f"{self.device_num!r}")
+        for name, what in (("ops", OpStrategy), ("params", TensorLayout),
+                           ("inputs", TensorLayout)):
+            table = getattr(self, name)
+            for key, value in table.items():
+                if not isinstance(value, what):
+                    raise TypeError(f"StrategyMap: {name}[{key!r}] must be a "
+                                    f"{what.__name__}, got {type(value).__name__}")
+            object.__setattr__(self, name, MappingProxyType(dict(table)))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, StrategyMap):
+            return NotImplemented
+        return (self.device_num, self.mode, dict(self.ops), dict(self.params),
+                dict(self.inputs)) == (other.device_num, other.mode, dict(other.ops),
+                                       dict(other.params), dict(other.inputs))
+
+    __hash__ = None  # type: ignore[assignment]  # holds mappings; compare, don't hash
+
+    def count(self, source: Source) -> int:
+        return sum(1 for s in self.ops.values() if s.source == source)
+
+    def __str__(self) -> str:
+        by_source = ", ".join(f"{self.count(s)} {s}" for s in Source if self.count(s))
+        lines = [f"StrategyMap: {self.mode}, {self.device_num} devices, {len(self.ops)} ops "
+                 f"({by_source}), {len(self.params)} parameters"]
+        lines += [f"  {name}: {s}" for name, s in self.ops.items()]
+        lines += [f"  param {name}: {lay}" for name, lay in self.params.items()]
+        lines += [f"  input {name}: {lay}" for name, lay in self.inputs.items()]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready. Layouts are MindSpore's dictionaries (plus shape)."""
+        return {"device_num": self.device_num, "mode": self.mode,
+                "ops": {n: s.to_dict() for n, s in self.ops.items()},
+                "params": {n: lay.to_dict() for n, lay in self.params.items()},
+                "inputs": {n: lay.to_dict() for n, lay in self.inputs.items()}}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> StrategyMap:
+        return cls(int(d["device_num"]), str(d["mode"]),
+                   {n: OpStrategy.from_dict(s) for n, s in d.get("ops", {}).items()},
+                   {n: TensorLayout.from_dict(v) for n, v in d.get("params", {}).items()},
+                   {n: TensorLayout.from_dict(v) for n, v in d.get("inputs", {}).items()})

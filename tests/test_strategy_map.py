@@ -1,0 +1,156 @@
+"""The strategy map between planning and lowering, in one process: a frozen, printable,
+JSON-serialisable value that every planner produces and ``lower`` consumes.
+
+    python -m pytest tests/test_strategy_map.py -q
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import warnings
+
+import numpy as np
+import pytest
+
+from simpar import graph, nn
+from simpar.layout import TensorLayout
+from simpar.nn import presets
+from simpar.runtime import NothingParallelWarning, build_program, lower
+from simpar.search import OpStrategy, Source, StrategyMap, plan_strategies
+
+SEMI = "semi_auto_parallel"
+
+
+def _mlp(dp: int = 2, mp: int = 4, annotate: bool = True) -> tuple[nn.Cell, graph.Graph]:
+    model = nn.MLP(16, 32, 8, n_hidden=1, dtype=np.float64)
+    if annotate:
+        presets.megatron_mlp(model, dp, mp)
+    net = nn.WithLossCell(model, nn.SoftmaxCrossEntropyWithLogits())
+    net.name_parameters()
+    g = graph.trace(net, [((8, 16), np.float64), ((8,), np.int32)], ["data", "label"])
+    return net, g
+
+
+def _dense() -> graph.Graph:
+    dense = nn.Dense(16, 8, has_bias=False, dtype=np.float64)
+    dense.name_parameters()
+    return graph.trace(dense, [((4, 16), np.float64)], ["x"])
+
+
+MATMUL = "Default/network-Dense/MatMul-op0"
+
+
+def test_a_planner_records_every_op_and_where_its_strategy_came_from() -> None:
+    net, g = _mlp()
+    smap = plan_strategies(g, 8, SEMI, ((2, 1), (2,)), True)
+    assert set(smap.ops) == {n.name for n in g.nodes}
+    assert set(smap.params) == {v.name for v in g.params}
+    assert set(smap.inputs) == {"data", "label"}
+    fc1 = next(s for n, s in smap.ops.items() if "fc1-Dense/MatMul" in n)
+    assert fc1 == OpStrategy("MatMul", ((2, 1), (4, 1)), source=Source.USER)
+    assert smap.count(Source.USER) == 4 and smap.count(Source.PROPAGATED) > 0
+    # Source values are the strings simpar always printed.
+    assert Source.USER == "annotated" and Source.PROPAGATED == "propagated"
+    text = str(smap)
+    assert text.startswith(f"StrategyMap: semi_auto_parallel, 8 devices, {len(g.nodes)} ops")
+    assert "MatMul [[2,1],[4,1]] (annotated)" in text
+
+
+def test_the_map_is_frozen_and_round_trips_through_json() -> None:
+    _, g = _mlp()
+    smap = plan_strategies(g, 8, SEMI, ((2, 1), (2,)), True)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        smap.device_num = 4  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        smap.ops["x"] = smap.ops[next(iter(smap.ops))]  # type: ignore[index]
+    back = StrategyMap.from_dict(json.loads(json.dumps(smap.to_dict())))
+    assert back == smap
+    assert lower(g, back).strategies() == lower(g, smap).strategies()
+
+
+def test_lower_chooses_nothing_it_follows_the_map() -> None:
+    """A hand-written map: every op as given, parameters laid out by their consumer."""
+    g = _dense()
+    smap = StrategyMap(8, SEMI, {MATMUL: OpStrategy("MatMul", ((1, 1), (8, 1)))})
+    program = lower(g, smap)
+    assert program.strategy_map is smap
+    assert program.strategies() == {MATMUL: [[1, 1], [8, 1]]}
+    assert program.param_layouts["weight"].cuts == (8, 1)
+    assert program.input_layouts()[0].cuts == (1, 1)       # no entry: held whole
+    # The same layer with another map gives another program: lowering adds no choice.
+    other = lower(g, StrategyMap(8, SEMI, {MATMUL: OpStrategy("MatMul", ((4, 1), (1, 1)))}))
+    assert other.strategies() == {MATMUL: [[4, 1], [1, 1]]}
+
+
+def test_program_steps_are_frozen_values() -> None:
+    program = lower(_dense(), StrategyMap(8, SEMI, {MATMUL: OpStrategy("MatMul",
+                                                                          ((1, 1), (8, 1)))}))
+    step = program.steps[0]
+    assert isinstance(program.steps, tuple) and step.chosen is Source.USER
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        step.chosen = Source.PROPAGATED  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        program.steps = ()  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(("smap", "error", "words"), [
+    (StrategyMap(8, SEMI, {}), ValueError, "has no strategy for 1 ops, e.g. "
+     "['Default/network-Dense/MatMul-op0']"),
+    (StrategyMap(8, SEMI, {MATMUL: OpStrategy("BatchMatMul", ((1, 1), (8, 1)))}), ValueError,
+     "is a MatMul, but the strategy map holds a BatchMatMul strategy"),
+    (StrategyMap(8, SEMI, {MATMUL: OpStrategy("MatMul", ((1, 3), (3, 1)))}), ValueError,
+     "16 is not divisible by 3"),
+])
+def test_lower_refuses_a_map_that_does_not_fit(smap: StrategyMap, error: type, words: str
+                                               ) -> None:
+    with pytest.raises(error, match=re.escape(words)):
+        lower(_dense(), smap)
+    with pytest.raises(TypeError, match="strategy_map must be a simpar.search.StrategyMap, got "
+                       "dict"):
+        lower(_dense(), {})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("kwargs", "error", "words"), [
+    ({"device_num": 0}, ValueError, "device_num must be an int >= 1, got 0"),
+    ({"ops": {"a": ((1,),)}}, TypeError, "ops['a'] must be a OpStrategy, got tuple"),
+    ({"params": {"w": (8, 1)}}, TypeError, "params['w'] must be a TensorLayout, got tuple"),
+])
+def test_strategy_map_validates_what_it_holds(kwargs: dict[str, object], error: type,
+                                              words: str) -> None:
+    args: dict[str, object] = {"device_num": 8, "mode": SEMI, **kwargs}
+    with pytest.raises(error, match=re.escape(words)):
+        StrategyMap(**args)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="cuts must be >= 1"):
+        OpStrategy("MatMul", ((0, 1), (1, 1)))
+
+
+def test_repeated_compute_is_reported_per_op() -> None:
+    """Megatron computes what follows a row-parallel layer on its whole mp group alike."""
+    net, g = _mlp(dp=2, mp=4)
+    program = build_program(g, 8, SEMI, ((2, 1), (2,)), cell=net)
+    repeated = program.repeated()
+    fc2_bias = next(n for n in repeated if "fc2-Dense/BiasAdd" in n)
+    assert repeated[fc2_bias] == 4                       # row-parallel output, on 4 ranks alike
+    assert not any("fc1-Dense/MatMul" in n for n in repeated)
+    assert "computed alike on 4 ranks" in str(program)
+
+
+def test_a_model_that_computes_everything_everywhere_warns() -> None:
+    net, g = _mlp(annotate=False)
+    with pytest.warns(NothingParallelWarning, match="computes the whole tensor on all 8 "
+                      "ranks: nothing is parallel"):
+        build_program(g, 8, SEMI, "full_batch", cell=net)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NothingParallelWarning)
+        build_program(g, 8, "data_parallel", cell=net)      # batch cut: parallel, no warning
+        build_program(g, 1, SEMI, cell=net)                 # one device: nothing to warn of
+
+
+def test_input_layouts_come_from_the_map() -> None:
+    g = _dense()
+    x = TensorLayout((2, 4), (1, -1), (4, 16))              # rows over 2, repeated on 4
+    smap = StrategyMap(8, SEMI, {MATMUL: OpStrategy("MatMul", ((2, 1), (1, 1)))}, inputs={"x": x})
+    program = lower(g, smap)
+    assert program.input_layouts()[0] == x
