@@ -14,7 +14,7 @@ import warnings
 import numpy as np
 import pytest
 
-from simpar import graph, nn
+from simpar import graph, nn, seed
 from simpar.layout import TensorLayout
 from simpar.nn import presets
 from simpar.runtime import NothingParallelWarning, build_program, lower
@@ -154,3 +154,25 @@ def test_input_layouts_come_from_the_map() -> None:
     smap = StrategyMap(8, SEMI, {MATMUL: OpStrategy("MatMul", ((2, 1), (1, 1)))}, inputs={"x": x})
     program = lower(g, smap)
     assert program.input_layouts()[0] == x
+
+
+def test_executing_a_program_writes_nothing_into_the_graph() -> None:
+    """Dropout draws per training step from ``seed.training_step``, not from op state."""
+    gpt = nn.GPT(32, 8, 16, 1, 2, dropout=0.2, dtype=np.float64)
+    train = nn.TrainOneStepCell(nn.WithLossCell(gpt, nn.SoftmaxCrossEntropyWithLogits()),
+                                nn.SGD(gpt.trainable_params(), 0.1), parallel_mode="stand_alone")
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 32, (2, 8)).astype(np.int32)
+    train(ids, ids)
+    assert train.program is not None
+    before = [repr(vars(s.node.op)) for s in train.program.steps]
+    train(ids, ids)
+    train(ids, ids)
+    assert [repr(vars(s.node.op)) for s in train.program.steps] == before
+    drop = next(s.node.op for s in train.program.steps if s.node.op.name == "Dropout")
+    with seed.training_step(0):
+        first = drop.keep_mask((4, 16))
+    with seed.training_step(1):
+        second = drop.keep_mask((4, 16))
+    assert not np.array_equal(first, second)
+    assert np.array_equal(first, drop.keep_mask((4, 16)))  # outside a step: the op's own (0)

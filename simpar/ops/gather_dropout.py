@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from simpar.ops._base import IterSpace, OpSharding, Primitive, register
+from simpar.seed import current_step
 
 __all__ = ["Dropout", "Gather"]
 
@@ -203,10 +204,11 @@ class Dropout(Primitive):
     """Zero each element with probability ``1 - keep_prob`` and scale the kept ones by
     ``1 / keep_prob``.
 
-    The mask depends on ``(seed0, seed1, step, global element index)`` only. ``step`` is an
-    attribute the caller advances (the training runtime sets it once per step); the kernel and
-    the VJP read it when they run, and the per-rank backward reuses the mask its forward
-    saved. MindSpore's Dropout returns ``(output, mask)``; this one returns the output only.
+    The mask depends on ``(seed0, seed1, step, global element index)`` only. ``step`` is the
+    enclosing ``simpar.seed.training_step`` (the training runtime runs each step in one), else
+    this op's ``step`` attribute; the kernel and the VJP read it when they run, and the
+    per-rank backward reuses the mask its forward saved. MindSpore's Dropout returns
+    ``(output, mask)``; this one returns the output only.
     MindSpore draws a random seed when seed0 = seed1 = 0; here (0, 0) is a seed like any other,
     so runs are reproducible.
 
@@ -257,7 +259,9 @@ class Dropout(Primitive):
         """
         shp = tuple(int(n) for n in shape)
         full = tuple((0, n) for n in shp)
-        key = _mix_int(_mix_int(_mix_int(self.seed0) ^ self.seed1) ^ self._step)
+        running = current_step()
+        step = self._step if running is None else running
+        key = _mix_int(_mix_int(_mix_int(self.seed0) ^ self.seed1) ^ step)
         idx = _flat_index(shp, full if box is None else tuple(box))
         flat = idx.reshape(-1)  # 1-d, so that uint64 wrapping stays silent for a 0-d tensor
         h = _mix((flat + np.uint64(1)) * np.uint64(_GOLDEN) + np.uint64(key))

@@ -41,6 +41,7 @@ from simpar.search import (
     plan_strategies,
     repeat_factor,
 )
+from simpar.seed import training_step
 
 __all__ = ["NothingParallelWarning", "OpStep", "ParallelProgram", "build_program",
            "dataset_layouts", "lower"]
@@ -154,11 +155,11 @@ class ParallelProgram:
         Collectives run without simpar.comm's cross-rank agreement check: every rank runs
         the same plan, so shapes agree by construction (and the check would double the
         number of collectives)."""
-        with comm.validation_disabled():
-            return self._forward(local_inputs, local_params, step)
+        with comm.validation_disabled(), training_step(step):
+            return self._forward(local_inputs, local_params)
 
-    def _forward(self, local_inputs: Sequence[np.ndarray], local_params: dict[str, np.ndarray],
-                 step: int) -> tuple[list[np.ndarray], dict[int, Any]]:
+    def _forward(self, local_inputs: Sequence[np.ndarray], local_params: dict[str, np.ndarray]
+                 ) -> tuple[list[np.ndarray], dict[int, Any]]:
         vals: dict[int, np.ndarray] = {}
         for v, x in zip(self.graph.inputs, local_inputs):
             vals[v.id] = x
@@ -170,8 +171,6 @@ class ParallelProgram:
         tape: dict[int, Any] = {}
         for s in self.steps:
             node = s.node
-            if hasattr(node.op, "step"):
-                node.op.step = step  # counter-based ops (Dropout) draw per step
             ins = []
             for k, (v, p) in enumerate(zip(node.inputs, s.in_plans)):
                 x = vals[v.id]
