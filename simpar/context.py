@@ -83,6 +83,7 @@ __all__ = [
     "AlgoParameters",
     "ContextError",
     "ContextTypeError",
+    "NotHonouredWarning",
     "ParallelContext",
     "ParallelMode",
     "StrategyCkptConfig",
@@ -408,6 +409,35 @@ _ALGO_SPECS: dict[str, _Spec] = {
 }
 
 
+class NotHonouredWarning(UserWarning):
+    """A key was set to a value that simpar accepts (MindSpore's) but does not act on yet."""
+
+
+# State fields that simpar validates but does not act on yet when they differ from their
+# default, with what is missing. Each warns once per process.
+_NOT_HONOURED: dict[str, str] = {
+    "search_mode": "the strategy searches behind auto_parallel are not built yet",
+    "strategy_ckpt_config": "strategy files are not written or read yet",
+    "gradient_fp32_sync": "simpar has no float16 gradients, so there is nothing to cast",
+    "elementwise_op_strategy_follow": "the strategy searches are not built yet",
+    "enable_algo_approxi": "the strategy searches are not built yet",
+    "algo_approxi_epsilon": "the strategy searches are not built yet",
+    "tensor_slice_align_enable": "the strategy searches are not built yet",
+    "tensor_slice_align_size": "the strategy searches are not built yet",
+}
+_warned: set[str] = set()
+
+
+def _warn_not_honoured(func: str, specs: Mapping[str, _Spec], staged: Mapping[str, Any]
+                       ) -> None:
+    for key, why in _NOT_HONOURED.items():
+        if key in specs and key not in _warned and staged[key] != specs[key].default:
+            _warned.add(key)
+            value = staged[key].as_dict() if key == "strategy_ckpt_config" else staged[key]
+            warnings.warn(f"{func}: {key}={value!r} is accepted but not honoured yet: {why}",
+                          NotHonouredWarning, stacklevel=3)
+
+
 def _defaults(specs: Mapping[str, _Spec]) -> dict[str, Any]:
     return {key: spec.default for key, spec in specs.items()}
 
@@ -554,6 +584,7 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
         _check_world(staged, *_world)
     _check_ranks(func, staged)
     _auto = staged
+    _warn_not_honoured(func, _AUTO_SPECS, staged)
 
 
 def auto_parallel_context() -> ParallelContext:
@@ -656,6 +687,7 @@ def set_algo_parameters(**kwargs: Any) -> None:
     """
     global _algo
     _algo = _stage("set_algo_parameters", _ALGO_SPECS, _algo, kwargs)
+    _warn_not_honoured("set_algo_parameters", _ALGO_SPECS, _algo)
 
 
 def algo_parameters() -> AlgoParameters:

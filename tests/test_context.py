@@ -653,3 +653,36 @@ def test_public_surface_is_documented_and_typed() -> None:
 def test_docstring_examples_run() -> None:
     failures, tests = doctest.testmod(context, optionflags=doctest.ELLIPSIS)
     assert tests > 10 and failures == 0
+
+
+# ------------------------------------------------------------------ keys not honoured yet
+@pytest.fixture
+def _fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
+    from simpar import context
+
+    monkeypatch.setattr(context, "_warned", set())
+
+
+@pytest.mark.usefixtures("_fresh_warnings")
+def test_a_key_simpar_does_not_honour_yet_warns_once_naming_it() -> None:
+    import warnings
+
+    from simpar.context import NotHonouredWarning
+
+    try:
+        with pytest.warns(NotHonouredWarning, match=r"strategy_ckpt_config=\{'load_file': '', "
+                          r"'save_file': 'out/strategy.json', .*not honoured yet: strategy "
+                          r"files are not written or read yet"):
+            set_auto_parallel_context(strategy_ckpt_config={"save_file": "out/strategy.json"})
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", NotHonouredWarning)
+            set_auto_parallel_context(strategy_ckpt_save_file="again.json")  # once only
+            set_auto_parallel_context(gradient_fp32_sync=True)               # the default
+        with pytest.warns(NotHonouredWarning, match="search_mode='dynamic_programming' is "
+                          "accepted but not honoured yet: the strategy searches"):
+            set_auto_parallel_context(search_mode="dynamic_programming")
+        with pytest.warns(NotHonouredWarning, match="elementwise_op_strategy_follow=True"):
+            set_algo_parameters(elementwise_op_strategy_follow=True)
+    finally:
+        reset_auto_parallel_context()
+        reset_algo_parameters()

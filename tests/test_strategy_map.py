@@ -176,3 +176,31 @@ def test_executing_a_program_writes_nothing_into_the_graph() -> None:
         second = drop.keep_mask((4, 16))
     assert not np.array_equal(first, second)
     assert np.array_equal(first, drop.keep_mask((4, 16)))  # outside a step: the op's own (0)
+
+
+def _planned_mlp(plan: dict[str, tuple[int, ...]], annotate: bool) -> None:
+    model = nn.MLP(16, 32, 8, n_hidden=1, dtype=np.float64)
+    if annotate:
+        presets.megatron_mlp(model, 2, 4)
+    model.layers[0].shard(None, parameter_plan=plan)
+    net = nn.WithLossCell(model, nn.SoftmaxCrossEntropyWithLogits())
+    net.name_parameters()
+    g = graph.trace(net, [((8, 16), np.float64), ((8,), np.int32)], ["data", "label"])
+    build_program(g, 8, SEMI, "full_batch", cell=net)
+
+
+def test_parameter_plan_refuses_unknown_names_and_wrong_lengths() -> None:
+    with pytest.raises(ValueError, match=r"parameter_plan: the network has no parameter named "
+                       r"'_backbone.fc1.weigth'; did you mean '_backbone.fc1.weight'"):
+        _planned_mlp({"weigth": (4, 1)}, annotate=False)
+    with pytest.raises(ValueError, match=r"_backbone.fc1.weight has shape \(32, 16\), so "
+                       r"its plan needs 2 cuts, got \(4,\)"):
+        _planned_mlp({"weight": (4,)}, annotate=False)
+
+
+def test_parameter_plan_that_contradicts_an_annotated_consumer_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"parameter_plan gives _backbone.fc1.weight the "
+                       r"cuts \(1, 8\), but .*fc1-Dense/MatMul-op\d+ \(.shard\(\[\[2, 1\], "
+                       r"\[4, 1\]\]\)\) reads it cut \(4, 1\)"):
+        _planned_mlp({"weight": (1, 8)}, annotate=True)
+    _planned_mlp({"weight": (4, 1)}, annotate=True)  # agreeing: fine

@@ -14,6 +14,7 @@ first consumer; graph inputs the layout of the dataset strategy.
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -48,6 +49,7 @@ def plan_strategies(graph: Graph, device_num: int, mode: str,
     if device_num == 1:
         dataset_strategy = "full_batch"
     plans = {k: tuple(v) for k, v in (parameter_plan or {}).items()}
+    _check_parameter_plan(graph, plans)
     layouts: dict[int, TensorLayout] = {}
     inputs: dict[str, TensorLayout] = {}
     for v, lay in zip(graph.inputs, dataset_layouts([v.shape for v in graph.inputs],
@@ -60,6 +62,8 @@ def plan_strategies(graph: Graph, device_num: int, mode: str,
     for node in graph.nodes:
         shapes = [v.shape for v in node.inputs]
         sh, source = _choose(node, shapes, device_num, mode, layouts, plans, enable_alltoall)
+        if source == Source.USER:
+            _check_plan_against_strategy(node, sh, plans)
         ops[node.name] = OpStrategy(node.op.name, sh.strategy, _out_strategy(node, source),
                                     source)
         for v, need in zip(node.inputs, sh.in_layouts):
@@ -71,6 +75,31 @@ def plan_strategies(graph: Graph, device_num: int, mode: str,
         if v.name not in params:  # unused parameter: keep it replicated
             params[v.name] = TensorLayout((device_num,), [-1] * v.ndim, v.shape)
     return StrategyMap(device_num, mode, ops, params, inputs)
+
+
+def _check_parameter_plan(graph: Graph, plans: Mapping[str, tuple[int, ...]]) -> None:
+    names = {v.name: v for v in graph.params}
+    for key, cuts in plans.items():
+        if key not in names:
+            close = difflib.get_close_matches(key, list(names), n=3)
+            hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else (
+                f"; its parameters are {sorted(names)[:8]}")
+            raise ValueError(f"parameter_plan: the network has no parameter named {key!r}"
+                             f"{hint}")
+        if len(cuts) != names[key].ndim:
+            raise ValueError(f"parameter_plan: {key} has shape {names[key].shape}, so its "
+                             f"plan needs {names[key].ndim} cuts, got {cuts}")
+
+
+def _check_plan_against_strategy(node: Node, sh: OpSharding,
+                                 plans: Mapping[str, tuple[int, ...]]) -> None:
+    """A parameter plan and the ``.shard()`` strategy of the op that reads the parameter
+    must agree: simpar would otherwise silently follow one of them."""
+    for v, lay in zip(node.inputs, sh.in_layouts):
+        if v.kind == "param" and v.name in plans and lay.cuts != plans[v.name]:
+            raise ValueError(f"parameter_plan gives {v.name} the cuts {plans[v.name]}, but "
+                             f"{node.name} (.shard({[list(c) for c in sh.strategy]})) reads it "
+                             f"cut {lay.cuts}; make them agree, or drop one of them")
 
 
 def _out_strategy(node: Node, source: Source) -> Strategy | None:
