@@ -39,6 +39,13 @@ from typing import Any
 
 import numpy as np
 
+from simpar.cost.collective import (
+    ALPHA_SECONDS,
+    BANDWIDTH_BYTES_PER_S,
+    sample_ranks,
+    seconds,
+    traffic,
+)
 from simpar.layout import TensorLayout
 from simpar.mesh import DeviceMesh
 
@@ -59,10 +66,6 @@ ALL_GATHER, ALL_TO_ALL, ALL_TO_ALL_V = "AllGather", "AllToAll", "AllToAllV"
 REDUCE_SCATTER, ALL_REDUCE = "ReduceScatter", "AllReduce"
 LOCAL_KINDS = (SLICE, ZERO)
 
-# Default link model for cost estimates (one Ascend 910 HCCS link, roughly): latency per
-# collective step and bandwidth per rank. simpar.cost may pass calibrated numbers.
-ALPHA_SECONDS = 5e-6
-BANDWIDTH_BYTES_PER_S = 25e9
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,17 +92,12 @@ class Step:
 
     def recv_elements(self, rank: int) -> int:
         """Elements this rank receives from other ranks in this step."""
-        p, n = self.group_size, self.src.local_size()
         if self.kind in LOCAL_KINDS:
             return 0
-        if self.kind == ALL_GATHER:
-            return (p - 1) * n
-        if self.kind in (ALL_TO_ALL, REDUCE_SCATTER):
-            return (p - 1) * n // p
-        if self.kind == ALL_REDUCE:
-            return 2 * (p - 1) * n // p
-        # The direct exchange receives exactly the missing elements (min_bytes, per element).
-        return self.dst.local_size() - _held(self.src, self.dst, rank)
+        if self.kind == ALL_TO_ALL_V:
+            # The direct exchange receives exactly the missing elements (min_bytes).
+            return self.dst.local_size() - _held(self.src, self.dst, rank)
+        return traffic(self.kind, self.group_size, self.src.local_size())
 
     def send_elements(self, rank: int) -> int:
         """Elements this rank sends to other ranks in this step."""
@@ -111,8 +109,7 @@ class Step:
         """Bytes this rank receives, as CommTrace counts them: an AllReduce's ``2 (p-1)/p n``
         is rounded in bytes, not in elements (1 int64 over 8 ranks is 14 bytes)."""
         if self.kind == ALL_REDUCE:
-            p = self.group_size
-            return 2 * (p - 1) * self.src.local_size() * itemsize // p
+            return traffic(ALL_REDUCE, self.group_size, self.src.local_size() * itemsize)
         return itemsize * self.recv_elements(rank)
 
     def send_bytes(self, rank: int, itemsize: int) -> int:
@@ -125,11 +122,9 @@ class Step:
         """Estimated time: latency per round plus the busiest rank's bytes over bandwidth."""
         if self.kind in LOCAL_KINDS:
             return 0.0
-        rounds = max(1, self.group_size - 1) if self.kind == ALL_TO_ALL_V else \
-            max(1, math.ceil(math.log2(max(2, self.group_size))))
         busiest = max(max(self.recv_elements(r), self.send_elements(r))
-                      for r in _sample_ranks(self.src.device_num))
-        return alpha * rounds + busiest * itemsize / bandwidth
+                      for r in sample_ranks(self.src.device_num))
+        return seconds(self.kind, self.group_size, busiest * itemsize, alpha, bandwidth)
 
     def __str__(self) -> str:
         extra = ""
@@ -144,13 +139,7 @@ class Step:
         return f"{self.kind}{axes}{extra} -> {self.dst}{recv}"
 
     def max_recv_elements(self) -> int:
-        return max(self.recv_elements(r) for r in _sample_ranks(self.src.device_num))
-
-
-def _sample_ranks(p: int) -> Sequence[int]:
-    """Ranks whose load stands for all: every rank up to 64, else 64 spread evenly (regular
-    layouts load every rank alike, so this keeps planning linear for thousands of devices)."""
-    return range(p) if p <= 64 else sorted({(k * p) // 64 for k in range(64)} | {p - 1})
+        return max(self.recv_elements(r) for r in sample_ranks(self.src.device_num))
 
 
 @dataclass(frozen=True, slots=True)

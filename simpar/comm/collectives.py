@@ -38,6 +38,7 @@ import numpy as np
 
 from simpar.comm import trace
 from simpar.comm._world import Group, resolve, world
+from simpar.cost.collective import traffic
 
 __all__ = [
     "CommMismatchError",
@@ -499,7 +500,7 @@ def _plan_all_reduce(x: np.ndarray, op: str, g: Group) -> _Call:
     x = _array(x, name)
     mpi_op = _reduce_op(op, name, x.dtype)
     p = g.size
-    n = 2 * (p - 1) * x.nbytes // p
+    n = traffic("AllReduce", p, x.nbytes)
     return _new_call(name, g, x, x.shape, x.shape, (), mpi_op, n, (_OP_CODE[op],), ("op",))
 
 
@@ -546,8 +547,8 @@ def _plan_all_gather(x: np.ndarray, axis: int, g: Group) -> _Call:
     axis = _axis(axis, x.ndim, name)
     p = g.size
     shape = x.shape[:axis] + (p * x.shape[axis],) + x.shape[axis + 1:]
-    return _new_call(name, g, x, shape, (p,) + x.shape, (axis,), None, (p - 1) * x.nbytes,
-                     (axis,), ("axis",))
+    return _new_call(name, g, x, shape, (p,) + x.shape, (axis,), None,
+                     traffic("AllGather", p, x.nbytes), (axis,), ("axis",))
 
 
 def reduce_scatter(x: np.ndarray, axis: int = 0, op: str = "sum",
@@ -589,7 +590,7 @@ def _plan_reduce_scatter(x: np.ndarray, axis: int, op: str, g: Group) -> _Call:
     mpi_op = _reduce_op(op, name, x.dtype)
     p = g.size
     piece = x.shape[:axis] + (x.shape[axis] // p,) + x.shape[axis + 1:]
-    n = (p - 1) * x.nbytes // p
+    n = traffic("ReduceScatter", p, x.nbytes)
     return _new_call(name, g, x, piece, piece, (axis,), mpi_op, n, (axis, _OP_CODE[op]),
                      ("axis", "op"), _indivisible(x, axis, p, name))
 
@@ -642,7 +643,7 @@ def _plan_all_to_all(x: np.ndarray, split_axis: int, concat_axis: int, g: Group)
     p = g.size
     block = x.shape[:split_axis] + (x.shape[split_axis] // p,) + x.shape[split_axis + 1:]
     shape = block[:concat_axis] + (p * block[concat_axis],) + block[concat_axis + 1:]
-    n = (p - 1) * x.nbytes // p
+    n = traffic("AllToAll", p, x.nbytes)
     return _new_call(name, g, x, shape, (p,) + block, (split_axis, concat_axis), None, n,
                      (split_axis, concat_axis), ("split_axis", "concat_axis"),
                      _indivisible(x, split_axis, p, name))

@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from simpar.cost.collective import traffic
 from simpar.layout import TensorLayout
 from simpar.mesh import DeviceMesh
 from simpar.redistribution import LOCAL_KINDS, RedistributionPlan, Step, plan
@@ -121,14 +122,7 @@ class CommSpec:
         """Bytes ``rank`` receives, by CommTrace's convention."""
         if self.step is not None:
             return self.step.recv_bytes(rank, itemsize)
-        p, n = len(self.group(rank)), self.elements * itemsize
-        if self.kind == "AllReduce":
-            return 2 * (p - 1) * n // p
-        if self.kind == "AllGather":
-            return (p - 1) * n
-        if self.kind in ("ReduceScatter", "AllToAll"):
-            return (p - 1) * n // p
-        raise AssertionError(self.kind)
+        return traffic(self.kind, len(self.group(rank)), self.elements * itemsize)
 
     def describe(self, rank: int, in_itemsize: int, out_itemsize: int) -> dict[str, Any]:
         itemsize = out_itemsize if self.on_output else in_itemsize

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from simpar.cost.collective import sample_ranks
 from simpar.layout import TensorLayout
 from simpar.ops._base import (
     CommSpec,
@@ -268,7 +269,7 @@ class Reshape(Primitive):
             if out is None:
                 continue
             p = plan(src, mid)
-            cost = max(p.recv_bytes(r, 1) for r in range(min(src.device_num, 64)))
+            cost = max(p.recv_bytes(r, 1) for r in sample_ranks(src.device_num))
             if best is None or cost < best[0]:
                 best = (cost, mid, out, p)
         assert best is not None  # the fully replicated candidate always reshapes

@@ -19,6 +19,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from simpar.cost.collective import sample_ranks
 from simpar.graph import Graph, Node
 from simpar.layout import TensorLayout
 from simpar.ops._base import OpSharding, Strategy, StrategyError
@@ -160,10 +161,8 @@ def dataset_layouts(shapes: Sequence[Sequence[int]], device_num: int,
 
 def _moved_bytes(p: RedistributionPlan) -> int:
     """The busiest sampled rank's bytes sent plus received, per element byte."""
-    n = p.src.device_num
-    ranks = range(n) if n <= 16 else sorted({0, n // 2, n - 1} | {(k * n) // 16 for k in
-                                                                   range(16)})
-    return max(p.recv_bytes(r, 1) + p.send_bytes(r, 1) for r in ranks) if p.steps else 0
+    return max(p.recv_bytes(r, 1) + p.send_bytes(r, 1)
+               for r in sample_ranks(p.src.device_num)) if p.steps else 0
 
 
 def _follow_strategy(node: Node, known: dict[int, TensorLayout]) -> Strategy:

@@ -1,0 +1,57 @@
+"""A collective's traffic and time have one owner, simpar.cost.collective; the redistribution
+planner, the ops' CommSpecs and the planners' tie-breaks all read it.
+
+    python -m pytest tests/test_cost_collective.py -q
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+
+from simpar.cost import latency_rounds, sample_ranks, seconds, traffic
+from simpar.layout import TensorLayout
+from simpar.ops import CommSpec
+from simpar.redistribution import plan
+
+
+@pytest.mark.parametrize(("kind", "p", "n", "want"), [
+    ("AllReduce", 8, 1024, 2 * 7 * 1024 // 8), ("AllGather", 8, 1024, 7 * 1024),
+    ("ReduceScatter", 4, 1024, 3 * 1024 // 4), ("AllToAll", 2, 10, 5),
+    ("AllReduce", 1, 1024, 0), ("AllReduce", 8, 8, 14),   # 1 int64 over 8 ranks: 14 bytes
+])
+def test_traffic_is_the_ring_algorithms(kind: str, p: int, n: int, want: int) -> None:
+    assert traffic(kind, p, n) == want
+
+
+def test_traffic_refuses_unknown_kinds() -> None:
+    with pytest.raises(ValueError, match="kind must be one of .*got 'Broadcast'"):
+        traffic("Broadcast", 8, 1)
+
+
+def test_time_is_alpha_beta() -> None:
+    assert latency_rounds("AllReduce", 8) == 3 and latency_rounds("AllToAllV", 8) == 7
+    assert seconds("AllGather", 8, 25_000, alpha=1e-6, bandwidth=25e9) == pytest.approx(
+        3e-6 + 1e-6)
+    assert list(sample_ranks(8)) == list(range(8))
+    big = sample_ranks(4096)
+    assert len(big) == 65 and big[0] == 0 and big[-1] == 4095
+
+
+def test_the_planner_and_the_op_rules_count_bytes_with_it() -> None:
+    src = TensorLayout((8,), (0, -1), (64, 16))
+    gather = plan(src, src.replicated())
+    (step,) = gather.collectives()
+    assert step.recv_bytes(0, 4) == traffic("AllGather", 8, 8 * 16 * 4)
+    assert gather.seconds(4) == pytest.approx(seconds("AllGather", 8, 7 * 8 * 16 * 4))
+    spec = CommSpec("AllReduce", (2, 4), (1,), 100)
+    assert spec.recv_bytes(0, 4) == traffic("AllReduce", 4, 400)
+
+
+def test_no_other_module_writes_the_formulas_down() -> None:
+    root = pathlib.Path(__file__).resolve().parent.parent / "simpar"
+    copies = [str(f.relative_to(root)) for f in root.rglob("*.py")
+              if f.parent.name != "cost" and re.search(r"\(p - 1\) \*", f.read_text())]
+    assert copies == [], copies  # (docstrings write the table as "(p-1)/p n")
