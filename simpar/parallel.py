@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from simpar import comm, context
 from simpar.check import relative_error
 from simpar.layout import TensorLayout, distribute
 from simpar.ops._base import OpSharding, Primitive
@@ -40,8 +41,6 @@ class OpRun:
 
 def _gather_global(local: np.ndarray, layout: TensorLayout) -> np.ndarray:
     """Every rank gets the global array (for returning results; not part of the op)."""
-    from simpar import comm
-
     with comm.label("run_op:assemble"):
         return execute(plan(layout, layout.replicated()), local)
 
@@ -55,8 +54,6 @@ def _check(what: str, got: np.ndarray, want: np.ndarray, local: np.ndarray | Non
     """Raise :class:`OpCheckError` on every rank unless ``got`` (assembled, the same on every
     rank) matches ``want``; a non-finite value fails and names the ranks whose shard holds it
     (``local`` is this rank's shard; collective)."""
-    from simpar import comm
-
     if got.shape != want.shape:
         raise OpCheckError(f"{op.name}: parallel {what} has shape {got.shape}, single device "
                            f"{want.shape}")
@@ -87,8 +84,6 @@ def run_op(op: Primitive, *global_inputs: np.ndarray, grad_output: np.ndarray | 
 
     >>> out = run_op(MatMul().shard(((2, 1), (1, 4))), a, b)   # doctest: +SKIP
     """
-    from simpar import comm
-
     if not isinstance(op, Primitive):
         raise TypeError(f"run_op: op must be a simpar.ops primitive, got {type(op).__name__}")
     if len(global_inputs) != op.n_inputs:
@@ -99,7 +94,8 @@ def run_op(op: Primitive, *global_inputs: np.ndarray, grad_output: np.ndarray | 
     if size > 1:
         comm.check_same_arrays(f"run_op({op.name})", [(f"input {i}", x) for i, x in enumerate(xs)])
     op.check_values(*xs)
-    sh = op.sharding([x.shape for x in xs], size)
+    sh = op.sharding([x.shape for x in xs], size,
+                     enable_alltoall=bool(context.get_auto_parallel_context("enable_alltoall")))
     local_in = tuple(distribute(x, lay, rank) for x, lay in zip(xs, sh.in_layouts))
     with comm.label("run_op:forward"):
         local_out, saved = sh.forward(*local_in)
@@ -157,8 +153,6 @@ def get_parallel_info(op: Primitive, input_shapes: Sequence[Sequence[int]],
     ``MatMul().shard(((2, 4), (4, 1)))`` on 8 devices the forward is one AllReduce, over
     [0, 1, 2, 3] for ranks 0..3 and [4, 5, 6, 7] for the others.
     """
-    from simpar import context
-
     if device_num is None:
         device_num = int(context.get_auto_parallel_context("device_num"))
     if rank is None:
@@ -166,7 +160,8 @@ def get_parallel_info(op: Primitive, input_shapes: Sequence[Sequence[int]],
             if context.get_auto_parallel_context("global_rank") < device_num else 0
     in_size = np.dtype(dtype).itemsize
     out_size = op.output_dtype(np.dtype(dtype)).itemsize
-    sh = op.sharding(input_shapes, device_num)
+    sh = op.sharding(input_shapes, device_num,
+                     enable_alltoall=bool(context.get_auto_parallel_context("enable_alltoall")))
     return {
         "op": op.name,
         "strategy": [list(s) for s in sh.strategy],

@@ -149,7 +149,7 @@ class RedistributionPlan:
     src: TensorLayout
     dst: TensorLayout
     steps: tuple[Step, ...]
-    enable_alltoall: bool = True
+    enable_alltoall: bool = False
 
     def recv_bytes(self, rank: int, itemsize: int) -> int:
         """Bytes ``rank`` receives from others over the whole plan."""
@@ -231,7 +231,7 @@ def refine(layout: TensorLayout, device_matrix: Sequence[int]) -> TensorLayout:
 
 
 # ------------------------------------------------------------------ the planner
-def plan(src: TensorLayout, dst: TensorLayout, enable_alltoall: bool = True
+def plan(src: TensorLayout, dst: TensorLayout, enable_alltoall: bool = False
          ) -> RedistributionPlan:
     """The cheapest plan from ``src`` to ``dst`` (same shape, same number of devices).
 

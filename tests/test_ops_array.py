@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import simpar
 import simpar.comm as comm
 from simpar import ops
 from simpar.layout import TensorLayout
@@ -69,10 +70,17 @@ def test_reshape_keeps_layout_when_splits_survive():
 
 def test_reshape_needs_redistribution_and_says_so():
     op = ops.Reshape((128,)).shard(((1, 8),))
-    info = get_parallel_info(op, [(8, 16)], 8, 0)
+    simpar.set_auto_parallel_context(enable_alltoall=True)
+    try:
+        info = get_parallel_info(op, [(8, 16)], 8, 0)
+    finally:
+        simpar.reset_auto_parallel_context()
     kinds = [c["op"] for c in info["forward_comm"]]
     assert kinds and "AllGather" not in kinds          # moved (AllToAll), not gathered
     assert info["outputs_tensor_map"] == [[0]]
+    # MindSpore's default, enable_alltoall=False, honoured by Reshape's own pre-plan too.
+    plain = [c["op"] for c in get_parallel_info(op, [(8, 16)], 8, 0)["forward_comm"]]
+    assert plain == ["AllGather"] and kinds == ["AllToAll"]
 
 
 def test_concat_axis_must_be_unsplit():

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import simpar
 import simpar.comm as comm
 from simpar import ops
 from simpar.check import relative_error
@@ -72,6 +73,7 @@ class Case:
     name: str
     build: Callable[[int, int], tuple[ops.Primitive, list[np.ndarray], list[Event],
                                       list[Event]]]
+    enable_alltoall: bool = True  # the context key; MindSpore's default is False
 
 
 def _rng() -> np.random.Generator:
@@ -161,6 +163,17 @@ def _reshape_redistributing(n: int, rank: int) -> Any:
     world = tuple(range(n))
     fwd: list[Event] = [("AllToAll", None, world, (8, 8 // n))] if n > 1 else []
     bwd: list[Event] = [("AllToAll", None, world, (8 // n, 8))] if n > 1 else []
+    return ops.Reshape((64,)).shard(((1, n),)), [x], fwd, bwd
+
+
+def _reshape_gathering(n: int, rank: int) -> Any:
+    # The same reshape with MindSpore's default enable_alltoall=False: the pre-plan gathers
+    # the column blocks (AllGather over every rank) and slices rows locally; backward, the
+    # slice's adjoint zero-pads (a partial cotangent) and the AllGather's is a ReduceScatter.
+    x = _rng().standard_normal((8, 8))
+    world = tuple(range(n))
+    fwd: list[Event] = [("AllGather", None, world, (8, 8 // n))] if n > 1 else []
+    bwd: list[Event] = [("ReduceScatter", "sum", world, (8, 8))] if n > 1 else []
     return ops.Reshape((64,)).shard(((1, n),)), [x], fwd, bwd
 
 
@@ -283,6 +296,7 @@ CASES = [
     Case("Transpose", _transpose),
     Case("Reshape_local", _reshape_local),
     Case("Reshape_redistributing", _reshape_redistributing),
+    Case("Reshape_gathering_without_alltoall", _reshape_gathering, enable_alltoall=False),
     Case("Concat_repeated", _concat_repeated),
     Case("Split", _split),
     Case("Gather_row_split_table", _gather),
@@ -344,9 +358,13 @@ def test_collectives_are_the_hand_written_ones(case: Case) -> None:
     y = op.kernel(*xs)
     rng = np.random.default_rng(1)
     dys = tuple(rng.standard_normal(np.shape(o)) for o in (y if isinstance(y, tuple) else (y,)))
-    with comm.CommTrace() as trace:
-        run = run_op(op, *xs, grad_output=dys if isinstance(y, tuple) else dys[0], check=True,
-                     full=True)
+    simpar.set_auto_parallel_context(enable_alltoall=case.enable_alltoall)
+    try:
+        with comm.CommTrace() as trace:
+            run = run_op(op, *xs, grad_output=dys if isinstance(y, tuple) else dys[0],
+                         check=True, full=True)
+    finally:
+        simpar.reset_auto_parallel_context()
     fwd, bwd = _events(trace.events, "forward"), _events(trace.events, "backward")
     problems = _shard_problems(op, xs, dys, run, rank)
     if fwd != want_fwd:

@@ -23,13 +23,27 @@ from simpar.redistribution import (
     common_refinement,
     execute,
     min_bytes,
-    plan,
     refine,
 )
+from simpar.redistribution import plan as _plan
 from tests.layout_strategies import factorizations, layout_pairs, layout_structure
 
 L = TensorLayout
 COLLECTIVE_KINDS = {"AllGather", "AllToAll", "AllToAllV", "ReduceScatter", "AllReduce"}
+
+
+def plan(src: TensorLayout, dst: TensorLayout, enable_alltoall: bool = True
+         ) -> RedistributionPlan:
+    """The planner with all-to-all on, as these tests were written for (MindSpore's default,
+    and simpar's, is off: test_the_default_is_mindspores_no_alltoall)."""
+    return _plan(src, dst, enable_alltoall)
+
+
+def test_the_default_is_mindspores_no_alltoall() -> None:
+    s0, s1 = L((8,), (0, -1), (16, 16)), L((8,), (-1, 0), (16, 16))
+    assert _plan(s0, s1).kinds() == ["AllGather", "Slice"]
+    assert _plan(s0, s1) is _plan(s0, s1, False) and not _plan(s0, s1).enable_alltoall
+    assert _plan(s0, s1, True).kinds() == ["AllToAll"]
 
 
 # ------------------------------------------------------------------ simulated ranks

@@ -20,7 +20,8 @@ import simpar.comm as comm
 from simpar.comm import CommTrace
 from simpar.layout import TensorLayout
 from simpar.mesh import DeviceMesh
-from simpar.redistribution import RedistributionPlan, execute, min_bytes, plan
+from simpar.redistribution import RedistributionPlan, execute, min_bytes
+from simpar.redistribution import plan as _plan
 from tests.layout_strategies import layout_pairs
 from tests.mpi_guard import abort_job_on_error
 
@@ -29,6 +30,13 @@ COLLECTIVE_KINDS = {"AllGather", "AllToAll", "AllToAllV", "ReduceScatter", "AllR
 # derandomize is also in the conftest profile; repeated here because the ranks must agree.
 # max_examples comes from that profile (40; SIMPAR_HYPOTHESIS_EXAMPLES overrides).
 MPI_SETTINGS = settings(derandomize=True, database=None, phases=[Phase.explicit, Phase.generate])
+
+
+def plan(src: TensorLayout, dst: TensorLayout, enable_alltoall: bool = True
+         ) -> RedistributionPlan:
+    """The planner with all-to-all on, as these tests were written for (the default is
+    MindSpore's off; tests/test_redistribution.py checks it)."""
+    return _plan(src, dst, enable_alltoall)
 
 
 # ------------------------------------------------------------------ random layouts

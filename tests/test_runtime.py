@@ -349,7 +349,7 @@ def test_cell_shard_in_strategy_inserts_a_redistribution() -> None:
     ident = [n for n in g.nodes if n.op.name == "Identity"]
     assert len(ident) == 1 and "fc2-Dense" in ident[0].name
     assert ident[0].op.in_strategy == ((1, 8),)
-    prog = build_program(g, 8, SEMI, "data_parallel", cell=cell)
+    prog = build_program(g, 8, SEMI, "data_parallel", True, cell=cell)
     step = next(s for s in prog.steps if s.node is ident[0])
     assert step.chosen == "annotated"
     kinds = [st.kind for st in step.in_plans[0].steps]

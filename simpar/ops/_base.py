@@ -411,8 +411,11 @@ class Primitive:
 
     def sharding(self, shapes: Sequence[Sequence[int]], device_num: int,
                  strategy: Sequence[Sequence[int]] | None = None,
-                 out_strategy: Sequence[Sequence[int]] | None = None) -> OpSharding:
-        """Validate ``strategy`` (default: the one set by :meth:`shard`) and derive layouts."""
+                 out_strategy: Sequence[Sequence[int]] | None = None,
+                 enable_alltoall: bool = False) -> OpSharding:
+        """Validate ``strategy`` (default: the one set by :meth:`shard`) and derive layouts.
+        ``enable_alltoall`` (the context's key, MindSpore's default False) governs the
+        redistributions an op plans itself, such as Reshape's."""
         shapes_t = self._check_shapes(shapes)
         strat = self.in_strategy if strategy is None else _as_strategy(strategy, self.name,
                                                                         "strategy")
@@ -423,7 +426,7 @@ class Primitive:
                                                            "out_strategy"))
         _check_device_num(device_num, self.name)
         self._check_strategy_shape(strat, shapes_t)
-        return self._sharding(shapes_t, strat, out_s, device_num)
+        return self._sharding(shapes_t, strat, out_s, device_num, enable_alltoall)
 
     def _check_shapes(self, shapes: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
         if len(shapes) != self.n_inputs:
@@ -456,7 +459,8 @@ class Primitive:
                                         f"{n} is not divisible by {c}")
 
     def _sharding(self, shapes: tuple[tuple[int, ...], ...], strat: Strategy,
-                  out_strategy: Strategy | None, device_num: int) -> OpSharding:
+                  out_strategy: Strategy | None, device_num: int,
+                  enable_alltoall: bool = False) -> OpSharding:
         space = self.iter_space(*shapes)
         cuts = _iteration_cuts(self.name, space, strat, shapes)
         return build_sharding(self, shapes, strat, out_strategy, device_num, space, cuts)

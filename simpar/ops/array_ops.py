@@ -257,7 +257,8 @@ class Reshape(Primitive):
         return 0
 
     def _sharding(self, shapes: tuple[tuple[int, ...], ...], strat: Strategy,
-                  out_strategy: Strategy | None, device_num: int) -> OpSharding:
+                  out_strategy: Strategy | None, device_num: int,
+                  enable_alltoall: bool = False) -> OpSharding:
         out_shape = self.infer_shape(*shapes)
         base = build_sharding(self, shapes, strat, None, device_num, self.iter_space(*shapes),
                               dict(zip(dim_names(len(strat[0])), strat[0])),
@@ -268,7 +269,7 @@ class Reshape(Primitive):
             out = reshape_layout(mid, out_shape)
             if out is None:
                 continue
-            p = plan(src, mid)
+            p = plan(src, mid, enable_alltoall)
             cost = max(p.recv_bytes(r, 1) for r in sample_ranks(src.device_num))
             if best is None or cost < best[0]:
                 best = (cost, mid, out, p)
@@ -406,8 +407,9 @@ class Split(Primitive):
         return 0
 
     def _sharding(self, shapes: tuple[tuple[int, ...], ...], strat: Strategy,
-                  out_strategy: Strategy | None, device_num: int) -> OpSharding:
-        sh = super()._sharding(shapes, strat, out_strategy, device_num)
+                  out_strategy: Strategy | None, device_num: int,
+                  enable_alltoall: bool = False) -> OpSharding:
+        sh = super()._sharding(shapes, strat, out_strategy, device_num, enable_alltoall)
         extra = tuple((sh.raw_out, sh.out, sh.out_plan) for _ in range(self.output_num - 1))
         return dataclasses.replace(sh, more_outs=extra)
 

@@ -78,13 +78,14 @@ class _MatMulBase(Primitive):
         return _slice_aligned(strat, shapes) is None
 
     def _sharding(self, shapes: tuple[tuple[int, ...], ...], strat: Strategy,
-                  out_strategy: Strategy | None, device_num: int) -> Any:
+                  out_strategy: Strategy | None, device_num: int,
+                  enable_alltoall: bool = False) -> Any:
         bad = _slice_aligned(strat, shapes)
         if bad is not None:
             raise StrategyError(f"{self.name}: strategy {strat} gives slice shape {bad}, but "
                                 "tensor_slice_align_enable is set and every slice dimension "
                                 "must be a multiple of tensor_slice_align_size")
-        return super()._sharding(shapes, strat, out_strategy, device_num)
+        return super()._sharding(shapes, strat, out_strategy, device_num, enable_alltoall)
 
 
 def _slice_aligned(strat: Strategy, shapes: tuple[tuple[int, ...], ...]

@@ -146,8 +146,9 @@ class _SoftmaxBase(Primitive):
         return 5 * math.prod(local_out)
 
     def _sharding(self, shapes: tuple[tuple[int, ...], ...], strat: Strategy,
-                  out_strategy: Strategy | None, device_num: int) -> OpSharding:
-        sh = super()._sharding(shapes, strat, out_strategy, device_num)
+                  out_strategy: Strategy | None, device_num: int,
+                  enable_alltoall: bool = False) -> OpSharding:
+        sh = super()._sharding(shapes, strat, out_strategy, device_num, enable_alltoall)
         axes = self._axes(shapes[0])
         group = _split_device_axes(sh, [f"d{a}" for a in axes])
         if not group:
@@ -319,8 +320,9 @@ class LayerNorm(Primitive):
         return 8 * math.prod(local_out)
 
     def _sharding(self, shapes: tuple[tuple[int, ...], ...], strat: Strategy,
-                  out_strategy: Strategy | None, device_num: int) -> OpSharding:
-        sh = super()._sharding(shapes, strat, out_strategy, device_num)
+                  out_strategy: Strategy | None, device_num: int,
+                  enable_alltoall: bool = False) -> OpSharding:
+        sh = super()._sharding(shapes, strat, out_strategy, device_num, enable_alltoall)
         axes, _, _ = self._geometry(shapes[0])
         group = _split_device_axes(sh, [f"d{a}" for a in axes])
         if not group:
@@ -461,11 +463,12 @@ class SparseSoftmaxCrossEntropyWithLogits(Primitive):
         return 4 * math.prod(local_in[0])
 
     def _sharding(self, shapes: tuple[tuple[int, ...], ...], strat: Strategy,
-                  out_strategy: Strategy | None, device_num: int) -> OpSharding:
+                  out_strategy: Strategy | None, device_num: int,
+                  enable_alltoall: bool = False) -> OpSharding:
         # The generic rule already makes the raw loss partial over every axis that splits
         # n or c (neither is an output dim); local_forward puts each row block's loss on the
         # class-chunk-0 ranks only, so that one output AllReduce sums it exactly once.
-        sh = super()._sharding(shapes, strat, out_strategy, device_num)
+        sh = super()._sharding(shapes, strat, out_strategy, device_num, enable_alltoall)
         group = _split_device_axes(sh, ["c"])
         if not group:
             return sh

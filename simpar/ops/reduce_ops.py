@@ -133,7 +133,8 @@ class _Reduce(Primitive):
 
     # -- sharding
     def _sharding(self, shapes: tuple[tuple[int, ...], ...], strat: Strategy,
-                  out_strategy: Strategy | None, device_num: int) -> OpSharding:
+                  out_strategy: Strategy | None, device_num: int,
+                  enable_alltoall: bool = False) -> OpSharding:
         (x,) = shapes
         axes = self.reduced_axes(len(x))
         space = self.iter_space(*shapes)

@@ -73,7 +73,7 @@ class ParallelProgram:
     param_layouts: dict[str, TensorLayout]      # parameter name -> layout
     param_values: dict[str, Value]
     needs_grad: set[int] = field(default_factory=set)
-    enable_alltoall: bool = True
+    enable_alltoall: bool = False
     #: Nodes with an input on a path from a trainable parameter: the forward keeps their tape.
     grad_nodes: frozenset[int] = frozenset()
     strategy_map: StrategyMap | None = None
@@ -254,7 +254,7 @@ def _replica_group(lay: TensorLayout, rank: int) -> tuple[int, ...]:
 
 
 # ------------------------------------------------------------------ lowering
-def lower(graph: Graph, strategy_map: StrategyMap, enable_alltoall: bool = True
+def lower(graph: Graph, strategy_map: StrategyMap, enable_alltoall: bool = False
           ) -> ParallelProgram:
     """The per-rank program of ``graph`` under ``strategy_map`` (pure: no MPI).
 
@@ -285,7 +285,7 @@ def lower(graph: Graph, strategy_map: StrategyMap, enable_alltoall: bool = True
             raise ValueError(f"lower: {node.name} is a {node.op.name}, but the strategy map "
                              f"holds a {chosen.op_type} strategy for it")
         sh = node.op.sharding([v.shape for v in node.inputs], device_num, chosen.in_strategy,
-                              chosen.out_strategy)
+                              chosen.out_strategy, enable_alltoall)
         for v, need in zip(node.inputs, sh.in_layouts):
             if v.kind == "param" and v.id not in layouts:
                 layouts[v.id] = params[v.name] = need
@@ -311,7 +311,7 @@ def lower(graph: Graph, strategy_map: StrategyMap, enable_alltoall: bool = True
 
 
 def build_program(graph: Graph, device_num: int, mode: str, dataset_strategy: Any = "full_batch",
-                  enable_alltoall: bool = True, cell: Any = None) -> ParallelProgram:
+                  enable_alltoall: bool = False, cell: Any = None) -> ParallelProgram:
     """Plan (``simpar.search.plan_strategies``, with ``cell``'s parameter plans) and lower."""
     smap = plan_strategies(graph, device_num, mode, dataset_strategy, enable_alltoall,
                            parameter_plans(cell))

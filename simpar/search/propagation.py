@@ -192,7 +192,7 @@ def _choose(node: Node, shapes: list[tuple[int, ...]], device_num: int, mode: st
             enable_alltoall: bool) -> tuple[OpSharding, Source]:
     op = node.op
     if mode == "semi_auto_parallel" and op.in_strategy is not None:
-        return op.sharding(shapes, device_num), Source.USER
+        return op.sharding(shapes, device_num, enable_alltoall=enable_alltoall), Source.USER
 
     def score(sh: OpSharding) -> tuple[int, int, int, int]:
         cost = steps = 0
@@ -211,7 +211,7 @@ def _choose(node: Node, shapes: list[tuple[int, ...]], device_num: int, mode: st
     follow = _follow_strategy(node, known)
     if _param_cuts_ok(node, follow, mode, param_plans):
         try:
-            sh = op.sharding(shapes, device_num, follow)
+            sh = op.sharding(shapes, device_num, follow, enable_alltoall=enable_alltoall)
             if score(sh)[:2] == (0, 0):  # no byte and no step to move: nothing can beat it
                 return sh, source
         except (StrategyError, ValueError):
@@ -221,7 +221,7 @@ def _choose(node: Node, shapes: list[tuple[int, ...]], device_num: int, mode: st
         if not _param_cuts_ok(node, strat, mode, param_plans):
             continue
         try:
-            sh = op.sharding(shapes, device_num, strat)
+            sh = op.sharding(shapes, device_num, strat, enable_alltoall=enable_alltoall)
         except (StrategyError, ValueError):
             continue
         key = score(sh)
