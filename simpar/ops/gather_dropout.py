@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from simpar.counter_rng import bits, mix_int
 from simpar.ops._base import IterSpace, OpSharding, Primitive, register
 from simpar.seed import current_step
 
@@ -159,38 +160,6 @@ class Gather(Primitive):
 
 
 # ------------------------------------------------------------------ Dropout
-_MASK64 = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15
-
-
-def _mix_int(z: int) -> int:
-    """splitmix64's finaliser on a Python int (for the key)."""
-    z &= _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
-
-
-def _mix(z: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser, elementwise on uint64 (wrapping arithmetic)."""
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
-
-
-def _flat_index(shape: tuple[int, ...], box: Sequence[tuple[int, int]]) -> np.ndarray:
-    """C-order flat indices, in the global ``shape``, of the elements of ``box``."""
-    idx = np.zeros(tuple(b - a for a, b in box), dtype=np.uint64)
-    stride = 1
-    for d in range(len(shape) - 1, -1, -1):
-        a, b = box[d]
-        view = [1] * len(shape)
-        view[d] = b - a
-        idx += (np.arange(a, b, dtype=np.uint64) * np.uint64(stride)).reshape(view)
-        stride *= shape[d]
-    return idx
-
-
 def _check_seed(v: object, what: str) -> int:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
         raise TypeError(f"Dropout: {what} must be an int, got {type(v).__name__} {v!r}")
@@ -261,12 +230,9 @@ class Dropout(Primitive):
         full = tuple((0, n) for n in shp)
         running = current_step()
         step = self._step if running is None else running
-        key = _mix_int(_mix_int(_mix_int(self.seed0) ^ self.seed1) ^ step)
-        idx = _flat_index(shp, full if box is None else tuple(box))
-        flat = idx.reshape(-1)  # 1-d, so that uint64 wrapping stays silent for a 0-d tensor
-        h = _mix((flat + np.uint64(1)) * np.uint64(_GOLDEN) + np.uint64(key))
-        keep = (h >> np.uint64(11)) < np.uint64(int(self.keep_prob * 2.0 ** 53))
-        return keep.reshape(idx.shape)
+        key = mix_int(mix_int(mix_int(self.seed0) ^ self.seed1) ^ step)
+        h = bits(key, shp, full if box is None else tuple(box))
+        return (h >> np.uint64(11)) < np.uint64(int(self.keep_prob * 2.0 ** 53))
 
     def _check(self, x: np.ndarray) -> None:
         if x.dtype.kind != "f":
