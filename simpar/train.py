@@ -251,11 +251,23 @@ def _data_parallel_strategies(model: nn.Cell, n: int) -> None:
 
 
 def batches(args: argparse.Namespace) -> Any:
+    """``get(k, rows=None)``: the global batch ``k``, or only its rows ``(start, stop)``."""
     if args.model == "gpt":
         corpus = CharCorpus(seed=args.seed)
-        return lambda k: corpus.batch(k, args.batch_size, args.seq_length)
-    return lambda k: random_classification(k, args.batch_size, args.d_model, 8, args.seed,
-                                           np.dtype(args.dtype))
+        return lambda k, rows=None: corpus.batch(k, args.batch_size, args.seq_length, rows)
+    return lambda k, rows=None: random_classification(k, args.batch_size, args.d_model, 8,
+                                                      args.seed, np.dtype(args.dtype), rows)
+
+
+def my_rows(train: nn.TrainOneStepCell, rank: int) -> tuple[int, int] | None:
+    """The batch rows this rank holds when the dataset strategy cuts only the batch
+    dimension (then it loads just those), else None (it loads the global batch)."""
+    assert train.program is not None
+    lays = train.program.input_layouts()
+    if any(c != 1 for lay in lays for c in lay.cuts[1:]):
+        return None
+    rows = {lay.slice_of(rank)[0] for lay in lays if lay.ndim}
+    return rows.pop() if len(rows) == 1 else None
 
 
 # ------------------------------------------------------------------ the strategy table
@@ -350,9 +362,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.seq_length if args.model == 'gpt' else 1} tokens")
     losses, step_times = [], []
     tokens = args.batch_size * (args.seq_length if args.model == "gpt" else 1)
+    rows = my_rows(train, rank)
     with comm.CommTrace() as trace:
         for k in range(args.steps):
-            data, label = get_batch(k)
+            data, label = (data0, label0) if k == 0 else get_batch(k, rows)  # only its rows
             comm.world().Barrier()  # untraced: only to time steps fairly
             t0 = time.perf_counter()
             loss = train(data, label)

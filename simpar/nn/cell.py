@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from simpar import graph
+from simpar import counter_rng, graph
 
 __all__ = ["Cell", "Parameter", "initializer"]
 
@@ -25,33 +25,57 @@ def _stable_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest, "little")
 
 
-def initializer(kind: str, shape: Sequence[int], dtype: Any = np.float32, **kw: Any
-                ) -> Callable[[int, str], np.ndarray]:
-    """A deferred initial value: ``init(seed, name)`` gives the *global* array.
+# Elements drawn per block by an initializer (its float64 temporaries are a few times this).
+_DRAW_BLOCK = 1 << 16
 
-    The value depends only on the seed and the parameter's name, never on the rank count, so
-    every rank's shard is the slice of the same global tensor. Kinds: ``"normal"``
-    (``sigma``), ``"uniform"`` (``scale``), ``"xavier_uniform"``, ``"zeros"``, ``"ones"``.
+
+def initializer(kind: str, shape: Sequence[int], dtype: Any = np.float32, **kw: Any
+                ) -> Callable[..., np.ndarray]:
+    """A deferred initial value: ``init(seed, name, box=None)`` gives the *global* array, or
+    only its block ``box`` (per dim ``(start, stop)``).
+
+    Every element is a pure function of the seed, the parameter's name and the element's
+    global index (:mod:`simpar.counter_rng`), never of the rank count: a rank draws exactly
+    its shard, bit for bit the slice of the one-device tensor, without drawing the rest.
+    Kinds: ``"normal"`` (``sigma``), ``"uniform"`` (``scale``), ``"xavier_uniform"``,
+    ``"zeros"``, ``"ones"``.
+
+    >>> init = initializer("normal", (8, 16))
+    >>> np.array_equal(init(0, "w", ((4, 8), (0, 16))), init(0, "w")[4:8])
+    True
     """
     shp = tuple(int(s) for s in shape)
     if kind not in ("normal", "uniform", "xavier_uniform", "zeros", "ones"):
         raise ValueError(f"initializer: kind must be normal, uniform, xavier_uniform, zeros or "
                          f"ones, got {kind!r}")
 
-    def make(seed: int, name: str) -> np.ndarray:
-        rng = np.random.default_rng(_stable_seed(seed, name))
-        if kind == "zeros":
-            return np.zeros(shp, dtype=dtype)
-        if kind == "ones":
-            return np.ones(shp, dtype=dtype)
-        if kind == "normal":
-            return (rng.standard_normal(shp) * kw.get("sigma", 0.02)).astype(dtype)
-        if kind == "uniform":
-            s = kw.get("scale", 0.07)
-            return rng.uniform(-s, s, shp).astype(dtype)
+    if kind == "uniform":
+        scale = kw.get("scale", 0.07)
+    elif kind == "xavier_uniform":
         fan_in, fan_out = (shp[-1], shp[0]) if len(shp) >= 2 else (shp[0], shp[0])
-        s = math.sqrt(6.0 / (fan_in + fan_out))
-        return rng.uniform(-s, s, shp).astype(dtype)
+        scale = math.sqrt(6.0 / (fan_in + fan_out))
+
+    def draw(key: int, box: tuple[tuple[int, int], ...]) -> np.ndarray:
+        if kind == "normal":
+            return counter_rng.normal(key, shp, box) * kw.get("sigma", 0.02)
+        return (counter_rng.uniform(key, shp, box) * 2.0 - 1.0) * scale
+
+    def make(seed: int, name: str, box: Sequence[tuple[int, int]] | None = None) -> np.ndarray:
+        whole = tuple((0, n) for n in shp) if box is None else tuple(box)
+        part = tuple(b - a for a, b in whole)
+        if kind in ("zeros", "ones"):
+            return (np.zeros if kind == "zeros" else np.ones)(part, dtype=dtype)
+        key = _stable_seed(seed, name)
+        if not shp:
+            return np.asarray(draw(key, whole), dtype=dtype)
+        out = np.empty(part, dtype=dtype)
+        # Drawn in blocks of rows, so the generator's float64 temporaries stay small next to
+        # the block itself: a rank's peak memory is its shard, not a multiple of it.
+        rows = max(1, _DRAW_BLOCK // max(1, math.prod(part[1:])))
+        (a, b), rest = whole[0], whole[1:]
+        for r in range(a, b, rows):
+            out[r - a:min(r + rows, b) - a] = draw(key, ((r, min(r + rows, b)), *rest))
+        return out
 
     make.shape = shp  # type: ignore[attr-defined]
     make.dtype = np.dtype(dtype)  # type: ignore[attr-defined]
@@ -62,10 +86,10 @@ class Parameter:
     """A trainable tensor. Its global initial value comes from an :func:`initializer` (or an
     array) and the global seed; a rank keeps only its shard once a program lays it out."""
 
-    def __init__(self, default: np.ndarray | Callable[[int, str], np.ndarray],
+    def __init__(self, default: np.ndarray | Callable[..., np.ndarray],
                  name: str | None = None, requires_grad: bool = True) -> None:
         if callable(default):
-            self._init: Callable[[int, str], np.ndarray] | None = default
+            self._init: Callable[..., np.ndarray] | None = default
             self.shape: tuple[int, ...] = tuple(default.shape)  # type: ignore[attr-defined]
             self.dtype = np.dtype(default.dtype)  # type: ignore[attr-defined]
             self._data: np.ndarray | None = None
@@ -79,12 +103,16 @@ class Parameter:
         self.name = name or ""
         self.requires_grad = requires_grad
 
-    def initial_value(self, seed: int) -> np.ndarray:
-        """The global initial value for ``seed`` (identical on every rank)."""
+    def initial_value(self, seed: int, box: Sequence[tuple[int, int]] | None = None
+                      ) -> np.ndarray:
+        """The initial value for ``seed``: the global array, or only its block ``box`` (per
+        dim ``(start, stop)``), which is all a rank holding that shard draws or keeps."""
         if self._init is not None:
-            return self._init(seed, self.name)
+            return self._init(seed, self.name, box)
         assert self._data is not None
-        return self._data.copy()
+        if box is None:
+            return self._data.copy()
+        return self._data[tuple(slice(a, b) for a, b in box)].copy()
 
     @property
     def data(self) -> np.ndarray:

@@ -102,7 +102,8 @@ class TrainOneStepCell:
         for name, lay in self.program.param_layouts.items():
             v = self.program.param_values[name]
             assert v.param is not None
-            self.params[name] = distribute(v.param.initial_value(self.seed), lay, rank)
+            # This rank draws its own block only: never the whole parameter.
+            self.params[name] = v.param.initial_value(self.seed, lay.slice_of(rank))
             if name not in trainable and v.param.requires_grad:
                 raise ValueError(f"TrainOneStepCell: parameter {name} is trainable but not "
                                  "in the optimizer's params")
