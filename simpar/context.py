@@ -422,8 +422,8 @@ _NOT_HONOURED: dict[str, str] = {
     "elementwise_op_strategy_follow": "the strategy searches are not built yet",
     "enable_algo_approxi": "the strategy searches are not built yet",
     "algo_approxi_epsilon": "the strategy searches are not built yet",
-    "tensor_slice_align_enable": "the strategy searches are not built yet",
-    "tensor_slice_align_size": "the strategy searches are not built yet",
+    "fully_use_devices": "the semi-auto fill-in considers every candidate; the strategy "
+                         "searches that restrict it are not built yet",
 }
 _warned: set[str] = set()
 

@@ -92,7 +92,11 @@ def run_op(op: Primitive, *global_inputs: np.ndarray, grad_output: np.ndarray | 
     xs = [np.asarray(x) for x in global_inputs]
     rank, size = comm.get_rank(), comm.get_group_size()
     if size > 1:
-        comm.check_same_arrays(f"run_op({op.name})", [(f"input {i}", x) for i, x in enumerate(xs)])
+        given: tuple[Any, ...] = () if grad_output is None else (
+            tuple(grad_output) if isinstance(grad_output, (tuple, list)) else (grad_output,))
+        comm.check_same_arrays(f"run_op({op.name})", [
+            *((f"input {i}", x) for i, x in enumerate(xs)),
+            *((f"grad_output {k}", np.asarray(d)) for k, d in enumerate(given))])
     op.check_values(*xs)
     sh = op.sharding([x.shape for x in xs], size,
                      enable_alltoall=bool(context.get_auto_parallel_context("enable_alltoall")))

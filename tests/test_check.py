@@ -139,3 +139,14 @@ def test_differences_in_a_diverged_reference_are_inconclusive_not_fail() -> None
     clean = CheckReport(2, FLOAT64, (0.0, 0.0), {"w": (0.0,)}, {"w": 1e-10}, {"w": (0.0,)},
                         0.0, (4.8, 172.0))
     assert clean.verdict == "PASS" and clean.passed
+
+
+def test_what_a_diverged_reference_can_and_cannot_excuse() -> None:
+    def report(grads: tuple[float, ...], loss: tuple[float, ...] = (0.0, 0.0),
+               finite: bool = True) -> CheckReport:
+        return CheckReport(2, FLOAT64, loss, {"w": (1e-6,)}, {"w": 1e-10}, {"w": grads}, 0.0,
+                           (4.8, 172.0), finite)
+    assert report((0.0,)).verdict == "INCONCLUSIVE"           # the trajectory
+    assert report((0.05,)).verdict == "INCONCLUSIVE"          # gradients at ill-conditioned params
+    assert report((0.0,), (1e-6, 0.0)).verdict == "FAIL"       # the first step's loss
+    assert report((math.inf,), finite=False).verdict == "FAIL"  # a NaN/Inf in parallel shards

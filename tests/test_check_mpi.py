@@ -162,3 +162,55 @@ def test_a_bad_reference_builder_raises_on_every_rank() -> None:
     train = _make()
     with pytest.raises(ValueError, match="build_reference returned the cell under test"):
         check_against_single_device(train, lambda: train, batches)
+
+
+def test_a_reference_of_another_model_raises_on_every_rank() -> None:
+    def other() -> nn.TrainOneStepCell:
+        return _make(dtype=np.float32)
+
+    with pytest.raises(ValueError, match=r"build_reference built a model whose parameter "
+                       r"fc1.weight is \(\(16, 8\), dtype\('float32'\)\), but the cell under "
+                       r"test has \(\(16, 8\), dtype\('float64'\)\)"):
+        check_against_single_device(_make(), other, _batches(1))
+
+
+def test_loss_repeated_mean_false_is_refused_clearly() -> None:
+    simpar.set_auto_parallel_context(loss_repeated_mean=False)
+    with pytest.raises(ValueError, match="loss_repeated_mean=False"):
+        check_against_single_device(_make(), _make, _batches(1))
+
+
+def test_a_gradient_that_is_zero_in_exact_arithmetic_passes() -> None:
+    """A shift added to every logit cannot change a softmax cross entropy: its gradient is
+    round-off on both sides, judged against the model's largest gradient, not its own."""
+    n = comm.get_group_size()
+
+    class Shifted(nn.Cell):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Dense(8, 2 * n, dtype=np.float64)
+            self.fc.matmul.shard(((1, 1), (n, 1)))
+            self.shift = nn.Parameter(np.full((1, 1), 0.3))
+            self.add = ops.Add()
+
+        def construct(self, x: object) -> object:
+            return self.add(self.fc(x), self.shift)
+
+    def make() -> nn.TrainOneStepCell:
+        net = Shifted()
+        return nn.TrainOneStepCell(nn.WithLossCell(net, nn.SoftmaxCrossEntropyWithLogits()),
+                                   nn.SGD(net.trainable_params(), 0.5))
+
+    rng = np.random.default_rng(2)
+    batches = [(rng.standard_normal((4, 8)), rng.integers(0, 2 * n, 4).astype(np.int32))
+               for _ in range(2)]
+    report = check_against_single_device(make(), make, batches)
+    assert report.passed, str(report)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_run_op_refuses_a_grad_output_that_differs_between_ranks() -> None:
+    a = np.random.default_rng(0).random((4, 4))
+    dy = np.ones((4, 4)) * (1 + comm.get_rank())
+    with pytest.raises(comm.InputMismatchError, match="grad_output 0"):
+        run_op(ops.MatMul().shard(((2, 1), (1, 1))), a, a, grad_output=dy, check=True)

@@ -683,6 +683,11 @@ def test_a_key_simpar_does_not_honour_yet_warns_once_naming_it() -> None:
             set_auto_parallel_context(search_mode="dynamic_programming")
         with pytest.warns(NotHonouredWarning, match="elementwise_op_strategy_follow=True"):
             set_algo_parameters(elementwise_op_strategy_follow=True)
+        with pytest.warns(NotHonouredWarning, match="fully_use_devices=True"):
+            set_algo_parameters(fully_use_devices=True)
+        with warnings.catch_warnings():  # MatMul honours the slice alignment: no warning
+            warnings.simplefilter("error", NotHonouredWarning)
+            set_algo_parameters(tensor_slice_align_enable=True)
     finally:
         reset_auto_parallel_context()
         reset_algo_parameters()

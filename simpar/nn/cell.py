@@ -29,6 +29,31 @@ def _stable_seed(seed: int, name: str) -> int:
 _DRAW_BLOCK = 1 << 16
 
 
+def _checked_box(box: Sequence[tuple[int, int]], shape: tuple[int, ...], name: str
+                 ) -> tuple[tuple[int, int], ...]:
+    out = tuple((int(a), int(b)) for a, b in box)
+    if len(out) != len(shape) or any(not 0 <= a <= b <= n for (a, b), n in zip(out, shape)):
+        raise ValueError(f"initial value of {name or 'a parameter'}: box {tuple(box)} must give "
+                         f"one (start, stop) with 0 <= start <= stop <= size per dimension of "
+                         f"shape {shape}")
+    return out
+
+
+def _sub_boxes(box: tuple[tuple[int, int], ...], limit: int
+               ) -> Iterator[tuple[tuple[int, int], ...]]:
+    """``box`` cut, in C order, into boxes of at most ``limit`` elements each."""
+    if math.prod(b - a for a, b in box) <= limit:
+        yield box
+        return
+    d = next(k for k, (a, b) in enumerate(box) if b - a > 1)
+    inner = math.prod(b - a for a, b in box[d + 1:])
+    step = max(1, limit // inner)
+    a, b = box[d]
+    for r in range(a, b, step):
+        sub = (*box[:d], (r, min(r + step, b)), *box[d + 1:])
+        yield from (_sub_boxes(sub, limit) if inner > limit else (sub,))
+
+
 def initializer(kind: str, shape: Sequence[int], dtype: Any = np.float32, **kw: Any
                 ) -> Callable[..., np.ndarray]:
     """A deferred initial value: ``init(seed, name, box=None)`` gives the *global* array, or
@@ -61,7 +86,7 @@ def initializer(kind: str, shape: Sequence[int], dtype: Any = np.float32, **kw: 
         return (counter_rng.uniform(key, shp, box) * 2.0 - 1.0) * scale
 
     def make(seed: int, name: str, box: Sequence[tuple[int, int]] | None = None) -> np.ndarray:
-        whole = tuple((0, n) for n in shp) if box is None else tuple(box)
+        whole = tuple((0, n) for n in shp) if box is None else _checked_box(box, shp, name)
         part = tuple(b - a for a, b in whole)
         if kind in ("zeros", "ones"):
             return (np.zeros if kind == "zeros" else np.ones)(part, dtype=dtype)
@@ -69,12 +94,11 @@ def initializer(kind: str, shape: Sequence[int], dtype: Any = np.float32, **kw: 
         if not shp:
             return np.asarray(draw(key, whole), dtype=dtype)
         out = np.empty(part, dtype=dtype)
-        # Drawn in blocks of rows, so the generator's float64 temporaries stay small next to
-        # the block itself: a rank's peak memory is its shard, not a multiple of it.
-        rows = max(1, _DRAW_BLOCK // max(1, math.prod(part[1:])))
-        (a, b), rest = whole[0], whole[1:]
-        for r in range(a, b, rows):
-            out[r - a:min(r + rows, b) - a] = draw(key, ((r, min(r + rows, b)), *rest))
+        # Drawn in sub-blocks of at most _DRAW_BLOCK elements, so the generator's float64
+        # temporaries stay small next to the block itself: a rank's peak memory is its
+        # shard, not a multiple of it, however the shard is shaped.
+        for sub in _sub_boxes(whole, _DRAW_BLOCK):
+            out[tuple(slice(a - w, b - w) for (a, b), (w, _) in zip(sub, whole))] = draw(key, sub)
         return out
 
     make.shape = shp  # type: ignore[attr-defined]
@@ -112,6 +136,7 @@ class Parameter:
         assert self._data is not None
         if box is None:
             return self._data.copy()
+        box = _checked_box(box, self.shape, self.name)
         return self._data[tuple(slice(a, b) for a, b in box)].copy()
 
     @property

@@ -171,6 +171,14 @@ class TrainOneStepCell:
                              "call it (or build) on a batch first")
         return bool(self._ctx.gradients_mean)
 
+    @property
+    def loss_repeated_mean(self) -> bool:
+        """The context's ``loss_repeated_mean`` when the program was built (``build`` first)."""
+        if self._ctx is None:
+            raise ValueError("TrainOneStepCell.loss_repeated_mean: the cell has not been built; "
+                             "call it (or build) on a batch first")
+        return bool(self._ctx.loss_repeated_mean)
+
     def global_parameters(self) -> dict[str, np.ndarray]:
         """Every parameter assembled to its global value (collective: every rank calls)."""
         from simpar import comm
