@@ -8,7 +8,9 @@
 
 Every rank holds only its shards; the collectives are real MPI collectives. At the end the
 same steps run on one device (rank 0) and every rank compares its shards with the matching
-slice of that run: max |Δloss|, max |Δparam|, PASS or FAIL (exit code 1 on FAIL).
+slice of that run (simpar.check): max |Δloss|, max |Δparam|, max |Δgrad| at identical
+parameters, and the verdict. Exit codes: 0 PASS; 1 FAIL; 2 options refused before any work,
+or INCONCLUSIVE (the single-device run diverged, so nothing can be judged).
 """
 
 from __future__ import annotations
@@ -173,7 +175,7 @@ def mesh(args: argparse.Namespace, world: int) -> tuple[int, int]:
 def dataset_strategy(args: argparse.Namespace, dp: int, mp: int, device_num: int) -> Any:
     """Each rank loads only its batch slice where the strategy cuts the batch."""
     if args.parallel_mode == "semi_auto_parallel" and args.model == "gpt" and dp > 1:
-        return ((dp, 1), (dp, 1)) if dp * mp == device_num else "full_batch"
+        return ((dp, 1), (dp, 1))
     return "full_batch"
 
 

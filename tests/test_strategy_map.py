@@ -193,9 +193,13 @@ def test_parameter_plan_refuses_unknown_names_and_wrong_lengths() -> None:
     with pytest.raises(ValueError, match=r"parameter_plan: the network has no parameter named "
                        r"'_backbone.fc1.weigth'; did you mean '_backbone.fc1.weight'"):
         _planned_mlp({"weigth": (4, 1)}, annotate=False)
-    with pytest.raises(ValueError, match=r"_backbone.fc1.weight has shape \(32, 16\), so "
-                       r"its plan needs 2 cuts, got \(4,\)"):
-        _planned_mlp({"weight": (4,)}, annotate=False)
+    with pytest.raises(TypeError, match=r"Dense.shard: parameter_plan\['weight'\] must be a "
+                       r"tuple of int cuts, one per dimension, got 4"):
+        _planned_mlp({"weight": 4}, annotate=False)  # type: ignore[dict-item]
+    for bad in ((4,), (0, 1), (3, 1)):
+        with pytest.raises(ValueError, match=r"_backbone.fc1.weight has shape \(32, 16\), so "
+                           r"its plan needs 2 int cuts >= 1 that divide their dimensions, got"):
+            _planned_mlp({"weight": bad}, annotate=False)  # type: ignore[dict-item]
 
 
 def test_parameter_plan_that_contradicts_an_annotated_consumer_is_refused() -> None:
@@ -204,3 +208,17 @@ def test_parameter_plan_that_contradicts_an_annotated_consumer_is_refused() -> N
                        r"\[4, 1\]\]\)\) reads it cut \(4, 1\)"):
         _planned_mlp({"weight": (1, 8)}, annotate=True)
     _planned_mlp({"weight": (4, 1)}, annotate=True)  # agreeing: fine
+
+
+def test_a_map_names_only_this_graphs_ops_and_a_known_mode() -> None:
+    g = _dense()
+    stray = StrategyMap(8, SEMI, {MATMUL: OpStrategy("MatMul", ((1, 1), (8, 1))),
+                                  "Default/other/MatMul-op9": OpStrategy("MatMul",
+                                                                         ((1, 1), (1, 1)))})
+    with pytest.raises(ValueError, match="names 1 ops this graph does not have"):
+        lower(g, stray)
+    with pytest.raises(ValueError, match="mode must be one of .*got 'banana'"):
+        StrategyMap(8, "banana")
+    assert StrategyMap(np.int64(8), SEMI).device_num == 8  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="StrategyMap.from_dict: not a strategy map dict"):
+        StrategyMap.from_dict({"device_num": 8, "mode": SEMI, "ops": {"x": {}}})

@@ -244,6 +244,10 @@ class Cell:
             None if s is None else tuple(int(c) for c in s) for s in in_strategy))
         plan = {}
         for key, cuts in (parameter_plan or {}).items():
+            if not isinstance(cuts, (tuple, list)) or not all(
+                    isinstance(c, (int, np.integer)) and not isinstance(c, bool) for c in cuts):
+                raise TypeError(f"{type(self).__name__}.shard: parameter_plan[{key!r}] must be "
+                                f"a tuple of int cuts, one per dimension, got {cuts!r}")
             plan[key] = tuple(int(c) for c in cuts)
         object.__setattr__(self, "parameter_plan", plan)
         return self

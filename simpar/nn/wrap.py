@@ -163,21 +163,21 @@ class TrainOneStepCell:
         return float(loss), prog.backward(tape, [seed])
 
     # ------------------------------------------------------------ inspection
+    def _built_context(self, what: str) -> context.ParallelContext:
+        if self._ctx is None:
+            raise ValueError(f"TrainOneStepCell.{what}: the cell has not been built; call it "
+                             "(or build) on a batch first")
+        return self._ctx
+
     @property
     def gradients_mean(self) -> bool:
         """The context's ``gradients_mean`` when the program was built (``build`` first)."""
-        if self._ctx is None:
-            raise ValueError("TrainOneStepCell.gradients_mean: the cell has not been built; "
-                             "call it (or build) on a batch first")
-        return bool(self._ctx.gradients_mean)
+        return bool(self._built_context("gradients_mean").gradients_mean)
 
     @property
     def loss_repeated_mean(self) -> bool:
         """The context's ``loss_repeated_mean`` when the program was built (``build`` first)."""
-        if self._ctx is None:
-            raise ValueError("TrainOneStepCell.loss_repeated_mean: the cell has not been built; "
-                             "call it (or build) on a batch first")
-        return bool(self._ctx.loss_repeated_mean)
+        return bool(self._built_context("loss_repeated_mean").loss_repeated_mean)
 
     def global_parameters(self) -> dict[str, np.ndarray]:
         """Every parameter assembled to its global value (collective: every rank calls)."""

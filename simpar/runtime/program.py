@@ -271,6 +271,11 @@ def lower(graph: Graph, strategy_map: StrategyMap, enable_alltoall: bool = False
         raise ValueError(f"lower: the strategy map has no strategy for {len(missing)} ops, "
                          f"e.g. {missing[:2]} (planned for another graph?); plan this graph "
                          "with simpar.search.plan_strategies")
+    names = {n.name for n in graph.nodes}
+    stray = [name for name in smap.ops if name not in names]
+    if stray:
+        raise ValueError(f"lower: the strategy map names {len(stray)} ops this graph does not "
+                         f"have, e.g. {stray[:2]} (planned for another graph?)")
     params = dict(smap.params)
     layouts: dict[int, TensorLayout] = {
         v.id: smap.inputs.get(v.name) or TensorLayout((device_num,), [-1] * v.ndim, v.shape)

@@ -19,6 +19,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from simpar.cost.collective import sample_ranks
 from simpar.graph import Graph, Node
 from simpar.layout import TensorLayout
@@ -49,7 +51,8 @@ def plan_strategies(graph: Graph, device_num: int, mode: str,
         dataset_strategy = "data_parallel"
     if device_num == 1:
         dataset_strategy = "full_batch"
-    plans = {k: tuple(v) for k, v in (parameter_plan or {}).items()}
+    plans = {k: tuple(v) if isinstance(v, (tuple, list)) else (v,)
+             for k, v in (parameter_plan or {}).items()}
     _check_parameter_plan(graph, plans)
     layouts: dict[int, TensorLayout] = {}
     inputs: dict[str, TensorLayout] = {}
@@ -87,9 +90,13 @@ def _check_parameter_plan(graph: Graph, plans: Mapping[str, tuple[int, ...]]) ->
                 f"; its parameters are {sorted(names)[:8]}")
             raise ValueError(f"parameter_plan: the network has no parameter named {key!r}"
                              f"{hint}")
-        if len(cuts) != names[key].ndim:
-            raise ValueError(f"parameter_plan: {key} has shape {names[key].shape}, so its "
-                             f"plan needs {names[key].ndim} cuts, got {cuts}")
+        shape = names[key].shape
+        if len(cuts) != len(shape) or any(
+                isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c < 1 or n % c
+                for c, n in zip(cuts, shape)):
+            raise ValueError(f"parameter_plan: {key} has shape {shape}, so its plan needs "
+                             f"{len(shape)} int cuts >= 1 that divide their dimensions, got "
+                             f"{cuts}")
 
 
 def _check_plan_against_strategy(node: Node, sh: OpSharding,

@@ -20,10 +20,15 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+import numpy as np
+
 from simpar.layout import TensorLayout
 from simpar.ops._base import Strategy, _as_strategy
 
-__all__ = ["OpStrategy", "Source", "StrategyMap"]
+__all__ = ["MAP_MODES", "OpStrategy", "Source", "StrategyMap"]
+
+# The parallel modes a map can be planned for.
+MAP_MODES = ("stand_alone", "data_parallel", "semi_auto_parallel", "auto_parallel")
 
 
 class Source(str, enum.Enum):
@@ -93,10 +98,15 @@ class StrategyMap:
     inputs: Mapping[str, TensorLayout] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if isinstance(self.device_num, bool) or not isinstance(self.device_num, int) or \
+        if isinstance(self.device_num, bool) or not isinstance(self.device_num,
+                                                               (int, np.integer)) or \
                 self.device_num < 1:
             raise ValueError(f"StrategyMap: device_num must be an int >= 1, got "
                              f"{self.device_num!r}")
+        object.__setattr__(self, "device_num", int(self.device_num))
+        if self.mode not in MAP_MODES:
+            raise ValueError(f"StrategyMap: mode must be one of {list(MAP_MODES)}, got "
+                             f"{self.mode!r}")
         for name, what in (("ops", OpStrategy), ("params", TensorLayout),
                            ("inputs", TensorLayout)):
             table = getattr(self, name)
@@ -136,6 +146,16 @@ class StrategyMap:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> StrategyMap:
+        """Inverse of :meth:`to_dict`; a malformed dict raises ``ValueError`` naming the key."""
+        try:
+            return cls._from_dict(d)
+        except (KeyError, AttributeError, TypeError) as e:
+            raise ValueError(f"StrategyMap.from_dict: not a strategy map dict ({type(e).__name__}"
+                             f": {e}); it needs device_num, mode and ops {{name: {{type, "
+                             "in_strategy, ...}}}}") from None
+
+    @classmethod
+    def _from_dict(cls, d: Mapping[str, Any]) -> StrategyMap:
         return cls(int(d["device_num"]), str(d["mode"]),
                    {n: OpStrategy.from_dict(s) for n, s in d.get("ops", {}).items()},
                    {n: TensorLayout.from_dict(v) for n, v in d.get("params", {}).items()},
