@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from simpar import comm, context
-from simpar.check import relative_error
+from simpar.compare import relative_error
 from simpar.layout import TensorLayout, distribute
 from simpar.ops._base import OpSharding, Primitive
 from simpar.redistribution import execute, plan

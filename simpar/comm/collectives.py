@@ -38,7 +38,7 @@ import numpy as np
 
 from simpar.comm import trace
 from simpar.comm._world import Group, resolve, world
-from simpar.cost.collective import traffic
+from simpar.cost.collective import broadcast_traffic, traffic
 
 __all__ = [
     "CommMismatchError",
@@ -952,8 +952,9 @@ def _plan_broadcast(x: np.ndarray, root: int, g: Group) -> _Call:
         raise TypeError(f"{name}: root must be an int (a world rank), got {root!r}")
     if root not in g.ranks:
         raise ValueError(f"{name}: root {root} is not in group {list(g.ranks)}")
-    return _new_call(name, g, x, x.shape, x.shape, (g.index(root),), None,
-                     (g.size - 1) * x.nbytes, (int(root),), ("root",), bytes_recv=x.nbytes)
+    sent, received = broadcast_traffic(g.size, x.nbytes)
+    return _new_call(name, g, x, x.shape, x.shape, (g.index(root),), None, sent, (int(root),),
+                     ("root",), bytes_recv=received)
 
 
 def send(x: np.ndarray, dest: int, tag: int = 0) -> None:

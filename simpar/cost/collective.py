@@ -24,8 +24,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-__all__ = ["ALPHA_SECONDS", "BANDWIDTH_BYTES_PER_S", "latency_rounds", "sample_ranks",
-           "seconds", "traffic"]
+__all__ = ["ALPHA_SECONDS", "BANDWIDTH_BYTES_PER_S", "broadcast_traffic", "latency_rounds",
+           "sample_ranks", "seconds", "traffic"]
 
 # Default link model (one Ascend 910 HCCS link, roughly): latency per collective round and
 # bandwidth per rank. Device profiles will pass calibrated numbers.
@@ -48,6 +48,11 @@ def traffic(kind: str, p: int, n: int) -> int:
                          "AllToAllV's traffic is its pieces')")
     factor, per_rank = _RING[kind]
     return factor * (p - 1) * n // p if per_rank else factor * (p - 1) * n
+
+
+def broadcast_traffic(p: int, n: int) -> tuple[int, int]:
+    """(bytes the root sends, bytes every other rank receives) broadcasting ``n`` over ``p``."""
+    return (p - 1) * n, n
 
 
 def latency_rounds(kind: str, p: int) -> int:

@@ -145,13 +145,14 @@ class TrainOneStepCell:
         from simpar import comm
 
         data, label = np.asarray(data), np.asarray(label)
-        if self.program is None:
-            self.build(data, label)
+        built_now = self.program is None
+        if built_now:
+            self.build(data, label)  # which checks that the ranks passed the same batch
         prog = self.program
         assert prog is not None
         rank = comm.get_rank() if prog.device_num > 1 else 0
         lays = prog.input_layouts()
-        if prog.device_num > 1:
+        if prog.device_num > 1 and not built_now:
             comm.check_same_arrays("TrainOneStepCell", [
                 _agreed(what, x, lay) for what, x, lay in zip(("data", "label"), (data, label),
                                                                lays)])

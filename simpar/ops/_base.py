@@ -192,6 +192,9 @@ class OpSharding:
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
     #: (raw, out, plan) of outputs after the first, for multi-output ops such as Split.
     more_outs: tuple[tuple[TensorLayout, TensorLayout, RedistributionPlan], ...] = ()
+    #: How many ranks compute each shard alike (MindSpore's repeated calculation): device_num
+    #: over the devices the strategy uses. 1: every rank computes its own part.
+    repeat: int = 1
 
     def rank(self) -> int:
         """This process's device rank in the op's devices: the MPI rank, or 0 when the op runs
@@ -609,7 +612,7 @@ def build_sharding(op: Primitive, shapes: tuple[tuple[int, ...], ...], strat: St
     # Only partial axes are resolved here (AllReduce or ReduceScatter): no AllToAll involved.
     out_plan = plan(raw_out, out)
     return OpSharding(op, shapes, strat, dm, in_layouts, raw_out, out, out_plan, extra=dict(
-        extra, cuts=cuts, axis_of=axis_of))
+        extra, cuts=cuts, axis_of=axis_of), repeat=repeat)
 
 
 def _out_layout(op: Primitive, raw_out: TensorLayout, out_strategy: Strategy,

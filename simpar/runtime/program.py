@@ -39,7 +39,6 @@ from simpar.search import (
     dataset_layouts,
     parameter_plans,
     plan_strategies,
-    repeat_factor,
 )
 from simpar.seed import training_step
 
@@ -298,8 +297,7 @@ def lower(graph: Graph, strategy_map: StrategyMap, enable_alltoall: bool = False
                          for v, need in zip(node.inputs, sh.in_layouts))
         for v, (_, out, _) in zip(node.outputs, sh.outputs):
             layouts[v.id] = out
-        steps.append(OpStep(node, sh, in_plans, chosen.source,
-                            repeat_factor(sh, device_num)))
+        steps.append(OpStep(node, sh, in_plans, chosen.source, sh.repeat))
     needs = {v.id for v in graph.params if v.param is not None and v.param.requires_grad}
     for node in graph.nodes:
         if any(v.id in needs for v in node.inputs):

@@ -11,7 +11,6 @@ from simpar.search.propagation import (
     dataset_layouts,
     parameter_plans,
     plan_strategies,
-    repeat_factor,
 )
 from simpar.search.strategy_map import OpStrategy, Source, StrategyMap
 
@@ -23,5 +22,4 @@ __all__ = [
     "dataset_layouts",
     "parameter_plans",
     "plan_strategies",
-    "repeat_factor",
 ]

@@ -28,7 +28,7 @@ from simpar.ops._base import OpSharding, Strategy, StrategyError
 from simpar.redistribution import RedistributionPlan, plan
 from simpar.search.strategy_map import OpStrategy, Source, StrategyMap
 
-__all__ = ["MODES", "dataset_layouts", "parameter_plans", "plan_strategies", "repeat_factor"]
+__all__ = ["MODES", "dataset_layouts", "parameter_plans", "plan_strategies"]
 
 MODES = ("stand_alone", "data_parallel", "semi_auto_parallel")
 
@@ -112,15 +112,6 @@ def _check_plan_against_strategy(node: Node, sh: OpSharding,
 
 def _out_strategy(node: Node, source: Source) -> Strategy | None:
     return node.op.out_strategy if source == Source.USER else None
-
-
-def repeat_factor(sharding: OpSharding, device_num: int) -> int:
-    """How many ranks compute each shard of this op: ``device_num`` over the devices its
-    strategy uses (MindSpore's repeated calculation). 1: every rank computes its own part."""
-    cuts = sharding.extra.get("cuts")
-    used = math.prod(cuts.values()) if cuts else max(
-        (math.prod(c) for c in sharding.strategy), default=1)
-    return max(1, device_num // used)
 
 
 def parameter_plans(cell: Any) -> dict[str, tuple[int, ...]]:
@@ -209,10 +200,8 @@ def _choose(node: Node, shapes: list[tuple[int, ...]], device_num: int, mode: st
                 p = plan(src, lay, enable_alltoall)
                 cost += _moved_bytes(p)
                 steps += len(p.steps)
-        cuts = sh.extra.get("cuts")
-        repeat = device_num // math.prod(cuts.values()) if cuts else 1
         batch_cut = -sh.in_layouts[0].cuts[0] if sh.in_layouts and sh.in_layouts[0].ndim else 0
-        return cost, steps, repeat, batch_cut
+        return cost, steps, sh.repeat, batch_cut
 
     source = Source.DATA_PARALLEL if mode == "data_parallel" else Source.PROPAGATED
     follow = _follow_strategy(node, known)
