@@ -9,6 +9,7 @@ bytes. ``fd_check`` compares a VJP with central finite differences (float64, one
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,6 +17,7 @@ import numpy as np
 
 import simpar.comm as comm
 from simpar.check import relative_error
+from simpar.comm import CommEvent
 from simpar.ops import Primitive
 from simpar.parallel import get_parallel_info, run_op
 
@@ -103,3 +105,15 @@ def fd_check(op: Primitive, inputs: Sequence[np.ndarray], diff: Sequence[int] | 
         # absolute error for gradients smaller than 1.
         err = relative_error(np.append(g.ravel(), 1.0), np.append(num.ravel(), 1.0))
         assert err < tol, (op, i, err)
+
+
+def comm_site(e: CommEvent) -> str:
+    """Where a collective ran, shortly: the cells under the backbone (or loss), the primitive
+    and the node's sub-label, e.g. ``block1/ffn/fc1/MatMul:input0`` or ``Mirror``."""
+    if e.label.startswith("Mirror:"):
+        return "Mirror"
+    parts = e.label.split("/")
+    k = next(i for i, part in enumerate(parts) if re.fullmatch(r"\w+-op\d+(:.*)?", part))
+    prim, _, tail = parts[k].partition(":")
+    cells = [part.split("-")[0] for part in parts[3:k]]
+    return "/".join([*cells, prim.split("-op")[0]]) + (f":{tail}" if tail else "")

@@ -4,8 +4,6 @@ of the Megatron strategy (the masks themselves never communicate)."""
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import pytest
 
@@ -13,9 +11,10 @@ import simpar
 import simpar.comm as comm
 from simpar import graph, nn
 from simpar.check import relative_error
-from simpar.comm import CommEvent, CommTrace
+from simpar.comm import CommTrace
 from simpar.layout import TensorLayout, distribute
 from simpar.nn import presets
+from tests.ophelpers import comm_site
 
 VOCAB, SEQ, D, LAYERS, HEADS, BATCH = 32, 8, 16, 2, 4, 4
 TRACED_STEP = 1  # not the first: no set-up inside it
@@ -45,17 +44,6 @@ def _worst_errors(params: dict[str, np.ndarray], ref_params: dict[str, np.ndarra
     loss_errs = [relative_error(np.float64(a), np.float64(b)) for a, b in zip(losses, ref_losses)]
     mine = np.array([max(errs, default=0.0), max(loss_errs, default=0.0)])
     return comm.all_reduce(mine, op="max")
-
-
-def _site(e: CommEvent) -> str:
-    """``block0/attn/proj/MatMul:backward``-style: cells under the backbone, primitive, tail."""
-    if e.label.startswith("Mirror:"):
-        return "Mirror"
-    parts = e.label.split("/")
-    k = next(i for i, part in enumerate(parts) if re.fullmatch(r"\w+-op\d+(:.*)?", part))
-    prim, _, tail = parts[k].partition(":")
-    cells = [part.split("-")[0] for part in parts[3:k]]
-    return "/".join([*cells, prim.split("-op")[0]]) + (f":{tail}" if tail else "")
 
 
 def _megatron_step(p: int, dp: int, mp: int, rank: int
@@ -128,7 +116,7 @@ def test_dropout_training_matches_single_device():
         assert train.program is not None
         worst = _worst_errors(train.params, ref.params, train.program.param_layouts, rank, got,
                               want)
-        traced = [(_site(e), e.kind, e.op, e.group, e.shape) for e in events]
+        traced = [(comm_site(e), e.kind, e.op, e.group, e.shape) for e in events]
         by_hand = _megatron_step(p, dp, mp, rank)
         same = np.array([float(traced != by_hand)])
         if comm.all_reduce(same, op="max")[0]:

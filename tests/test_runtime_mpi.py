@@ -18,7 +18,6 @@ rank 0's report shows a failure that happened on any rank.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import cache
@@ -37,6 +36,7 @@ from simpar.layout import distribute
 from simpar.nn import presets
 from simpar.runtime import ParallelProgram
 from tests.mpi_guard import abort_job_on_error
+from tests.ophelpers import comm_site
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -597,18 +597,6 @@ def test_redistributing_mlp_moves_activations_between_layers() -> None:
         [str(e) for e in events]
 
 
-def _site(e: CommEvent) -> str:
-    """Where a collective ran, shortly: the cells under the backbone (or loss), the primitive
-    and the node's sub-label, e.g. ``block1/ffn/fc1/MatMul:input0`` or ``Mirror``."""
-    if e.label.startswith("Mirror:"):
-        return "Mirror"
-    parts = e.label.split("/")
-    k = next(i for i, part in enumerate(parts) if re.fullmatch(r"\w+-op\d+(:.*)?", part))
-    prim, _, tail = parts[k].partition(":")
-    cells = [part.split("-")[0] for part in parts[3:k]]
-    return "/".join([*cells, prim.split("-op")[0]]) + (f":{tail}" if tail else "")
-
-
 def _redistributing_gpt_step(n: int, rank: int) -> list[tuple[str, str, str | None,
                                                               tuple[int, ...], tuple[int, ...]]]:
     """Every collective of one training step of ``_gpt_mix`` on n ranks, derived from the
@@ -674,7 +662,7 @@ def test_redistributing_gpt_moves_activations_between_blocks() -> None:
     ReduceScatters; every other boundary is a free slice."""
     run, n, rank = _run(next(c for c in GRID if c.model == "gpt" and c.kind == "redistributing")
                         ), _n(), comm.get_rank()
-    got = [(_site(e), e.kind, e.op, e.group, e.shape) for e in run.events]
+    got = [(comm_site(e), e.kind, e.op, e.group, e.shape) for e in run.events]
     want = _redistributing_gpt_step(n, rank)
     _all_agree([] if got == want else [f"traced {got}, by hand {want}"])
     moves = [e for e in _activation_events(run, "gpt") if ":input" in e.label]
