@@ -14,13 +14,13 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from simpar.nn.cell import Parameter
-    from simpar.ops._base import Primitive
+from simpar import ops
+from simpar.ops._base import Primitive, recording
+from simpar.parameter import Parameter
 
 __all__ = ["Graph", "Node", "Value", "current_scope", "record", "scope", "trace", "tracing"]
 
@@ -48,27 +48,21 @@ class Value:
 
     # MindSpore tensors support arithmetic; so do traced values.
     def __add__(self, other: Any) -> Any:
-        from simpar import ops
         return ops.Add()(self, other)
 
     def __radd__(self, other: Any) -> Any:
-        from simpar import ops
         return ops.Add()(other, self)
 
     def __sub__(self, other: Any) -> Any:
-        from simpar import ops
         return ops.Sub()(self, other)
 
     def __mul__(self, other: Any) -> Any:
-        from simpar import ops
         return ops.Mul()(self, other)
 
     def __rmul__(self, other: Any) -> Any:
-        from simpar import ops
         return ops.Mul()(other, self)
 
     def __truediv__(self, other: Any) -> Any:
-        from simpar import ops
         return ops.RealDiv()(self, other)
 
 
@@ -129,8 +123,6 @@ class _Tracer:
         return v
 
     def as_value(self, x: Any) -> Value:
-        from simpar.nn.cell import Parameter
-
         if isinstance(x, Value):
             return x
         if isinstance(x, Parameter):
@@ -211,13 +203,14 @@ def trace(fn: Callable[..., Any], input_specs: Sequence[tuple[Sequence[int], Any
     t = _Tracer()
     _state.tracer = t
     try:
-        names = list(input_names or [f"input{i}" for i in range(len(input_specs))])
-        ins = [t.new_value(shape, dtype, "input", names[i]) for i, (shape, dtype)
-               in enumerate(input_specs)]
-        t.graph.inputs = ins
-        out = fn(*ins)
-        outs = out if isinstance(out, (tuple, list)) else (out,)
-        t.graph.outputs = [t.as_value(o) for o in outs]
+        with recording(record):
+            names = list(input_names or [f"input{i}" for i in range(len(input_specs))])
+            ins = [t.new_value(shape, dtype, "input", names[i]) for i, (shape, dtype)
+                   in enumerate(input_specs)]
+            t.graph.inputs = ins
+            out = fn(*ins)
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            t.graph.outputs = [t.as_value(o) for o in outs]
     finally:
         _state.tracer = None
     return t.graph

@@ -31,6 +31,7 @@ replaced by AllGather + slice, as MindSpore does; that costs more bytes.
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -39,6 +40,8 @@ from typing import Any
 
 import numpy as np
 
+import simpar.comm as simpar_comm
+from simpar import schedule
 from simpar.cost.collective import (
     ALPHA_SECONDS,
     BANDWIDTH_BYTES_PER_S,
@@ -52,6 +55,7 @@ from simpar.mesh import DeviceMesh
 __all__ = [
     "RedistributionPlan",
     "Step",
+    "StepKind",
     "common_refinement",
     "execute",
     "execute_adjoint",
@@ -60,11 +64,40 @@ __all__ = [
     "refine",
 ]
 
-# Kinds of step. Local ones cost nothing on the network.
-SLICE, ZERO = "Slice", "Zero"
-ALL_GATHER, ALL_TO_ALL, ALL_TO_ALL_V = "AllGather", "AllToAll", "AllToAllV"
-REDUCE_SCATTER, ALL_REDUCE = "ReduceScatter", "AllReduce"
+class StepKind(str, enum.Enum):
+    """What one step does: a collective (named as MindSpore and CommTrace name them) or a
+    local operation. Members compare equal to their names (``StepKind.SLICE == "Slice"``)."""
+
+    SLICE = "Slice"             # local: keep a sub-block of the shard
+    ZERO = "Zero"               # local: zero all but one replica of a value becoming partial
+    ALL_GATHER = "AllGather"
+    ALL_TO_ALL = "AllToAll"
+    ALL_TO_ALL_V = "AllToAllV"  # the direct exchange (simpar.comm.all_to_all_v)
+    REDUCE_SCATTER = "ReduceScatter"
+    ALL_REDUCE = "AllReduce"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def local(self) -> bool:
+        """True for steps that move nothing between ranks."""
+        return self in LOCAL_KINDS
+
+    @property
+    def adjoint(self) -> StepKind:
+        """The step that runs this one backwards (AllGather's is a ReduceScatter)."""
+        return _ADJOINT_KIND[self]
+
+
+SLICE, ZERO = StepKind.SLICE, StepKind.ZERO
+ALL_GATHER, ALL_TO_ALL, ALL_TO_ALL_V = (StepKind.ALL_GATHER, StepKind.ALL_TO_ALL,
+                                        StepKind.ALL_TO_ALL_V)
+REDUCE_SCATTER, ALL_REDUCE = StepKind.REDUCE_SCATTER, StepKind.ALL_REDUCE
+#: Kinds that cost nothing on the network.
 LOCAL_KINDS = (SLICE, ZERO)
+_ADJOINT_KIND = {ALL_REDUCE: ALL_REDUCE, ALL_GATHER: REDUCE_SCATTER, REDUCE_SCATTER: ALL_GATHER,
+                 ALL_TO_ALL: ALL_TO_ALL, ALL_TO_ALL_V: ALL_TO_ALL_V, SLICE: SLICE, ZERO: ZERO}
 
 
 
@@ -78,7 +111,7 @@ class Step:
     (AllGather, several dims possible: ``gather_dims``); ``concat_dim`` is AllToAll's other side.
     """
 
-    kind: str
+    kind: StepKind
     src: TensorLayout
     dst: TensorLayout
     device_axes: tuple[int, ...] = ()
@@ -559,11 +592,7 @@ def execute(plan: RedistributionPlan, local_array: np.ndarray, comm: Comm = None
 
 
 def _default_comm(comm: Comm) -> Comm:
-    if comm is None:
-        import simpar.comm as default
-
-        return default
-    return comm
+    return simpar_comm if comm is None else comm
 
 
 def _run_steps(plan: RedistributionPlan, x: np.ndarray, rank: int, comm: Comm, adjoint: bool
@@ -574,7 +603,10 @@ def _run_steps(plan: RedistributionPlan, x: np.ndarray, rank: int, comm: Comm, a
     run, what = (_run_adjoint, "redistribute-adjoint") if adjoint else (_run_step, "redistribute")
     with comm.validation_disabled():
         for step in steps:
-            with comm.label(f"{what}:{step.kind}"):
+            if step.kind.local:
+                x = run(step, x, rank, comm)
+                continue
+            with comm.label(f"{what}:{step.kind}"), schedule.issue(step, adjoint):
                 x = run(step, x, rank, comm)
     return x
 

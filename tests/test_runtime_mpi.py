@@ -702,3 +702,29 @@ def test_a_nan_on_one_rank_fails_every_verdict() -> None:
     with pytest.raises(AssertionError, match=r"\|Δloss\| inf"):
         _check_against(replace(run, losses=losses), ref, TOL["float64"], "a NaN loss")
     _check_against(run, ref, TOL["float64"], "the same run without the NaN")
+
+
+# ------------------------------------------------------------------ the flat program
+@pytest.mark.parametrize("case", [c for c in GRID if c.optimizer == "momentum"],
+                         ids=lambda c: f"{c.model}-{c.kind}")
+def test_every_collective_is_a_scheduled_step(case: Case) -> None:
+    """The traced step ran exactly the collectives of ``program.schedule(rank)``, in its
+    order: each event names its step, and has the step's kind, group, bytes and label. The
+    schedule also lists the ops' own collectives (split Softmax/LayerNorm/cross-entropy
+    statistics, Reshape's redistribution), so the flat list is the whole communication."""
+    run, rank = _run(case), comm.get_rank()
+    steps = [s for s in run.program.schedule(rank) if s.collective is not None]
+    problems = []
+    if [e.step for e in run.events] != [s.index for s in steps]:
+        problems.append(f"events ran steps {[e.step for e in run.events]}, the schedule lists "
+                        f"{[s.index for s in steps]}")
+    for e, s in zip(run.events, steps):
+        if (e.kind, e.group, e.bytes_recv, e.label) != (s.collective, s.group, s.recv_bytes,
+                                                        s.label):
+            problems.append(f"event {e} is not step {s}")
+    inner = [s for s in steps if s.role == "op-collective"]
+    if case.model == "gpt" and case.kind in ("mp", "hybrid") and _dp_mp(case.kind, _n())[1] > 1 \
+            and not inner:
+        problems.append("a Megatron GPT lists no op-internal collective (its cross entropy "
+                        "is class-split)")
+    _all_agree(problems)

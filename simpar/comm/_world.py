@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from simpar import _env
+import numpy as np
+
+from simpar import _env, context
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -67,8 +69,6 @@ def init() -> None:
     _WORLD_PAIR = (_world_group(_WORLD.Get_size()), _WORLD)
     if _WORLD.Get_size() > 1:
         _install_abort_hook()
-    from simpar import context
-
     # A mismatch is raised by check_context below, on every rank, naming them all.
     with contextlib.suppress(context.WorldMismatchError):
         context.set_world(_WORLD.Get_size(), _WORLD.Get_rank())
@@ -164,10 +164,6 @@ def check_context() -> None:
     differs from the MPI rank, every rank raises the same ``ValueError`` naming the ranks and
     the values, e.g. "device_num is 4 on ranks 0..7 but mpirun started 8 ranks".
     """
-    import numpy as np
-
-    from simpar import context
-
     comm = world()
     size, me = comm.Get_size(), comm.Get_rank()
     snap = context.auto_parallel_context()

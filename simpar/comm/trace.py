@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-__all__ = ["CommEvent", "CommTrace", "label", "record"]
+__all__ = ["CommEvent", "CommTrace", "label", "program_step", "record"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +47,8 @@ class CommEvent:
     shape: tuple[int, ...]
     op: str | None = None
     label: str = ""
+    #: Index of the program step that ran it (``ParallelProgram.schedule``), None outside one.
+    step: int | None = None
 
     def __str__(self) -> str:
         op = f"({self.op})" if self.op else ""
@@ -147,6 +149,10 @@ def _labels() -> list[str]:
     return _state.labels
 
 
+def _step() -> tuple[int, str] | None:
+    return getattr(_state, "step", None)
+
+
 def tracing() -> bool:
     """True when at least one CommTrace is active on this thread."""
     return bool(_active())
@@ -162,6 +168,19 @@ def label(text: str) -> Iterator[None]:
         _labels().pop()
 
 
+@contextmanager
+def program_step(index: int, text: str) -> Iterator[None]:
+    """Events recorded inside the block belong to step ``index`` of a per-rank program and
+    carry exactly its label ``text`` (the labels around the block are not prefixed)."""
+    _active()
+    outer = getattr(_state, "step", None)
+    _state.step = (index, text)
+    try:
+        yield
+    finally:
+        _state.step = outer
+
+
 def record(kind: str, group: tuple[int, ...], bytes_sent: int, bytes_recv: int, seconds: float,
            dtype: object, shape: tuple[int, ...], op: str | None = None) -> None:
     """Add one event to every active trace (called by simpar.comm only). Costs one lookup
@@ -171,8 +190,9 @@ def record(kind: str, group: tuple[int, ...], bytes_sent: int, bytes_recv: int, 
     traces = _active()
     if not traces:
         return
-    labels = _labels()
+    step = _step()
+    index, text = step if step is not None else (None, "/".join(_labels()))
     event = CommEvent(kind, group, int(bytes_sent), int(bytes_recv), seconds, str(dtype), shape,
-                      op, "/".join(labels))
+                      op, text, index)
     for t in traces:
         t.events.append(event)

@@ -12,6 +12,8 @@ import numpy as np
 
 from simpar import graph, ops
 from simpar.nn.cell import Cell, Parameter, initializer
+from simpar.parameter import stable_seed
+from simpar.seed import get_seed
 
 __all__ = ["GPT", "MLP", "Dense", "Dropout", "Embedding", "FeedForward", "LayerNorm",
            "MultiHeadAttention", "TransformerBlock"]
@@ -126,10 +128,7 @@ class Dropout(Cell):
         if graph.tracing():
             # Each Dropout layer draws its own mask: seed1 comes from the global seed and the
             # layer's place in the model, the same on every rank and in the reference run.
-            from simpar.nn.cell import _stable_seed
-            from simpar.seed import get_seed
-
-            self.dropout.seed1 = _stable_seed(get_seed(), graph.current_scope()) & 0x7FFFFFFF
+            self.dropout.seed1 = stable_seed(get_seed(), graph.current_scope()) & 0x7FFFFFFF
         return self.dropout(x)
 
 

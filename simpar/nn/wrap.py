@@ -19,11 +19,13 @@ from typing import Any
 
 import numpy as np
 
-from simpar import context, graph
+from simpar import comm, context, graph
 from simpar.layout import TensorLayout, distribute
 from simpar.nn.cell import Cell
 from simpar.nn.optim import Optimizer
+from simpar.redistribution import execute, plan
 from simpar.runtime.program import ParallelProgram, build_program
+from simpar.seed import get_seed
 
 __all__ = ["TrainOneStepCell", "WithLossCell"]
 
@@ -66,8 +68,6 @@ class TrainOneStepCell:
                                  or seed < 0):
             raise ValueError(f"TrainOneStepCell: seed must be None (the global seed) or an int "
                              f">= 0, got {seed!r}")
-        from simpar.seed import get_seed
-
         self.network = network
         self.optimizer = optimizer
         self.sens = float(sens)
@@ -84,8 +84,6 @@ class TrainOneStepCell:
     # ------------------------------------------------------------ build
     def build(self, data: np.ndarray, label: np.ndarray) -> ParallelProgram:
         """Trace and lower for these global input shapes, and lay out the parameters."""
-        from simpar import comm
-
         ctx = context.auto_parallel_context()
         self._ctx = ctx
         device_num = 1 if self.mode == "stand_alone" else comm.get_group_size()
@@ -142,8 +140,6 @@ class TrainOneStepCell:
                        ) -> tuple[float, dict[str, np.ndarray]]:
         """The global loss and this rank's gradient shards at the current parameters, without
         an optimizer step (``step`` numbers the dropout masks; default: the next step's)."""
-        from simpar import comm
-
         data, label = np.asarray(data), np.asarray(label)
         built_now = self.program is None
         if built_now:
@@ -182,9 +178,6 @@ class TrainOneStepCell:
 
     def global_parameters(self) -> dict[str, np.ndarray]:
         """Every parameter assembled to its global value (collective: every rank calls)."""
-        from simpar import comm
-        from simpar.redistribution import execute, plan
-
         assert self.program is not None
         out = {}
         for name, lay in self.program.param_layouts.items():

@@ -26,16 +26,27 @@ AllReduce over the input's replica axes (MindSpore's Mirror, for a parameter).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
 
+from simpar import comm, context, schedule
 from simpar.cost.collective import traffic
 from simpar.layout import TensorLayout
 from simpar.mesh import DeviceMesh
-from simpar.redistribution import LOCAL_KINDS, RedistributionPlan, Step, plan
+from simpar.redistribution import (
+    LOCAL_KINDS,
+    RedistributionPlan,
+    Step,
+    StepKind,
+    execute,
+    execute_adjoint,
+    plan,
+)
 
 __all__ = [
     "CommSpec",
@@ -85,16 +96,19 @@ class CommSpec:
 
     ``device_axes`` index ``device_matrix`` from the left; rank r's group is
     ``DeviceMesh(device_matrix).group_of(r, device_axes)``. ``elements`` is the local input
-    buffer of the collective (per rank), ``step`` the redistribution step when it is one.
+    buffer of the collective (per rank), ``step`` the redistribution step when it is one (run
+    backwards when ``adjoint``), ``how`` an AllReduce's reduction ("sum" or "max").
     """
 
-    kind: str
+    kind: StepKind
     device_matrix: tuple[int, ...]
     device_axes: tuple[int, ...]
     elements: int
     reason: str = ""
     step: Step | None = None
     on_output: bool = False  # the buffer has the output's dtype (else the input's)
+    how: str = "sum"
+    adjoint: bool = False
 
     @classmethod
     def from_step(cls, step: Step, reason: str, on_output: bool = False) -> CommSpec:
@@ -105,8 +119,14 @@ class CommSpec:
     def adjoint_of(cls, step: Step, reason: str, on_output: bool = False) -> CommSpec:
         """The collective that runs ``step`` backwards (AllGather's is a ReduceScatter); its
         input buffer is the size of the step's output shard."""
-        return cls(_ADJOINT[step.kind], step.src.device_matrix, step.device_axes,
-                   step.dst.local_size(), reason, None, on_output)
+        return cls(step.kind.adjoint, step.src.device_matrix, step.device_axes,
+                   step.dst.local_size(), reason, step, on_output, adjoint=True)
+
+    @property
+    def runs(self) -> object:
+        """What the executor announces to :mod:`simpar.schedule` when it runs this collective:
+        the redistribution step, or this spec for an op's own collective."""
+        return self if self.step is None else self.step
 
     def group(self, rank: int) -> tuple[int, ...]:
         if not self.device_axes:
@@ -121,7 +141,10 @@ class CommSpec:
     def recv_bytes(self, rank: int, itemsize: int) -> int:
         """Bytes ``rank`` receives, by CommTrace's convention."""
         if self.step is not None:
-            return self.step.recv_bytes(rank, itemsize)
+            # A step's adjoint receives what the step sends (AllGather's ReduceScatter, the
+            # reverse direct exchange).
+            return (self.step.send_bytes(rank, itemsize) if self.adjoint
+                    else self.step.recv_bytes(rank, itemsize))
         return traffic(self.kind, len(self.group(rank)), self.elements * itemsize)
 
     def describe(self, rank: int, in_itemsize: int, out_itemsize: int) -> dict[str, Any]:
@@ -134,6 +157,12 @@ class CommSpec:
 def plan_comm(p: RedistributionPlan, reason: str, on_output: bool) -> list[CommSpec]:
     """The collectives of plan ``p`` (its local steps cost nothing and are left out)."""
     return [CommSpec.from_step(s, reason, on_output) for s in p.steps
+            if s.kind not in LOCAL_KINDS]
+
+
+def plan_adjoint_comm(p: RedistributionPlan, reason: str, on_output: bool) -> list[CommSpec]:
+    """The collectives of plan ``p`` run backwards, in the order they run (last step first)."""
+    return [CommSpec.adjoint_of(s, reason, on_output) for s in reversed(p.steps)
             if s.kind not in LOCAL_KINDS]
 
 
@@ -175,8 +204,14 @@ class OpSharding:
     """Everything the runtime needs to run one op on its shards (per-rank program).
 
     ``raw_out`` is what the local kernel yields; ``out`` the output after the op's forward
-    collectives (``out_plan``). ``forward_comm``/``backward_comm`` list every collective, with
-    the input-gradient AllReduces (over each input's replica axes) at the end of backward.
+    collectives (``out_plan``). ``inner_plan`` is a redistribution of input 0 that the op runs
+    before its kernel (Reshape's). ``internal_forward``/``internal_backward`` are the op's own
+    collectives, in the order its kernel runs them (split Softmax and LayerNorm statistics).
+    ``forward_comm``/``backward_comm`` list every collective, with the input-gradient
+    AllReduces (over each input's replica axes) at the end of backward.
+
+    ``iter_order``/``iter_cuts`` record the iteration space the device matrix was built from:
+    iteration dim ``iter_order[k]`` is cut ``iter_cuts[k]`` ways along device axis ``k``.
     """
 
     op: Primitive
@@ -189,7 +224,9 @@ class OpSharding:
     out_plan: RedistributionPlan
     internal_forward: tuple[CommSpec, ...] = ()
     internal_backward: tuple[CommSpec, ...] = ()
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    iter_order: tuple[str, ...] = ()
+    iter_cuts: tuple[int, ...] = ()
+    inner_plan: RedistributionPlan | None = None
     #: (raw, out, plan) of outputs after the first, for multi-output ops such as Split.
     more_outs: tuple[tuple[TensorLayout, TensorLayout, RedistributionPlan], ...] = ()
     #: How many ranks compute each shard alike (MindSpore's repeated calculation): device_num
@@ -201,9 +238,14 @@ class OpSharding:
         on one device (a stand-alone reference inside a multi-rank job)."""
         if math.prod(self.device_matrix) == 1:
             return 0
-        from simpar import comm
-
         return comm.get_rank()
+
+    def device_axes_cutting(self, iter_dims: Sequence[str]) -> tuple[int, ...]:
+        """Device axes (from the left) that cut any of ``iter_dims`` more than once: the
+        groups over which a reduction along those dims must be completed. For Softmax over
+        the last dim with strategy ((2, 4),) on 8 devices: ``("d1",)`` gives ``(1,)``."""
+        return tuple(k for k, (it, c) in enumerate(zip(self.iter_order, self.iter_cuts))
+                     if it in iter_dims and c > 1)
 
     # -- descriptions
     @property
@@ -211,33 +253,53 @@ class OpSharding:
         """(raw layout, final layout, plan) of every output, the first one first."""
         return [(self.raw_out, self.out, self.out_plan), *self.more_outs]
 
+    def inner_comm(self) -> list[CommSpec]:
+        """The collectives of :attr:`inner_plan` (forward)."""
+        if self.inner_plan is None:
+            return []
+        return plan_comm(self.inner_plan, f"redistribute before {self.op.name.lower()}", False)
+
+    def inner_adjoint_comm(self) -> list[CommSpec]:
+        if self.inner_plan is None:
+            return []
+        return plan_adjoint_comm(self.inner_plan, "adjoint of redistribution before "
+                                 f"{self.op.name.lower()}", False)
+
     @property
     def forward_comm(self) -> list[CommSpec]:
-        specs = list(self.internal_forward)
+        """Every collective of the forward, in the order it runs."""
+        specs = self.inner_comm() + list(self.internal_forward)
         for k, (_, _, p) in enumerate(self.outputs):
             specs += plan_comm(p, "output" if k == 0 else f"output {k}", on_output=True)
         return specs
 
-    @property
-    def backward_comm(self) -> list[CommSpec]:
+    def output_adjoint_comm(self) -> list[CommSpec]:
+        """The adjoints of the output plans, in the order the backward runs them."""
         adj: list[CommSpec] = []
         for k, (_, _, p) in reversed(list(enumerate(self.outputs))):
             adj += [CommSpec.adjoint_of(s, f"adjoint of output {k} {s.kind}", on_output=True)
                     for s in reversed(p.steps) if s.kind not in LOCAL_KINDS]
+        return adj
+
+    @property
+    def backward_comm(self) -> list[CommSpec]:
+        """Every collective of ``run_op``'s backward, in order; a program runs all but the
+        trailing input-gradient AllReduces (its Mirrors complete parameters' gradients)."""
         grads = []
         for i in range(len(self.in_layouts)):
             if self.op.differentiable(i):
                 spec = self.input_grad_spec(i)
                 if spec is not None:
                     grads.append(spec)
-        return adj + list(self.internal_backward) + grads
+        return (self.output_adjoint_comm() + list(self.internal_backward)
+                + self.inner_adjoint_comm() + grads)
 
     def input_grad_spec(self, i: int) -> CommSpec | None:
         lay = self.in_layouts[i]
         axes = tuple(a for a in lay.replica_axes if lay.device_matrix[a] > 1)
         if not axes:
             return None
-        return CommSpec("AllReduce", lay.device_matrix, axes, lay.local_size(),
+        return CommSpec(StepKind.ALL_REDUCE, lay.device_matrix, axes, lay.local_size(),
                         f"gradient of input {i} (sum over its replicas)")
 
     def local_flops(self) -> int:
@@ -253,9 +315,9 @@ class OpSharding:
     # -- execution on this rank
     def forward(self, *local_inputs: np.ndarray) -> tuple[Any, Any]:
         """This rank's output shard (a tuple for multi-output ops) and what backward needs."""
-        from simpar import comm
-        from simpar.redistribution import execute
-
+        if self.inner_plan is not None:
+            with comm.label(f"{self.op.name}:redistribute"):
+                local_inputs = (execute(self.inner_plan, local_inputs[0]), *local_inputs[1:])
         raw, saved = self.op.local_forward(self, *local_inputs)
         raws = raw if self.more_outs else (raw,)
         outs = []
@@ -268,9 +330,6 @@ class OpSharding:
         """This rank's gradient *contributions* for every input, in the input layouts
         (sum over an input's replica axes to complete them, see :meth:`complete_grad`).
         For a multi-output op, ``local_dout`` is a tuple (None for an unused output)."""
-        from simpar import comm
-        from simpar.redistribution import execute_adjoint
-
         douts = local_dout if self.more_outs else (local_dout,)
         draws: list[np.ndarray] = []
         for k, (d, (_, out, p)) in reversed(list(enumerate(zip(douts, self.outputs)))):
@@ -279,12 +338,22 @@ class OpSharding:
             with comm.label(f"{self.op.name}:output-adjoint" + (f"{k}" if k else "")):
                 draws.append(execute_adjoint(p, d))
         draws.reverse()
-        return self.op.local_backward(self, saved, tuple(draws) if self.more_outs else draws[0])
+        grads = self.op.local_backward(self, saved, tuple(draws) if self.more_outs else draws[0])
+        if self.inner_plan is None or grads[0] is None:
+            return grads
+        with comm.label(f"{self.op.name}:redistribute-adjoint"):
+            return (execute_adjoint(self.inner_plan, grads[0]), *grads[1:])
+
+    def all_reduce(self, spec: CommSpec, x: np.ndarray, what: str) -> np.ndarray:
+        """Run one of the op's own collectives (an entry of ``internal_forward`` or
+        ``internal_backward``) on this rank's partial ``x``: ``what`` tags the trace."""
+        with comm.label(f"{self.op.name}:{what}"), schedule.issue(spec):
+            y = comm.all_reduce(np.ascontiguousarray(x), op=spec.how,
+                                group=spec.group(self.rank()))
+        return y.reshape(np.shape(x))  # all_reduce hands a 0-d array back as shape (1,)
 
     def complete_grad(self, i: int, contribution: np.ndarray) -> np.ndarray:
         """Sum input i's gradient contributions over its replica axes (one AllReduce)."""
-        from simpar import comm
-
         spec = self.input_grad_spec(i)
         if spec is None:
             return contribution
@@ -307,8 +376,21 @@ def _float_of(saved: Any) -> Any:
     return find(saved) or np.dtype(np.float64)
 
 
-_ADJOINT = {"AllReduce": "AllReduce", "AllGather": "ReduceScatter", "ReduceScatter": "AllGather",
-            "AllToAll": "AllToAll", "AllToAllV": "AllToAllV"}
+# ------------------------------------------------------------------ tracing hook
+#: While set (by :func:`simpar.graph.trace`), calling a primitive records a graph node
+#: through this function instead of running the kernel. The hook keeps ops below the graph.
+_TRACER: ContextVar[Callable[[Primitive, tuple[Any, ...]], Any] | None] = ContextVar(
+    "simpar_tracer", default=None)
+
+
+@contextmanager
+def recording(tracer: Callable[[Primitive, tuple[Any, ...]], Any]) -> Iterator[None]:
+    """Inside the block, ``op(*args)`` returns ``tracer(op, args)``."""
+    token = _TRACER.set(tracer)
+    try:
+        yield
+    finally:
+        _TRACER.reset(token)
 
 
 # ------------------------------------------------------------------ primitives
@@ -389,11 +471,11 @@ class Primitive:
         raise NotImplementedError
 
     def __call__(self, *xs: Any) -> Any:
-        """On arrays: the single-device kernel. Inside a traced Cell: a graph node."""
-        from simpar import graph
-
-        if graph.tracing():
-            return graph.record(self, xs)
+        """On arrays: the single-device kernel. Inside a traced Cell: a graph node (the
+        tracer, installed by :func:`simpar.graph.trace`, records the call)."""
+        tracer = _TRACER.get()
+        if tracer is not None:
+            return tracer(self, xs)
         return self.kernel(*[np.asarray(x) for x in xs])
 
     # -- sharding (subclasses override iter_space, or sharding() wholesale)
@@ -476,8 +558,6 @@ class Primitive:
         With ``fully_use_devices`` (default: the algo parameter) only strategies that use all
         devices are kept.
         """
-        from simpar import context
-
         if fully_use_devices is None:
             fully_use_devices = bool(context.get_algo_parameters("fully_use_devices"))
         shapes_t = self._check_shapes(shapes)
@@ -587,8 +667,8 @@ def _layout(device_matrix: tuple[int, ...], axis_of: dict[str, int],
 
 def build_sharding(op: Primitive, shapes: tuple[tuple[int, ...], ...], strat: Strategy,
                    out_strategy: Strategy | None, device_num: int, space: IterSpace,
-                   cuts: dict[str, int], out_shape: tuple[int, ...] | None = None,
-                   **extra: Any) -> OpSharding:
+                   cuts: dict[str, int], out_shape: tuple[int, ...] | None = None
+                   ) -> OpSharding:
     """The generic rule: device matrix = cuts in canonical order [+ repeat]; layouts by map."""
     used = math.prod(cuts[it] for it in space.order)
     if device_num % used:
@@ -611,8 +691,9 @@ def build_sharding(op: Primitive, shapes: tuple[tuple[int, ...], ...], strat: St
         out = _out_layout(op, raw_out, out_strategy, oshape)
     # Only partial axes are resolved here (AllReduce or ReduceScatter): no AllToAll involved.
     out_plan = plan(raw_out, out)
-    return OpSharding(op, shapes, strat, dm, in_layouts, raw_out, out, out_plan, extra=dict(
-        extra, cuts=cuts, axis_of=axis_of), repeat=repeat)
+    return OpSharding(op, shapes, strat, dm, in_layouts, raw_out, out, out_plan,
+                      iter_order=space.order, iter_cuts=tuple(cuts[it] for it in space.order),
+                      repeat=repeat)
 
 
 def _out_layout(op: Primitive, raw_out: TensorLayout, out_strategy: Strategy,

@@ -19,17 +19,15 @@ import numpy as np
 from simpar.cost.collective import sample_ranks
 from simpar.layout import TensorLayout
 from simpar.ops._base import (
-    CommSpec,
     IterSpace,
     OpSharding,
     Primitive,
     Strategy,
     build_sharding,
     dim_names,
-    plan_comm,
     register,
 )
-from simpar.redistribution import LOCAL_KINDS, RedistributionPlan, execute, execute_adjoint, plan
+from simpar.redistribution import RedistributionPlan, plan
 
 __all__ = ["Concat", "Reshape", "Split", "Transpose", "reshape_layout"]
 
@@ -275,28 +273,19 @@ class Reshape(Primitive):
                 best = (cost, mid, out, p)
         assert best is not None  # the fully replicated candidate always reshapes
         _, mid, out, pre = best
-        specs = tuple(plan_comm(pre, "redistribute before reshape", on_output=False))
-        adj = tuple(CommSpec.adjoint_of(s, "adjoint of redistribution before reshape")
-                    for s in reversed(pre.steps) if s.kind not in LOCAL_KINDS)
         empty = plan(out, out)
+        # The op redistributes its input to ``mid`` itself (OpSharding.forward runs
+        # ``inner_plan`` before the kernel), so ``in_layouts`` stays what the strategy says.
         return dataclasses.replace(base, raw_out=out, out=out, out_plan=empty,
-                                   internal_forward=specs, internal_backward=adj,
-                                   extra=dict(base.extra, pre_plan=pre, mid=mid))
+                                   inner_plan=None if not pre.steps else pre)
 
     def local_forward(self, sh: OpSharding, *xs: np.ndarray) -> tuple[np.ndarray, Any]:
-        from simpar import comm
-
-        with comm.label("Reshape:redistribute"):
-            x = execute(sh.extra["pre_plan"], xs[0])
-        return x.reshape(sh.out.local_shape()), None
+        return xs[0].reshape(sh.out.local_shape()), None
 
     def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray
                        ) -> tuple[np.ndarray | None, ...]:
-        from simpar import comm
-
-        g = dy.reshape(sh.extra["mid"].local_shape())
-        with comm.label("Reshape:redistribute-adjoint"):
-            return (execute_adjoint(sh.extra["pre_plan"], g),)
+        mid = sh.in_layouts[0] if sh.inner_plan is None else sh.inner_plan.dst
+        return (dy.reshape(mid.local_shape()),)
 
 
 # ------------------------------------------------------------------ Concat and Split

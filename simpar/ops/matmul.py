@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from simpar import context
 from simpar.ops._base import IterSpace, Primitive, Strategy, StrategyError, register
 
 __all__ = ["BatchMatMul", "MatMul"]
@@ -91,8 +92,6 @@ class _MatMulBase(Primitive):
 def _slice_aligned(strat: Strategy, shapes: tuple[tuple[int, ...], ...]
                    ) -> tuple[int, ...] | None:
     """None when tensor_slice_align is off or satisfied, else the offending slice shape."""
-    from simpar import context
-
     if not context.get_algo_parameters("tensor_slice_align_enable"):
         return None
     size = int(context.get_algo_parameters("tensor_slice_align_size"))

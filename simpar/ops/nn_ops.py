@@ -32,6 +32,7 @@ from simpar.ops._base import (
     dim_names,
     register,
 )
+from simpar.redistribution import ALL_REDUCE
 
 __all__ = ["LayerNorm", "LogSoftmax", "Softmax", "SparseSoftmaxCrossEntropyWithLogits"]
 
@@ -43,25 +44,19 @@ def _identity(x: np.ndarray, how: str, what: str) -> np.ndarray:
     return x
 
 
-def _group_reduce(sh: OpSharding, spec: CommSpec | None) -> _Reduce:
-    """The hook that completes a local reduction over ``spec``'s group (identity if none)."""
-    if spec is None:
+def _group_reduce(sh: OpSharding, specs: Sequence[CommSpec]) -> _Reduce:
+    """The hook that completes the kernel's local reductions: its k-th call runs ``specs[k]``
+    (the op's listed collectives, in the order the kernel needs them). Identity if none."""
+    if not specs:
         return _identity
-    from simpar import comm
-
-    op, group = sh.op.name, spec.group(sh.rank())
+    pending = iter(specs)
 
     def reduce(x: np.ndarray, how: str, what: str) -> np.ndarray:
-        with comm.label(f"{op}:{what}"):
-            return comm.all_reduce(np.ascontiguousarray(x), op=how, group=group).reshape(x.shape)
+        spec = next(pending)
+        assert spec.how == how, (sh.op.name, what, spec)
+        return sh.all_reduce(spec, x, what)
 
     return reduce
-
-
-def _split_device_axes(sh: OpSharding, names: Sequence[str]) -> tuple[int, ...]:
-    """Device axes (from the left) that cut any of the iteration dims ``names``."""
-    cuts, axis_of = sh.extra["cuts"], sh.extra["axis_of"]
-    return tuple(sorted(axis_of[it] for it in names if cuts[it] > 1))
 
 
 def _check_int_attr(op: str, name: str, value: object) -> int:
@@ -150,31 +145,31 @@ class _SoftmaxBase(Primitive):
                   enable_alltoall: bool = False) -> OpSharding:
         sh = super()._sharding(shapes, strat, out_strategy, device_num, enable_alltoall)
         axes = self._axes(shapes[0])
-        group = _split_device_axes(sh, [f"d{a}" for a in axes])
+        group = sh.device_axes_cutting([f"d{a}" for a in axes])
         if not group:
             return sh
         local = sh.in_layouts[0].local_shape()
         rows = math.prod(n for d, n in enumerate(local) if d not in axes)
         dm = sh.device_matrix
-        fwd = (CommSpec("AllReduce", dm, group, rows, f"{self.name}: max over the split axis"),
-               CommSpec("AllReduce", dm, group, rows,
+        fwd = (CommSpec(ALL_REDUCE, dm, group, rows, f"{self.name}: max over the split axis",
+                        how="max"),
+               CommSpec(ALL_REDUCE, dm, group, rows,
                         f"{self.name}: sum of exp over the split axis"))
         what = "sum of dy" if self.log else "sum of y*dy"
-        bwd = (CommSpec("AllReduce", dm, group, rows, f"{self.name}: {what} over the split axis"),)
+        bwd = (CommSpec(ALL_REDUCE, dm, group, rows, f"{self.name}: {what} over the split axis"),)
         return dataclasses.replace(sh, internal_forward=fwd, internal_backward=bwd)
 
     def local_forward(self, sh: OpSharding, *xs: np.ndarray) -> tuple[np.ndarray, Any]:
         x = xs[0]
         _check_float(self.name, "the input", x)
-        spec = sh.internal_forward[0] if sh.internal_forward else None
-        y = _softmax(x, self._axes(sh.input_shapes[0]), self.log, _group_reduce(sh, spec))
+        y = _softmax(x, self._axes(sh.input_shapes[0]), self.log,
+                     _group_reduce(sh, sh.internal_forward))
         return y, y
 
     def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray
                        ) -> tuple[np.ndarray | None, ...]:
-        spec = sh.internal_backward[0] if sh.internal_backward else None
         return (_softmax_grad(saved, dy, self._axes(sh.input_shapes[0]), self.log,
-                              _group_reduce(sh, spec)),)
+                              _group_reduce(sh, sh.internal_backward)),)
 
 
 @register
@@ -324,14 +319,14 @@ class LayerNorm(Primitive):
                   enable_alltoall: bool = False) -> OpSharding:
         sh = super()._sharding(shapes, strat, out_strategy, device_num, enable_alltoall)
         axes, _, _ = self._geometry(shapes[0])
-        group = _split_device_axes(sh, [f"d{a}" for a in axes])
+        group = sh.device_axes_cutting([f"d{a}" for a in axes])
         if not group:
             return sh
         rows = math.prod(sh.in_layouts[0].local_shape()[:axes[0]])
         dm = sh.device_matrix
-        fwd = (CommSpec("AllReduce", dm, group, rows, "LayerNorm: row sums (mean)"),
-               CommSpec("AllReduce", dm, group, rows, "LayerNorm: squared deviations (var)"))
-        bwd = (CommSpec("AllReduce", dm, group, 2 * rows,
+        fwd = (CommSpec(ALL_REDUCE, dm, group, rows, "LayerNorm: row sums (mean)"),
+               CommSpec(ALL_REDUCE, dm, group, rows, "LayerNorm: squared deviations (var)"))
+        bwd = (CommSpec(ALL_REDUCE, dm, group, 2 * rows,
                         "LayerNorm: row sums of g and g*xhat"),)
         return dataclasses.replace(sh, internal_forward=fwd, internal_backward=bwd)
 
@@ -339,18 +334,16 @@ class LayerNorm(Primitive):
         x, gamma, beta = xs
         _check_float(self.name, "x", x)
         axes, _, count = self._geometry(sh.input_shapes[0])
-        spec = sh.internal_forward[0] if sh.internal_forward else None
         y, xhat, rstd = _layer_norm(x, gamma, beta, axes, count, self.epsilon,
-                                    _group_reduce(sh, spec))
+                                    _group_reduce(sh, sh.internal_forward))
         return y, (xhat, rstd, gamma)
 
     def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray
                        ) -> tuple[np.ndarray | None, ...]:
         xhat, rstd, gamma = saved
         axes, lead, count = self._geometry(sh.input_shapes[0])
-        spec = sh.internal_backward[0] if sh.internal_backward else None
         return _layer_norm_grad(dy, xhat, rstd, gamma, axes, lead, count,
-                                _group_reduce(sh, spec))
+                                _group_reduce(sh, sh.internal_backward))
 
 
 # ------------------------------------------------------------------ cross entropy
@@ -469,13 +462,14 @@ class SparseSoftmaxCrossEntropyWithLogits(Primitive):
         # n or c (neither is an output dim); local_forward puts each row block's loss on the
         # class-chunk-0 ranks only, so that one output AllReduce sums it exactly once.
         sh = super()._sharding(shapes, strat, out_strategy, device_num, enable_alltoall)
-        group = _split_device_axes(sh, ["c"])
+        group = sh.device_axes_cutting(["c"])
         if not group:
             return sh
         rows = sh.in_layouts[0].local_shape()[0]
         dm = sh.device_matrix
-        fwd = (CommSpec("AllReduce", dm, group, rows, f"{self.name}: row max over classes"),
-               CommSpec("AllReduce", dm, group, 2 * rows,
+        fwd = (CommSpec(ALL_REDUCE, dm, group, rows, f"{self.name}: row max over classes",
+                        how="max"),
+               CommSpec(ALL_REDUCE, dm, group, 2 * rows,
                         f"{self.name}: row sum of exp and target logit over classes"))
         return dataclasses.replace(sh, internal_forward=fwd)
 
@@ -487,9 +481,8 @@ class SparseSoftmaxCrossEntropyWithLogits(Primitive):
         # Every rank holding a bad label raises before its first collective; labels are
         # replicated over the class split, so a row block's whole class group raises together.
         self._check(logits, labels, classes, row0)
-        spec = sh.internal_forward[0] if sh.internal_forward else None
         loss, p, own, idx = _cross_entropy(logits, labels, class0,
-                                           _group_reduce(sh, spec))
+                                           _group_reduce(sh, sh.internal_forward))
         value = np.sum(loss) / n if class0 == 0 else 0.0
         return np.array(value, dtype=logits.dtype), (p, own, idx, n)
 

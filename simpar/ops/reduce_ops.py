@@ -31,7 +31,6 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from simpar import comm
 from simpar.layout import TensorLayout
 from simpar.ops._base import (
     CommSpec,
@@ -43,7 +42,7 @@ from simpar.ops._base import (
     register,
 )
 from simpar.ops._base import build_sharding as _build_sharding
-from simpar.redistribution import plan
+from simpar.redistribution import StepKind, plan
 
 __all__ = ["ReduceMax", "ReduceMean", "ReduceSum"]
 
@@ -146,15 +145,15 @@ class _Reduce(Primitive):
             raw = _keep_dims(sh.raw_out, axes, self.infer_shape(x))
             out = raw.with_partial(())
             sh = dataclasses.replace(sh, raw_out=raw, out=out, out_plan=plan(raw, out))
-        split = tuple(sorted(sh.extra["axis_of"][it] for it, c in cuts.items()
-                             if c > 1 and it not in space.output))
+        split = sh.device_axes_cutting([it for it in space.order if it not in space.output])
         if self.reduce_kind == "max" and split:
             n = sh.raw_out.local_size()
             sh = dataclasses.replace(
                 sh,
-                internal_forward=(CommSpec("AllReduce", sh.device_matrix, split, n,
-                                           "max over the split reduced dims", on_output=True),),
-                internal_backward=(CommSpec("AllReduce", sh.device_matrix, split, n,
+                internal_forward=(CommSpec(StepKind.ALL_REDUCE, sh.device_matrix, split, n,
+                                           "max over the split reduced dims", on_output=True,
+                                           how="max"),),
+                internal_backward=(CommSpec(StepKind.ALL_REDUCE, sh.device_matrix, split, n,
                                             "sum of the max's cotangent over the split reduced "
                                             "dims", on_output=True),))
         return sh
@@ -287,10 +286,7 @@ class ReduceMax(_Reduce):
         (x,) = xs
         y = self.kernel(x)
         for spec in sh.internal_forward:
-            with comm.label(f"{self.name}:max"):
-                # reshape: comm.all_reduce hands a 0-d array back as shape (1,)
-                y = comm.all_reduce(y, op="max", group=spec.group(sh.rank())
-                                    ).reshape(y.shape)
+            y = sh.all_reduce(spec, y, "max")
         return y, (x, y)
 
     def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray
@@ -298,6 +294,5 @@ class ReduceMax(_Reduce):
         x, y = saved
         dy = np.asarray(dy)  # run_op's cotangent of a 0-d output is a numpy scalar
         for spec in sh.internal_backward:
-            with comm.label(f"{self.name}:max-adjoint"):
-                dy = comm.all_reduce(dy, group=spec.group(sh.rank())).reshape(dy.shape)
+            dy = sh.all_reduce(spec, dy, "max-adjoint")
         return self.vjp((x,), y, dy)

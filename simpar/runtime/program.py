@@ -10,10 +10,17 @@ over the ranks that replicate it (MindSpore's Mirror).
 Execution is the per-rank program: forward runs each op's local kernel and collectives on
 this rank's shards; backward runs every op's VJP and every collective's adjoint in reverse,
 accumulating gradient *contributions* (see ``simpar/ops/_base.py``), then the Mirrors.
+
+:meth:`ParallelProgram.schedule` is the flat list of what a rank runs: every local kernel and
+every collective, including those inside ops (split Softmax/LayerNorm statistics, ReduceMax,
+Reshape's redistribution) and the Mirrors, each a described :class:`ProgramStep`. Execution is
+checked against it by :mod:`simpar.schedule`: a collective that is not the schedule's next one
+raises, and every CommTrace event names the step that ran it. A cost model reads the same list.
 """
 
 from __future__ import annotations
 
+import enum
 import functools
 import warnings
 from collections.abc import Sequence
@@ -22,13 +29,15 @@ from typing import Any
 
 import numpy as np
 
-from simpar import comm
+from simpar import comm, schedule
+from simpar.cost.collective import seconds, traffic
 from simpar.graph import Graph, Node, Value
 from simpar.layout import TensorLayout
-from simpar.ops._base import OpSharding
+from simpar.ops._base import CommSpec, OpSharding, plan_adjoint_comm, plan_comm
 from simpar.redistribution import (
     LOCAL_KINDS,
     RedistributionPlan,
+    StepKind,
     execute,
     execute_adjoint,
     plan,
@@ -42,8 +51,57 @@ from simpar.search import (
 )
 from simpar.seed import training_step
 
-__all__ = ["NothingParallelWarning", "OpStep", "ParallelProgram", "build_program",
-           "dataset_layouts", "lower"]
+__all__ = ["NothingParallelWarning", "OpStep", "ParallelProgram", "ProgramStep", "Role",
+           "build_program", "dataset_layouts", "lower"]
+
+
+class Role(str, enum.Enum):
+    """What a :class:`ProgramStep` does."""
+
+    COMPUTE = "compute"            # an op's local kernel on this rank's shards
+    REDISTRIBUTE = "redistribute"  # one collective of a redistribution (input, output, inner)
+    OP_COLLECTIVE = "op-collective"  # a collective an op's kernel runs (split statistics)
+    MIRROR = "mirror"              # one fused AllReduce of parameters' gradients
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True, slots=True)
+class ProgramStep:
+    """One step of a rank's program: a local kernel or one collective, in execution order.
+
+    ``group`` and ``recv_bytes`` are this rank's (CommTrace's byte convention); ``runs`` is
+    the object the executor announces when it runs the collective (a redistribution step or
+    an op's CommSpec), checked by :mod:`simpar.schedule`. On rank 0 of a (2, 4) Megatron MLP,
+    fc2's output step reads ``17 fwd redistribute AllReduce group=[0, 1, 2, 3] recv=1536 B``.
+    """
+
+    index: int
+    backward: bool
+    role: Role
+    op: str                        # the node's name ("" for a Mirror)
+    label: str                     # the CommTrace label of its collective
+    collective: StepKind | None    # None for a compute step
+    group: tuple[int, ...] = ()
+    recv_bytes: int = 0
+    flops: int = 0
+    reason: str = ""
+    runs: object = field(default=None, compare=False, repr=False)
+    adjoint: bool = False
+
+    def seconds(self) -> float:
+        """Alpha-beta time of the collective (:mod:`simpar.cost`); 0 for a compute step."""
+        if self.collective is None or len(self.group) < 2:
+            return 0.0
+        return seconds(self.collective, len(self.group), self.recv_bytes)
+
+    def __str__(self) -> str:
+        phase = "bwd" if self.backward else "fwd"
+        if self.collective is None:
+            return f"{self.index:>3} {phase} {self.role} {self.flops} flop  {self.op}"
+        return (f"{self.index:>3} {phase} {self.role} {self.collective} group={list(self.group)}"
+                f" recv={self.recv_bytes} B  {self.label}")
 
 
 
@@ -76,6 +134,30 @@ class ParallelProgram:
     #: Nodes with an input on a path from a trainable parameter: the forward keeps their tape.
     grad_nodes: frozenset[int] = frozenset()
     strategy_map: StrategyMap | None = None
+    _schedules: dict[tuple[int, tuple[bool, ...]], tuple[ProgramStep, ...]] = field(
+        default_factory=dict, compare=False, repr=False)
+
+    # ------------------------------------------------------------ the flat per-rank program
+    def schedule(self, rank: int, seeded: Sequence[bool] | None = None
+                 ) -> tuple[ProgramStep, ...]:
+        """Every step ``rank`` runs for one forward and backward, in order: kernels,
+        redistribution collectives, ops' own collectives, Mirrors. ``seeded`` says which
+        outputs get a cotangent (default: all); the backward skips what they do not reach."""
+        if not 0 <= rank < self.device_num:
+            raise ValueError(f"schedule: rank must be in 0..{self.device_num - 1}, got {rank}")
+        key = (rank, tuple(bool(b) for b in seeded) if seeded is not None
+               else (True,) * len(self.graph.outputs))
+        if key not in self._schedules:
+            self._schedules[key] = _schedule(self, rank, key[1])
+        return self._schedules[key]
+
+    def schedule_text(self, rank: int = 0) -> str:
+        """The schedule of ``rank``, one step per line."""
+        steps = self.schedule(rank)
+        comm_steps = [s for s in steps if s.collective is not None]
+        head = (f"rank {rank}: {len(steps)} steps, {len(comm_steps)} collectives, "
+                f"{sum(s.recv_bytes for s in comm_steps)} bytes received")
+        return "\n".join([head, *(str(s) for s in steps)])
 
     def repeated(self) -> dict[str, int]:
         """{op name: how many ranks compute each of its shards}, for every op computed on more
@@ -154,7 +236,10 @@ class ParallelProgram:
         Collectives run without simpar.comm's cross-rank agreement check: every rank runs
         the same plan, so shapes agree by construction (and the check would double the
         number of collectives)."""
-        with comm.validation_disabled(), training_step(step):
+        rank = comm.get_rank() if self.device_num > 1 else 0
+        expected = [s for s in self.schedule(rank) if not s.backward and s.collective]
+        with comm.validation_disabled(), training_step(step), \
+                schedule.following(expected, "forward"):
             return self._forward(local_inputs, local_params)
 
     def _forward(self, local_inputs: Sequence[np.ndarray], local_params: dict[str, np.ndarray]
@@ -190,11 +275,16 @@ class ParallelProgram:
                  ) -> dict[str, np.ndarray]:
         """Reverse pass from the outputs' cotangents; returns each trainable parameter's
         gradient shard, completed by its Mirror AllReduce."""
-        with comm.validation_disabled():
-            return self._backward(tape, output_grads)
+        rank = comm.get_rank() if self.device_num > 1 else 0
+        seeded = [g is not None for g in output_grads]
+        steps = self.schedule(rank, seeded)
+        expected = [s for s in steps if s.backward and s.collective]
+        mirrors = [s for s in steps if s.role is Role.MIRROR]
+        with comm.validation_disabled(), schedule.following(expected, "backward"):
+            return self._backward(tape, output_grads, mirrors)
 
-    def _backward(self, tape: dict[int, Any], output_grads: Sequence[np.ndarray | None]
-                  ) -> dict[str, np.ndarray]:
+    def _backward(self, tape: dict[int, Any], output_grads: Sequence[np.ndarray | None],
+                  mirrors: Sequence[ProgramStep]) -> dict[str, np.ndarray]:
         grads: dict[int, np.ndarray] = {}
         for v, g in zip(self.graph.outputs, output_grads):
             if g is not None:
@@ -217,9 +307,7 @@ class ParallelProgram:
                     with comm.label(f"{node.name}:input{k}-adjoint"):
                         c = execute_adjoint(p, c)
                 grads[v.id] = grads[v.id] + c if v.id in grads else c
-        rank = comm.get_rank() if self.device_num > 1 else 0
         out: dict[str, np.ndarray] = {}
-        buckets: dict[tuple[tuple[int, ...], str], list[str]] = {}
         for name, v in self.param_values.items():
             if v.param is None or not v.param.requires_grad:
                 continue
@@ -227,15 +315,13 @@ class ParallelProgram:
             if g is None:
                 g = np.zeros(self.param_layouts[name].local_shape(), dtype=v.dtype)
             out[name] = g
-            group = self.mirror_group(name, rank)
-            if len(group) > 1:
-                buckets.setdefault((group, g.dtype.str), []).append(name)
         # Mirror: one AllReduce per group of ranks, on all its parameters' gradients at once
         # (MindSpore fuses these AllReduces too); the sum completes every contribution.
-        for (group, _), names in buckets.items():
+        for step in mirrors:
+            names: tuple[str, ...] = step.runs  # type: ignore[assignment]
             flat = np.concatenate([out[n].ravel() for n in names])
-            with comm.label(f"Mirror:{len(names)} params"):
-                flat = comm.all_reduce(flat, group=group)
+            with comm.label(step.label), schedule.issue(step.runs):
+                flat = comm.all_reduce(flat, group=step.group)
             offset = 0
             for n in names:
                 size = out[n].size
@@ -250,6 +336,94 @@ def _replica_group(lay: TensorLayout, rank: int) -> tuple[int, ...]:
     the backward asks for every parameter's group on every step)."""
     axes = tuple(a for a in lay.replica_axes if lay.device_matrix[a] > 1)
     return lay.mesh.group_of(rank, axes) if axes else (rank,)
+
+
+# ------------------------------------------------------------------ the schedule
+class _Builder:
+    def __init__(self, rank: int) -> None:
+        self.rank, self.backward = rank, False
+        self.steps: list[ProgramStep] = []
+
+    def compute(self, op: str, flops: int) -> None:
+        self.steps.append(ProgramStep(len(self.steps), self.backward, Role.COMPUTE, op, op, None,
+                                      flops=flops))
+
+    def collectives(self, role: Role, op: str, label: str, specs: Sequence[CommSpec],
+                    itemsize: int) -> None:
+        for spec in specs:
+            where = f"{label}/{spec.reason}" if role is Role.OP_COLLECTIVE else (
+                f"{label}/redistribute{'-adjoint' if spec.adjoint else ''}:{spec.step.kind}"
+                if spec.step is not None else label)
+            self.steps.append(ProgramStep(
+                len(self.steps), self.backward, role, op, where, spec.kind,
+                spec.group(self.rank), spec.recv_bytes(self.rank, itemsize), 0, spec.reason,
+                spec.runs, spec.adjoint))
+
+
+def _schedule(program: ParallelProgram, rank: int, seeded: tuple[bool, ...]
+              ) -> tuple[ProgramStep, ...]:
+    """The flat program of ``rank`` (see :meth:`ParallelProgram.schedule`). It mirrors
+    ``_forward``/``_backward`` step for step; :mod:`simpar.schedule` checks that they agree."""
+    b = _Builder(rank)
+    for s in program.steps:
+        node, sh = s.node, s.sharding
+        for k, (v, p) in enumerate(zip(node.inputs, s.in_plans)):
+            b.collectives(Role.REDISTRIBUTE, node.name, f"{node.name}:input{k}",
+                          plan_comm(p, f"input {k}", False), v.dtype.itemsize)
+        in_size, out_size = node.inputs[0].dtype.itemsize, node.outputs[0].dtype.itemsize
+        b.collectives(Role.REDISTRIBUTE, node.name, f"{node.name}/{sh.op.name}:redistribute",
+                      sh.inner_comm(), in_size)
+        b.compute(node.name, sh.local_flops())
+        b.collectives(Role.OP_COLLECTIVE, node.name, f"{node.name}/{sh.op.name}",
+                      sh.internal_forward, out_size if _on_output(sh.internal_forward)
+                      else in_size)
+        for k, (v, (_, _, p)) in enumerate(zip(node.outputs, sh.outputs)):
+            b.collectives(Role.REDISTRIBUTE, node.name,
+                          f"{node.name}/{sh.op.name}:output{k if k else ''}",
+                          plan_comm(p, "output", True), v.dtype.itemsize)
+    b.backward = True
+    has_grad = {v.id for v, seed in zip(program.graph.outputs, seeded) if seed}
+    for s in reversed(program.steps):
+        node, sh = s.node, s.sharding
+        if node.id not in program.grad_nodes or not any(v.id in has_grad for v in node.outputs):
+            continue
+        in_size, out_size = node.inputs[0].dtype.itemsize, node.outputs[0].dtype.itemsize
+        b.collectives(Role.REDISTRIBUTE, node.name,
+                      f"{node.name}:backward/{sh.op.name}:output-adjoint",
+                      sh.output_adjoint_comm(), out_size)
+        b.compute(node.name, 2 * sh.local_flops())
+        b.collectives(Role.OP_COLLECTIVE, node.name, f"{node.name}:backward/{sh.op.name}",
+                      sh.internal_backward, out_size if _on_output(sh.internal_backward)
+                      else in_size)
+        b.collectives(Role.REDISTRIBUTE, node.name,
+                      f"{node.name}:backward/{sh.op.name}:redistribute-adjoint",
+                      sh.inner_adjoint_comm(), in_size)
+        for k, (v, p) in enumerate(zip(node.inputs, s.in_plans)):
+            if not sh.op.differentiable(k) or v.id not in program.needs_grad:
+                continue
+            has_grad.add(v.id)
+            b.collectives(Role.REDISTRIBUTE, node.name, f"{node.name}:input{k}-adjoint",
+                          plan_adjoint_comm(p, f"adjoint of input {k}", False),
+                          v.dtype.itemsize)
+    buckets: dict[tuple[tuple[int, ...], str], list[str]] = {}
+    for name, v in program.param_values.items():
+        if v.param is None or not v.param.requires_grad:
+            continue
+        group = program.mirror_group(name, rank)
+        if len(group) > 1:
+            buckets.setdefault((group, v.dtype.str), []).append(name)
+    for (group, dtype), names in buckets.items():
+        elements = sum(program.param_layouts[n].local_size() for n in names)
+        nbytes = elements * np.dtype(dtype).itemsize
+        b.steps.append(ProgramStep(
+            len(b.steps), True, Role.MIRROR, "", f"Mirror:{len(names)} params",
+            StepKind.ALL_REDUCE, group, traffic(StepKind.ALL_REDUCE, len(group), nbytes), 0,
+            f"gradients of {', '.join(names)} (sum over their replicas)", tuple(names)))
+    return tuple(b.steps)
+
+
+def _on_output(specs: Sequence[CommSpec]) -> bool:
+    return bool(specs) and specs[0].on_output
 
 
 # ------------------------------------------------------------------ lowering

@@ -1,0 +1,98 @@
+"""The schedule guard: a per-rank program runs exactly the collectives it lists, in order.
+
+A lowered :class:`~simpar.runtime.ParallelProgram` lists every collective its forward and
+backward run on a rank (``program.schedule(rank)``): the steps of every redistribution, the
+statistics AllReduces inside Softmax, LayerNorm and the losses, and the Mirrors. While
+:func:`following` is active, the code about to run a collective announces it with
+:func:`issue`, naming the object it runs (a redistribution step or an op's ``CommSpec``). It
+must be the schedule's next collective, the same object in the same direction, or
+:class:`ScheduleError` is raised; the collective's CommTrace event then carries the step's
+index and label. So the list a cost model reads is the list that runs, and nothing can run
+beside it.
+
+Outside :func:`following` (``run_op``, direct use of ``simpar.redistribution``) :func:`issue`
+does nothing. This module sits at the bottom of simpar's layers, beside ``simpar.comm``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Protocol
+
+from simpar.comm import trace
+
+__all__ = ["Scheduled", "ScheduleError", "following", "issue"]
+
+
+class ScheduleError(RuntimeError):
+    """A collective ran that the program's schedule does not list at that point."""
+
+
+class Scheduled(Protocol):
+    """What the guard needs of a scheduled collective."""
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def label(self) -> str: ...
+
+    @property
+    def runs(self) -> object: ...
+
+    @property
+    def adjoint(self) -> bool: ...
+
+
+class _Cursor:
+    def __init__(self, steps: Sequence[Scheduled], what: str) -> None:
+        self.steps, self.what, self.pos = steps, what, 0
+
+    def advance(self, runs: object, adjoint: bool) -> Scheduled:
+        if self.pos == len(self.steps):
+            raise ScheduleError(f"{self.what}: a collective ran after the last of the "
+                                f"{len(self.steps)} the schedule lists ({_name(runs, adjoint)})")
+        step = self.steps[self.pos]
+        if step.runs is not runs or step.adjoint != adjoint:
+            raise ScheduleError(f"{self.what}: step {step.index} of the schedule is "
+                                f"{step.label!r}, but {_name(runs, adjoint)} ran instead")
+        self.pos += 1
+        return step
+
+
+def _name(runs: object, adjoint: bool) -> str:
+    return ("the adjoint of " if adjoint else "") + str(runs)
+
+
+_CURSOR: ContextVar[_Cursor | None] = ContextVar("simpar_schedule", default=None)
+
+
+@contextmanager
+def following(steps: Sequence[Scheduled], what: str = "program") -> Iterator[None]:
+    """Check every collective announced in the block against ``steps``, in order; on leaving
+    the block normally, every step must have run."""
+    cursor = _Cursor(steps, what)
+    token = _CURSOR.set(cursor)
+    try:
+        yield
+    finally:
+        _CURSOR.reset(token)
+    if cursor.pos != len(steps):
+        missing = steps[cursor.pos]
+        raise ScheduleError(f"{what}: {len(steps) - cursor.pos} scheduled collectives never "
+                            f"ran, from step {missing.index} ({missing.label!r})")
+
+
+@contextmanager
+def issue(runs: object, adjoint: bool = False) -> Iterator[None]:
+    """Announce that the block runs ``runs`` (forwards, or its adjoint): under
+    :func:`following` it must be the next scheduled collective."""
+    cursor = _CURSOR.get()
+    if cursor is None:
+        yield
+        return
+    step = cursor.advance(runs, adjoint)
+    with trace.program_step(step.index, step.label):
+        yield
