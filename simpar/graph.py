@@ -128,6 +128,11 @@ class _Tracer:
         if isinstance(x, Parameter):
             v = self.params.get(id(x))
             if v is None:
+                if any(w.name == x.name for w in self.graph.params):
+                    raise ValueError(f"trace: two Parameters are named {x.name!r} (shape "
+                                     f"{x.shape}); parameters are keyed by unique names: name "
+                                     "them with Parameter(..., name=), or trace the Cell that "
+                                     "holds them (tracing a Cell names them by dotted path)")
                 v = self.new_value(x.shape, x.dtype, "param", x.name, param=x)
                 self.params[id(x)] = v
                 self.graph.params.append(v)
@@ -200,6 +205,9 @@ def trace(fn: Callable[..., Any], input_specs: Sequence[tuple[Sequence[int], Any
     """Trace ``fn(*inputs)`` for inputs of the given ``(shape, dtype)``."""
     if tracing():
         raise RuntimeError("trace() cannot nest")
+    name_parameters = getattr(fn, "name_parameters", None)  # a Cell: dotted-path names
+    if callable(name_parameters):
+        name_parameters()
     t = _Tracer()
     _state.tracer = t
     try:

@@ -6,14 +6,21 @@
 * ``tensor_map`` has one entry per tensor dimension. ``k >= 0`` splits that dimension along
   device axis ``n-1-k`` (MindSpore counts from the right); ``-1`` leaves it whole; a tuple
   splits it over several device axes, the outer one first.
-* ``partial`` lists *device axes* (counted from the left, as in DeviceMesh) over which the
-  local values are pending sums: the true tensor is the sum over that axis's group.
+* ``partial`` lists the device axes over which the local values are pending sums (the true
+  tensor is the sum over that axis's group), counted like the tensor map: ``k`` is device axis
+  ``n-1-k``. On device matrix ``(2, 4)``, ``partial=(1,)`` sums over the axis of size 2, the
+  same axis that tensor map value 1 splits.
 * A device axis used by neither is a *replica* axis: the ranks along it hold the same piece
   (MindSpore's repeated calculation).
 
 Example (DESIGN.md): device matrix ``(2, 1, 4)``, tensor map ``(2, 0)``, shape ``(8, 16)``.
 Dimension 0 is cut in 2 along device axis 0, dimension 1 in 4 along device axis 2, and rank 5,
 at coordinate (1, 0, 1), holds rows 4..7 and columns 4..7.
+
+Code that works on the mesh (groups, coordinates, :class:`DeviceMesh`) counts device axes from
+the left instead: :attr:`TensorLayout.dim_axes` and :attr:`TensorLayout.partial_axes` give the
+tensor map and ``partial`` in that count, and :meth:`TensorLayout.from_dim_axes` and
+:meth:`TensorLayout.with_partial_axes` take it.
 
 Shards are even: every cut must divide its dimension. Uneven shards are out of scope.
 """
@@ -59,6 +66,18 @@ def _norm_entry(entry: object, ndev: int, where: str) -> MapEntry:
         raise ValueError(f"{where} value {v} is out of range; allowed -1 (not split) or "
                          f"0..{ndev - 1} for a {ndev}-axis device matrix")
     return v
+
+
+def _mesh_axes_as_map_values(axes: Sequence[object], n: int, what: str,
+                              device_matrix: Sequence[int]) -> tuple[int, ...]:
+    """Device axes counted from the left (mesh axes) as values counted from the right (the
+    tensor map's count): on 3 axes, ``(0, 2)`` becomes ``(2, 0)``."""
+    vals = tuple(_int(a, f"{what} entries") for a in axes)
+    bad = [a for a in vals if not 0 <= a < n]
+    if bad:
+        raise ValueError(f"{what} {vals} names device axis {bad[0]}; allowed 0..{n - 1} (counted "
+                         f"from the left) for device matrix {list(device_matrix)}")
+    return tuple(n - 1 - a for a in vals)
 
 
 def _listed(tensor_map: Sequence[MapEntry]) -> list[int | list[int]]:
@@ -108,14 +127,19 @@ class TensorLayout:
         if dup:
             raise ValueError(f"tensor_map {tmap} uses map value(s) {dup} more than once; each "
                              "device axis may split at most one tensor dimension")
-        part = tuple(sorted(_int(a, "partial entries") for a in partial))
-        if len(set(part)) != len(part) or any(not 0 <= a < n for a in part):
-            raise ValueError(f"partial {tuple(partial)} must list distinct device axes in "
-                             f"0..{n - 1} for device matrix {list(dm)}")
-        clash = sorted(set(part) & {n - 1 - v for v in used})
+        part = tuple(sorted(_int(k, "partial entries") for k in partial))
+        bad = [k for k in part if not 0 <= k < n]
+        twice = sorted({k for k in part if part.count(k) > 1})
+        if bad or twice:
+            what = f"value {bad[0]} is out of range" if bad else f"value {twice[0]} is repeated"
+            raise ValueError(f"partial {tuple(partial)}: {what}; partial must list distinct "
+                             f"device axes in 0..{n - 1}, counted from the right like the "
+                             f"tensor map, for device matrix {list(dm)}")
+        clash = sorted(set(part) & set(used))
         if clash:
-            raise ValueError(f"device axes {clash} are both partial and splitting a dimension in "
-                             f"tensor_map {tmap}; a device axis can do only one of the two")
+            raise ValueError(f"map value(s) {clash} are both partial and splitting a dimension "
+                             f"in tensor_map {tmap} (partial {part}); a device axis can do only "
+                             "one of the two")
         object.__setattr__(self, "device_matrix", dm)
         object.__setattr__(self, "tensor_map", tmap)
         object.__setattr__(self, "shape", shp)
@@ -130,12 +154,13 @@ class TensorLayout:
     # ---------------------------------------------------------------- constructors
     @classmethod
     def from_dim_axes(cls, device_matrix: Sequence[int], dim_axes: Sequence[Sequence[int]],
-                      shape: Sequence[int], partial: Sequence[int] = ()) -> TensorLayout:
-        """The layout whose tensor dimension ``i`` is split over device axes ``dim_axes[i]``.
+                      shape: Sequence[int], partial_axes: Sequence[int] = ()) -> TensorLayout:
+        """The layout whose tensor dimension ``i`` is split over device axes ``dim_axes[i]`` and
+        that is partial over device axes ``partial_axes``.
 
-        Device axes are counted from the left (as in :class:`DeviceMesh` and ``partial``), the
-        outer one first; ``()`` leaves a dimension whole. This is the inverse of
-        :attr:`dim_axes`.
+        Device axes are counted from the left (mesh axes, as in :class:`DeviceMesh`), the outer
+        one first; ``()`` leaves a dimension whole. This is the inverse of :attr:`dim_axes` and
+        :attr:`partial_axes`.
 
         >>> lay = TensorLayout.from_dim_axes((2, 1, 4), [(0,), (2,)], (8, 16))
         >>> lay.tensor_map, lay.slice_of(5)   # rank 5, at (1, 0, 1): rows 4..7, columns 4..7
@@ -143,6 +168,9 @@ class TensorLayout:
         >>> lay = TensorLayout.from_dim_axes((2, 1, 4), [(0, 2), ()], (8, 16))
         >>> lay.tensor_map, lay.slice_of(5)   # rank 5: row 5 (chunk 1 * 4 + 1), every column
         (((2, 0), -1), ((5, 6), (0, 16)))
+        >>> lay = TensorLayout.from_dim_axes((2, 4), [(), (1,)], (8, 8), partial_axes=(0,))
+        >>> lay.partial, lay.partial_group(5)   # pending sums over the size-2 axis: ranks 1, 5
+        ((1,), (1, 5))
         """
         n = len(device_matrix)
         tmap: list[tuple[int, ...]] = []
@@ -155,7 +183,8 @@ class TensorLayout:
                                  f"0..{n - 1} for device matrix {list(device_matrix)}")
             # The constructor canonicalises: () becomes -1 and (k,) becomes k.
             tmap.append(tuple(n - 1 - a for a in vals))
-        return cls(device_matrix, tmap, shape, partial)
+        part = _mesh_axes_as_map_values(partial_axes, n, "partial_axes", device_matrix)
+        return cls(device_matrix, tmap, shape, part)
 
     @classmethod
     def from_strategy(cls, device_matrix: Sequence[int], cuts: Sequence[int],
@@ -208,6 +237,14 @@ class TensorLayout:
         return _dim_axes(len(self.device_matrix), self.tensor_map)
 
     @property
+    def partial_axes(self) -> tuple[int, ...]:
+        """The device axes (from the left) over which values are pending sums, in increasing
+        order: ``partial`` in the mesh's count. On device matrix (2, 4), ``partial=(1,)`` has
+        ``partial_axes == (0,)``."""
+        n = len(self.device_matrix)
+        return tuple(sorted(n - 1 - k for k in self.partial))
+
+    @property
     def cuts(self) -> tuple[int, ...]:
         """How many parts each tensor dimension is cut into."""
         return tuple(math.prod(self.device_matrix[a] for a in axes) for axes in self.dim_axes)
@@ -219,9 +256,8 @@ class TensorLayout:
     @property
     def replica_axes(self) -> tuple[int, ...]:
         """Device axes along which ranks hold identical values."""
-        split = self.split_axes
-        return tuple(a for a in range(len(self.device_matrix))
-                     if a not in split and a not in self.partial)
+        idle = self.split_axes | set(self.partial_axes)
+        return tuple(a for a in range(len(self.device_matrix)) if a not in idle)
 
     @property
     def is_partial(self) -> bool:
@@ -284,9 +320,13 @@ class TensorLayout:
         return self.mesh.group_of(rank, self.replica_axes)
 
     def partial_group(self, rank: int) -> tuple[int, ...]:
-        """The ranks whose values sum to the true values of ``rank``'s piece."""
+        """The ranks whose values sum to the true values of ``rank``'s piece.
+
+        On device matrix (2, 4) with ``partial=(1,)`` (the size-2 axis), rank 5 sums with
+        rank 1: ``(1, 5)``.
+        """
         self._check_rank(rank)
-        return self.mesh.group_of(rank, self.partial)
+        return self.mesh.group_of(rank, self.partial_axes)
 
     # ---------------------------------------------------------------- conversions
     def with_shape(self, shape: Sequence[int]) -> TensorLayout:
@@ -297,10 +337,20 @@ class TensorLayout:
         return TensorLayout(self.device_matrix, [-1] * self.ndim, self.shape)
 
     def with_partial(self, partial: Sequence[int]) -> TensorLayout:
+        """The same cut, pending sums over ``partial`` (counted from the right, like the tensor
+        map); ``with_partial(())`` is the layout with the sums done."""
         return TensorLayout(self.device_matrix, self.tensor_map, self.shape, partial)
 
+    def with_partial_axes(self, partial_axes: Sequence[int]) -> TensorLayout:
+        """:meth:`with_partial` with device axes counted from the left (mesh axes): on
+        device matrix (2, 4), ``with_partial_axes((0,)) == with_partial((1,))``."""
+        n = len(self.device_matrix)
+        part = _mesh_axes_as_map_values(partial_axes, n, "partial_axes", self.device_matrix)
+        return self.with_partial(part)
+
     def to_dict(self) -> dict[str, Any]:
-        """MindSpore's layout dictionary (plus ``shape`` and ``partial`` of simpar's own)."""
+        """MindSpore's layout dictionary (plus ``shape`` and ``partial`` of simpar's own;
+        ``partial`` counts device axes from the right, like ``tensor_map``)."""
         return {
             "device_matrix": list(self.device_matrix),
             "tensor_map": _listed(self.tensor_map),
@@ -336,7 +386,9 @@ class Layout:
     >>> layout("dp", ("sp", "mp")).to_dict()["tensor_map"]
     [2, [1, 0]]
 
-    ``"None"`` leaves a dimension unsplit. Bind a shape with :meth:`layout_for`.
+    ``"None"`` leaves a dimension unsplit. Bind a shape with :meth:`layout_for`, which also
+    names the pending-sum axes by alias: ``layout("dp", "None").layout_for((8, 8),
+    partial=("mp",))``.
     """
 
     device_matrix: tuple[int, ...]
@@ -371,30 +423,33 @@ class Layout:
         object.__setattr__(self, "alias_name", alias_name)
         object.__setattr__(self, "tensor_map", tensor_map)
 
+    def _map_value(self, name: object, expected: str) -> int:
+        """The tensor-map value (counted from the right) of alias ``name``."""
+        if not isinstance(name, str):
+            raise TypeError(f"Layout: {expected}, got {name!r}")
+        if name not in self.alias_name:
+            raise ValueError(f"Layout: alias {name!r} is not one of {self.alias_name}")
+        return len(self.alias_name) - 1 - self.alias_name.index(name)
+
     def __call__(self, *tensor_map: str | tuple[str, ...]) -> Layout:
-        n = len(self.alias_name)
-        index = {name: n - 1 - i for i, name in enumerate(self.alias_name)}
         used: set[str] = set()
         out: list[MapEntry] = []
         for entry in tensor_map:
             names = entry if isinstance(entry, tuple) else (entry,)
             vals = []
             for name in names:
-                if not isinstance(name, str):
-                    raise TypeError(f"Layout: tensor map entries must be alias names (str) or "
-                                    f"tuples of them, got {name!r}")
                 if name == "None":
                     if len(names) > 1:
                         raise ValueError(f"Layout: 'None' cannot be combined with other aliases "
                                          f"in {entry}")
                     continue
-                if name not in index:
-                    raise ValueError(f"Layout: alias {name!r} is not one of {self.alias_name}")
+                value = self._map_value(
+                    name, "tensor map entries must be alias names (str) or tuples of them")
                 if name in used:
                     raise ValueError(f"Layout: alias {name!r} is used more than once in "
                                      f"{tensor_map}; each alias may split one dimension only")
                 used.add(name)
-                vals.append(index[name])
+                vals.append(value)
             out.append(-1 if not vals else vals[0] if len(vals) == 1 else tuple(vals))
         return Layout(self.device_matrix, self.alias_name, tuple(out))
 
@@ -410,11 +465,31 @@ class Layout:
             "alias_name": self.alias_name,
         }
 
-    def layout_for(self, shape: Sequence[int]) -> TensorLayout:
-        """The TensorLayout of a tensor of ``shape`` under this alias layout."""
+    def layout_for(self, shape: Sequence[int], partial: Sequence[str] = ()) -> TensorLayout:
+        """The TensorLayout of a tensor of ``shape`` under this alias layout, holding pending
+        sums over the device axes named in ``partial``.
+
+        >>> layout = Layout((2, 4), ("dp", "mp"))
+        >>> lay = layout("None", "mp").layout_for((8, 8), partial=("dp",))
+        >>> lay.partial, lay.partial_group(5)   # rank 5 sums with rank 1 along "dp"
+        ((1,), (1, 5))
+        """
         if self.tensor_map is None:
             raise ValueError("Layout: call the layout with a tensor map before binding a shape")
-        return TensorLayout(self.device_matrix, self.tensor_map, shape)
+        if isinstance(partial, str):
+            raise TypeError(f"Layout: partial must be a tuple of alias names, got the string "
+                            f"{partial!r}; write ({partial!r},)")
+        part = [self._map_value(name, "partial entries must be alias names (str)")
+                for name in partial]
+        split = {v for e in self.tensor_map for v in (e if isinstance(e, tuple) else (e,))}
+        for name, value in zip(partial, part):
+            if list(partial).count(name) > 1:
+                raise ValueError(f"Layout: alias {name!r} is listed more than once in partial "
+                                 f"{tuple(partial)}")
+            if value in split:
+                raise ValueError(f"Layout: alias {name!r} both splits a dimension (tensor map "
+                                 f"{self.tensor_map}) and is partial; an axis can do only one")
+        return TensorLayout(self.device_matrix, self.tensor_map, shape, part)
 
 
 def distribute(global_array: np.ndarray, layout: TensorLayout, rank: int) -> np.ndarray:
@@ -429,7 +504,7 @@ def distribute(global_array: np.ndarray, layout: TensorLayout, rank: int) -> np.
     shard = np.array(global_array[layout.slices(rank)], copy=True)
     if layout.partial:
         coord = layout.mesh.coordinate(rank)
-        if any(coord[a] for a in layout.partial):
+        if any(coord[a] for a in layout.partial_axes):
             shard[...] = 0
     return shard
 

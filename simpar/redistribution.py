@@ -259,8 +259,8 @@ def refine(layout: TensorLayout, device_matrix: Sequence[int]) -> TensorLayout:
     if any(d != 1 for d in new[j:]):
         raise ValueError(not_refining)
     dim_axes = [[na for a in axes for na in groups[a]] for axes in layout.dim_axes]
-    partial = [na for a in layout.partial for na in groups[a]]
-    return TensorLayout.from_dim_axes(new, dim_axes, layout.shape, partial)
+    partial_axes = [na for a in layout.partial_axes for na in groups[a]]
+    return TensorLayout.from_dim_axes(new, dim_axes, layout.shape, partial_axes)
 
 
 # ------------------------------------------------------------------ the planner
@@ -298,11 +298,11 @@ def _plan(src: TensorLayout, dst: TensorLayout, enable_alltoall: bool) -> Redist
     cur = _free_slice(s, d, steps) if s.partial else s
     cur = _resolve_partial(cur, d, steps)
     # Axes partial in dst but not in the source: reach dst without them, then zero replicas.
-    extra_partial = [a for a in d.partial if a not in cur.partial]
-    target = d.with_partial([a for a in d.partial if a in cur.partial])
+    extra_partial = [a for a in d.partial_axes if a not in cur.partial_axes]
+    target = d.with_partial_axes([a for a in d.partial_axes if a in cur.partial_axes])
     cur = _move(cur, target, steps, enable_alltoall)
     if extra_partial:
-        zeroed = cur.with_partial(sorted(set(cur.partial) | set(extra_partial)))
+        zeroed = cur.with_partial_axes(sorted(set(cur.partial_axes) | set(extra_partial)))
         steps.append(Step(ZERO, cur, zeroed, tuple(extra_partial)))
         cur = zeroed
     assert cur == d, (cur, d)
@@ -316,7 +316,7 @@ def _plan_unrelated(src: TensorLayout, dst: TensorLayout, enable_alltoall: bool
     cur = src
     if src.partial:
         cur = src.with_partial(())
-        steps.append(Step(ALL_REDUCE, src, cur, src.partial))
+        steps.append(Step(ALL_REDUCE, src, cur, src.partial_axes))
     target = dst.with_partial(())
     if not enable_alltoall:
         full = TensorLayout(cur.device_matrix, [-1] * cur.ndim, cur.shape)
@@ -326,14 +326,14 @@ def _plan_unrelated(src: TensorLayout, dst: TensorLayout, enable_alltoall: bool
     else:
         steps.append(Step(ALL_TO_ALL_V, cur, target))
     if dst.partial:
-        steps.append(Step(ZERO, target, dst, dst.partial))
+        steps.append(Step(ZERO, target, dst, dst.partial_axes))
     return RedistributionPlan(src, dst, tuple(steps), enable_alltoall)
 
 
 def _resolve_partial(s: TensorLayout, d: TensorLayout, steps: list[Step]) -> TensorLayout:
     """ReduceScatter partial axes onto the dimension dst splits with them; AllReduce the rest."""
     cur = s
-    to_resolve = [a for a in s.partial if a not in d.partial]
+    to_resolve = [a for a in s.partial_axes if a not in d.partial_axes]
     if not to_resolve:
         return cur
     dim_of = {a: i for i, axes in enumerate(d.dim_axes) for a in axes}
@@ -355,12 +355,12 @@ def _resolve_partial(s: TensorLayout, d: TensorLayout, steps: list[Step]) -> Ten
         new_axes = [list(x) for x in cur.dim_axes]
         new_axes[tensor_dim] += axes
         nxt = TensorLayout.from_dim_axes(cur.device_matrix, new_axes, cur.shape,
-                                         [a for a in cur.partial if a not in axes])
+                                         [a for a in cur.partial_axes if a not in axes])
         steps.append(Step(REDUCE_SCATTER, cur, nxt, tuple(axes), tensor_dim=tensor_dim))
         cur = nxt
     if reduce_all:
         summed = tuple(sorted(reduce_all))
-        nxt = cur.with_partial([a for a in cur.partial if a not in summed])
+        nxt = cur.with_partial_axes([a for a in cur.partial_axes if a not in summed])
         steps.append(Step(ALL_REDUCE, cur, nxt, summed))
         cur = nxt
     return cur
@@ -388,7 +388,8 @@ def _free_slice(cur: TensorLayout, d: TensorLayout, steps: list[Step]) -> Tensor
                 replica.discard(a)
     if new_axes == [list(x) for x in cur.dim_axes]:
         return cur
-    sliced = TensorLayout.from_dim_axes(cur.device_matrix, new_axes, cur.shape, cur.partial)
+    sliced = TensorLayout.from_dim_axes(cur.device_matrix, new_axes, cur.shape,
+                                        cur.partial_axes)
     steps.append(Step(SLICE, cur, sliced))
     return sliced
 
@@ -408,7 +409,7 @@ def _move(cur: TensorLayout, d: TensorLayout, steps: list[Step], enable_alltoall
         return d
     if not enable_alltoall:
         keep = [list(ca[:_common_prefix(ca, da)]) for ca, da in zip(cur.dim_axes, d.dim_axes)]
-        mid = TensorLayout.from_dim_axes(cur.device_matrix, keep, cur.shape, cur.partial)
+        mid = TensorLayout.from_dim_axes(cur.device_matrix, keep, cur.shape, cur.partial_axes)
         steps.append(_gather_step(cur, mid))
         steps.append(Step(SLICE, mid, d))
         return d
@@ -557,7 +558,7 @@ def _exchange(src: TensorLayout, dst: TensorLayout) -> _Exchange:
     chunk = np.array([src.chunk_index(r) for r in range(p)], dtype=np.int64).reshape(p, src.ndim)
     s_box = np.ravel_multi_index(chunk.T, src.cuts) if src.ndim else np.zeros(p, dtype=np.int64)
     coords = np.array(np.unravel_index(np.arange(p), src.device_matrix)).T
-    carried = [a for a in src.partial if a in dst.partial]
+    carried = [a for a in src.partial_axes if a in dst.partial_axes]
     cls: np.ndarray = np.zeros(p, dtype=np.int64)
     if carried:
         cls = np.asarray(np.ravel_multi_index(coords[:, carried].T,

@@ -2,9 +2,10 @@
 
 A layout is drawn as a device matrix plus, for every device axis, where it goes: onto one tensor
 dimension (appended to that dimension's split, so the first axis drawn is the outer one), into
-``partial``, or nowhere (a replica axis). Shapes are the smallest the cuts allow, times a small
-factor. Every strategy draws in a fixed order, so a derandomized run draws the same layouts on
-every MPI rank.
+the partial axes, or nowhere (a replica axis). Axes are drawn as mesh axes (counted from the
+left) for :meth:`TensorLayout.from_dim_axes`. Shapes are the smallest the cuts allow, times a
+small factor. Every strategy draws in a fixed order, so a derandomized run draws the same layouts
+on every MPI rank.
 """
 
 from __future__ import annotations

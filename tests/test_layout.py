@@ -89,12 +89,13 @@ def test_matmul_strategy_2_1_by_1_4_maps_and_repeated_calculation() -> None:
 
 def test_matmul_strategy_splitting_k_gives_a_partial_output() -> None:
     # MatMul().shard(((2, 4), (4, 1))): device matrix [2, 4, 1]; the output is partial over the
-    # k axis (device axis 1), so ranks {0,1,2,3} and {4,5,6,7} each sum one output block.
+    # k axis (map value 1: device axis 1 of 3, counted from the right like the tensor map), so
+    # ranks {0,1,2,3} and {4,5,6,7} each sum one output block.
     a = TensorLayout((2, 4, 1), (2, 1), (8, 8))
     b = TensorLayout((2, 4, 1), (1, 0), (8, 4))
     out = TensorLayout((2, 4, 1), (2, 0), (8, 4), partial=(1,))
     assert a.cuts == (2, 4) and b.cuts == (4, 1)
-    assert out.is_partial and out.partial == (1,)
+    assert out.is_partial and out.partial == (1,) and out.partial_axes == (1,)
     assert out.partial_group(2) == (0, 1, 2, 3)
     assert out.partial_group(5) == (4, 5, 6, 7)
     assert out.replica_axes == ()  # map value 0 names the size-1 axis 2
@@ -140,7 +141,7 @@ def test_fully_replicated_and_fully_split() -> None:
 
 
 def test_partial_layout_distribute_puts_the_value_on_coordinate_zero() -> None:
-    lay = TensorLayout((2, 4), (-1, 0), (4, 8), partial=(0,))
+    lay = TensorLayout((2, 4), (-1, 0), (4, 8), partial=(1,))
     g = np.arange(32.0).reshape(4, 8)
     assert lay.partial_group(5) == (1, 5)
     np.testing.assert_array_equal(distribute(g, lay, 1), g[:, 2:4])
@@ -153,6 +154,53 @@ def test_partial_layout_distribute_puts_the_value_on_coordinate_zero() -> None:
     np.testing.assert_array_equal(total[:, 6:8], np.full((4, 2), 3.0 + 7.0))
 
 
+def test_partial_counts_device_axes_like_the_tensor_map() -> None:
+    # On (2, 4), map value 1 is the size-2 axis (mesh axis 0), for tensor_map and partial alike.
+    rows = TensorLayout((2, 4), (1, -1), (8, 8))
+    assert rows.cuts == (2, 1) and rows.dim_axes == ((0,), ())
+    summed = TensorLayout((2, 4), (-1, -1), (8, 8), partial=(1,))
+    assert summed.partial == (1,) and summed.partial_axes == (0,)
+    # Rank 5 is at (1, 1): it sums with rank 1 along the size-2 axis, the axis rows splits.
+    assert summed.partial_group(5) == (1, 5)
+    assert summed.partial_group(5) == rows.mesh.group_of(5, rows.dim_axes[0])
+    assert summed.replica_axes == (1,) and summed.replica_group(5) == (4, 5, 6, 7)
+    # Map value 0 is the size-4 axis: ranks 4..7 hold pending parts of one value.
+    assert TensorLayout((2, 4), (-1, -1), (8, 8), partial=(0,)).partial_group(5) == (4, 5, 6, 7)
+    # The same value cannot both split and be partial.
+    with pytest.raises(ValueError, match=r"map value\(s\) \[1\] are both partial and splitting"):
+        TensorLayout((2, 4), (1, -1), (8, 8), partial=(1,))
+    assert str(summed) == "[2, 4]:[-1,-1] P[1] [8, 8]"
+    assert summed.to_dict()["partial"] == [1]
+
+
+def test_with_partial_counts_from_the_right_and_with_partial_axes_from_the_left() -> None:
+    lay = TensorLayout((2, 1, 4), (-1, 0), (8, 8))
+    assert lay.with_partial((2,)) == lay.with_partial_axes((0,))
+    assert lay.with_partial((2,)).partial == (2,) and lay.with_partial((2,)).partial_axes == (0,)
+    assert lay.with_partial_axes((1, 0)).partial == (1, 2)
+    assert lay.with_partial_axes((0,)).with_partial(()) == lay
+    assert TensorLayout.from_dim_axes((2, 1, 4), [(), (2,)], (8, 8), partial_axes=(0,)) \
+        == lay.with_partial((2,))
+    with pytest.raises(ValueError, match=r"partial_axes \(3,\) names device axis 3; allowed "
+                                         r"0\.\.2 \(counted from the left\)"):
+        lay.with_partial_axes((3,))
+    with pytest.raises(ValueError, match="partial_axes .* names device axis -1"):
+        TensorLayout.from_dim_axes((2, 4), [(), ()], (8, 8), partial_axes=(-1,))
+    with pytest.raises(TypeError, match="partial_axes entries must be an int"):
+        lay.with_partial_axes(("0",))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("partial, value", [((2,), "value 2 is out of range"),
+                                            ((0, -1), "value -1 is out of range"),
+                                            ((1, 1), "value 1 is repeated")])
+def test_bad_partial_entry_is_named(partial: tuple[int, ...], value: str) -> None:
+    with pytest.raises(ValueError) as info:
+        TensorLayout((2, 4), (-1, -1), (8, 8), partial=partial)
+    msg = str(info.value)
+    assert f"partial {partial}: {value}" in msg, msg
+    assert "in 0..1, counted from the right like the tensor map, for device matrix [2, 4]" in msg
+
+
 def test_ranks_holding_and_chunk_index() -> None:
     lay = TensorLayout((2, 1, 4), (2, 0), (8, 16))
     assert lay.ranks_holding((5, 6)) == (5,)
@@ -160,7 +208,7 @@ def test_ranks_holding_and_chunk_index() -> None:
     a = TensorLayout((2, 1, 4), (2, 1), (8, 6))
     assert a.ranks_holding((5, 0)) == (4, 5, 6, 7)
     assert a.chunk_index(6) == (1, 0)
-    p = TensorLayout((2, 4), (-1, 0), (4, 8), partial=(0,))
+    p = TensorLayout((2, 4), (-1, 0), (4, 8), partial=(1,))
     assert p.ranks_holding((0, 3)) == (1, 5)
 
 
@@ -181,10 +229,11 @@ def test_from_strategy_picks_axes_left_to_right() -> None:
 
 
 def test_to_dict_is_mindspore_shaped_and_round_trips() -> None:
-    lay = TensorLayout((2, 2, 2), ((2, 1), -1), (8, 4), partial=(2,))
+    lay = TensorLayout((2, 2, 2), ((2, 1), -1), (8, 4), partial=(0,))
     d = lay.to_dict()
     assert d == {"device_matrix": [2, 2, 2], "tensor_map": [[2, 1], -1], "shape": [8, 4],
-                 "partial": [2]}
+                 "partial": [0]}
+    assert lay.partial_axes == (2,)
     assert TensorLayout.from_dict(d) == lay
     # A MindSpore layout item has no shape or partial: pass the shape.
     ms = {"dev_matrix_unused": 0, "device_matrix": [2, 4], "tensor_map": [1, -1]}
@@ -196,8 +245,8 @@ def test_layouts_are_hashable_values_printed_on_one_line() -> None:
     b = TensorLayout((2, 4), (1, 0), (4, 8))
     assert a == b and hash(a) == hash(b) and len({a, b}) == 1
     assert a.tensor_map == (1, 0) and a.shape == (4, 8) and a.device_matrix == (2, 4)
-    text = str(TensorLayout((2, 2, 2), ((2, 1), -1), (8, 4), partial=(2,)))
-    assert "\n" not in text and "(2,1)" in text and "P[2]" in text
+    text = str(TensorLayout((2, 2, 2), ((2, 1), -1), (8, 4), partial=(0,)))
+    assert "\n" not in text and "(2,1)" in text and "P[0]" in text
     with pytest.raises(AttributeError):
         a.shape = (8, 8)  # type: ignore[misc]
     assert a.with_shape((8, 8)).shape == (8, 8)
@@ -222,6 +271,28 @@ def test_layout_alias_api() -> None:
     lay = layout("dp", ("sp", "mp")).layout_for((4, 8))
     assert lay == TensorLayout((2, 2, 2), (2, (1, 0)), (4, 8))
     assert lay.slice_of(3) == ((0, 2), (6, 8))
+
+
+def test_layout_alias_partial() -> None:
+    layout = Layout((2, 4), ("dp", "mp"))
+    lay = layout("None", "mp").layout_for((8, 8), partial=("dp",))
+    assert lay == TensorLayout((2, 4), (-1, 0), (8, 8), partial=(1,))
+    assert lay.partial_axes == (0,) and lay.partial_group(5) == (1, 5)
+    both = Layout((2, 2, 2), ("dp", "sp", "mp"))("sp", "None").layout_for((4, 4), ("mp", "dp"))
+    assert both.partial == (0, 2) and both.partial_axes == (0, 2)
+    assert layout("dp", "mp").layout_for((8, 8)) == layout("dp", "mp").layout_for((8, 8), ())
+
+
+@pytest.mark.parametrize("partial, exc, words", [
+    (("tp",), ValueError, r"'tp' is not one of \('dp', 'mp'\)"),
+    (("dp", "dp"), ValueError, "'dp' is listed more than once in partial"),
+    (("mp",), ValueError, "'mp' both splits a dimension"),
+    ((1,), TypeError, "partial entries must be alias names"),
+    ("dp", TypeError, "partial must be a tuple of alias names, got the string 'dp'"),
+])
+def test_layout_alias_partial_errors(partial: object, exc: type[Exception], words: str) -> None:
+    with pytest.raises(exc, match=words):
+        Layout((2, 4), ("dp", "mp"))("None", "mp").layout_for((8, 8), partial)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("args, exc, words", [
@@ -286,8 +357,8 @@ def test_indivisible_dimension_message() -> None:
     ((2, 4), ((0, 2), -1), (8, 8), (), ValueError, "outside 0..1"),
     ((2, 4), (0, 0), (8, 8), (), ValueError, "uses map value(s) [0] more than once"),
     ((2, 4), ((1, 0), 1), (8, 8), (), ValueError, "more than once"),
-    ((2, 4), (1, -1), (8, 8), (0,), ValueError, "both partial and splitting"),
-    ((2, 4), ((1, 0), -1), (8, 8), (1,), ValueError, "both partial and splitting"),
+    ((2, 4), (1, -1), (8, 8), (1,), ValueError, "both partial and splitting"),
+    ((2, 4), ((1, 0), -1), (8, 8), (0,), ValueError, "both partial and splitting"),
     ((2, 4), (-1, -1), (8, 8), (2,), ValueError, "distinct device axes in 0..1"),
     ((2, 4), (-1, -1), (8, 8), (0, 0), ValueError, "distinct device axes"),
     ((8,), (0,), (8, 8), (), ValueError, "has 1 entries but shape (8, 8) has 2"),
@@ -359,7 +430,7 @@ def test_slices_match_the_reference_slicer(lay: TensorLayout) -> None:
         assert tuple(b - a for a, b in lay.slice_of(r)) == lay.local_shape()
         assert all(0 <= i < c for i, c in zip(lay.chunk_index(r), lay.cuts, strict=True))
     assert math.prod(lay.cuts) * math.prod(lay.device_matrix[a] for a in lay.replica_axes) \
-        * math.prod(lay.device_matrix[a] for a in lay.partial) == lay.device_num
+        * math.prod(lay.device_matrix[a] for a in lay.partial_axes) == lay.device_num
 
 
 @given(layouts())
@@ -376,9 +447,9 @@ def test_every_element_is_held_by_exactly_one_piece(lay: TensorLayout) -> None:
     assert (count == 1).all()
     for r in range(lay.device_num):
         same = owners[lay.slice_of(r)]
-        assert same == _ranks_along(lay, r, lay.replica_axes + lay.partial)
+        assert same == _ranks_along(lay, r, lay.replica_axes + lay.partial_axes)
         assert set(lay.replica_group(r)) == _ranks_along(lay, r, lay.replica_axes)
-        assert set(lay.partial_group(r)) == _ranks_along(lay, r, lay.partial)
+        assert set(lay.partial_group(r)) == _ranks_along(lay, r, lay.partial_axes)
         assert r in lay.replica_group(r) and r in lay.partial_group(r)
 
 
@@ -416,17 +487,18 @@ def test_partial_shards_that_sum_to_the_value_assemble_to_it(lay: TensorLayout,
     coords = [_ref_coordinate(r, lay.device_matrix) for r in range(lay.device_num)]
     parts: dict[tuple[object, ...], np.ndarray] = {}
     for r in range(lay.device_num):
-        key = (lay.chunk_index(r), tuple(coords[r][a] for a in lay.partial))
+        key = (lay.chunk_index(r), tuple(coords[r][a] for a in lay.partial_axes))
         if key not in parts:
             parts[key] = rng.integers(-50, 50, size=lay.local_shape())
     shards = {}
     for r in range(lay.device_num):
-        pcoord = tuple(coords[r][a] for a in lay.partial)
+        pcoord = tuple(coords[r][a] for a in lay.partial_axes)
         if any(pcoord):
             shards[r] = parts[(lay.chunk_index(r), pcoord)]
         else:
             others = [parts[(lay.chunk_index(r), pc)] for pc in
-                      product(*(range(lay.device_matrix[a]) for a in lay.partial)) if any(pc)]
+                      product(*(range(lay.device_matrix[a]) for a in lay.partial_axes))
+                      if any(pc)]
             shards[r] = g[lay.slices(r)] - sum(others, np.zeros(lay.local_shape(), np.int64))
     np.testing.assert_array_equal(assemble(shards, lay), g)
 
@@ -444,8 +516,8 @@ def test_from_dim_axes_counts_device_axes_from_the_left() -> None:
     lay = TensorLayout.from_dim_axes((2, 1, 4), [(0,), (2,)], (8, 16))
     assert lay == TensorLayout((2, 1, 4), (2, 0), (8, 16))
     assert lay.slice_of(5) == ((4, 8), (4, 8))
-    both = TensorLayout.from_dim_axes((2, 1, 4), [(0, 2), ()], (8, 16), partial=(1,))
-    assert both.tensor_map == ((2, 0), -1) and both.partial == (1,)
+    both = TensorLayout.from_dim_axes((2, 1, 4), [(0, 2), ()], (8, 16), partial_axes=(1,))
+    assert both.tensor_map == ((2, 0), -1) and both.partial_axes == (1,) and both.partial == (1,)
     assert both.slice_of(5) == ((5, 6), (0, 16))
     with pytest.raises(ValueError, match=r"dimension 1 over device axis 3; allowed 0\.\.2"):
         TensorLayout.from_dim_axes((2, 1, 4), [(0,), (3,)], (8, 16))
@@ -455,7 +527,8 @@ def test_from_dim_axes_counts_device_axes_from_the_left() -> None:
 
 @given(layouts())
 def test_from_dim_axes_inverts_dim_axes(lay: TensorLayout) -> None:
-    again = TensorLayout.from_dim_axes(lay.device_matrix, lay.dim_axes, lay.shape, lay.partial)
+    again = TensorLayout.from_dim_axes(lay.device_matrix, lay.dim_axes, lay.shape,
+                                       lay.partial_axes)
     assert again == lay and again.tensor_map == lay.tensor_map
 
 

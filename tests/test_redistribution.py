@@ -178,17 +178,17 @@ def _pending_parts(g: np.ndarray, lay: TensorLayout, seed: int) -> list[np.ndarr
     parts: dict[tuple[object, ...], np.ndarray] = {}
     out = []
     for r in range(lay.device_num):
-        pc = tuple(coords[r][a] for a in lay.partial)
+        pc = tuple(coords[r][a] for a in lay.partial_axes)
         key = (lay.chunk_index(r), pc)
         if any(pc) and key not in parts:
             parts[key] = rng.integers(-9, 9, size=lay.local_shape())
     for r in range(lay.device_num):
-        pc = tuple(coords[r][a] for a in lay.partial)
+        pc = tuple(coords[r][a] for a in lay.partial_axes)
         if any(pc):
             out.append(parts[(lay.chunk_index(r), pc)].copy())
             continue
         piece = np.array(g[lay.slices(r)])
-        for other in product(*(range(lay.device_matrix[a]) for a in lay.partial)):
+        for other in product(*(range(lay.device_matrix[a]) for a in lay.partial_axes)):
             if any(other):
                 piece -= parts[(lay.chunk_index(r), other)]
         out.append(piece)
@@ -214,7 +214,7 @@ def _check_result(g: np.ndarray, out: list[np.ndarray], dst: TensorLayout) -> No
     held: dict[tuple[object, ...], np.ndarray] = {}
     for r, x in enumerate(out):  # replicas agree
         coord = dst.mesh.coordinate(r)
-        key = (dst.chunk_index(r), tuple(coord[a] for a in dst.partial))
+        key = (dst.chunk_index(r), tuple(coord[a] for a in dst.partial_axes))
         np.testing.assert_array_equal(held.setdefault(key, x), x, err_msg=f"rank {r}")
 
 
@@ -323,15 +323,15 @@ def test_replicated_axes_on_either_side() -> None:
 
 def test_partial_sources_resolve_with_one_reduce() -> None:
     shape = (8, 8)
-    p = plan(L((2, 4), (-1, 0), shape, (0,)), L((2, 4), (1, 0), shape))
+    p = plan(L((2, 4), (-1, 0), shape, (1,)), L((2, 4), (1, 0), shape))
     assert p.kinds() == ["ReduceScatter"] and p.steps[0].tensor_dim == 0
-    q = plan(L((2, 4), (-1, 0), shape, (0,)), L((2, 4), (-1, 0), shape))
+    q = plan(L((2, 4), (-1, 0), shape, (1,)), L((2, 4), (-1, 0), shape))
     assert q.kinds() == ["AllReduce"] and q.steps[0].device_axes == (0,)
     # Partial over both axes, scattered onto two dims: one ReduceScatter per dim.
     r = plan(L((2, 4), R, shape, (0, 1)), L((2, 4), (1, 0), shape))
     assert r.kinds() == ["ReduceScatter", "ReduceScatter"]
     # Partial axes common to both sides are carried without communication on them.
-    s = plan(L((2, 4), (-1, -1), shape, (0,)), L((2, 4), (-1, 0), shape, (0,)))
+    s = plan(L((2, 4), (-1, -1), shape, (1,)), L((2, 4), (-1, 0), shape, (1,)))
     assert s.kinds() == ["Slice"]
 
 
@@ -392,7 +392,9 @@ def test_common_refinement(a: tuple[int, ...], b: tuple[int, ...],
 
 def test_refine_example_and_errors() -> None:
     assert refine(L((8,), (0,), (16,)), (2, 4)).tensor_map == ((1, 0),)
-    assert refine(L((2, 4), (-1, -1), (4, 4), (1,)), (2, 2, 2)).partial == (1, 2)
+    # Partial over the size-4 axis (map value 0), which refines into mesh axes 1 and 2.
+    fine = refine(L((2, 4), (-1, -1), (4, 4), (0,)), (2, 2, 2))
+    assert fine.partial_axes == (1, 2) and fine.partial == (0, 1)
     lay = L((2, 4), (1, 0), (4, 8))
     assert refine(lay, (2, 4)) is lay
     for bad in ((4, 2), (2, 2), (2, 4, 2), (16,)):
@@ -473,8 +475,8 @@ def test_simulated_execution_matches_numpy(pair: tuple[TensorLayout, TensorLayou
 
 @pytest.mark.parametrize("src, dst", [
     (L((2, 3), (1, 0), (6, 6)), L((3, 2), (0, 1), (6, 6))),
-    (L((2, 3), (1, -1), (6, 6), (1,)), L((3, 2), (-1, 0), (6, 6))),
-    (L((2, 3), (1, 0), (6, 6)), L((3, 2), (1, -1), (6, 6), (1,))),
+    (L((2, 3), (1, -1), (6, 6), (0,)), L((3, 2), (-1, 0), (6, 6))),
+    (L((2, 3), (1, 0), (6, 6)), L((3, 2), (1, -1), (6, 6), (0,))),
     (L((3, 2), (-1, -1), (6, 6)), L((2, 3), ((1, 0), -1), (6, 6))),
 ])
 @pytest.mark.parametrize("enable", [True, False])
@@ -516,7 +518,7 @@ def test_planning_for_4096_devices(src: TensorLayout, dst: TensorLayout) -> None
 
 
 def test_planning_partial_for_4096_devices() -> None:
-    src = L((16, 256), (1, -1), (4096, 4096), partial=(1,))
+    src = L((16, 256), (1, -1), (4096, 4096), partial=(0,))
     p = plan(src, L((16, 256), (1, 0), (4096, 4096)))
     assert p.kinds() == ["ReduceScatter"] and p.steps[0].group_size == 256
     # The local (256, 4096) block is reduced over 256 ranks: each receives 255/256 of it.
@@ -561,11 +563,11 @@ def test_execute_errors_before_any_communication() -> None:
 def test_partial_source_is_sliced_before_it_is_reduced():
     # dst splits rows over axis 0, which the partial source replicates: slice first (free),
     # then AllReduce only the kept half, never the whole tensor.
-    src = TensorLayout((2, 4), (-1, -1), (8, 8), partial=(1,))
+    src = TensorLayout((2, 4), (-1, -1), (8, 8), partial=(0,))
     dst = TensorLayout((2, 4), (1, -1), (8, 8))
     p = plan(src, dst)
     assert p.kinds() == ["Slice", "AllReduce"]
     assert p.recv_bytes(0, 8) == 2 * 3 * (4 * 8 * 8) // 4       # AllReduce of a (4, 8) piece
-    src3 = TensorLayout((2, 2, 2), (-1, -1), (8, 8), partial=(0,))
+    src3 = TensorLayout((2, 2, 2), (-1, -1), (8, 8), partial=(2,))
     p3 = plan(src3, TensorLayout((4, 2), (-1, 0), (8, 8)))
     assert p3.kinds() == ["Slice", "AllReduce"] and p3.recv_bytes(0, 8) == 256

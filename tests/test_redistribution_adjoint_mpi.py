@@ -17,7 +17,8 @@ SHAPE = (16, 8, 4)
 
 #: (kind, group) of one collective, in the order it runs.
 Calls = list[tuple[str, tuple[int, ...]]]
-#: (src device matrix, src map, src partial axes, dst device matrix, dst map,
+#: (src device matrix, src map, src partial (counted from the right, like the map), dst device
+#:  matrix, dst map,
 #:  forward collectives, adjoint collectives)
 Spec = tuple[tuple[int, ...], tuple[object, ...], tuple[int, ...], tuple[int, ...],
              tuple[object, ...], Calls, Calls]
@@ -54,7 +55,7 @@ def _cases(p: int, rank: int) -> list[Spec]:
              [("AllToAllV", world)], [("AllToAllV", world)]),
             # Partial over the outer axis, dst splits dim 0 with it (after the inner axis):
             # ReduceScatter over the outer pair onto dim 0, then the exchange; adjoint reversed.
-            ((2, 4), (-1, 0, -1), (0,), (2, 4), ((0, 1), -1, -1),
+            ((2, 4), (-1, 0, -1), (1,), (2, 4), ((0, 1), -1, -1),
              [("ReduceScatter", outer), ("AllToAllV", world)],
              [("AllToAllV", world), ("AllGather", outer)]),
             # Partial over both axes, dst splits dim 1 over all 8: one ReduceScatter.

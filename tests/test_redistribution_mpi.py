@@ -68,10 +68,10 @@ def _my_input(g: np.ndarray, lay: TensorLayout, rank: int, seed: int) -> np.ndar
         return _global(lay.local_shape(), g.dtype, int(np.random.SeedSequence(key).
                                                        generate_state(1)[0]))
 
-    mine = tuple(coord[a] for a in lay.partial)
+    mine = tuple(coord[a] for a in lay.partial_axes)
     if any(mine):
         return part(mine)
-    for other in product(*(range(lay.device_matrix[a]) for a in lay.partial)):
+    for other in product(*(range(lay.device_matrix[a]) for a in lay.partial_axes)):
         if any(other):
             piece -= part(other)
     return piece

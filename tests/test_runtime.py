@@ -601,3 +601,16 @@ def test_strategy_with_the_wrong_number_of_inputs_fails_at_shard() -> None:
     with pytest.raises(ValueError, match="MatMul: the strategy has 3 entries but the operator "
                                          "has 2 inputs"):
         ops.MatMul().shard(((2, 1), (4, 1), (1,)))
+
+
+def test_tracing_a_cell_names_its_parameters_and_duplicate_names_are_refused() -> None:
+    """Parameters are keyed by name from the strategy map to the program: tracing a Cell
+    gives them their dotted paths; two parameters of one name would share a layout, so
+    tracing refuses them, naming the name."""
+    mlp = nn.MLP(16, 32, 8, n_hidden=1, dtype=np.float64)
+    g = graph.trace(mlp, [((BATCH, 16), np.float64)])
+    assert [v.name for v in g.params] == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+    a = nn.Parameter(np.ones((4, 4)), name="w")
+    b = nn.Parameter(np.ones((4, 4)), name="w")
+    with pytest.raises(ValueError, match="two Parameters are named 'w'"):
+        graph.trace(lambda x: ops.MatMul()(ops.MatMul()(x, a), b), [((4, 4), np.float64)])

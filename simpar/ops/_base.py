@@ -659,10 +659,11 @@ def _iteration_cuts(op: str, space: IterSpace, strat: Strategy,
 
 def _layout(device_matrix: tuple[int, ...], axis_of: dict[str, int],
             dims: Sequence[str | None], shape: tuple[int, ...],
-            partial: Sequence[int] = ()) -> TensorLayout:
-    """The layout of a tensor whose dims walk iteration dims ``dims`` (None: broadcast)."""
+            partial_axes: Sequence[int] = ()) -> TensorLayout:
+    """The layout of a tensor whose dims walk iteration dims ``dims`` (None: broadcast),
+    pending sums over device axes ``partial_axes`` (counted from the left)."""
     dim_axes = [() if it is None else (axis_of[it],) for it in dims]
-    return TensorLayout.from_dim_axes(device_matrix, dim_axes, shape, partial)
+    return TensorLayout.from_dim_axes(device_matrix, dim_axes, shape, partial_axes)
 
 
 def build_sharding(op: Primitive, shapes: tuple[tuple[int, ...], ...], strat: Strategy,
@@ -684,8 +685,8 @@ def build_sharding(op: Primitive, shapes: tuple[tuple[int, ...], ...], strat: St
                        for dims, shape in zip(space.inputs, shapes))
     oshape = out_shape if out_shape is not None else op.infer_shape(*shapes)
     reduced = [axis_of[it] for it in space.order if it not in space.output and cuts[it] > 1]
-    raw_partial = reduced if space.reduce == "sum" else []
-    raw_out = _layout(dm, axis_of, space.output, oshape, raw_partial)
+    raw_partial_axes = reduced if space.reduce == "sum" else []
+    raw_out = _layout(dm, axis_of, space.output, oshape, raw_partial_axes)
     out = raw_out.with_partial(())
     if out_strategy is not None:
         out = _out_layout(op, raw_out, out_strategy, oshape)
@@ -705,7 +706,7 @@ def _out_layout(op: Primitive, raw_out: TensorLayout, out_strategy: Strategy,
                             f"{len(shape)} cuts for the output of shape {shape}")
     want = out_strategy[0]
     dim_axes = [list(a) for a in raw_out.dim_axes]
-    spare = list(raw_out.partial)
+    spare = list(raw_out.partial_axes)
     dm = raw_out.device_matrix
     for d, (c, axes) in enumerate(zip(want, raw_out.dim_axes)):
         have = math.prod(dm[a] for a in axes)
@@ -727,8 +728,10 @@ def _out_layout(op: Primitive, raw_out: TensorLayout, out_strategy: Strategy,
                                 f"for a cut of {c}, but only the reduced (partial) axes of the "
                                 "input strategy can be scattered onto it")
     if spare:
-        raise StrategyError(f"{op.name}: out_strategy {out_strategy} leaves partial axes "
-                            f"{spare} unresolved; every reduced axis must scatter onto a dim")
+        pending = sorted(raw_out.mesh.map_of_axis(a) for a in spare)  # as P[...] prints them
+        raise StrategyError(f"{op.name}: out_strategy {out_strategy} leaves partial {pending} "
+                            f"unresolved (raw output {raw_out}); every reduced axis must scatter "
+                            "onto a dim")
     return TensorLayout.from_dim_axes(dm, dim_axes, shape)
 
 

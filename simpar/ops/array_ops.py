@@ -171,7 +171,7 @@ def reshape_layout(layout: TensorLayout, shape: Sequence[int]) -> TensorLayout |
             return None
         dim_axes.update(placed)
     return TensorLayout.from_dim_axes(dm, [dim_axes[d] for d in range(len(dst))], dst,
-                                      layout.partial)
+                                      layout.partial_axes)
 
 
 def _reshape_candidates(layout: TensorLayout) -> list[TensorLayout]:
@@ -181,7 +181,7 @@ def _reshape_candidates(layout: TensorLayout) -> list[TensorLayout]:
     dm = layout.device_matrix
 
     def split_over(dim_axes: Sequence[Sequence[int]]) -> TensorLayout:
-        return TensorLayout.from_dim_axes(dm, dim_axes, layout.shape, layout.partial)
+        return TensorLayout.from_dim_axes(dm, dim_axes, layout.shape, layout.partial_axes)
 
     split = [(d, list(ax)) for d, ax in enumerate(layout.dim_axes) if ax]
     for d, axes in split:

@@ -73,8 +73,9 @@ class ProgramStep:
 
     ``group`` and ``recv_bytes`` are this rank's (CommTrace's byte convention); ``runs`` is
     the object the executor announces when it runs the collective (a redistribution step or
-    an op's CommSpec), checked by :mod:`simpar.schedule`. On rank 0 of a (2, 4) Megatron MLP,
-    fc2's output step reads ``17 fwd redistribute AllReduce group=[0, 1, 2, 3] recv=1536 B``.
+    an op's CommSpec), checked by :mod:`simpar.schedule`. On rank 0 of a dp=2 x mp=4 Megatron
+    MLP (16 -> 32 -> 8, batch 8, float64), the Mirror of the three mp-split parameters reads
+    ``16 bwd mirror AllReduce group=[0, 4] recv=1600 B  Mirror:3 params``.
     """
 
     index: int
