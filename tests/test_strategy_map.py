@@ -14,11 +14,19 @@ import warnings
 import numpy as np
 import pytest
 
-from simpar import graph, nn, seed
+from simpar import context, graph, nn, seed
 from simpar.layout import TensorLayout
 from simpar.nn import presets
 from simpar.runtime import NothingParallelWarning, build_program, lower
-from simpar.search import OpStrategy, Source, StrategyMap, plan_strategies
+from simpar.search import (
+    OpStrategy,
+    Source,
+    StrategyMap,
+    follow_producers,
+    plan_strategies,
+    register_search,
+)
+from simpar.search import planner as planner_module
 
 SEMI = "semi_auto_parallel"
 
@@ -222,3 +230,32 @@ def test_a_map_names_only_this_graphs_ops_and_a_known_mode() -> None:
     assert StrategyMap(np.int64(8), SEMI).device_num == 8  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="StrategyMap.from_dict: not a strategy map dict"):
         StrategyMap.from_dict({"device_num": 8, "mode": SEMI, "ops": {"x": {}}})
+
+
+def test_auto_parallel_runs_the_search_registered_for_its_search_mode(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The searches of the next issues plug in through one interface: a planner registered
+    under a search_mode gets the request (graph, devices, input layouts, plans) and its map is
+    what lowers; an unregistered search_mode says it is not implemented."""
+    monkeypatch.setattr(planner_module, "_SEARCHES", {})
+    monkeypatch.setattr(context, "_SEARCH_MODES", list(context.search_modes()))
+    seen = []
+
+    def data_parallel_search(request: planner_module.PlanRequest) -> StrategyMap:
+        seen.append((request.device_num, request.mode,
+                     [lay.cuts for lay in request.input_layouts]))
+        dp = follow_producers(dataclasses.replace(request, mode="data_parallel"))
+        ops = {k: dataclasses.replace(v, source=Source.SEARCHED) for k, v in dp.ops.items()}
+        return StrategyMap(request.device_num, "auto_parallel", ops, dp.params, dp.inputs)
+
+    register_search("test_dp_search", data_parallel_search)
+    _, g = _mlp(annotate=False)
+    smap = plan_strategies(g, 8, "auto_parallel", ((8, 1), (8,)), search_mode="test_dp_search")
+    assert seen == [(8, "auto_parallel", [(8, 1), (8,)])]
+    assert {s.source for s in smap.ops.values()} == {Source.SEARCHED}
+    program = lower(g, smap)
+    assert all(s.chosen == "searched" and s.repeat == 1 for s in program.steps)
+    with pytest.raises(NotImplementedError, match="strategy search, which is not implemented "
+                       r"yet \(search_mode 'dynamic_programming'; implemented: "
+                       r"\['test_dp_search'\]\)"):
+        plan_strategies(g, 8, "auto_parallel", search_mode="dynamic_programming")

@@ -21,30 +21,33 @@ from typing import Any
 
 import numpy as np
 
+from simpar import context
 from simpar.cost.collective import sample_ranks
 from simpar.graph import Graph, Node
 from simpar.layout import TensorLayout
 from simpar.ops._base import OpSharding, Strategy, StrategyError
 from simpar.redistribution import RedistributionPlan, plan
+from simpar.search.planner import PlanRequest, search_for
 from simpar.search.strategy_map import OpStrategy, Source, StrategyMap
 
-__all__ = ["MODES", "dataset_layouts", "parameter_plans", "plan_strategies"]
+__all__ = ["MODES", "dataset_layouts", "follow_producers", "parameter_plans", "plan_strategies"]
 
 MODES = ("stand_alone", "data_parallel", "semi_auto_parallel")
 
 
 def plan_strategies(graph: Graph, device_num: int, mode: str,
                     dataset_strategy: Any = "full_batch", enable_alltoall: bool = False,
-                    parameter_plan: Mapping[str, Sequence[int]] | None = None) -> StrategyMap:
+                    parameter_plan: Mapping[str, Sequence[int]] | None = None,
+                    search_mode: str | None = None) -> StrategyMap:
     """Every op's strategy, every parameter's and input's layout, for ``graph`` on
-    ``device_num`` devices in ``mode`` ("stand_alone" plans for one device)."""
-    if mode == "auto_parallel":
-        raise NotImplementedError("parallel_mode='auto_parallel' needs the strategy search, "
-                                  "which is not implemented yet; use semi_auto_parallel with "
-                                  ".shard() strategies, or data_parallel")
-    if mode not in MODES:
+    ``device_num`` devices in ``mode`` ("stand_alone" plans for one device). auto_parallel
+    runs the search registered for ``search_mode`` (default: the context's)."""
+    if mode not in (*MODES, "auto_parallel"):
         raise ValueError(f"plan_strategies: mode must be one of {list(MODES)} or "
                          f"auto_parallel, got {mode!r}")
+    if mode == "auto_parallel":
+        found = search_for(search_mode if search_mode is not None else
+                           str(context.get_auto_parallel_context("search_mode")))
     if mode == "stand_alone":
         device_num = 1
     if mode == "data_parallel":
@@ -54,10 +57,19 @@ def plan_strategies(graph: Graph, device_num: int, mode: str,
     plans = {k: tuple(v) if isinstance(v, (tuple, list)) else (v,)
              for k, v in (parameter_plan or {}).items()}
     _check_parameter_plan(graph, plans)
+    request = PlanRequest(graph, device_num, mode, tuple(dataset_layouts(
+        [v.shape for v in graph.inputs], device_num, dataset_strategy)), plans, enable_alltoall)
+    return found(request) if mode == "auto_parallel" else follow_producers(request)
+
+
+def follow_producers(request: PlanRequest) -> StrategyMap:
+    """The planner of stand_alone, data_parallel and semi_auto_parallel: ``.shard()``
+    strategies kept (semi_auto_parallel), every other op filled in from its producers."""
+    graph, device_num, mode = request.graph, request.device_num, request.mode
+    plans, enable_alltoall = request.parameter_plan, request.enable_alltoall
     layouts: dict[int, TensorLayout] = {}
     inputs: dict[str, TensorLayout] = {}
-    for v, lay in zip(graph.inputs, dataset_layouts([v.shape for v in graph.inputs],
-                                                    device_num, dataset_strategy)):
+    for v, lay in zip(graph.inputs, request.input_layouts):
         layouts[v.id] = inputs[v.name] = lay
     for v in graph.consts:
         layouts[v.id] = TensorLayout((device_num,), [-1] * v.ndim, v.shape)
