@@ -69,14 +69,23 @@ def _norm_entry(entry: object, ndev: int, where: str) -> MapEntry:
 
 
 def _mesh_axes_as_map_values(axes: Sequence[object], n: int, what: str,
-                              device_matrix: Sequence[int]) -> tuple[int, ...]:
+                              device_matrix: Sequence[int], split: Sequence[int] = ()
+                              ) -> tuple[int, ...]:
     """Device axes counted from the left (mesh axes) as values counted from the right (the
-    tensor map's count): on 3 axes, ``(0, 2)`` becomes ``(2, 0)``."""
+    tensor map's count): on 3 axes, ``(0, 2)`` becomes ``(2, 0)``. Errors speak the caller's
+    count; ``split`` lists the (left-counted) axes the tensor map already uses."""
     vals = tuple(_int(a, f"{what} entries") for a in axes)
     bad = [a for a in vals if not 0 <= a < n]
     if bad:
         raise ValueError(f"{what} {vals} names device axis {bad[0]}; allowed 0..{n - 1} (counted "
                          f"from the left) for device matrix {list(device_matrix)}")
+    twice = sorted({a for a in vals if vals.count(a) > 1})
+    if twice:
+        raise ValueError(f"{what} {vals} names device axis {twice[0]} twice")
+    clash = sorted(set(vals) & set(split))
+    if clash:
+        raise ValueError(f"{what} {vals}: device axes {clash} (counted from the left) also split "
+                         "a tensor dimension; a device axis can do only one of the two")
     return tuple(n - 1 - a for a in vals)
 
 
@@ -183,7 +192,8 @@ class TensorLayout:
                                  f"0..{n - 1} for device matrix {list(device_matrix)}")
             # The constructor canonicalises: () becomes -1 and (k,) becomes k.
             tmap.append(tuple(n - 1 - a for a in vals))
-        part = _mesh_axes_as_map_values(partial_axes, n, "partial_axes", device_matrix)
+        split = [n - 1 - v for entry in tmap for v in entry]
+        part = _mesh_axes_as_map_values(partial_axes, n, "partial_axes", device_matrix, split)
         return cls(device_matrix, tmap, shape, part)
 
     @classmethod
@@ -345,7 +355,8 @@ class TensorLayout:
         """:meth:`with_partial` with device axes counted from the left (mesh axes): on
         device matrix (2, 4), ``with_partial_axes((0,)) == with_partial((1,))``."""
         n = len(self.device_matrix)
-        part = _mesh_axes_as_map_values(partial_axes, n, "partial_axes", self.device_matrix)
+        part = _mesh_axes_as_map_values(partial_axes, n, "partial_axes", self.device_matrix,
+                                        sorted(self.split_axes))
         return self.with_partial(part)
 
     def to_dict(self) -> dict[str, Any]:

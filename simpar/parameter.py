@@ -22,6 +22,8 @@ __all__ = ["Parameter", "initializer", "stable_seed"]
 
 
 def stable_seed(seed: int, name: str) -> int:
+    """A 64-bit seed derived from ``seed`` and ``name`` (the same on every rank and run), for
+    streams that must differ per parameter or layer but not per process."""
     digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little")
 

@@ -66,7 +66,7 @@ __all__ = [
 
 class StepKind(str, enum.Enum):
     """What one step does: a collective (named as MindSpore and CommTrace name them) or a
-    local operation. Members compare equal to their names (``StepKind.SLICE == "Slice"``)."""
+    local operation. Members compare equal to their values (``StepKind.SLICE == "Slice"``)."""
 
     SLICE = "Slice"             # local: keep a sub-block of the shard
     ZERO = "Zero"               # local: zero all but one replica of a value becoming partial
@@ -118,6 +118,9 @@ class Step:
     tensor_dim: int = -1
     concat_dim: int = -1
     gather_dims: tuple[tuple[int, tuple[int, ...]], ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", StepKind(self.kind))  # "AllGather" is accepted too
 
     @property
     def group_size(self) -> int:
@@ -200,7 +203,7 @@ class RedistributionPlan:
         return [s for s in self.steps if s.kind not in LOCAL_KINDS]
 
     def kinds(self) -> list[str]:
-        return [s.kind for s in self.steps]
+        return [str(s.kind) for s in self.steps]
 
     def __len__(self) -> int:
         return len(self.steps)

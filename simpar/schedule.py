@@ -7,11 +7,14 @@ statistics AllReduces inside Softmax, LayerNorm and the losses, and the Mirrors.
 :func:`issue`, naming the object it runs (a redistribution step or an op's ``CommSpec``). It
 must be the schedule's next collective, the same object in the same direction, or
 :class:`ScheduleError` is raised; the collective's CommTrace event then carries the step's
-index and label. So the list a cost model reads is the list that runs, and nothing can run
-beside it.
+index and label. A collective that nothing announced raises too (``simpar.comm`` checks, as
+it records each call, that a guarded region is inside an announced step). So the list a cost
+model reads is the list that runs, and nothing runs beside it. (Announcements are compared by
+identity; a cached redistribution plan reused by two ops shares its step objects, so there the
+order of the list tells them apart.)
 
 Outside :func:`following` (``run_op``, direct use of ``simpar.redistribution``) :func:`issue`
-does nothing. This module sits at the bottom of simpar's layers, beside ``simpar.comm``.
+does nothing. This module sits just above ``simpar.comm``, with meshes and layouts.
 """
 
 from __future__ import annotations
@@ -22,12 +25,9 @@ from contextvars import ContextVar
 from typing import Protocol
 
 from simpar.comm import trace
+from simpar.comm.trace import ScheduleError
 
 __all__ = ["Scheduled", "ScheduleError", "following", "issue"]
-
-
-class ScheduleError(RuntimeError):
-    """A collective ran that the program's schedule does not list at that point."""
 
 
 class Scheduled(Protocol):
@@ -52,12 +52,15 @@ class _Cursor:
 
     def advance(self, runs: object, adjoint: bool) -> Scheduled:
         if self.pos == len(self.steps):
-            raise ScheduleError(f"{self.what}: a collective ran after the last of the "
-                                f"{len(self.steps)} the schedule lists ({_name(runs, adjoint)})")
+            raise ScheduleError(f"{self.what}: a collective was about to run after the last of "
+                                f"the {len(self.steps)} the schedule lists "
+                                f"({_name(runs, adjoint)})")
         step = self.steps[self.pos]
-        if step.runs is not runs or step.adjoint != adjoint:
+        # Steps and specs by identity; a Mirror announces a tuple (group, parameters), by value.
+        same = step.runs is runs or (isinstance(runs, tuple) and step.runs == runs)
+        if not same or step.adjoint != adjoint:
             raise ScheduleError(f"{self.what}: step {step.index} of the schedule is "
-                                f"{step.label!r}, but {_name(runs, adjoint)} ran instead")
+                                f"{step.label!r}, but {_name(runs, adjoint)} was about to run")
         self.pos += 1
         return step
 
@@ -76,7 +79,8 @@ def following(steps: Sequence[Scheduled], what: str = "program") -> Iterator[Non
     cursor = _Cursor(steps, what)
     token = _CURSOR.set(cursor)
     try:
-        yield
+        with trace.guarded(what):
+            yield
     finally:
         _CURSOR.reset(token)
     if cursor.pos != len(steps):

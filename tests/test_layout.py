@@ -541,3 +541,16 @@ def test_from_strategy_reproduces_the_cuts(lay: TensorLayout) -> None:
     except ValueError:
         return
     assert again.cuts == lay.cuts and again.local_shape() == lay.local_shape()
+
+
+def test_mesh_axes_errors_speak_the_callers_count() -> None:
+    """from_dim_axes and with_partial_axes take left-counted axes and say so in their errors,
+    never echoing the right-counted values the caller did not write."""
+    with pytest.raises(ValueError, match=r"partial_axes \(0, 0\) names device axis 0 twice"):
+        TensorLayout.from_dim_axes((2, 4), [(), ()], (8, 8), partial_axes=(0, 0))
+    with pytest.raises(ValueError, match=r"partial_axes \(0,\): device axes \[0\] \(counted from "
+                       "the left\\) also split a tensor dimension"):
+        TensorLayout.from_dim_axes((2, 4), [(0,), ()], (8, 8), partial_axes=(0,))
+    lay = TensorLayout.from_dim_axes((2, 4), [(), (1,)], (8, 8))
+    with pytest.raises(ValueError, match=r"partial_axes \(1,\): device axes \[1\]"):
+        lay.with_partial_axes((1,))

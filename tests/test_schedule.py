@@ -60,3 +60,11 @@ def test_outside_a_program_nothing_is_checked_and_labels_nest() -> None:
     with CommTrace() as trace, comm.label("outer"), schedule.issue(A):
         comm.all_reduce(np.ones(1), group=[comm.get_rank()])
     assert [(e.step, e.label) for e in trace.events] == [(None, "outer")]
+
+
+def test_a_collective_nothing_announced_raises_inside_a_program() -> None:
+    with pytest.raises(ScheduleError, match="forward: AllReduce over ranks .* ran, but the "
+                       "program's schedule does not list it"), \
+            schedule.following([], "forward"):
+        comm.all_reduce(np.ones(1), group=[comm.get_rank()])
+    comm.all_reduce(np.ones(1), group=[comm.get_rank()])  # outside a program: fine

@@ -28,7 +28,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-__all__ = ["CommEvent", "CommTrace", "label", "program_step", "record"]
+__all__ = ["CommEvent", "CommTrace", "ScheduleError", "guarded", "label", "program_step",
+           "record"]
+
+
+class ScheduleError(RuntimeError):
+    """A collective ran that a per-rank program's schedule does not list at that point
+    (raised through :mod:`simpar.schedule`, which re-exports it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +140,7 @@ class CommTrace:
 
 _state = threading.local()
 _open = 0  # active traces over all threads: record() returns at once while it is 0
+_guards = 0  # guarded regions (simpar.schedule.following) over all threads
 _open_lock = threading.Lock()
 
 
@@ -169,10 +176,26 @@ def label(text: str) -> Iterator[None]:
 
 
 @contextmanager
+def guarded(what: str) -> Iterator[None]:
+    """Inside the block every collective must run inside a :func:`program_step`: one that
+    does not raises :class:`ScheduleError` on every rank that ran it."""
+    global _guards
+    outer = getattr(_state, "guard", None)
+    _state.guard = what
+    with _open_lock:
+        _guards += 1
+    try:
+        yield
+    finally:
+        _state.guard = outer
+        with _open_lock:
+            _guards -= 1
+
+
+@contextmanager
 def program_step(index: int, text: str) -> Iterator[None]:
     """Events recorded inside the block belong to step ``index`` of a per-rank program and
     carry exactly its label ``text`` (the labels around the block are not prefixed)."""
-    _active()
     outer = getattr(_state, "step", None)
     _state.step = (index, text)
     try:
@@ -185,6 +208,10 @@ def record(kind: str, group: tuple[int, ...], bytes_sent: int, bytes_recv: int, 
            dtype: object, shape: tuple[int, ...], op: str | None = None) -> None:
     """Add one event to every active trace (called by simpar.comm only). Costs one lookup
     when no trace is active: naming the dtype is left until an event is really kept."""
+    if _guards and getattr(_state, "guard", None) is not None and _step() is None:
+        raise ScheduleError(f"{_state.guard}: {kind} over ranks {list(group)} ran, but the "
+                            "program's schedule does not list it (nothing announced it with "
+                            "simpar.schedule.issue)")
     if not _open:
         return
     traces = _active()

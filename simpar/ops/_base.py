@@ -57,7 +57,9 @@ __all__ = [
     "Strategy",
     "dim_names",
     "divisors",
+    "plan_adjoint_comm",
     "plan_comm",
+    "recording",
     "register",
     "registry",
 ]
@@ -122,6 +124,11 @@ class CommSpec:
         return cls(step.kind.adjoint, step.src.device_matrix, step.device_axes,
                    step.dst.local_size(), reason, step, on_output, adjoint=True)
 
+    def __str__(self) -> str:
+        axes = f" over device axes {list(self.device_axes)} of {list(self.device_matrix)}"
+        return f"{self.kind}({self.how}){axes}: {self.reason}" if self.how != "sum" else \
+            f"{self.kind}{axes}: {self.reason}"
+
     @property
     def runs(self) -> object:
         """What the executor announces to :mod:`simpar.schedule` when it runs this collective:
@@ -149,7 +156,7 @@ class CommSpec:
 
     def describe(self, rank: int, in_itemsize: int, out_itemsize: int) -> dict[str, Any]:
         itemsize = out_itemsize if self.on_output else in_itemsize
-        return {"op": self.kind, "group": list(self.group(rank)),
+        return {"op": str(self.kind), "group": list(self.group(rank)),
                 "groups": [list(g) for g in self.groups()],
                 "bytes": self.recv_bytes(rank, itemsize), "reason": self.reason}
 
@@ -241,7 +248,7 @@ class OpSharding:
         return comm.get_rank()
 
     def device_axes_cutting(self, iter_dims: Sequence[str]) -> tuple[int, ...]:
-        """Device axes (from the left) that cut any of ``iter_dims`` more than once: the
+        """Device axes (from the left) that cut any of ``iter_dims`` into more than one piece: the
         groups over which a reduction along those dims must be completed. For Softmax over
         the last dim with strategy ((2, 4),) on 8 devices: ``("d1",)`` gives ``(1,)``."""
         return tuple(k for k, (it, c) in enumerate(zip(self.iter_order, self.iter_cuts))
@@ -260,6 +267,7 @@ class OpSharding:
         return plan_comm(self.inner_plan, f"redistribute before {self.op.name.lower()}", False)
 
     def inner_adjoint_comm(self) -> list[CommSpec]:
+        """The collectives of :attr:`inner_plan` run backwards, in the order they run."""
         if self.inner_plan is None:
             return []
         return plan_adjoint_comm(self.inner_plan, "adjoint of redistribution before "
@@ -428,6 +436,12 @@ class Primitive:
 
     def differentiable(self, i: int) -> bool:
         return i not in self.nondiff_inputs
+
+    def gives_gradient(self, i: int, dtype: np.dtype) -> bool:
+        """Whether the backward gives input ``i`` of ``dtype`` a gradient: differentiable
+        positions of floating dtype (ids, labels and other integers get none). The per-rank
+        program's schedule relies on it; a kernel that returns None there means zero."""
+        return self.differentiable(i) and np.dtype(dtype).kind == "f"
 
     def check_values(self, *global_inputs: np.ndarray) -> None:
         """Reject bad input *values* (ids or labels out of range) on the global arrays.

@@ -4,8 +4,11 @@ from simpar.runtime.program import (
     NothingParallelWarning,
     OpStep,
     ParallelProgram,
+    ProgramStep,
+    Role,
     build_program,
     lower,
 )
 
-__all__ = ["NothingParallelWarning", "OpStep", "ParallelProgram", "build_program", "lower"]
+__all__ = ["NothingParallelWarning", "OpStep", "ParallelProgram", "ProgramStep", "Role",
+           "build_program", "lower"]

@@ -136,7 +136,7 @@ class ParallelProgram:
     grad_nodes: frozenset[int] = frozenset()
     strategy_map: StrategyMap | None = None
     _schedules: dict[tuple[int, tuple[bool, ...]], tuple[ProgramStep, ...]] = field(
-        default_factory=dict, compare=False, repr=False)
+        default_factory=dict, init=False, compare=False, repr=False)  # a cache, per (rank, seeds)
 
     # ------------------------------------------------------------ the flat per-rank program
     def schedule(self, rank: int, seeded: Sequence[bool] | None = None
@@ -278,18 +278,18 @@ class ParallelProgram:
         gradient shard, completed by its Mirror AllReduce."""
         rank = comm.get_rank() if self.device_num > 1 else 0
         seeded = [g is not None for g in output_grads]
-        steps = self.schedule(rank, seeded)
-        expected = [s for s in steps if s.backward and s.collective]
-        mirrors = [s for s in steps if s.role is Role.MIRROR]
+        expected = [s for s in self.schedule(rank, seeded) if s.backward and s.collective]
         with comm.validation_disabled(), schedule.following(expected, "backward"):
-            return self._backward(tape, output_grads, mirrors)
+            return self._backward(tape, output_grads, rank)
 
     def _backward(self, tape: dict[int, Any], output_grads: Sequence[np.ndarray | None],
-                  mirrors: Sequence[ProgramStep]) -> dict[str, np.ndarray]:
+                  rank: int) -> dict[str, np.ndarray]:
+        # A value's cotangent has the value's dtype, whatever numpy's promotion made of the
+        # contributions, so every collective moves the bytes the schedule lists.
         grads: dict[int, np.ndarray] = {}
         for v, g in zip(self.graph.outputs, output_grads):
             if g is not None:
-                grads[v.id] = g
+                grads[v.id] = np.asarray(g).astype(v.dtype, copy=False)
         for s in reversed(self.steps):
             node = s.node
             if node.id not in tape:
@@ -297,18 +297,26 @@ class ParallelProgram:
             douts = [grads.pop(v.id, None) for v in node.outputs]
             if all(d is None for d in douts):
                 continue
-            d: Any = tuple(douts) if len(node.outputs) > 1 else douts[0]
+            d: Any = douts[0]
+            if len(node.outputs) > 1:  # an unused output's cotangent is zero
+                d = tuple(np.zeros(out.local_shape(), v.dtype) if g is None else g
+                          for g, v, (_, out, _) in zip(douts, node.outputs, s.sharding.outputs))
             with comm.label(f"{node.name}:backward"):
                 contribs = s.sharding.backward(tape[node.id], d)
             for k, (v, c) in enumerate(zip(node.inputs, contribs)):
-                if c is None or v.id not in self.needs_grad:
+                # The schedule's rule: float inputs of differentiable positions on a path
+                # from a trainable parameter get a gradient (None from a kernel means zero).
+                if v.id not in self.needs_grad or not node.op.gives_gradient(k, v.dtype):
                     continue
+                c = (np.zeros(s.sharding.in_layouts[k].local_shape(), v.dtype) if c is None
+                     else c.astype(v.dtype, copy=False))
                 p = s.in_plans[k]
                 if p.steps:
                     with comm.label(f"{node.name}:input{k}-adjoint"):
                         c = execute_adjoint(p, c)
                 grads[v.id] = grads[v.id] + c if v.id in grads else c
         out: dict[str, np.ndarray] = {}
+        buckets: dict[tuple[tuple[int, ...], str], list[str]] = {}
         for name, v in self.param_values.items():
             if v.param is None or not v.param.requires_grad:
                 continue
@@ -316,13 +324,16 @@ class ParallelProgram:
             if g is None:
                 g = np.zeros(self.param_layouts[name].local_shape(), dtype=v.dtype)
             out[name] = g
-        # Mirror: one AllReduce per group of ranks, on all its parameters' gradients at once
-        # (MindSpore fuses these AllReduces too); the sum completes every contribution.
-        for step in mirrors:
-            names: tuple[str, ...] = step.runs  # type: ignore[assignment]
+            group = self.mirror_group(name, rank)
+            if len(group) > 1:
+                buckets.setdefault((group, g.dtype.str), []).append(name)
+        # Mirror: one AllReduce per group of ranks and dtype, on all its parameters' gradients
+        # at once (MindSpore fuses these AllReduces too); the sum completes every contribution.
+        for (group, _), names in buckets.items():
             flat = np.concatenate([out[n].ravel() for n in names])
-            with comm.label(step.label), schedule.issue(step.runs):
-                flat = comm.all_reduce(flat, group=step.group)
+            with comm.label(f"Mirror:{len(names)} params"), \
+                    schedule.issue(_mirror(group, names)):
+                flat = comm.all_reduce(flat, group=group)
             offset = 0
             for n in names:
                 size = out[n].size
@@ -400,7 +411,7 @@ def _schedule(program: ParallelProgram, rank: int, seeded: tuple[bool, ...]
                       f"{node.name}:backward/{sh.op.name}:redistribute-adjoint",
                       sh.inner_adjoint_comm(), in_size)
         for k, (v, p) in enumerate(zip(node.inputs, s.in_plans)):
-            if not sh.op.differentiable(k) or v.id not in program.needs_grad:
+            if v.id not in program.needs_grad or not sh.op.gives_gradient(k, v.dtype):
                 continue
             has_grad.add(v.id)
             b.collectives(Role.REDISTRIBUTE, node.name, f"{node.name}:input{k}-adjoint",
@@ -419,8 +430,15 @@ def _schedule(program: ParallelProgram, rank: int, seeded: tuple[bool, ...]
         b.steps.append(ProgramStep(
             len(b.steps), True, Role.MIRROR, "", f"Mirror:{len(names)} params",
             StepKind.ALL_REDUCE, group, traffic(StepKind.ALL_REDUCE, len(group), nbytes), 0,
-            f"gradients of {', '.join(names)} (sum over their replicas)", tuple(names)))
+            f"gradients of {', '.join(names)} (sum over their replicas)", _mirror(group, names)))
     return tuple(b.steps)
+
+
+def _mirror(group: tuple[int, ...], names: Sequence[str]) -> tuple[str, tuple[int, ...],
+                                                                    tuple[str, ...]]:
+    """What a Mirror announces to the schedule guard (compared by value): its group and its
+    parameters, so a bucket the executor forms differently from the schedule is caught."""
+    return ("Mirror", group, tuple(names))
 
 
 def _on_output(specs: Sequence[CommSpec]) -> bool:
