@@ -31,6 +31,8 @@ import numpy as np
 
 from simpar import comm, schedule
 from simpar.cost.collective import seconds, traffic
+from simpar.cost.model import CostReport, evaluate
+from simpar.cost.profile import DeviceProfile
 from simpar.graph import Graph, Node, Value
 from simpar.layout import TensorLayout
 from simpar.ops._base import CommSpec, OpSharding, plan_adjoint_comm, plan_comm
@@ -59,8 +61,8 @@ class Role(str, enum.Enum):
     """What a :class:`ProgramStep` does."""
 
     COMPUTE = "compute"            # an op's local kernel on this rank's shards
-    REDISTRIBUTE = "redistribute"  # one collective of a redistribution (input, output, inner)
-    OP_COLLECTIVE = "op-collective"  # a collective an op's kernel runs (split statistics)
+    REDISTRIBUTE = "redistribute"  # moving an input to the layout its op needs (or Reshape's)
+    OP_COLLECTIVE = "op-collective"  # the op's own: finishing partial outputs, split statistics
     MIRROR = "mirror"              # one fused AllReduce of parameters' gradients
 
     def __str__(self) -> str:
@@ -86,6 +88,7 @@ class ProgramStep:
     collective: StepKind | None    # None for a compute step
     group: tuple[int, ...] = ()
     recv_bytes: int = 0
+    buffer_bytes: int = 0          # the collective's local input buffer
     flops: int = 0
     reason: str = ""
     runs: object = field(default=None, compare=False, repr=False)
@@ -151,6 +154,12 @@ class ParallelProgram:
         if key not in self._schedules:
             self._schedules[key] = _schedule(self, rank, key[1])
         return self._schedules[key]
+
+    def cost(self, profile: str | DeviceProfile = "cpu-local", optimizer: str = "momentum"
+             ) -> CostReport:
+        """Predicted step time and per-rank peak memory on ``profile``
+        (:func:`simpar.cost.evaluate`)."""
+        return evaluate(self, profile, optimizer)
 
     def schedule_text(self, rank: int = 0) -> str:
         """The schedule of ``rank``, one step per line."""
@@ -363,13 +372,12 @@ class _Builder:
     def collectives(self, role: Role, op: str, label: str, specs: Sequence[CommSpec],
                     itemsize: int) -> None:
         for spec in specs:
-            where = f"{label}/{spec.reason}" if role is Role.OP_COLLECTIVE else (
-                f"{label}/redistribute{'-adjoint' if spec.adjoint else ''}:{spec.step.kind}"
-                if spec.step is not None else label)
+            where = f"{label}/{spec.reason}" if spec.step is None else (
+                f"{label}/redistribute{'-adjoint' if spec.adjoint else ''}:{spec.step.kind}")
             self.steps.append(ProgramStep(
                 len(self.steps), self.backward, role, op, where, spec.kind,
-                spec.group(self.rank), spec.recv_bytes(self.rank, itemsize), 0, spec.reason,
-                spec.runs, spec.adjoint))
+                spec.group(self.rank), spec.recv_bytes(self.rank, itemsize),
+                spec.elements * itemsize, 0, spec.reason, spec.runs, spec.adjoint))
 
 
 def _schedule(program: ParallelProgram, rank: int, seeded: tuple[bool, ...]
@@ -390,7 +398,7 @@ def _schedule(program: ParallelProgram, rank: int, seeded: tuple[bool, ...]
                       sh.internal_forward, out_size if _on_output(sh.internal_forward)
                       else in_size)
         for k, (v, (_, _, p)) in enumerate(zip(node.outputs, sh.outputs)):
-            b.collectives(Role.REDISTRIBUTE, node.name,
+            b.collectives(Role.OP_COLLECTIVE, node.name,
                           f"{node.name}/{sh.op.name}:output{k if k else ''}",
                           plan_comm(p, "output", True), v.dtype.itemsize)
     b.backward = True
@@ -400,7 +408,7 @@ def _schedule(program: ParallelProgram, rank: int, seeded: tuple[bool, ...]
         if node.id not in program.grad_nodes or not any(v.id in has_grad for v in node.outputs):
             continue
         in_size, out_size = node.inputs[0].dtype.itemsize, node.outputs[0].dtype.itemsize
-        b.collectives(Role.REDISTRIBUTE, node.name,
+        b.collectives(Role.OP_COLLECTIVE, node.name,
                       f"{node.name}:backward/{sh.op.name}:output-adjoint",
                       sh.output_adjoint_comm(), out_size)
         b.compute(node.name, 2 * sh.local_flops())
@@ -429,7 +437,7 @@ def _schedule(program: ParallelProgram, rank: int, seeded: tuple[bool, ...]
         nbytes = elements * np.dtype(dtype).itemsize
         b.steps.append(ProgramStep(
             len(b.steps), True, Role.MIRROR, "", f"Mirror:{len(names)} params",
-            StepKind.ALL_REDUCE, group, traffic(StepKind.ALL_REDUCE, len(group), nbytes), 0,
+            StepKind.ALL_REDUCE, group, traffic(StepKind.ALL_REDUCE, len(group), nbytes), nbytes, 0,
             f"gradients of {', '.join(names)} (sum over their replicas)", _mirror(group, names)))
     return tuple(b.steps)
 

@@ -1,0 +1,245 @@
+"""simpar's cost model: step time and per-rank memory of a lowered program on a device profile.
+
+It reads the program's flat schedule (``program.schedule(rank)``, the same list that runs and
+that CommTrace records) and prices every step on a :class:`~simpar.cost.profile.DeviceProfile`:
+
+* a kernel (forward, or backward at twice its FLOPs and bytes): the roofline
+  ``max(FLOPs / peak, bytes of its shards / memory bandwidth)``;
+* a collective: alpha-beta with ring algorithms over the link its group crosses
+  (:meth:`DeviceProfile.collective_seconds`).
+
+Each collective is charged to one of three buckets: the op's own communication (the
+collectives that finish its partial results, its split statistics), redistribution (moving an
+input to the layout the op needs, Reshape's own move) and gradient synchronisation (the
+Mirrors). A rank's step time is the sum of its steps (no overlap is assumed); the program's
+step time is its slowest rank's.
+
+Memory is the peak over one training step of a rank: parameters, their gradients, the
+optimizer's state (:data:`OPTIMIZER_STATE`), the activations the forward keeps for the
+backward (every value a node on the gradient path saves, counted once per layout, all alive at
+the end of the forward), and the largest communication buffer.
+
+Everything is pure: shapes and layouts only, no MPI, so it plans for thousands of devices
+(ranks are sampled with :func:`~simpar.cost.collective.sample_ranks` beyond 64).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+from simpar.cost.collective import sample_ranks
+from simpar.cost.profile import DeviceProfile, load_profile
+
+__all__ = ["OPTIMIZER_STATE", "CostReport", "MemoryRow", "OpCostRow", "evaluate"]
+
+#: Optimizer state per trainable parameter element, in parameter-sized copies.
+OPTIMIZER_STATE = {"sgd": 0, "momentum": 1, "adam": 2}
+
+
+class _Program(Protocol):  # simpar.runtime.ParallelProgram, as this module reads it
+    @property
+    def device_num(self) -> int: ...
+
+    @property
+    def steps(self) -> Sequence[Any]: ...
+
+    @property
+    def param_layouts(self) -> Mapping[str, Any]: ...
+
+    @property
+    def param_values(self) -> Mapping[str, Any]: ...
+
+    @property
+    def grad_nodes(self) -> frozenset[int]: ...
+
+    def schedule(self, rank: int) -> Sequence[Any]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class OpCostRow:
+    """One op's predicted seconds on the slowest rank: compute (forward + backward), its own
+    communication, and the redistribution of its inputs."""
+
+    op: str
+    op_type: str
+    strategy: tuple[tuple[int, ...], ...]
+    compute: float
+    op_comm: float
+    redistribution: float
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.op_comm + self.redistribution
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryRow:
+    """One rank's peak memory in bytes, by part, against the device's capacity."""
+
+    rank: int
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+    comm_buffer: int
+    capacity: int
+
+    @property
+    def peak(self) -> int:
+        return (self.parameters + self.gradients + self.optimizer + self.activations
+                + self.comm_buffer)
+
+    @property
+    def over(self) -> int:
+        """Bytes over capacity (0 when it fits)."""
+        return max(0, self.peak - self.capacity)
+
+
+@dataclass(frozen=True)
+class CostReport:
+    """The prediction for one program on one profile (seconds and bytes)."""
+
+    profile: str
+    device_num: int
+    step_seconds: float
+    slowest_rank: int
+    compute: float
+    op_comm: float
+    redistribution: float
+    grad_sync: float
+    ops: tuple[OpCostRow, ...]
+    memory: tuple[MemoryRow, ...]
+
+    @property
+    def peak_memory(self) -> int:
+        return max(m.peak for m in self.memory)
+
+    @property
+    def fits(self) -> bool:
+        return all(m.over == 0 for m in self.memory)
+
+    def over_capacity(self) -> list[str]:
+        """One line per rank over the device's memory, saying by how much."""
+        return [f"rank {m.rank}: peak {_mib(m.peak)} exceeds the capacity {_mib(m.capacity)} "
+                f"by {_mib(m.over)}" for m in self.memory if m.over]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["peak_memory"], d["fits"] = self.peak_memory, self.fits
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    def __str__(self) -> str:
+        head = (f"predicted step {self.step_seconds * 1e3:.3f} ms on {self.profile} x "
+                f"{self.device_num} (rank {self.slowest_rank} slowest): compute "
+                f"{self.compute * 1e3:.3f} ms, op communication {self.op_comm * 1e3:.3f} ms, "
+                f"redistribution {self.redistribution * 1e3:.3f} ms, gradient sync "
+                f"{self.grad_sync * 1e3:.3f} ms")
+        table = [["op", "type", "strategy", "compute ms", "op comm ms", "redistr. ms"]]
+        for r in self.ops:
+            table.append([r.op.rsplit("/", 2)[-2] + "/" + r.op.rsplit("/", 1)[-1]
+                          if r.op.count("/") >= 2 else r.op, r.op_type,
+                          str([list(c) for c in r.strategy]).replace(" ", ""),
+                          f"{r.compute * 1e3:.4f}", f"{r.op_comm * 1e3:.4f}",
+                          f"{r.redistribution * 1e3:.4f}"])
+        widths = [max(len(row[k]) for row in table) for k in range(len(table[0]))]
+        lines = [head, ""] + ["  ".join(c.ljust(w) if k < 3 else c.rjust(w)
+                                        for k, (c, w) in enumerate(zip(row, widths)))
+                              for row in table]
+        worst = max(self.memory, key=lambda m: m.peak)
+        lines += ["", f"peak memory {_mib(worst.peak)} on rank {worst.rank} (parameters "
+                      f"{_mib(worst.parameters)}, gradients {_mib(worst.gradients)}, optimizer "
+                      f"{_mib(worst.optimizer)}, activations {_mib(worst.activations)}, "
+                      f"communication buffer {_mib(worst.comm_buffer)}) of "
+                      f"{_mib(worst.capacity)}: " + ("fits" if self.fits else "OVER")]
+        lines += self.over_capacity()
+        return "\n".join(lines)
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.2f} MiB"
+
+
+def evaluate(program: _Program, profile: str | DeviceProfile = "cpu-local",
+             optimizer: str = "momentum") -> CostReport:
+    """Predicted step time and per-rank peak memory of ``program`` on ``profile`` (a shipped
+    name, a path or a :class:`DeviceProfile`), training with ``optimizer`` ("sgd",
+    "momentum" or "adam")."""
+    prof = load_profile(profile)
+    if optimizer not in OPTIMIZER_STATE:
+        raise ValueError(f"evaluate: optimizer must be one of {list(OPTIMIZER_STATE)}, got "
+                         f"{optimizer!r}")
+    by_name = {s.node.name: s for s in program.steps}
+    per_rank: dict[int, tuple[float, dict[str, list[float]], float]] = {}
+    memory = []
+    for rank in sample_ranks(program.device_num):
+        per_rank[rank] = _time_of(program.schedule(rank), by_name, prof)
+        memory.append(_memory_of(program, rank, optimizer, prof))
+    slowest = max(per_rank, key=lambda r: (per_rank[r][0], -r))
+    total, ops, grad_sync = per_rank[slowest]
+    rows = tuple(OpCostRow(name, by_name[name].node.op.name, by_name[name].sharding.strategy,
+                           *ops[name]) for name in by_name)
+    return CostReport(prof.name, program.device_num, total, slowest,
+                      sum(r.compute for r in rows), sum(r.op_comm for r in rows),
+                      sum(r.redistribution for r in rows), grad_sync, rows, tuple(memory))
+
+
+def _time_of(steps: Sequence[Any], by_name: Mapping[str, Any], prof: DeviceProfile
+             ) -> tuple[float, dict[str, list[float]], float]:
+    """(step seconds, {op: [compute, op comm, redistribution]}, gradient-sync seconds)."""
+    ops = {name: [0.0, 0.0, 0.0] for name in by_name}
+    grad_sync = 0.0
+    for s in steps:
+        if s.collective is None:
+            op = by_name[s.op]
+            sh, dtype = op.sharding, op.node.outputs[0].dtype
+            itemsize = max(v.dtype.itemsize for v in op.node.inputs)
+            nbytes = sh.memory_bytes(itemsize, dtype.itemsize)
+            scale = 2 if s.backward else 1
+            ops[s.op][0] += prof.compute_seconds(s.flops, scale * nbytes, dtype)
+            continue
+        seconds = prof.collective_seconds(str(s.collective), s.group, _buffer_bytes(s))
+        if s.role == "mirror":
+            grad_sync += seconds
+        else:
+            ops[s.op][1 if s.role == "op-collective" else 2] += seconds
+    return sum(sum(v) for v in ops.values()) + grad_sync, ops, grad_sync
+
+
+def _buffer_bytes(step: Any) -> int:
+    """What a scheduled collective is priced on: its local buffer, or for an AllToAllV (no
+    ring formula) the bytes the rank receives."""
+    return step.recv_bytes if str(step.collective) == "AllToAllV" else step.buffer_bytes
+
+
+def _memory_of(program: _Program, rank: int, optimizer: str, prof: DeviceProfile) -> MemoryRow:
+    params = grads = 0
+    for name, lay in program.param_layouts.items():
+        v = program.param_values[name]
+        nbytes = lay.local_size() * v.dtype.itemsize
+        params += nbytes
+        if v.param is not None and v.param.requires_grad:
+            grads += nbytes
+    # A value is kept once per distinct block a rank holds of it: a consumer that reads it
+    # without redistribution shares the producer's array (the device matrices may be written
+    # differently), one that redistributes it keeps its own copy.
+    kept: dict[tuple[int, Any, bool], int] = {}
+    for s in program.steps:
+        if s.node.id not in program.grad_nodes:
+            continue
+        sh = s.sharding
+        for v, lay in zip(s.node.inputs, sh.in_layouts):
+            if v.kind != "param":  # a parameter's shard is counted once, as a parameter
+                kept[(v.id, lay.slice_of(rank), lay.is_partial)] = (
+                    lay.local_size() * v.dtype.itemsize)
+        for v, (raw, _, _) in zip(s.node.outputs, sh.outputs):
+            kept[(v.id, raw.slice_of(rank), raw.is_partial)] = raw.local_size() * v.dtype.itemsize
+    buffer = max((_buffer_bytes(s) for s in program.schedule(rank) if s.collective is not None),
+                 default=0)
+    return MemoryRow(rank, params, grads, OPTIMIZER_STATE[optimizer] * grads,
+                     sum(kept.values()), buffer, prof.memory_capacity)

@@ -1,0 +1,259 @@
+"""Device profiles: what one device computes, holds and moves, for the cost model.
+
+A :class:`DeviceProfile` is frozen and round-trips through JSON. simpar ships three
+(``simpar/cost/profiles/*.json``): ``ascend910a`` and ``ascend910b`` (every figure labelled
+with its public source or marked as an assumption) and ``cpu-local``, measured on the machine
+that wrote it by ``python -m simpar.calibrate``. :func:`load_profile` takes a shipped name or
+a path.
+
+Collectives cost alpha-beta with ring algorithms (:meth:`DeviceProfile.collective_seconds`): a
+group inside one server uses the intra-server link; a group that spans servers pays the
+inter-server link, the slowest it crosses. Servers hold ``devices_per_server`` consecutive
+ranks unless a rank table (``server_of``: the server index of every rank, e.g. from
+``simpar.launch.read_rank_table``) says otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import pathlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from simpar.cost.collective import latency_rounds, traffic
+
+__all__ = ["DeviceProfile", "Link", "load_profile", "profile_names"]
+
+PROFILE_DIR = pathlib.Path(__file__).resolve().parent / "profiles"
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """One kind of link: per-message latency (s) and bandwidth per rank (bytes/s)."""
+
+    latency: float
+    bandwidth: float
+
+    def seconds(self, rounds: int, nbytes: float) -> float:
+        return rounds * self.latency + nbytes / self.bandwidth
+
+
+#: The figures a profile file must give, with what each means (for error messages).
+_FIGURES = {
+    "peak_flops": "peak floating-point operations per second, per dtype name",
+    "memory_capacity": "device memory in bytes",
+    "memory_bandwidth": "device memory bandwidth in bytes/s",
+    "intra_server": "link inside a server: {latency (s), bandwidth (bytes/s)}",
+    "inter_server": "link between servers: {latency (s), bandwidth (bytes/s)}",
+    "devices_per_server": "devices in one server",
+}
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """One device model. ``peak_flops`` maps dtype names ("float16", "float32", ...) to
+    FLOP/s; a dtype without an entry uses the slowest listed. ``sources`` maps each figure's
+    name to where it comes from, or to "assumption: ..." when it is one.
+
+    >>> p = load_profile("ascend910a")
+    >>> p.devices_per_server, p.server_of(9)
+    (8, 1)
+    """
+
+    name: str
+    peak_flops: Mapping[str, float]
+    memory_capacity: int
+    memory_bandwidth: float
+    intra_server: Link
+    inter_server: Link
+    devices_per_server: int
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False)
+    server_map: tuple[int, ...] | None = None  # server index of each rank, from a rank table
+
+    def __post_init__(self) -> None:
+        where = f"profile {self.name!r}"
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"profile: name must be a non-empty string, got {self.name!r}")
+        if not isinstance(self.peak_flops, Mapping) or not self.peak_flops:
+            raise ValueError(f"{where}: peak_flops must map dtype names to FLOP/s, got "
+                             f"{self.peak_flops!r}")
+        for dtype, value in self.peak_flops.items():
+            _positive(value, f"{where}: peak_flops[{dtype!r}]")
+        object.__setattr__(self, "peak_flops", dict(self.peak_flops))
+        _positive(self.memory_capacity, f"{where}: memory_capacity")
+        _positive(self.memory_bandwidth, f"{where}: memory_bandwidth")
+        for key in ("intra_server", "inter_server"):
+            link = getattr(self, key)
+            if not isinstance(link, Link):
+                raise TypeError(f"{where}: {key} must be a Link, got {type(link).__name__}")
+            _positive(link.bandwidth, f"{where}: {key}.bandwidth")
+            _non_negative(link.latency, f"{where}: {key}.latency")
+        if isinstance(self.devices_per_server, bool) or not isinstance(
+                self.devices_per_server, int) or self.devices_per_server < 1:
+            raise ValueError(f"{where}: devices_per_server must be an int >= 1, got "
+                             f"{self.devices_per_server!r}")
+        object.__setattr__(self, "sources", dict(self.sources))
+
+    # -------------------------------------------------------------------- queries
+    def flops_per_second(self, dtype: Any) -> float:
+        """Peak FLOP/s for ``dtype`` (a numpy dtype or its name)."""
+        try:
+            key = np.dtype(dtype).name
+        except TypeError:
+            key = str(dtype)
+        return self.peak_flops.get(key, min(self.peak_flops.values()))
+
+    def server_of(self, rank: int) -> int:
+        """The server index of ``rank``'s device."""
+        if self.server_map is not None:
+            if not 0 <= rank < len(self.server_map):
+                raise ValueError(f"profile {self.name!r}: rank {rank} is not in its rank table "
+                                 f"of {len(self.server_map)} devices")
+            return self.server_map[rank]
+        return rank // self.devices_per_server
+
+    def link(self, group: Sequence[int]) -> Link:
+        """The link a collective over ``group`` runs at: intra-server when every rank sits in
+        one server, else inter-server (the slowest it crosses)."""
+        servers = {self.server_of(r) for r in group}
+        return self.intra_server if len(servers) <= 1 else self.inter_server
+
+    def collective_seconds(self, kind: str, group: Sequence[int], nbytes: int) -> float:
+        """Alpha-beta time of a ring ``kind`` collective of a local buffer of ``nbytes`` over
+        ``group``: ring rounds times the latency plus the traffic over the bandwidth.
+        ``kind`` "AllToAllV" takes ``nbytes`` as the busiest rank's traffic itself."""
+        p = len(group)
+        if p < 2:
+            return 0.0
+        link = self.link(group)
+        if kind == "AllToAllV":
+            return link.seconds(latency_rounds(kind, p), nbytes)
+        if kind == "Broadcast":
+            return link.seconds(math.ceil(math.log2(p)), nbytes)
+        rounds = 2 * (p - 1) if kind == "AllReduce" else p - 1  # ring algorithms
+        return link.seconds(rounds, traffic(kind, p, nbytes))
+
+    def compute_seconds(self, flops: float, memory_bytes: float, dtype: Any) -> float:
+        """Roofline time of a kernel: the slower of its FLOPs at peak and its bytes at the
+        memory bandwidth."""
+        return max(flops / self.flops_per_second(dtype), memory_bytes / self.memory_bandwidth)
+
+    def with_rank_table(self, server_of: Sequence[int]) -> DeviceProfile:
+        """This profile with servers as a rank table lays them out (``server_of[r]``: the
+        server index of rank ``r``)."""
+        table = tuple(int(s) for s in server_of)
+        if not table or any(s < 0 for s in table):
+            raise ValueError(f"with_rank_table: server_of must list a server index >= 0 for "
+                             f"every rank, got {list(server_of)[:8]}")
+        return replace(self, server_map=table)
+
+    # -------------------------------------------------------------------- JSON
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "peak_flops": dict(self.peak_flops),
+                "memory_capacity": self.memory_capacity,
+                "memory_bandwidth": self.memory_bandwidth,
+                "intra_server": {"latency": self.intra_server.latency,
+                                 "bandwidth": self.intra_server.bandwidth},
+                "inter_server": {"latency": self.inter_server.latency,
+                                 "bandwidth": self.inter_server.bandwidth},
+                "devices_per_server": self.devices_per_server, "sources": dict(self.sources)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str = "profile") -> DeviceProfile:
+        """Build from :meth:`to_dict`'s layout; every missing, negative or non-numeric figure
+        raises naming it."""
+        if not isinstance(d, Mapping):
+            raise TypeError(f"{where}: a profile must be a JSON object, got {type(d).__name__}")
+        unknown = sorted(set(d) - set(_FIGURES) - {"name", "sources"})
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {unknown}; a profile has name, sources "
+                             f"and {sorted(_FIGURES)}")
+        missing = [k for k in ("name", *_FIGURES) if k not in d]
+        if missing:
+            raise ValueError(f"{where}: missing {missing[0]!r} "
+                             f"({_FIGURES.get(missing[0], 'the profile name')})")
+        name = d["name"]
+        flops = d["peak_flops"]
+        if not isinstance(flops, Mapping) or not flops:
+            raise ValueError(f"{where}: peak_flops must map dtype names to FLOP/s, got "
+                             f"{flops!r}")
+        links = {}
+        for key in ("intra_server", "inter_server"):
+            link = d[key]
+            if not isinstance(link, Mapping) or set(link) != {"latency", "bandwidth"}:
+                raise ValueError(f"{where}: {key} must be {{\"latency\": s, \"bandwidth\": "
+                                 f"bytes/s}}, got {link!r}")
+            links[key] = Link(_number(link["latency"], f"{where}: {key}.latency"),
+                              _number(link["bandwidth"], f"{where}: {key}.bandwidth"))
+        sources = d.get("sources", {})
+        if not isinstance(sources, Mapping):
+            raise ValueError(f"{where}: sources must map figure names to text, got {sources!r}")
+        return cls(name, {str(k): _number(v, f"{where}: peak_flops[{k!r}]")
+                          for k, v in flops.items()},
+                   int(_number(d["memory_capacity"], f"{where}: memory_capacity")),
+                   _number(d["memory_bandwidth"], f"{where}: memory_bandwidth"),
+                   links["intra_server"], links["inter_server"], d["devices_per_server"],
+                   {str(k): str(v) for k, v in sources.items()})
+
+    def save(self, path: str | pathlib.Path) -> None:
+        """Write the profile as JSON (to a temporary file first: no half-written profile)."""
+        target = pathlib.Path(path)
+        tmp = target.with_name(target.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        tmp.replace(target)
+
+
+def _number(value: object, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{where} must be a number, got {value!r}")
+    return float(value)
+
+
+def _positive(value: object, where: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{where} must be a number, got {value!r}")
+    if not math.isfinite(float(value)) or value <= 0:
+        raise ValueError(f"{where} must be a finite number > 0, got {value!r}")
+
+
+def _non_negative(value: object, where: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{where} must be a number, got {value!r}")
+    if not math.isfinite(float(value)) or value < 0:
+        raise ValueError(f"{where} must be a finite number >= 0, got {value!r}")
+
+
+def profile_names() -> tuple[str, ...]:
+    """The profiles shipped with simpar."""
+    return tuple(sorted(p.stem for p in PROFILE_DIR.glob("*.json")))
+
+
+def load_profile(name_or_path: str | pathlib.Path | DeviceProfile) -> DeviceProfile:
+    """A shipped profile by name ("ascend910a", "ascend910b", "cpu-local"), a profile JSON
+    file by path, or a profile (returned as is)."""
+    if isinstance(name_or_path, DeviceProfile):
+        return name_or_path
+    if not isinstance(name_or_path, (str, pathlib.Path)):
+        raise TypeError(f"load_profile: expected a profile name or a path, got "
+                        f"{type(name_or_path).__name__} {name_or_path!r}")
+    path = pathlib.Path(name_or_path)
+    if path.suffix != ".json":
+        if str(name_or_path) not in profile_names():
+            raise ValueError(f"load_profile: unknown profile {str(name_or_path)!r}; shipped "
+                             f"profiles are {list(profile_names())}, or give a path to a "
+                             ".json profile")
+        path = PROFILE_DIR / f"{name_or_path}.json"
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise ValueError(f"load_profile: cannot read {str(path)!r}: {error.strerror}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"load_profile: {str(path)!r} is not valid JSON: {error}") from None
+    return DeviceProfile.from_dict(data, where=f"profile {str(path)!r}")

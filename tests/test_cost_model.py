@@ -1,0 +1,207 @@
+"""simpar's cost model and device profiles (pure: one process, shapes only)."""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+from typing import Any
+
+import numpy as np
+import pytest
+
+from simpar import graph, nn, ops
+from simpar.cost import DeviceProfile, Link, evaluate, load_profile, profile_names
+from simpar.runtime import ParallelProgram, lower
+from simpar.search import plan_strategies
+
+ALPHA, BETA = 1e-5, 1e9           # a synthetic link: 10 us per ring step, 1 GB/s
+FLOPS, MEM_BW = 1e9, 1e10         # 1 GFLOP/s, 10 GB/s
+
+
+def _profile(devices_per_server: int = 8, capacity: int = 2**30) -> DeviceProfile:
+    return DeviceProfile("test", {"float64": FLOPS, "float32": 2 * FLOPS}, capacity, MEM_BW,
+                         Link(ALPHA, BETA), Link(10 * ALPHA, BETA / 10), devices_per_server)
+
+
+# ------------------------------------------------------------------ profiles
+@pytest.mark.parametrize("name", ["ascend910a", "ascend910b", "cpu-local"])
+def test_shipped_profiles_load_round_trip_and_say_where_each_figure_comes_from(name: str) -> None:
+    assert name in profile_names()
+    p = load_profile(name)
+    assert DeviceProfile.from_dict(p.to_dict()) == p
+    if name.startswith("ascend"):
+        figures = [f"peak_flops.{d}" for d in p.peak_flops] + [
+            "memory_capacity", "memory_bandwidth", "intra_server.bandwidth",
+            "intra_server.latency", "inter_server.bandwidth", "inter_server.latency",
+            "devices_per_server"]
+        assert sorted(p.sources) == sorted(figures)
+        assert all(s.startswith("assumption") or "Huawei" in s for s in p.sources.values())
+
+
+def test_a_profile_file_loads_by_path(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "mine.json"
+    _profile().save(path)
+    assert load_profile(path) == _profile()
+    assert load_profile(str(path)).name == "test"
+
+
+BAD: list[tuple[str, Any, type[Exception], str]] = [
+    ("memory_bandwidth", -1.0, ValueError, r"memory_bandwidth must be a finite number > 0, "
+     r"got -1.0"),
+    ("memory_bandwidth", "fast", TypeError, r"memory_bandwidth must be a number, got 'fast'"),
+    ("devices_per_server", True, ValueError, r"devices_per_server must be an int >= 1, got "
+     r"True"),
+    ("peak_flops", {"float32": 0}, ValueError, r"peak_flops\['float32'\] must be a finite "
+     r"number > 0, got 0"),
+    ("intra_server", {"latency": 1e-6}, ValueError, r"intra_server must be"),
+    ("colour", "blue", ValueError, r"unknown key\(s\) \['colour'\]"),
+]
+
+
+@pytest.mark.parametrize(("key", "value", "exc", "match"), BAD)
+def test_a_bad_profile_figure_is_named(tmp_path: pathlib.Path, key: str, value: Any,
+                                       exc: type[Exception], match: str) -> None:
+    d = _profile().to_dict()
+    d[key] = value
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(exc, match=match):
+        load_profile(path)
+
+
+def test_a_missing_figure_and_an_unknown_name_are_named(tmp_path: pathlib.Path) -> None:
+    d = _profile().to_dict()
+    del d["inter_server"]
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match=r"missing 'inter_server' \(link between servers"):
+        load_profile(path)
+    with pytest.raises(ValueError, match=r"unknown profile 'ascend999'; shipped profiles are "
+                       r"\['ascend910a', 'ascend910b', 'cpu-local'\]"):
+        load_profile("ascend999")
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="is not valid JSON"):
+        load_profile(path)
+
+
+# ------------------------------------------------------------------ collectives and kernels
+def test_ring_collectives_cost_their_formula_on_the_link_they_cross() -> None:
+    p = _profile(devices_per_server=4)
+    n = 2**20
+    inside, across = (0, 1, 2, 3), (0, 1, 4, 5)
+    assert p.collective_seconds("AllReduce", inside, n) == pytest.approx(
+        2 * 3 * ALPHA + 2 * 3 / 4 * n / BETA)
+    assert p.collective_seconds("AllGather", inside, n) == pytest.approx(3 * ALPHA + 3 * n / BETA)
+    assert p.collective_seconds("ReduceScatter", inside, n) == pytest.approx(
+        3 * ALPHA + 3 / 4 * n / BETA)
+    assert p.collective_seconds("AllToAll", inside, n) == pytest.approx(
+        3 * ALPHA + 3 / 4 * n / BETA)
+    # a group that spans two servers pays the inter-server link
+    assert p.collective_seconds("AllReduce", across, n) == pytest.approx(
+        2 * 3 * 10 * ALPHA + 2 * 3 / 4 * n / (BETA / 10))
+    assert p.collective_seconds("AllReduce", (3,), n) == 0.0
+
+
+def test_a_rank_table_sets_the_server_boundaries() -> None:
+    p = _profile(devices_per_server=4).with_rank_table([0, 1, 0, 1, 0, 1, 0, 1])
+    assert [p.server_of(r) for r in range(8)] == [0, 1] * 4
+    assert p.link((0, 2, 4, 6)) == p.intra_server and p.link((0, 1)) == p.inter_server
+    with pytest.raises(ValueError, match="rank 8 is not in its rank table of 8 devices"):
+        p.server_of(8)
+
+
+def test_a_kernel_costs_the_slower_of_its_flops_and_its_bytes() -> None:
+    p = _profile()
+    assert p.compute_seconds(1e9, 1e3, np.float64) == pytest.approx(1.0)      # compute-bound
+    assert p.compute_seconds(1e3, 1e10, np.float64) == pytest.approx(1.0)     # memory-bound
+    assert p.compute_seconds(1e9, 0, np.float32) == pytest.approx(0.5)
+    assert p.compute_seconds(1e9, 0, np.float16) == pytest.approx(1.0)        # slowest listed
+
+
+# ------------------------------------------------------------------ programs
+def _split_k_dense(n: int = 2) -> ParallelProgram:
+    """y = x @ w.T with k split n ways: one AllReduce of the (8, 16) float64 output."""
+    dense = nn.Dense(32, 16, has_bias=False, dtype=np.float64)
+    dense.matmul.shard(((1, n), (1, n)))
+    g = graph.trace(dense, [((8, 32), np.float64)], ["x"])
+    return lower(g, plan_strategies(g, n, "semi_auto_parallel"))
+
+
+def test_a_split_k_matmul_costs_its_kernels_and_its_allreduce() -> None:
+    prog, p = _split_k_dense(2), _profile()
+    r = evaluate(prog, p, "sgd")
+    (row,) = r.ops
+    flops = 2 * 8 * 16 * 16                                  # local (8, 16) x (16, 16)
+    nbytes = (8 * 16 + 16 * 16 + 8 * 16) * 8                 # local x, w and output shards
+    fwd = max(flops / FLOPS, nbytes / MEM_BW)
+    bwd = max(2 * flops / FLOPS, 2 * nbytes / MEM_BW)
+    assert row.compute == pytest.approx(fwd + bwd)
+    out = 8 * 16 * 8
+    allreduce = 2 * 1 * ALPHA + out / BETA                   # p = 2: 2 rounds, traffic n
+    # forward AllReduce of the partial output, and its adjoint in the backward
+    assert row.op_comm == pytest.approx(2 * allreduce)
+    assert row.redistribution == 0 and r.grad_sync == 0      # w is split: no Mirror
+    assert r.step_seconds == pytest.approx(fwd + bwd + 2 * allreduce)
+
+
+def test_memory_counts_parameters_gradients_state_and_kept_activations() -> None:
+    """Dense(32 -> 16) then ReLU, data parallel on 2 ranks, batch 8, float64. By hand:
+    parameters w (16, 32) and b (16,) replicated: 528 elements; the kept activations are
+    each op's input and output shards, once per layout: x (4, 32), MatMul's output (4, 16)
+    (BiasAdd's input), BiasAdd's output (4, 16) (ReLU's input), ReLU's output (4, 16)."""
+    dense = nn.Dense(32, 16, activation="relu", dtype=np.float64)
+    g = graph.trace(dense, [((8, 32), np.float64)], ["x"])
+    prog = lower(g, plan_strategies(g, 2, "data_parallel"))
+    for optimizer, copies in (("sgd", 0), ("momentum", 1), ("adam", 2)):
+        m = evaluate(prog, _profile(), optimizer).memory[0]
+        assert (m.parameters, m.gradients, m.optimizer) == (528 * 8, 528 * 8, copies * 528 * 8)
+        assert m.activations == (4 * 32 + 3 * 4 * 16) * 8
+        assert m.comm_buffer == 528 * 8                      # the Mirror of w and b
+        assert m.peak == m.parameters + m.gradients + m.optimizer + m.activations + 528 * 8
+
+
+def test_a_strategy_over_capacity_is_reported_per_rank_with_how_far_over() -> None:
+    r = evaluate(_split_k_dense(2), _profile(capacity=4096), "adam")
+    assert not r.fits
+    lines = r.over_capacity()
+    assert len(lines) == 2 and lines[0].startswith("rank 0: peak ") and "by " in lines[0]
+    assert "OVER" in str(r)
+
+
+def test_the_report_prints_and_serialises() -> None:
+    r = evaluate(_split_k_dense(2), _profile(), "sgd")
+    text = str(r)
+    assert "predicted step" in text and "MatMul" in text and "fits" in text
+    d = json.loads(r.to_json())
+    assert d["step_seconds"] == r.step_seconds and d["ops"][0]["op_type"] == "MatMul"
+    assert r.to_dict()["fits"] is True
+
+
+def test_the_program_reports_its_own_cost_on_a_shipped_profile() -> None:
+    prog = _split_k_dense(2)
+    assert prog.cost("ascend910a").step_seconds == evaluate(prog, "ascend910a").step_seconds
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        prog.cost("ascend910a", "lamb")
+
+
+def test_planning_and_costing_scale_to_thousands_of_devices() -> None:
+    """A Megatron MLP on 4096 devices (dp 512 x mp 8), costed on the Ascend profile: ranks are
+    sampled, and a group of 512 data-parallel ranks spans servers."""
+    mlp = nn.MLP(64, 256, 16, n_hidden=1, dtype=np.float32)
+    for k, layer in enumerate(mlp.layers):
+        cuts = ((512, 1), (8, 1)) if k % 2 == 0 else ((512, 8), (1, 8))
+        layer.matmul.shard(cuts)
+    g = graph.trace(mlp, [((4096, 64), np.float32)], ["x"])
+    prog = lower(g, plan_strategies(g, 4096, "semi_auto_parallel", ((512, 1),)))
+    r = prog.cost("ascend910a")
+    assert len(r.memory) == 65 and math.isfinite(r.step_seconds) and r.fits
+    assert r.grad_sync > 0                                   # Mirrors over 512 ranks
+    assert any(op.op_comm > 0 for op in r.ops)               # the row-parallel AllReduce
+
+
+def test_an_unused_op_type_does_not_break_costing() -> None:
+    x = nn.Parameter(np.ones((4, 4)), name="x")
+    g = graph.trace(lambda a: ops.Transpose((1, 0))(ops.MatMul()(a, x)), [((4, 4), np.float64)])
+    r = evaluate(lower(g, plan_strategies(g, 1, "stand_alone")), _profile())
+    assert [row.op_type for row in r.ops] == ["MatMul", "Transpose"] and r.grad_sync == 0
