@@ -4,7 +4,10 @@
   of those formulas;
 * :mod:`simpar.cost.profile`: device profiles (``ascend910a``, ``ascend910b``, ``cpu-local``);
 * :mod:`simpar.cost.model`: simpar's model: step time and per-rank memory of a lowered program
-  on a profile (:func:`evaluate`, or ``program.cost(profile)``).
+  on a profile (:func:`evaluate`, or ``program.cost(profile)``);
+* :mod:`simpar.cost.mindspore`: MindSpore's own cost model (bytes of slices;
+  ``set_cost_model_context``, ``op_cost``, ``objective``, ``redistribution_cost``), reproduced
+  term by term.
 """
 
 from simpar.cost.collective import (
@@ -15,9 +18,28 @@ from simpar.cost.collective import (
     seconds,
     traffic,
 )
+from simpar.cost.mindspore import (
+    CostModelContext,
+    MindSporeCost,
+    MindSporeOpCost,
+    RedistributionCost,
+    cost_model_context,
+    edge_objective,
+    fits,
+    get_cost_model_context,
+    objective,
+    op_cost,
+    redistribution_cost,
+    reset_cost_model_context,
+    set_cost_model_context,
+)
 from simpar.cost.model import OPTIMIZER_STATE, CostReport, MemoryRow, OpCostRow, evaluate
 from simpar.cost.profile import DeviceProfile, Link, load_profile, profile_names
 
-__all__ = ["ALPHA_SECONDS", "BANDWIDTH_BYTES_PER_S", "OPTIMIZER_STATE", "CostReport",
-           "DeviceProfile", "Link", "MemoryRow", "OpCostRow", "evaluate", "latency_rounds",
-           "load_profile", "profile_names", "sample_ranks", "seconds", "traffic"]
+__all__ = ["ALPHA_SECONDS", "BANDWIDTH_BYTES_PER_S", "OPTIMIZER_STATE", "CostModelContext",
+           "CostReport", "DeviceProfile", "Link", "MemoryRow", "MindSporeCost",
+           "MindSporeOpCost", "OpCostRow", "RedistributionCost", "cost_model_context",
+           "edge_objective", "evaluate", "fits", "get_cost_model_context", "latency_rounds",
+           "load_profile", "objective", "op_cost", "profile_names", "redistribution_cost",
+           "reset_cost_model_context", "sample_ranks", "seconds", "set_cost_model_context",
+           "traffic"]

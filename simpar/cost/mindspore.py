@@ -1,0 +1,1020 @@
+"""MindSpore's own cost model (the dynamic-programming search's), reproduced term by term.
+
+MindSpore prices a strategy in *bytes of local slices*, not seconds: an operator's computation
+is roughly the bytes its kernel reads, its communication the bytes of the tensor a collective
+moves. This module reproduces those numbers so that simpar can search, compare or explain
+strategies exactly as MindSpore's ``auto_parallel`` would. simpar's own time model lives in
+:mod:`simpar.cost.model`; the two are separate on purpose.
+
+Four parts, each with the MindSpore source it follows (``ccsrc`` is
+``mindspore/ccsrc/frontend/parallel``):
+
+1. The context, :func:`set_cost_model_context` / :func:`get_cost_model_context` /
+   :func:`reset_cost_model_context` (``mindspore/parallel/_cost_model_context.py``; defaults in
+   ``ccsrc/costmodel_context.{h,cc}`` and ``allreduce_fusion/allreduce_fusion.h``; ranges in
+   ``CostModelContext::set_*`` and ``CostGraph::SetDeviceMemoryAndCostParameter``).
+2. Operator costs, :func:`op_cost` (``ccsrc/auto_parallel/operator_costmodel.{h,cc}``).
+3. The objective, :func:`objective` (``OperatorInfo::SetCostUnderStrategyBase``,
+   ``BreakingTiesForPreferringDataParallel``, ``RefineForPracticalCost`` in
+   ``auto_parallel/costmodel.cc``, ``CostGraph::SelectCostWithMin{Training,Inference}Time``).
+4. Redistribution costs, :func:`redistribution_cost` and :func:`edge_objective`
+   (``tensor_layout/tensor_redistribution.cc``: ``ComputeCost``, ``ComputePermuteCost``,
+   ``ComputeConcatCost``; ``redistribution_operator_infer.cc``; ``Edge::GetRedistributionCost``).
+
+The facts are MindSpore's; the code is not. Imports: only :mod:`simpar.context` at run time.
+Shardings and plans are read by attribute (their classes are imported for type checking only),
+so that ``simpar.cost`` can re-export this module without an import cycle through
+``simpar.cost.collective``, which ``simpar.ops`` and ``simpar.redistribution`` import.
+
+Context keys (``set_cost_model_context``)
+-----------------------------------------
+
+========================================================= =========== =========================
+key                                                       default     allowed
+========================================================= =========== =========================
+device_memory_capacity                                    2**34 (16G) a float in (0, inf)
+costmodel_alpha                                           1.0         a float in (0, inf)
+costmodel_beta                                            400.0       a float in (0, inf)
+costmodel_gamma                                           0.001       a float in [0, 1]
+costmodel_communi_threshold                               2048.0      a float in [0, inf)
+costmodel_communi_const                                   3072.0      a float in [0, inf)
+costmodel_communi_bias                                    1024.0      a float in [0, inf)
+run_phase                                                 0           an int in {0, 1}
+costmodel_allreduce_fusion_algorithm                      0           an int in {0, 1, 2}
+costmodel_allreduce_fusion_times                          0           an int in [0, inf)
+costmodel_allreduce_fusion_tail_percent                   0.1         a float in [0, 1)
+costmodel_allreduce_fusion_tail_time                      0.1         a float in [0, inf)
+costmodel_allreduce_fusion_allreduce_inherent_time        0.1         a float in [0, inf)
+costmodel_allreduce_fusion_allreduce_bandwidth            0.1         a float in [0, inf)
+costmodel_allreduce_fusion_computation_time_parameter     0.1         a float in [0, inf)
+========================================================= =========== =========================
+
+``costmodel_beta`` is MindSpore's Ascend default; MindSpore switches it to 50.0 when the device
+target is GPU (``set_costmodel_context_for_device``); simpar has no device target and keeps
+400.0. Types are strict, as MindSpore's ``args_type_check`` is: ``costmodel_beta=400`` (an int)
+raises ``TypeError``, and a bool is never a number. The allreduce-fusion keys are accepted and
+validated but simpar does not fuse AllReduces (a :class:`~simpar.context.NotHonouredWarning`
+says so once); MindSpore checks none of their ranges when they are set and silently skips
+fusion for values outside them, so the ranges above are simpar's. ``multi_subgraphs`` is not a
+key: MindSpore types it in ``set_cost_model_context`` but its setter map does not hold it, so
+MindSpore refuses it too.
+
+Operator cost classes
+---------------------
+
+Each simpar primitive is priced by the MindSpore ``OperatorCost`` subclass its
+``OperatorInfo`` uses (:func:`mindspore_cost_class`). ``bytes(x)`` is the bytes of the local
+slice of ``x``; ``rep(i)`` is ``bytes(input i)`` when input ``i`` is a Parameter that is not
+split over every device (its gradient then needs an AllReduce), else 0. Forward computation /
+forward communication / backward communication:
+
+* ``MatMulCost`` (MatMul, BatchMatMul): ``bytes(A) + bytes(B)``, plus ``bytes(out)`` when k is
+  split / ``bytes(out)`` when k is split (the AllReduce of partial sums) / ``rep(1)`` only,
+  since MindSpore looks at B alone. Backward computation ``rep(1)``.
+* ``CastCost`` and its subclasses, which differ in memory only (``SqrtCost``: ReLU, Tanh,
+  Sigmoid; ``GeLUCost``: GeLU; ``ReLU6Cost``: Abs, Square; ``CastCost``: Cast, Identity;
+  ``TransposeCost``, ``ConcatCost``, ``SplitCost``): ``bytes(input 0)`` / 0 / ``rep(0)``.
+* ``SoftmaxCost`` (Softmax, LogSoftmax): ``bytes(output 0)`` / 0 / ``rep(0)``.
+* ``SubCost`` and subclasses (``TensorAddCost``: Add; Sub; ``BiasAddCost``; ``MulCost``: Mul;
+  ``DivCost``: RealDiv): ``bytes(A) + bytes(B)`` / 0 / ``rep(0) + rep(1)``, and the same again
+  as backward computation.
+* ``ReduceSumCost`` (ReduceSum; ``ReduceMaxCost``, a subclass: ReduceMax) and
+  ``ReduceMeanCost`` (ReduceMean): ``bytes(in)``, plus ``bytes(out)`` (ReduceMean: twice)
+  when a reduced dim is split / ``bytes(out)`` when a reduced dim is split / ``rep(0)``.
+* ``BatchParallelCost`` (SparseSoftmaxCrossEntropyWithLogits) and ``LayerNormCost``
+  (LayerNorm): the sum of ``bytes(inputs)`` / 0 / the sum of ``rep(i)``.
+* ``GatherV2PCost`` (Gather), with the table's gathered axis unsplit: ``bytes(P) + bytes(I)``
+  / 0 / the sum of ``rep(i)``, backward computation ``bytes(out)``; split:
+  ``3 bytes(P) + 7 bytes(I)`` / the bytes of the index slice (times P's other slice dim when
+  P is 2-D) / the sum of ``rep(i)``, backward computation ``2 bytes(out) + 6 bytes(I)``.
+* ``DropOutCost`` (Dropout): ``1.125 bytes(input)`` (the mask generation) / 0 / 0.
+* ``ReshapeCost`` (Reshape): the computation of its redistribution (below) plus
+  ``2.0 x bytes(input)`` for the reshape itself / that redistribution's forward plus backward
+  communication / ``rep(0)``.
+
+Backward computation is 0 where not said. MindSpore's ``OperatorCost`` base class is abstract,
+so it has no default; an op with no class above gets simpar's rule: the sum of
+``bytes(inputs)`` / ``bytes(out)`` when a contracted or reduced dimension is split / the sum of
+``rep(i)``, and that sum again as backward computation. Where simpar's sharding runs
+collectives of its own that MindSpore's class cannot see, because MindSpore rejects the
+strategy (a split Softmax or LayerNorm axis, a split class dimension), each is charged as the
+bytes of its buffer on top of the class's forward communication.
+
+Memory follows each class's ``CalculateInputsInMemory`` / ``CalculateOutputInMemory``: which
+inputs (and whether the outputs) stay alive for the backward depends on which inputs are
+Parameters, which are *parameter-involved* (computed from a Parameter, so they get a
+gradient), and which inputs their producer already keeps (``prev_in_memory``). Inference
+memory is the output slices of an op whose output is critical.
+
+Redistribution: simpar's step kinds and MindSpore's operators
+-------------------------------------------------------------
+
+With ``n`` the elements of the slice entering a step and ``d`` the devices it spans
+(:data:`STEP_OPERATORS`), forward communication / backward communication / computation:
+
+* Slice: SplitByAxis (StridedSlice), one per newly split dim, each on the slice as it is
+  then: 0 / 0 / ``n`` per split dim.
+* AllGather: ConcatByAxis, one per gathered dim: AllGather, plus Split and Concat when the dim
+  is not 0: ``0.5 n d`` / ``0.5 n`` / ``n`` on dim 0, else ``n + 2 n d``.
+* AllToAll: PermuteByAxis (AlltoAll): ``2 n`` / ``2 n`` / ``n`` when the gathered (concat) dim
+  is 0, else ``n + 2 n d``.
+* AllToAllV (simpar's direct exchange) has no MindSpore twin; it is charged as a
+  PermuteByAxis without the split and concat: ``2 n`` / ``2 n`` / ``n``.
+* AllReduce and ReduceScatter resolve pending sums, which MindSpore never redistributes: it
+  charges them inside the operator that made them (MatMulCost, ReduceSumCost: the output slice
+  in forward communication and in computation). simpar charges a plan's step the same way,
+  with ``m`` the elements of its output slice: ``m`` / 0 / ``m``.
+* Zero (simpar's local zeroing of all but one replica) has no MindSpore twin and is free.
+
+Without ``enable_alltoall`` MindSpore turns a permute into ConcatByAxis + SplitByAxis, and
+simpar's planner into AllGather + Slice, so charging simpar's steps one by one gives
+MindSpore's number in both modes. The factors 2.0 and 0.5 are ``ALLTOALL_SCALE_FACTOR`` and
+``ALLGATHER_REDUCESCATTER_SCALE_FACTOR``. Every term is multiplied by the element size.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import numbers
+import warnings
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
+
+from simpar.context import ContextError, ContextTypeError, NotHonouredWarning
+
+if TYPE_CHECKING:
+    from simpar.ops import OpSharding
+    from simpar.redistribution import RedistributionPlan, Step
+
+__all__ = [
+    "ALLGATHER_REDUCESCATTER_SCALE_FACTOR",
+    "ALLTOALL_SCALE_FACTOR",
+    "COST_FACTOR",
+    "DROPOUT_COST_RATE",
+    "EPS",
+    "STEP_OPERATORS",
+    "CostModelContext",
+    "MindSporeCost",
+    "MindSporeOpCost",
+    "RedistributionCost",
+    "cost_model_context",
+    "edge_cost",
+    "edge_objective",
+    "fits",
+    "get_cost_model_context",
+    "mindspore_cost_class",
+    "objective",
+    "op_cost",
+    "redistribution_cost",
+    "refine_communication",
+    "reset_cost_model_context",
+    "set_cost_model_context",
+    "strategy_cost",
+]
+
+#: ``tensor_redistribution.h``: an AlltoAll is charged as twice its input slice.
+ALLTOALL_SCALE_FACTOR = 2.0
+#: ``tensor_redistribution.h``: an AllGather / ReduceScatter as half of its output slice.
+ALLGATHER_REDUCESCATTER_SCALE_FACTOR = 0.5
+#: ``ops_utils.h``: the reshape term of a Reshape's redistribution.
+COST_FACTOR = 2.0
+#: ``ops_utils.h``: below this a cost counts as zero (refinement, tie-break).
+EPS = 1e-6
+#: ``operator_costmodel.h``: Dropout also generates its mask (12.5 % more memory traffic).
+DROPOUT_COST_RATE = 1.125
+_GATHER_WEIGHTS = (3.0, 7.0, 2.0, 6.0)  # GATHERV2_COST_WEIGHT0..3
+
+_TRAINING, _INFERENCE = 0, 1
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. The context.
+
+
+@dataclass(frozen=True, slots=True)
+class _Key:
+    """How one context key is validated: its type, default and allowed values."""
+
+    kind: type  # int or float
+    default: float
+    lo: float = -math.inf
+    hi: float = math.inf
+    lo_open: bool = False
+    hi_open: bool = False
+    choices: tuple[int, ...] = ()
+    honoured: bool = True
+
+    def allowed(self) -> str:
+        noun = "an int" if self.kind is int else "a float"
+        if self.choices:
+            return f"{noun} in {{{', '.join(str(c) for c in self.choices)}}}"
+        lo, hi = ("(" if self.lo_open else "["), (")" if self.hi_open else "]")
+        return f"{noun} in {lo}{_num(self.lo)}, {_num(self.hi)}{hi}"
+
+    def admits(self, x: float) -> bool:
+        if self.choices:
+            return x in self.choices
+        if not math.isfinite(x):
+            return False
+        above = self.lo < x if self.lo_open else self.lo <= x
+        below = x < self.hi if self.hi_open else x <= self.hi
+        return above and below
+
+
+def _num(x: float) -> str:
+    return "inf" if x == math.inf else f"{x:g}"
+
+
+def _positive(default: float) -> _Key:
+    return _Key(float, default, lo=0.0, lo_open=True, hi_open=True)
+
+
+def _non_negative(kind: type, default: float, honoured: bool = True) -> _Key:
+    return _Key(kind, default, lo=0.0, hi_open=True, honoured=honoured)
+
+
+_KEYS: dict[str, _Key] = {
+    "device_memory_capacity": _positive(1024.0 * 1024.0 * 1024.0 * 16.0),
+    "costmodel_alpha": _positive(1.0),
+    "costmodel_beta": _positive(400.0),
+    "costmodel_gamma": _Key(float, 0.001, lo=0.0, hi=1.0),
+    "costmodel_communi_threshold": _non_negative(float, 2048.0),
+    "costmodel_communi_const": _non_negative(float, 3072.0),
+    "costmodel_communi_bias": _non_negative(float, 1024.0),
+    "run_phase": _Key(int, 0, choices=(_TRAINING, _INFERENCE)),
+    "costmodel_allreduce_fusion_algorithm": _Key(int, 0, choices=(0, 1, 2), honoured=False),
+    "costmodel_allreduce_fusion_times": _non_negative(int, 0, honoured=False),
+    "costmodel_allreduce_fusion_tail_percent": _Key(float, 0.1, lo=0.0, hi=1.0, hi_open=True,
+                                                    honoured=False),
+    "costmodel_allreduce_fusion_tail_time": _non_negative(float, 0.1, honoured=False),
+    "costmodel_allreduce_fusion_allreduce_inherent_time": _non_negative(float, 0.1,
+                                                                        honoured=False),
+    "costmodel_allreduce_fusion_allreduce_bandwidth": _non_negative(float, 0.1, honoured=False),
+    "costmodel_allreduce_fusion_computation_time_parameter": _non_negative(float, 0.1,
+                                                                           honoured=False),
+}
+
+
+def _check_value(func: str, key: str, value: object) -> float | int:
+    """``value`` as a plain Python number, or raise naming ``key``, the value and the range."""
+    spec = _KEYS[key]
+    if spec.kind is int:
+        ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral)
+    if not ok:
+        raise ContextTypeError(f"{func}: {key} must be {spec.allowed()}, but got {value!r} of "
+                               f"type {type(value).__name__}.")
+    number = cast(float, value)
+    plain = int(number) if spec.kind is int else float(number)
+    if not spec.admits(plain):
+        raise ContextError(f"{func}: {key} must be {spec.allowed()}, but got {plain!r}.")
+    return plain
+
+
+def _check_key(func: str, key: object) -> str:
+    if not isinstance(key, str):
+        raise ContextTypeError(f"{func}: the key must be a str, but got {key!r} of type "
+                               f"{type(key).__name__}.")
+    if key not in _KEYS:
+        close = difflib.get_close_matches(key, list(_KEYS), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ContextError(f"{func}: unknown key {key!r}{hint}; the known keys are "
+                           f"{', '.join(sorted(_KEYS))}.")
+    return key
+
+
+@dataclass(frozen=True, slots=True)
+class CostModelContext:
+    """An immutable snapshot of the cost-model context; built values are validated.
+
+    :func:`cost_model_context` returns the current one. Build your own to price with other
+    weights without touching the process-wide context:
+
+    >>> CostModelContext().costmodel_beta
+    400.0
+    >>> CostModelContext(costmodel_gamma=2.0)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    simpar.context.ContextError: ...: costmodel_gamma must be a float in [0, 1], but got 2.0.
+    """
+
+    device_memory_capacity: float = _KEYS["device_memory_capacity"].default
+    costmodel_alpha: float = _KEYS["costmodel_alpha"].default
+    costmodel_beta: float = _KEYS["costmodel_beta"].default
+    costmodel_gamma: float = _KEYS["costmodel_gamma"].default
+    costmodel_communi_threshold: float = _KEYS["costmodel_communi_threshold"].default
+    costmodel_communi_const: float = _KEYS["costmodel_communi_const"].default
+    costmodel_communi_bias: float = _KEYS["costmodel_communi_bias"].default
+    run_phase: int = int(_KEYS["run_phase"].default)
+    costmodel_allreduce_fusion_algorithm: int = int(
+        _KEYS["costmodel_allreduce_fusion_algorithm"].default)
+    costmodel_allreduce_fusion_times: int = int(_KEYS["costmodel_allreduce_fusion_times"].default)
+    costmodel_allreduce_fusion_tail_percent: float = _KEYS[
+        "costmodel_allreduce_fusion_tail_percent"].default
+    costmodel_allreduce_fusion_tail_time: float = _KEYS[
+        "costmodel_allreduce_fusion_tail_time"].default
+    costmodel_allreduce_fusion_allreduce_inherent_time: float = _KEYS[
+        "costmodel_allreduce_fusion_allreduce_inherent_time"].default
+    costmodel_allreduce_fusion_allreduce_bandwidth: float = _KEYS[
+        "costmodel_allreduce_fusion_allreduce_bandwidth"].default
+    costmodel_allreduce_fusion_computation_time_parameter: float = _KEYS[
+        "costmodel_allreduce_fusion_computation_time_parameter"].default
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            object.__setattr__(self, f.name,
+                               _check_value("CostModelContext", f.name, getattr(self, f.name)))
+
+    @property
+    def training(self) -> bool:
+        """Whether ``run_phase`` is 0 (training), MindSpore's default."""
+        return self.run_phase == _TRAINING
+
+
+def _defaults() -> dict[str, float | int]:
+    return {key: (int(spec.default) if spec.kind is int else spec.default)
+            for key, spec in _KEYS.items()}
+
+
+_state: dict[str, float | int] = _defaults()
+_warned: set[str] = set()
+
+
+def set_cost_model_context(**kwargs: Any) -> None:
+    """Set cost-model keys, as ``mindspore.set_cost_model_context`` does (keys in the module
+    docstring). The whole call is validated first: if one key is unknown or one value wrong,
+    a :class:`~simpar.context.ContextError` (``ValueError``) or
+    :class:`~simpar.context.ContextTypeError` (``TypeError``) is raised and nothing changes.
+    Setting an allreduce-fusion key away from its default warns once per key per process.
+
+    >>> set_cost_model_context(costmodel_beta=50.0, run_phase=1)
+    >>> get_cost_model_context("costmodel_beta"), get_cost_model_context("run_phase")
+    (50.0, 1)
+    >>> set_cost_model_context(costmodel_bet=50.0)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    simpar.context.ContextError: ...: unknown key 'costmodel_bet' (did you mean 'costmodel_beta'...
+    >>> set_cost_model_context(costmodel_alpha=1)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    simpar.context.ContextTypeError: ...: costmodel_alpha must be a float in (0, inf), but got 1 ...
+    >>> reset_cost_model_context()
+    """
+    global _state
+    func = "set_cost_model_context"
+    staged = dict(_state)
+    for key, value in kwargs.items():
+        _check_key(func, key)
+        staged[key] = _check_value(func, key, value)
+    _state = staged
+    for key, value in kwargs.items():
+        spec = _KEYS[key]
+        if not spec.honoured and staged[key] != spec.default and key not in _warned:
+            _warned.add(key)
+            warnings.warn(f"{func}: {key}={value!r} is accepted but not honoured: simpar does "
+                          "not fuse gradient AllReduces", NotHonouredWarning, stacklevel=2)
+
+
+def get_cost_model_context(attr_key: str) -> float | int:
+    """The current value of one key, as ``mindspore.get_cost_model_context`` returns it.
+
+    >>> get_cost_model_context("device_memory_capacity") == 2.0 ** 34
+    True
+    >>> get_cost_model_context("costmodel_communi_threshold")
+    2048.0
+    """
+    return _state[_check_key("get_cost_model_context", attr_key)]
+
+
+def reset_cost_model_context() -> None:
+    """Restore every key to MindSpore's default.
+
+    >>> set_cost_model_context(costmodel_gamma=0.5)
+    >>> reset_cost_model_context()
+    >>> get_cost_model_context("costmodel_gamma")
+    0.001
+    """
+    global _state
+    _state = _defaults()
+
+
+def cost_model_context() -> CostModelContext:
+    """An immutable snapshot of the current context (what the functions below read).
+
+    >>> cost_model_context().costmodel_communi_const
+    3072.0
+    """
+    return CostModelContext(**_state)  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. Operator costs.
+
+
+@dataclass(frozen=True, slots=True)
+class MindSporeOpCost:
+    """One operator's costs under one strategy, in MindSpore's units (bytes of local slices).
+
+    ``forward_communication`` is MindSpore's ``GetForwardCommCost``; ``backward_communication``
+    its ``GetBackwardCommCost`` (the AllReduce of replicated Parameters' gradients); the same
+    for computation. ``memory`` is the training-phase peak contribution (``GetMemoryCost``),
+    ``inference_memory`` the inference one (``GetMemoryCostForInference``).
+    ``cost_class`` names the MindSpore class whose formulas were used.
+    """
+
+    op: str
+    cost_class: str
+    forward_computation: float
+    backward_computation: float
+    forward_communication: float
+    backward_communication: float
+    memory: float
+    inference_memory: float
+
+    @property
+    def computation(self) -> float:
+        """What MindSpore's search weighs with alpha: the forward computation only."""
+        return self.forward_computation
+
+    @property
+    def communication(self) -> float:
+        """All communication, with the parameter gradients' (``GetCommCost``)."""
+        return self.forward_communication + self.backward_communication
+
+    @property
+    def communication_without_parameter(self) -> float:
+        """Communication without the parameter gradients' (the forward's)."""
+        return self.forward_communication
+
+    def __str__(self) -> str:
+        return (f"{self.op}[{self.cost_class}]: comp {self.forward_computation:g}+"
+                f"{self.backward_computation:g} comm {self.forward_communication:g}+"
+                f"{self.backward_communication:g} mem {self.memory:g}")
+
+
+@dataclass(frozen=True, slots=True)
+class _View:
+    """What a MindSpore cost class sees of one sharded op: elements of every local slice."""
+
+    sh: OpSharding
+    inputs: tuple[int, ...]           # elements of each input's local slice
+    outputs: tuple[int, ...]          # elements of each output's local slice
+    replicated: tuple[bool, ...]      # Parameter input i is not split over every device
+    itemsize: int
+
+    def bytes_in(self, i: int) -> float:
+        return float(self.inputs[i] * self.itemsize)
+
+    def bytes_out(self, k: int = 0) -> float:
+        return float(self.outputs[k] * self.itemsize)
+
+    def rep(self, i: int) -> float:
+        """Bytes of Parameter input ``i``'s slice if its gradient needs an AllReduce."""
+        return self.bytes_in(i) if i < len(self.inputs) and self.replicated[i] else 0.0
+
+    def reduced_split(self) -> bool:
+        """Whether a dimension the op contracts or reduces is split (partial local results).
+        MindSpore asks the same of MatMul's k and of the reduced axes; an op without an
+        iteration space answers by its raw output being partial."""
+        try:
+            space = self.sh.op.iter_space(*self.sh.input_shapes)
+        except NotImplementedError:
+            return self.sh.raw_out.is_partial
+        reduced = [it for it in space.order if it not in space.output]
+        return bool(self.sh.device_axes_cutting(reduced))
+
+    def own_collectives(self) -> float:
+        """Bytes of the collectives simpar's sharding runs that MindSpore's class cannot see."""
+        return float(sum(spec.elements for spec in self.sh.internal_forward) * self.itemsize)
+
+
+# (forward computation, backward computation, forward communication, backward communication)
+_Terms = tuple[float, float, float, float]
+
+
+def _matmul(v: _View) -> _Terms:
+    split = v.reduced_split()
+    fwd_comm = v.bytes_out() if split else 0.0
+    comp = v.bytes_in(0) + v.bytes_in(1) + (v.bytes_out() if split else 0.0)
+    return comp, v.rep(1), fwd_comm, v.rep(1)
+
+
+def _cast(v: _View) -> _Terms:
+    return v.bytes_in(0), 0.0, v.own_collectives(), v.rep(0)
+
+
+def _softmax(v: _View) -> _Terms:
+    return v.bytes_out(0), 0.0, v.own_collectives(), v.rep(0)
+
+
+def _sub(v: _View) -> _Terms:
+    both = v.rep(0) + v.rep(1)
+    return v.bytes_in(0) + v.bytes_in(1), both, v.own_collectives(), both
+
+
+def _reduce(mean_factor: float) -> Callable[[_View], _Terms]:
+    def rule(v: _View) -> _Terms:
+        split = v.reduced_split()
+        fwd_comm = v.bytes_out() if split else 0.0
+        comp = v.bytes_in(0) + (mean_factor * v.bytes_out() if split else 0.0)
+        return comp, 0.0, fwd_comm, v.rep(0)
+    return rule
+
+
+def _all_inputs(v: _View) -> _Terms:
+    """BatchParallelCost and LayerNormCost: every input read once, every replicated
+    Parameter's gradient reduced."""
+    reps = sum(v.rep(i) for i in range(len(v.inputs)))
+    return sum(v.bytes_in(i) for i in range(len(v.inputs))), 0.0, v.own_collectives(), reps
+
+
+def _gather(v: _View) -> _Terms:
+    sh = v.sh
+    params_shape = sh.input_shapes[0]
+    axis = sh.op.iter_space(*sh.input_shapes).inputs[0].index("v")  # the gathered table dim
+    reps = sum(v.rep(i) for i in range(len(v.inputs)))
+    w0, w1, w2, w3 = _GATHER_WEIGHTS
+    if sh.strategy[0][axis] == 1:
+        return v.bytes_in(0) + v.bytes_in(1), v.bytes_out(), 0.0, reps
+    scattered = v.inputs[1]
+    if len(params_shape) == 2:
+        scattered *= sh.in_layouts[0].local_shape()[1 - axis]
+    return (w0 * v.bytes_in(0) + w1 * v.bytes_in(1), w2 * v.bytes_out() + w3 * v.bytes_in(1),
+            float(scattered * v.itemsize), reps)
+
+
+def _dropout(v: _View) -> _Terms:
+    return DROPOUT_COST_RATE * v.bytes_in(0), 0.0, 0.0, 0.0
+
+
+def _reshape(v: _View) -> _Terms:
+    plan = v.sh.inner_plan
+    moved = redistribution_cost(plan, v.itemsize) if plan is not None else RedistributionCost(
+        0.0, 0.0, 0.0)
+    comp = moved.computation + COST_FACTOR * v.bytes_in(0)
+    return comp, 0.0, moved.forward + moved.backward, v.rep(0)
+
+
+def _default(v: _View) -> _Terms:
+    reps = sum(v.rep(i) for i in range(len(v.inputs)))
+    fwd_comm = (v.bytes_out() if v.reduced_split() else 0.0) + v.own_collectives()
+    return sum(v.bytes_in(i) for i in range(len(v.inputs))), reps, fwd_comm, reps
+
+
+# Memory: (output kept?, inputs kept) from is_parameter (p), is_parameter_involve (inv) and the
+# inputs the producers already keep (prev), per CalculateOutputInMemory/CalculateInputsInMemory.
+_Flags = frozenset[int]
+_MemoryRule = Callable[[int, _Flags, _Flags, _Flags], tuple[bool, _Flags]]
+
+
+def _out_never(n: int, p: _Flags, inv: _Flags, prev: _Flags) -> bool:
+    return False
+
+
+def _out_if_involved(*which: int) -> Callable[[int, _Flags, _Flags, _Flags], bool]:
+    def rule(n: int, p: _Flags, inv: _Flags, prev: _Flags) -> bool:
+        return any(i in inv for i in which)
+    return rule
+
+
+def _in_first_param(n: int, p: _Flags, inv: _Flags, prev: _Flags) -> _Flags:
+    """CastCost, SoftmaxCost, SqrtCost, ReduceSumCost on one tensor: input 0 if a Parameter."""
+    return frozenset(i for i in (0,) if i in p)
+
+
+def _in_params(n: int, p: _Flags, inv: _Flags, prev: _Flags) -> _Flags:
+    """SubCost, BatchParallel's sparse loss: each input that is a Parameter."""
+    return frozenset(i for i in range(n) if i in p)
+
+
+def _in_own_if_needed(n: int, p: _Flags, inv: _Flags, prev: _Flags) -> _Flags:
+    """ReLU6Cost, GeLUCost: dx needs x, unless the producer keeps it."""
+    return frozenset({0}) if 0 in p or (0 in inv and 0 not in prev) else frozenset()
+
+
+def _in_pair(n: int, p: _Flags, inv: _Flags, prev: _Flags) -> _Flags:
+    """MatMulCost, MulCost: the gradient of one input needs the other."""
+    keep = set()
+    for me, other in ((0, 1), (1, 0)):
+        if me in p:
+            keep.add(me)
+        if (me in p or me in inv) and other not in prev:
+            keep.add(other)
+    return frozenset(keep)
+
+
+def _in_div(n: int, p: _Flags, inv: _Flags, prev: _Flags) -> _Flags:
+    """DivCost: dx needs y; dy needs y (and the output)."""
+    keep = set()
+    if 0 in p:
+        keep.add(0)
+    if (0 in p or 0 in inv or 1 in inv) and 1 not in prev:
+        keep.add(1)
+    return frozenset(keep)
+
+
+def _in_layer_norm(n: int, p: _Flags, inv: _Flags, prev: _Flags) -> _Flags:
+    """LayerNormCost: dx and dgamma need x and gamma; beta only if a Parameter."""
+    keep = {i for i in (0, 1) if (0 in inv or 1 in inv) and i not in prev}
+    keep |= {2} if 2 in p else set()
+    return frozenset(keep)
+
+
+def _in_gather(n: int, p: _Flags, inv: _Flags, prev: _Flags) -> _Flags:
+    """GatherV2Cost: d(params) needs the indices."""
+    keep = {0} if 0 in p else set()
+    if (0 in p or 0 in inv) and 1 not in prev:
+        keep.add(1)
+    keep |= {1} if 1 in p else set()
+    return frozenset(keep)
+
+
+@dataclass(frozen=True, slots=True)
+class _Rule:
+    cost_class: str
+    terms: Callable[[_View], _Terms]
+    keeps_output: Callable[[int, _Flags, _Flags, _Flags], bool]
+    keeps_inputs: Callable[[int, _Flags, _Flags, _Flags], _Flags]
+
+
+_SQRT = ("SqrtCost", _cast, _out_if_involved(0), _in_first_param)
+_RELU6 = ("ReLU6Cost", _cast, _out_never, _in_own_if_needed)
+_CAST = ("CastCost", _cast, _out_never, _in_first_param)
+_SUB = ("SubCost", _sub, _out_never, _in_params)
+_REDUCE_SUM = ("ReduceSumCost", _reduce(1.0), _out_never, _in_first_param)
+
+#: The MindSpore cost class of each simpar primitive (by the OperatorInfo MindSpore uses).
+_RULES: dict[str, _Rule] = {name: _Rule(*entry) for name, entry in {
+    "MatMul": ("MatMulCost", _matmul, _out_never, _in_pair),
+    "BatchMatMul": ("MatMulCost", _matmul, _out_never, _in_pair),
+    "ReLU": _SQRT, "Tanh": _SQRT, "Sigmoid": _SQRT,
+    "GeLU": ("GeLUCost", _cast, _out_if_involved(0), _in_own_if_needed),
+    "Abs": _RELU6, "Square": _RELU6,
+    "Cast": _CAST, "Identity": _CAST, "Concat": ("ConcatCost", *_CAST[1:]),
+    "Split": ("SplitCost", *_CAST[1:]), "Transpose": ("TransposeCost", *_CAST[1:]),
+    "Softmax": ("SoftmaxCost", _softmax, _out_if_involved(0), _in_first_param),
+    "LogSoftmax": ("SoftmaxCost", _softmax, _out_if_involved(0), _in_first_param),
+    "Add": ("TensorAddCost", *_SUB[1:]), "Sub": _SUB, "BiasAdd": ("BiasAddCost", *_SUB[1:]),
+    "Mul": ("MulCost", _sub, _out_never, _in_pair),
+    "RealDiv": ("DivCost", _sub, _out_if_involved(1), _in_div),
+    "ReduceSum": _REDUCE_SUM,
+    "ReduceMean": ("ReduceMeanCost", _reduce(2.0), _out_never, _in_first_param),
+    "ReduceMax": ("ReduceMaxCost", _reduce(1.0), _out_if_involved(0), _in_first_param),
+    "SparseSoftmaxCrossEntropyWithLogits": ("SparseSoftmaxCrossEntropyWithLogitsCost",
+                                            _all_inputs, _out_if_involved(0), _in_params),
+    "LayerNorm": ("LayerNormCost", _all_inputs, _out_if_involved(0, 1, 2), _in_layer_norm),
+    "Gather": ("GatherV2PCost", _gather, _out_never, _in_gather),
+    "Dropout": ("DropOutCost", _dropout, _out_if_involved(0), _in_first_param),
+    "Reshape": ("ReshapeCost", _reshape, _out_never, _in_first_param),
+}.items()}
+
+_DEFAULT_RULE = _Rule("simpar default", _default, _out_never, _in_params)
+
+
+def mindspore_cost_class(op_name: str) -> str:
+    """The MindSpore ``OperatorCost`` class whose formulas price ``op_name``, or
+    ``"simpar default"`` for an op MindSpore's table does not cover (see the module docstring).
+
+    >>> mindspore_cost_class("GeLU"), mindspore_cost_class("Add")
+    ('GeLUCost', 'TensorAddCost')
+    """
+    return _RULES.get(op_name, _DEFAULT_RULE).cost_class
+
+
+def _positions(func: str, op: str, what: str, given: Iterable[int], n: int) -> frozenset[int]:
+    out: set[int] = set()
+    for i in given:
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral):
+            raise TypeError(f"{func}: {op}: {what} must hold input positions (ints), got {i!r}")
+        if not 0 <= int(i) < n:
+            raise ValueError(f"{func}: {op}: {what} holds input position {i}, but the op has "
+                             f"{n} inputs (positions 0..{n - 1})")
+        out.add(int(i))
+    return frozenset(out)
+
+
+def _check_itemsize(func: str, itemsize: object) -> int:
+    if isinstance(itemsize, bool) or not isinstance(itemsize, numbers.Integral):
+        raise TypeError(f"{func}: itemsize must be a positive int (bytes per element), got "
+                        f"{itemsize!r} of type {type(itemsize).__name__}")
+    if itemsize < 1:
+        raise ValueError(f"{func}: itemsize must be a positive int (bytes per element), got "
+                         f"{itemsize}")
+    return int(itemsize)
+
+
+def op_cost(sh: OpSharding, parameters: Collection[int] = frozenset(), itemsize: int = 4, *,
+            involved: Collection[int] | None = None,
+            prev_in_memory: Collection[int] = frozenset(),
+            output_critical: bool = True) -> MindSporeOpCost:
+    """MindSpore's costs of the op ``sh`` shards, in bytes of local slices.
+
+    ``parameters``: the input positions that are Parameters. ``involved``: those that are
+    Parameters or computed from one (MindSpore's ``is_parameter_involve``; default: the
+    Parameters). ``prev_in_memory``: inputs whose producer already keeps them for the backward.
+    ``output_critical``: whether the output counts in inference memory. ``itemsize``: bytes
+    per element of every input and output (MindSpore keeps one per tensor).
+
+    MatMul (64, 32) x (32, 16) with strategy ((2, 4), (4, 1)) on 8 devices, float32, B a
+    Parameter: A's slice is (32, 8) = 1024 bytes, B's (8, 16) = 512, the output's (32, 16) =
+    2048. k is split, so the forward AllReduces the output (2048) and computes 1024 + 512 +
+    2048; B is split over 4 of the 8 devices, so its gradient's AllReduce costs 512. Memory:
+    B (a Parameter) and A (dB needs it).
+
+    >>> from simpar.ops import MatMul
+    >>> sh = MatMul().sharding([(64, 32), (32, 16)], 8, ((2, 4), (4, 1)))
+    >>> print(op_cost(sh, parameters={1}))
+    MatMul[MatMulCost]: comp 3584+512 comm 2048+512 mem 1536
+    """
+    func = "op_cost"
+    name = sh.op.name
+    n = len(sh.in_layouts)
+    size = _check_itemsize(func, itemsize)
+    params = _positions(func, name, "parameters", parameters, n)
+    inv = params if involved is None else _positions(func, name, "involved", involved, n)
+    prev = _positions(func, name, "prev_in_memory", prev_in_memory, n)
+    if not isinstance(output_critical, bool):
+        raise TypeError(f"{func}: {name}: output_critical must be a bool, got "
+                        f"{output_critical!r}")
+    devices = math.prod(sh.device_matrix)
+    view = _View(
+        sh,
+        tuple(lay.local_size() for lay in sh.in_layouts),
+        tuple(out.local_size() for _, out, _ in sh.outputs),
+        tuple(i in params and math.prod(lay.cuts) != devices
+              for i, lay in enumerate(sh.in_layouts)),
+        size)
+    rule = _RULES.get(name, _DEFAULT_RULE)
+    fc, bc, fm, bm = rule.terms(view)
+    outputs = float(sum(view.outputs) * size)
+    kept = rule.keeps_inputs(n, params, inv, prev)
+    memory = sum(view.bytes_in(i) for i in kept)
+    if rule.keeps_output(n, params, inv, prev):
+        memory += outputs
+    return MindSporeOpCost(name, rule.cost_class, fc, bc, fm, bm, memory,
+                           outputs if output_critical else 0.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. The objective.
+
+
+@dataclass(frozen=True, slots=True)
+class MindSporeCost:
+    """MindSpore's ``Cost`` entry after the tie-break and the practical refinement: what its
+    searches add up and compare. ``communication_with_partial_para`` is
+    ``without_parameter + gamma * (communication - without_parameter)``;
+    ``communication_forward`` is what inference weighs."""
+
+    computation: float
+    communication: float
+    communication_without_parameter: float
+    communication_with_partial_para: float
+    communication_forward: float
+    memory: float
+
+    def value(self, ctx: CostModelContext | None = None) -> float:
+        """``alpha * computation + beta * communication_with_partial_para`` when training,
+        ``alpha * computation + beta * communication_forward`` for inference
+        (``SelectCostWithMinTrainingTime`` / ``SelectCostWithMinInferenceTime``)."""
+        c = cost_model_context() if ctx is None else ctx
+        comm = self.communication_with_partial_para if c.training else self.communication_forward
+        return c.costmodel_alpha * self.computation + c.costmodel_beta * comm
+
+
+def refine_communication(c: float, ctx: CostModelContext | None = None) -> float:
+    """MindSpore's practical refinement of one communication cost: a cost in
+    ``(EPS, threshold]`` becomes ``communi_const``, a larger one gains ``communi_bias``.
+
+    >>> refine_communication(0.0), refine_communication(2048.0), refine_communication(4096.0)
+    (0.0, 3072.0, 5120.0)
+    """
+    k = cost_model_context() if ctx is None else ctx
+    if EPS < c <= k.costmodel_communi_threshold:
+        return k.costmodel_communi_const
+    if c > k.costmodel_communi_threshold:
+        return c + k.costmodel_communi_bias
+    return c
+
+
+def strategy_cost(cost: MindSporeOpCost, strategy: Sequence[Sequence[int]], device_num: int,
+                  ctx: CostModelContext | None = None) -> MindSporeCost:
+    """The ``Cost`` MindSpore records for an operator's strategy (``SetCostUnderStrategyBase``).
+
+    1. computation = forward computation; communication = forward + backward;
+       without_parameter = forward; with_partial_para = forward + gamma * backward.
+    2. Tie-break toward data parallelism: when ``strategy[0][0] == device_num``, 1.0 is taken
+       from each of these four that exceeds 1.0.
+    3. Refinement (``RefineForPracticalCost``, operator case): only the forward communication
+       is refined; the backward (parameter) part is kept, and communication and
+       with_partial_para are rebuilt from the refined forward (when they exceed EPS).
+
+    Memory is the training or inference memory per ``run_phase``.
+
+    >>> c = MindSporeOpCost("MatMul", "MatMulCost", 3072.0, 2048.0, 0.0, 2048.0, 0.0, 512.0)
+    >>> s = strategy_cost(c, ((8, 1), (1, 1)), 8)
+    >>> s.computation, s.communication, s.communication_with_partial_para
+    (3071.0, 2047.0, 2.047)
+    """
+    k = cost_model_context() if ctx is None else ctx
+    _check_device_num("strategy_cost", device_num)
+    comp = cost.computation
+    comm = cost.communication
+    without = cost.communication_without_parameter
+    partial = without + k.costmodel_gamma * (comm - without)
+    if strategy and strategy[0] and strategy[0][0] == device_num:
+        comp, comm, partial, without = (x - 1.0 if x > 1.0 else x
+                                        for x in (comp, comm, partial, without))
+    backward = comm - without if abs(comm - without) > EPS else 0.0
+    without = refine_communication(without, k)
+    if comm > EPS:
+        comm = without + backward
+    if partial > EPS:
+        partial = without + k.costmodel_gamma * backward
+    memory = cost.memory if k.training else cost.inference_memory
+    return MindSporeCost(comp, comm, without, partial, without, memory)
+
+
+def objective(cost: MindSporeOpCost, strategy: Sequence[Sequence[int]], device_num: int,
+              ctx: CostModelContext | None = None) -> float:
+    """The number MindSpore's search minimises for one operator's strategy.
+
+    Training (``run_phase`` 0):
+    ``alpha * computation + beta * (without_parameter + gamma * (communication -
+    without_parameter))``, inference: ``alpha * computation + beta * forward communication``,
+    both on the tie-broken, refined values of :func:`strategy_cost`.
+
+    The MatMul of :func:`op_cost` (k split, B a replicated Parameter): computation 3584,
+    forward 2048 (refined to the constant 3072), backward 512, so
+    ``3584 + 400 * (3072 + 0.001 * 512)``:
+
+    >>> c = MindSporeOpCost("MatMul", "MatMulCost", 3584.0, 512.0, 2048.0, 512.0, 1536.0, 0.0)
+    >>> round(objective(c, ((2, 4), (4, 1)), 8), 3)
+    1232588.8
+    """
+    return strategy_cost(cost, strategy, device_num, ctx).value(ctx)
+
+
+def fits(cost: MindSporeOpCost | MindSporeCost | float, ctx: CostModelContext | None = None
+         ) -> bool:
+    """Whether ``cost``'s memory is within ``device_memory_capacity`` (MindSpore keeps only
+    such costs, and fails with "No available cost" when none is left). For an op cost the
+    training or inference memory is used, per ``run_phase``; a number is a memory in bytes.
+
+    >>> fits(2.0 ** 34), fits(2.0 ** 34 + 1)
+    (True, False)
+    """
+    k = cost_model_context() if ctx is None else ctx
+    if isinstance(cost, MindSporeOpCost):
+        memory = cost.memory if k.training else cost.inference_memory
+    elif isinstance(cost, MindSporeCost):
+        memory = cost.memory
+    else:
+        memory = float(cost)
+    return memory <= k.device_memory_capacity
+
+
+def _check_device_num(func: str, device_num: object) -> None:
+    if isinstance(device_num, bool) or not isinstance(device_num, numbers.Integral) or \
+            device_num < 1:
+        raise ValueError(f"{func}: device_num must be a positive int, got {device_num!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. Redistribution.
+
+
+class RedistributionCost(NamedTuple):
+    """A redistribution's MindSpore costs in bytes: ``(forward, backward, computation)``."""
+
+    forward: float
+    backward: float
+    computation: float
+
+
+_StepTerms = tuple[float, float, float]  # elements: forward, backward, computation
+
+
+def _slice(step: Step) -> _StepTerms:
+    n, comp = step.src.local_size(), 0.0
+    for before, after in zip(step.src.cuts, step.dst.cuts):
+        if after > before:  # one SplitByAxis per dim, each on the slice as it is then
+            comp += n
+            n //= after // before
+    return 0.0, 0.0, comp
+
+
+def _all_gather(step: Step) -> _StepTerms:
+    dm = step.src.device_matrix
+    n = float(step.src.local_size())
+    fwd = bwd = comp = 0.0
+    for tensor_dim, axes in sorted(step.gather_dims):  # one ConcatByAxis per dim
+        d = math.prod(dm[a] for a in axes)
+        fwd += ALLGATHER_REDUCESCATTER_SCALE_FACTOR * n * d
+        bwd += ALLGATHER_REDUCESCATTER_SCALE_FACTOR * n
+        comp += n if tensor_dim == 0 else n + 2 * n * d
+        n *= d
+    return fwd, bwd, comp
+
+
+def _all_to_all(step: Step) -> _StepTerms:
+    n = float(step.src.local_size())
+    comp = n if step.concat_dim == 0 else n + 2 * n * step.group_size
+    return ALLTOALL_SCALE_FACTOR * n, ALLTOALL_SCALE_FACTOR * n, comp
+
+
+def _all_to_all_v(step: Step) -> _StepTerms:
+    n = float(step.src.local_size())
+    return ALLTOALL_SCALE_FACTOR * n, ALLTOALL_SCALE_FACTOR * n, n
+
+
+def _reduce_scatter(step: Step) -> _StepTerms:
+    m = float(step.dst.local_size())
+    return m, 0.0, m
+
+
+def _all_reduce(step: Step) -> _StepTerms:
+    n = float(step.src.local_size())
+    return n, 0.0, n
+
+
+def _zero(step: Step) -> _StepTerms:
+    return 0.0, 0.0, 0.0
+
+
+#: simpar's step kinds (the values of :class:`simpar.redistribution.StepKind`) and the
+#: MindSpore operator each is charged as.
+STEP_OPERATORS: Mapping[str, str] = {
+    "Slice": "SplitByAxis (StridedSlice), once per newly split dim",
+    "AllGather": "ConcatByAxis (AllGather, plus Split and Concat off dim 0), once per dim",
+    "AllToAll": "PermuteByAxis (AlltoAll)",
+    "AllToAllV": "no MindSpore twin; charged as PermuteByAxis without split/concat",
+    "ReduceScatter": "no twin in a redistribution; charged as an operator's ReduceScatter",
+    "AllReduce": "no twin in a redistribution; charged as an operator's AllReduce",
+    "Zero": "no MindSpore twin; free",
+}
+
+_STEP_RULES: dict[str, Callable[[Step], _StepTerms]] = {
+    "Slice": _slice, "AllGather": _all_gather, "AllToAll": _all_to_all,
+    "AllToAllV": _all_to_all_v, "ReduceScatter": _reduce_scatter, "AllReduce": _all_reduce,
+    "Zero": _zero,
+}
+
+
+def redistribution_cost(plan: RedistributionPlan, itemsize: int = 4) -> RedistributionCost:
+    """MindSpore's ``(forward communication, backward communication, computation)`` of a plan,
+    in bytes, before refinement (``TensorRedistribution::ComputeCost`` times the type length).
+
+    S(0) -> S(1) of a (2048, 2048) float32 tensor on 8 devices; each rank holds n = 256 x 2048
+    elements. With AlltoAll: 2n forward and backward, computation n. Without it (MindSpore's
+    default): an AllGather of dim 0 (0.5 n 8 forward, 0.5 n backward, n computation) and a
+    StridedSlice of the whole tensor (8 n computation):
+
+    >>> from simpar.layout import TensorLayout
+    >>> from simpar.redistribution import plan
+    >>> s0 = TensorLayout((8,), (0, -1), (2048, 2048))
+    >>> s1 = TensorLayout((8,), (-1, 0), (2048, 2048))
+    >>> redistribution_cost(plan(s0, s1, enable_alltoall=True))
+    RedistributionCost(forward=4194304.0, backward=4194304.0, computation=2097152.0)
+    >>> redistribution_cost(plan(s0, s1))
+    RedistributionCost(forward=8388608.0, backward=1048576.0, computation=18874368.0)
+    """
+    size = _check_itemsize("redistribution_cost", itemsize)
+    fwd = bwd = comp = 0.0
+    for step in plan.steps:
+        kind = str(step.kind)
+        if kind not in _STEP_RULES:
+            raise ValueError(f"redistribution_cost: step kind {kind!r} has no MindSpore charge; "
+                             f"known kinds are {', '.join(_STEP_RULES)}")
+        f, b, c = _STEP_RULES[kind](step)
+        fwd, bwd, comp = fwd + f, bwd + b, comp + c
+    return RedistributionCost(fwd * size, bwd * size, comp * size)
+
+
+def edge_cost(cost: RedistributionCost, ctx: CostModelContext | None = None) -> MindSporeCost:
+    """The ``Cost`` MindSpore records for a redistribution (``Edge::InitNotIdentityEdgeCost``):
+    forward and backward are refined separately, communication is their sum, and all of it
+    counts fully (gamma does not apply to redistribution). Memory is not modelled (0).
+
+    >>> edge_cost(RedistributionCost(1000.0, 4096.0, 10.0)).communication
+    8192.0
+    """
+    k = cost_model_context() if ctx is None else ctx
+    fwd = refine_communication(cost.forward, k)
+    bwd = refine_communication(cost.backward, k)
+    comm = fwd + bwd
+    return MindSporeCost(cost.computation, comm, comm, comm, fwd, 0.0)
+
+
+def edge_objective(cost: RedistributionCost, ctx: CostModelContext | None = None) -> float:
+    """The objective of one redistribution: ``alpha * computation + beta * (refined forward +
+    refined backward)`` when training, ``alpha * computation + beta * refined forward`` for
+    inference.
+
+    >>> edge_objective(RedistributionCost(1000.0, 4096.0, 10.0))
+    3276810.0
+    """
+    return edge_cost(cost, ctx).value(ctx)
