@@ -27,11 +27,14 @@ choice made is recorded in
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import os
 import sys
+from typing import IO, NoReturn
 
-__all__ = ["RANK_VARS", "SETTINGS", "apply", "launcher_rank", "local_ranks", "usable_cores"]
+__all__ = ["RANK_VARS", "SETTINGS", "RankZeroParser", "apply", "launcher_rank", "local_ranks",
+           "usable_cores"]
 
 _THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
                 "BLIS_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
@@ -148,3 +151,17 @@ def apply() -> dict[str, object]:
                     wait_policy=wait, wait_policy_from=wait_why, malloc=malloc,
                     malloc_from=malloc_why)
     return SETTINGS
+
+
+class RankZeroParser(argparse.ArgumentParser):
+    """argparse for commands that every rank of an mpirun job parses (``simpar.train``,
+    ``simpar.calibrate``): usage, errors and --help are printed on rank 0 only, and every
+    rank exits with the same code."""
+
+    def _print_message(self, message: str, file: IO[str] | None = None) -> None:  # type: ignore[override]
+        if launcher_rank() == 0:
+            super()._print_message(message, file)
+
+    def error(self, message: str) -> NoReturn:
+        """One line, no usage block: the mistake, and where the options are listed."""
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")

@@ -21,7 +21,7 @@ import math
 import os
 import sys
 import time
-from typing import IO, Any, NoReturn
+from typing import Any
 
 import numpy as np
 
@@ -40,17 +40,6 @@ class UsageError(ValueError):
     """A contradictory or unusable combination of options; the job prints it and exits 2."""
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, printing (usage, errors, --help) on rank 0 only: the other ranks exit with
-    the same code, quietly."""
-
-    def _print_message(self, message: str, file: IO[str] | None = None) -> None:  # type: ignore[override]
-        if _env.launcher_rank() == 0:
-            super()._print_message(message, file)
-
-    def error(self, message: str) -> NoReturn:
-        """One line, no usage block: the mistake, and where the options are listed."""
-        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
 
 
 def _positive_float(text: str) -> float:
@@ -61,7 +50,7 @@ def _positive_float(text: str) -> float:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = _Parser(prog="python -m simpar.train", description=__doc__,
+    p = _env.RankZeroParser(prog="python -m simpar.train", description=__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parallel-mode", default="semi_auto_parallel", choices=MODES,
                    help="stand_alone runs on one rank only; auto_parallel is not built yet")

@@ -6,6 +6,9 @@ import sys
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
 
 import simpar.comm as comm
 
@@ -21,3 +24,13 @@ def abort_job_on_error(what: object) -> Iterator[None]:
         sys.stderr.flush()
         comm.world().Abort(1)
         raise
+
+
+def shared_dir(tmp_path: Path) -> Path:
+    """Rank 0's ``tmp_path`` on every rank (collective)."""
+    buf = np.zeros(4096, dtype=np.int32)  # simpar.comm moves int32, not bytes
+    if comm.get_rank() == 0:
+        raw = str(tmp_path).encode()
+        buf[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    buf = comm.broadcast(buf, root=0)
+    return Path(bytes(buf.astype(np.uint8)).rstrip(b"\0").decode())

@@ -142,7 +142,24 @@ def test_a_split_k_matmul_costs_its_kernels_and_its_allreduce() -> None:
     # forward AllReduce of the partial output, and its adjoint in the backward
     assert row.op_comm == pytest.approx(2 * allreduce)
     assert row.redistribution == 0 and r.grad_sync == 0      # w is split: no Mirror
-    assert r.step_seconds == pytest.approx(fwd + bwd + 2 * allreduce)
+    assert r.optimizer == pytest.approx(4 * 16 * 16 * 8 / MEM_BW)   # SGD: 4 passes over w
+    assert r.overhead == pytest.approx(2 * ALPHA + 8 / BETA)  # the inputs' 8-byte check
+    assert r.step_seconds == pytest.approx(fwd + bwd + 2 * allreduce + r.optimizer + r.overhead)
+
+
+def test_fixed_costs_per_kernel_call_per_collective_and_per_step() -> None:
+    """A profile's software costs: every kernel call (forward and backward), every
+    collective call and every step pay them once."""
+    base = _profile()
+    slow = DeviceProfile("slow", base.peak_flops, base.memory_capacity, MEM_BW,
+                         Link(ALPHA, BETA, overhead=1e-3), Link(ALPHA, BETA, overhead=1e-3), 8,
+                         kernel_overhead=1e-4, step_overhead=1e-2, array_op_overhead=1e-5)
+    prog = _split_k_dense(2)
+    fast, costly = evaluate(prog, base, "momentum"), evaluate(prog, slow, "momentum")
+    kernels, array_ops = 2, 5             # MatMul forward and backward; Momentum on w
+    collectives = 2 + 1                   # the AllReduce, its adjoint, the inputs' check
+    assert costly.step_seconds - fast.step_seconds == pytest.approx(
+        kernels * 1e-4 + array_ops * 1e-5 + collectives * 1e-3 + 1e-2)
 
 
 def test_memory_counts_parameters_gradients_state_and_kept_activations() -> None:
@@ -157,8 +174,24 @@ def test_memory_counts_parameters_gradients_state_and_kept_activations() -> None
         m = evaluate(prog, _profile(), optimizer).memory[0]
         assert (m.parameters, m.gradients, m.optimizer) == (528 * 8, 528 * 8, copies * 528 * 8)
         assert m.activations == (4 * 32 + 3 * 4 * 16) * 8
-        assert m.comm_buffer == 528 * 8                      # the Mirror of w and b
-        assert m.peak == m.parameters + m.gradients + m.optimizer + m.activations + 528 * 8
+        assert m.comm_buffer == 2 * 528 * 8                  # the Mirror's input and result
+        assert m.peak == m.parameters + m.gradients + m.optimizer + m.activations + 2 * 528 * 8
+
+
+def test_activations_follow_what_each_op_keeps_for_the_backward() -> None:
+    """x (8, 16) -> Reshape (a view, keeps nothing) -> Transpose (a copy, keeps nothing) ->
+    Softmax (keeps its output) -> MatMul with w (keeps both inputs and its output), on one
+    device, float64. Kept: Softmax's output (16, 8), once though MatMul keeps it too, and
+    MatMul's output (16, 4); x, Reshape's view and Transpose's copy are kept by nobody."""
+    w = nn.Parameter(np.ones((8, 4)), name="w")
+
+    def f(x: Any) -> Any:
+        y = ops.Softmax()(ops.Transpose((1, 0))(ops.Reshape((8, 16))(x)))
+        return ops.MatMul()(y, w)
+
+    g = graph.trace(f, [((16, 8), np.float64)], ["x"])
+    m = evaluate(lower(g, plan_strategies(g, 1, "stand_alone")), _profile(), "sgd").memory[0]
+    assert m.activations == (16 * 8 + 16 * 4) * 8
 
 
 def test_a_strategy_over_capacity_is_reported_per_rank_with_how_far_over() -> None:

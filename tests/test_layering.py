@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("simpar.parallel",),
     ("simpar.nn",),
     ("simpar.check", "simpar.dataset"),
-    ("simpar.train", "simpar.launch", "simpar"),
+    ("simpar.train", "simpar.launch", "simpar.calibrate", "simpar"),
 ]
 
 

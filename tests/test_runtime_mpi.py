@@ -95,20 +95,9 @@ def _dp_mp(kind: str, n: int) -> tuple[int, int]:
 
 
 def _gpt_mix(gpt: nn.GPT, loss: nn.SoftmaxCrossEntropyWithLogits, n: int) -> None:
-    """A GPT whose blocks disagree: vocabulary-parallel embedding over all n devices, block 0
-    attention Megatron (1, n) and FFN (2, n/2), block 1 attention data parallel over n and FFN
-    Megatron (1, n), LM head and loss (2, n/2). Every boundary between them changes the
-    layout; most changes are free slices, two need collectives (_redistributing_gpt_step)."""
-    gpt.embedding.gather.shard(((n, 1), (1, 1)))
-    b0, b1 = gpt.blocks
-    presets._attention(b0.attn, 1, n)
-    presets.column_parallel(b0.ffn.fc1, 2, n // 2)
-    presets.row_parallel(b0.ffn.fc2, 2, n // 2)
-    presets._attention(b1.attn, n, 1)
-    presets.column_parallel(b1.ffn.fc1, 1, n)
-    presets.row_parallel(b1.ffn.fc2, 1, n)
-    presets.column_parallel(gpt.head, 2, n // 2)
-    loss.ce.shard(((2, n // 2), (2,)))
+    """A GPT whose blocks disagree (presets.mixed_gpt): every boundary between them changes
+    the layout; most changes are free slices, two need collectives (_redistributing_gpt_step)."""
+    presets.mixed_gpt(gpt, loss, n)
 
 
 def _apply(kind: str, model: str, net: nn.Cell, loss: nn.SoftmaxCrossEntropyWithLogits,

@@ -23,6 +23,7 @@ import pytest
 import simpar
 import simpar.comm as comm
 from simpar import train
+from tests.mpi_guard import shared_dir
 
 
 @pytest.fixture(autouse=True)
@@ -32,19 +33,11 @@ def _clean_context() -> Any:
     simpar.set_seed(0)
 
 
-def _shared_dir(tmp_path: Path) -> Path:
-    """Rank 0's ``tmp_path`` on every rank (collective)."""
-    buf = np.zeros(4096, dtype=np.int32)  # simpar.comm moves int32, not bytes
-    if comm.get_rank() == 0:
-        raw = str(tmp_path).encode()
-        buf[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-    buf = comm.broadcast(buf, root=0)
-    return Path(bytes(buf.astype(np.uint8)).rstrip(b"\0").decode())
 
 
 def _main(argv: list[str], tmp_path: Path) -> tuple[int, dict[str, Any]]:
     """Run the job on every rank; its exit code and the summary rank 0 wrote."""
-    out = _shared_dir(tmp_path) / "out"
+    out = shared_dir(tmp_path) / "out"
     code = train.main([*argv, "--out", str(out)])
     comm.barrier()  # rank 0 writes the summary after the others may have returned
     return code, json.loads((out / "summary.json").read_text())

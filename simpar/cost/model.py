@@ -6,7 +6,12 @@ that CommTrace records) and prices every step on a :class:`~simpar.cost.profile.
 * a kernel (forward, or backward at twice its FLOPs and bytes): the roofline
   ``max(FLOPs / peak, bytes of its shards / memory bandwidth)``;
 * a collective: alpha-beta with ring algorithms over the link its group crosses
-  (:meth:`DeviceProfile.collective_seconds`).
+  (:meth:`DeviceProfile.collective_seconds`);
+* the optimizer's update of every trainable shard (:data:`OPTIMIZER_KERNELS` memory-bound
+  kernels, ``array_op_overhead`` each), and the profile's fixed costs: ``kernel_overhead``
+  per executor kernel call, ``sync_overhead`` per collective (waiting for the slowest rank),
+  ``step_overhead`` per step (plus, on several devices, the 8-byte AllReduce with which every
+  step checks that the ranks were given the same batch).
 
 Each collective is charged to one of three buckets: the op's own communication (the
 collectives that finish its partial results, its split statistics), redistribution (moving an
@@ -33,10 +38,15 @@ from typing import Any, Protocol
 from simpar.cost.collective import sample_ranks
 from simpar.cost.profile import DeviceProfile, load_profile
 
-__all__ = ["OPTIMIZER_STATE", "CostReport", "MemoryRow", "OpCostRow", "evaluate"]
+__all__ = ["OPTIMIZER_KERNELS", "OPTIMIZER_PASSES", "OPTIMIZER_STATE", "CostReport",
+           "MemoryRow", "OpCostRow", "evaluate"]
 
 #: Optimizer state per trainable parameter element, in parameter-sized copies.
 OPTIMIZER_STATE = {"sgd": 0, "momentum": 1, "adam": 2}
+#: Per trainable parameter and step: the optimizer's numpy kernels (simpar/nn/optim.py), and
+#: the parameter-sized arrays they read or write in all.
+OPTIMIZER_KERNELS = {"sgd": 3, "momentum": 5, "adam": 14}
+OPTIMIZER_PASSES = {"sgd": 4, "momentum": 8, "adam": 24}
 
 
 class _Program(Protocol):  # simpar.runtime.ParallelProgram, as this module reads it
@@ -110,6 +120,8 @@ class CostReport:
     op_comm: float
     redistribution: float
     grad_sync: float
+    optimizer: float
+    overhead: float                 # the profile's fixed cost per step
     ops: tuple[OpCostRow, ...]
     memory: tuple[MemoryRow, ...]
 
@@ -139,7 +151,8 @@ class CostReport:
                 f"{self.device_num} (rank {self.slowest_rank} slowest): compute "
                 f"{self.compute * 1e3:.3f} ms, op communication {self.op_comm * 1e3:.3f} ms, "
                 f"redistribution {self.redistribution * 1e3:.3f} ms, gradient sync "
-                f"{self.grad_sync * 1e3:.3f} ms")
+                f"{self.grad_sync * 1e3:.3f} ms, optimizer {self.optimizer * 1e3:.3f} ms, "
+                f"fixed {self.overhead * 1e3:.3f} ms")
         table = [["op", "type", "strategy", "compute ms", "op comm ms", "redistr. ms"]]
         for r in self.ops:
             table.append([r.op.rsplit("/", 2)[-2] + "/" + r.op.rsplit("/", 1)[-1]
@@ -184,9 +197,28 @@ def evaluate(program: _Program, profile: str | DeviceProfile = "cpu-local",
     total, ops, grad_sync = per_rank[slowest]
     rows = tuple(OpCostRow(name, by_name[name].node.op.name, by_name[name].sharding.strategy,
                            *ops[name]) for name in by_name)
-    return CostReport(prof.name, program.device_num, total, slowest,
+    update = _optimizer_seconds(program, optimizer, prof)
+    fixed = prof.step_overhead
+    if program.device_num > 1:  # the per-step agreement check of the inputs: 8 bytes
+        fixed += (prof.collective_seconds("AllReduce", range(program.device_num), 8)
+                  + prof.sync_overhead)
+    return CostReport(prof.name, program.device_num, total + update + fixed, slowest,
                       sum(r.compute for r in rows), sum(r.op_comm for r in rows),
-                      sum(r.redistribution for r in rows), grad_sync, rows, tuple(memory))
+                      sum(r.redistribution for r in rows), grad_sync, update, fixed, rows,
+                      tuple(memory))
+
+
+def _optimizer_seconds(program: _Program, optimizer: str, prof: DeviceProfile) -> float:
+    """The update of every trainable parameter's shard: a few memory-bound numpy kernels."""
+    seconds = 0.0
+    for name, lay in program.param_layouts.items():
+        v = program.param_values[name]
+        if v.param is None or not v.param.requires_grad:
+            continue
+        nbytes = lay.local_size() * v.dtype.itemsize
+        seconds += (OPTIMIZER_KERNELS[optimizer] * prof.array_op_overhead
+                    + OPTIMIZER_PASSES[optimizer] * nbytes / prof.memory_bandwidth)
+    return seconds
 
 
 def _time_of(steps: Sequence[Any], by_name: Mapping[str, Any], prof: DeviceProfile
@@ -204,6 +236,8 @@ def _time_of(steps: Sequence[Any], by_name: Mapping[str, Any], prof: DeviceProfi
             ops[s.op][0] += prof.compute_seconds(s.flops, scale * nbytes, dtype)
             continue
         seconds = prof.collective_seconds(str(s.collective), s.group, _buffer_bytes(s))
+        if len(s.group) > 1:
+            seconds += prof.sync_overhead
         if s.role == "mirror":
             grad_sync += seconds
         else:
@@ -225,21 +259,43 @@ def _memory_of(program: _Program, rank: int, optimizer: str, prof: DeviceProfile
         params += nbytes
         if v.param is not None and v.param.requires_grad:
             grads += nbytes
-    # A value is kept once per distinct block a rank holds of it: a consumer that reads it
-    # without redistribution shares the producer's array (the device matrices may be written
-    # differently), one that redistributes it keeps its own copy.
-    kept: dict[tuple[int, Any, bool], int] = {}
+    # Activations: the arrays the tapes hold at the end of the forward, each counted once.
+    # An array is named by where it was made: a value's block as its producer made it, or
+    # as a consumer's redistribution made it; a view (Reshape, Identity) names its input's.
+    storage: dict[int, tuple[Any, ...]] = {}
+    sizes: dict[tuple[Any, ...], int] = {}
+    kept: set[tuple[Any, ...]] = set()
     for s in program.steps:
-        if s.node.id not in program.grad_nodes:
+        node, sh = s.node, s.sharding
+        ins = []
+        for k, (v, lay) in enumerate(zip(node.inputs, sh.in_layouts)):
+            key = storage.get(v.id, ("value", v.id))
+            if s.in_plans[k].steps:
+                key = ("redistributed", node.id, k)
+            sizes.setdefault(key, lay.local_size() * v.dtype.itemsize)
+            ins.append((v, key))
+        for k, (v, (raw, _, _)) in enumerate(zip(node.outputs, sh.outputs)):
+            aliases = node.op.output_aliases_input and sh.inner_plan is None and k == 0
+            storage[v.id] = ins[0][1] if aliases else ("value", v.id)
+            sizes.setdefault(storage[v.id], raw.local_size() * v.dtype.itemsize)
+        if node.id not in program.grad_nodes:
             continue
-        sh = s.sharding
-        for v, lay in zip(s.node.inputs, sh.in_layouts):
-            if v.kind != "param":  # a parameter's shard is counted once, as a parameter
-                kept[(v.id, lay.slice_of(rank), lay.is_partial)] = (
-                    lay.local_size() * v.dtype.itemsize)
-        for v, (raw, _, _) in zip(s.node.outputs, sh.outputs):
-            kept[(v.id, raw.slice_of(rank), raw.is_partial)] = raw.local_size() * v.dtype.itemsize
-    buffer = max((_buffer_bytes(s) for s in program.schedule(rank) if s.collective is not None),
-                 default=0)
-    return MemoryRow(rank, params, grads, OPTIMIZER_STATE[optimizer] * grads,
-                     sum(kept.values()), buffer, prof.memory_capacity)
+        tape, first = node.op.tape, sh.in_layouts[0].local_size()
+        if tape == "inputs+output":
+            kept.update(key for v, key in ins if v.kind != "param")  # params: counted above
+            kept.update(storage[v.id] for v in node.outputs)
+        elif tape == "output":
+            kept.update(storage[v.id] for v in node.outputs)
+        elif tape == "new-like-input":
+            kept.add(("new", node.id))
+            sizes[("new", node.id)] = first * node.inputs[0].dtype.itemsize
+        elif tape == "mask":
+            kept.add(("new", node.id))
+            sizes[("new", node.id)] = first
+    activations = sum(sizes[key] for key in kept)
+    # A collective holds its input and its result at once (a Mirror's input is the
+    # concatenation of its gradients: a copy).
+    buffer = 2 * max((_buffer_bytes(s) for s in program.schedule(rank)
+                      if s.collective is not None), default=0)
+    return MemoryRow(rank, params, grads, OPTIMIZER_STATE[optimizer] * grads, activations,
+                     buffer, prof.memory_capacity)

@@ -34,13 +34,16 @@ PROFILE_DIR = pathlib.Path(__file__).resolve().parent / "profiles"
 
 @dataclass(frozen=True, slots=True)
 class Link:
-    """One kind of link: per-message latency (s) and bandwidth per rank (bytes/s)."""
+    """One kind of link: latency per ring round (s), bandwidth per rank (bytes/s), and a fixed
+    cost per call (s: software, synchronisation), so a call of ``rounds`` rounds moving
+    ``nbytes`` takes ``overhead + rounds * latency + nbytes / bandwidth``."""
 
     latency: float
     bandwidth: float
+    overhead: float = 0.0
 
     def seconds(self, rounds: int, nbytes: float) -> float:
-        return rounds * self.latency + nbytes / self.bandwidth
+        return self.overhead + rounds * self.latency + nbytes / self.bandwidth
 
 
 #: The figures a profile file must give, with what each means (for error messages).
@@ -51,6 +54,17 @@ _FIGURES = {
     "intra_server": "link inside a server: {latency (s), bandwidth (bytes/s)}",
     "inter_server": "link between servers: {latency (s), bandwidth (bytes/s)}",
     "devices_per_server": "devices in one server",
+}
+#: Optional figures (default 0): fixed software costs.
+_OPTIONAL = {
+    "kernel_overhead": "seconds per local kernel call (launch, framework dispatch)",
+    "step_overhead": "seconds per training step besides its kernels and collectives",
+    "array_op_overhead": "seconds per plain array operation outside the executor (the "
+                         "optimizer's updates)",
+    "compute_scale": "measured / modelled time of a training step's kernels (1: the roofline "
+                     "and the overheads alone)",
+    "sync_overhead": "seconds per collective inside a training step beyond the link's time "
+                     "(waiting for the slowest rank to arrive)",
 }
 
 
@@ -74,6 +88,11 @@ class DeviceProfile:
     devices_per_server: int
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
     server_map: tuple[int, ...] | None = None  # server index of each rank, from a rank table
+    kernel_overhead: float = 0.0
+    step_overhead: float = 0.0
+    array_op_overhead: float = 0.0
+    compute_scale: float = 1.0
+    sync_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         where = f"profile {self.name!r}"
@@ -93,6 +112,10 @@ class DeviceProfile:
                 raise TypeError(f"{where}: {key} must be a Link, got {type(link).__name__}")
             _positive(link.bandwidth, f"{where}: {key}.bandwidth")
             _non_negative(link.latency, f"{where}: {key}.latency")
+            _non_negative(link.overhead, f"{where}: {key}.overhead")
+        for key in _OPTIONAL:
+            _non_negative(getattr(self, key), f"{where}: {key}")
+        _positive(self.compute_scale, f"{where}: compute_scale")
         if isinstance(self.devices_per_server, bool) or not isinstance(
                 self.devices_per_server, int) or self.devices_per_server < 1:
             raise ValueError(f"{where}: devices_per_server must be an int >= 1, got "
@@ -139,9 +162,12 @@ class DeviceProfile:
         return link.seconds(rounds, traffic(kind, p, nbytes))
 
     def compute_seconds(self, flops: float, memory_bytes: float, dtype: Any) -> float:
-        """Roofline time of a kernel: the slower of its FLOPs at peak and its bytes at the
-        memory bandwidth."""
-        return max(flops / self.flops_per_second(dtype), memory_bytes / self.memory_bandwidth)
+        """Time of one kernel call: its dispatch (``kernel_overhead``) plus its roofline, the
+        slower of its FLOPs at peak and its bytes at the memory bandwidth, all times
+        ``compute_scale``."""
+        roofline = max(flops / self.flops_per_second(dtype),
+                       memory_bytes / self.memory_bandwidth)
+        return self.compute_scale * (self.kernel_overhead + roofline)
 
     def with_rank_table(self, server_of: Sequence[int]) -> DeviceProfile:
         """This profile with servers as a rank table lays them out (``server_of[r]``: the
@@ -157,11 +183,13 @@ class DeviceProfile:
         return {"name": self.name, "peak_flops": dict(self.peak_flops),
                 "memory_capacity": self.memory_capacity,
                 "memory_bandwidth": self.memory_bandwidth,
-                "intra_server": {"latency": self.intra_server.latency,
-                                 "bandwidth": self.intra_server.bandwidth},
-                "inter_server": {"latency": self.inter_server.latency,
-                                 "bandwidth": self.inter_server.bandwidth},
-                "devices_per_server": self.devices_per_server, "sources": dict(self.sources)}
+                "intra_server": _link_dict(self.intra_server),
+                "inter_server": _link_dict(self.inter_server),
+                "devices_per_server": self.devices_per_server,
+                "kernel_overhead": self.kernel_overhead, "step_overhead": self.step_overhead,
+                "array_op_overhead": self.array_op_overhead,
+                "compute_scale": self.compute_scale, "sync_overhead": self.sync_overhead,
+                "sources": dict(self.sources)}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "profile") -> DeviceProfile:
@@ -169,10 +197,10 @@ class DeviceProfile:
         raises naming it."""
         if not isinstance(d, Mapping):
             raise TypeError(f"{where}: a profile must be a JSON object, got {type(d).__name__}")
-        unknown = sorted(set(d) - set(_FIGURES) - {"name", "sources"})
+        unknown = sorted(set(d) - set(_FIGURES) - set(_OPTIONAL) - {"name", "sources"})
         if unknown:
-            raise ValueError(f"{where}: unknown key(s) {unknown}; a profile has name, sources "
-                             f"and {sorted(_FIGURES)}")
+            raise ValueError(f"{where}: unknown key(s) {unknown}; a profile has name, sources, "
+                             f"{sorted(_FIGURES)} and optionally {sorted(_OPTIONAL)}")
         missing = [k for k in ("name", *_FIGURES) if k not in d]
         if missing:
             raise ValueError(f"{where}: missing {missing[0]!r} "
@@ -185,11 +213,13 @@ class DeviceProfile:
         links = {}
         for key in ("intra_server", "inter_server"):
             link = d[key]
-            if not isinstance(link, Mapping) or set(link) != {"latency", "bandwidth"}:
+            if not isinstance(link, Mapping) or not {"latency", "bandwidth"} <= set(link) or \
+                    not set(link) <= {"latency", "bandwidth", "overhead"}:
                 raise ValueError(f"{where}: {key} must be {{\"latency\": s, \"bandwidth\": "
-                                 f"bytes/s}}, got {link!r}")
+                                 f"bytes/s[, \"overhead\": s]}}, got {link!r}")
             links[key] = Link(_number(link["latency"], f"{where}: {key}.latency"),
-                              _number(link["bandwidth"], f"{where}: {key}.bandwidth"))
+                              _number(link["bandwidth"], f"{where}: {key}.bandwidth"),
+                              _number(link.get("overhead", 0.0), f"{where}: {key}.overhead"))
         sources = d.get("sources", {})
         if not isinstance(sources, Mapping):
             raise ValueError(f"{where}: sources must map figure names to text, got {sources!r}")
@@ -198,7 +228,12 @@ class DeviceProfile:
                    int(_number(d["memory_capacity"], f"{where}: memory_capacity")),
                    _number(d["memory_bandwidth"], f"{where}: memory_bandwidth"),
                    links["intra_server"], links["inter_server"], d["devices_per_server"],
-                   {str(k): str(v) for k, v in sources.items()})
+                   {str(k): str(v) for k, v in sources.items()}, None,
+                   _number(d.get("kernel_overhead", 0.0), f"{where}: kernel_overhead"),
+                   _number(d.get("step_overhead", 0.0), f"{where}: step_overhead"),
+                   _number(d.get("array_op_overhead", 0.0), f"{where}: array_op_overhead"),
+                   _number(d.get("compute_scale", 1.0), f"{where}: compute_scale"),
+                   _number(d.get("sync_overhead", 0.0), f"{where}: sync_overhead"))
 
     def save(self, path: str | pathlib.Path) -> None:
         """Write the profile as JSON (to a temporary file first: no half-written profile)."""
@@ -206,6 +241,10 @@ class DeviceProfile:
         tmp = target.with_name(target.name + ".tmp")
         tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
         tmp.replace(target)
+
+
+def _link_dict(link: Link) -> dict[str, float]:
+    return {"latency": link.latency, "bandwidth": link.bandwidth, "overhead": link.overhead}
 
 
 def _number(value: object, where: str) -> float:

@@ -21,7 +21,7 @@ from typing import Any
 from simpar.nn.layers import GPT, MLP, Dense, MultiHeadAttention
 from simpar.nn.loss import SoftmaxCrossEntropyWithLogits
 
-__all__ = ["PRESETS", "apply", "column_parallel", "megatron_gpt", "megatron_mlp",
+__all__ = ["PRESETS", "apply", "column_parallel", "megatron_gpt", "megatron_mlp", "mixed_gpt",
            "redistributing_mlp", "row_parallel"]
 
 
@@ -66,6 +66,24 @@ def megatron_gpt(gpt: GPT, dp: int, mp: int, loss: SoftmaxCrossEntropyWithLogits
     column_parallel(gpt.head, dp, mp)
     if loss is not None:
         loss.ce.shard(((dp, mp), (dp,)))
+    return gpt
+
+
+def mixed_gpt(gpt: GPT, loss: SoftmaxCrossEntropyWithLogits, n: int) -> GPT:
+    """A two-block GPT whose blocks disagree, on ``n`` devices (even): vocabulary-parallel
+    embedding over all n, block 0 attention Megatron (1, n) and FFN (2, n/2), block 1 attention
+    data parallel over n and FFN Megatron (1, n), LM head and loss (2, n/2). Every boundary
+    changes the layout: most changes are free slices, some need collectives."""
+    gpt.embedding.gather.shard(((n, 1), (1, 1)))
+    b0, b1 = gpt.blocks
+    _attention(b0.attn, 1, n)
+    column_parallel(b0.ffn.fc1, 2, n // 2)
+    row_parallel(b0.ffn.fc2, 2, n // 2)
+    _attention(b1.attn, n, 1)
+    column_parallel(b1.ffn.fc1, 1, n)
+    row_parallel(b1.ffn.fc2, 1, n)
+    column_parallel(gpt.head, 2, n // 2)
+    loss.ce.shard(((2, n // 2), (2,)))
     return gpt
 
 

@@ -415,6 +415,12 @@ class Primitive:
     nondiff_inputs: ClassVar[tuple[int, ...]] = ()
     #: Whether out_strategy is accepted (MindSpore supports it for a few ops).
     supports_out_strategy: ClassVar[bool] = False
+    #: What the forward keeps for the backward (the cost model's activation memory):
+    #: "inputs+output" (the default local_forward), "output", "nothing", "new-like-input"
+    #: (one new array as large as input 0) or "mask" (one byte per element of input 0).
+    tape: ClassVar[str] = "inputs+output"
+    #: Whether the local output is a view of the local input 0 (no new memory).
+    output_aliases_input: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.in_strategy: Strategy | None = None

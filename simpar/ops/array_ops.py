@@ -46,6 +46,8 @@ class Transpose(Primitive):
     """Permute dimensions: output dim ``d`` is input dim ``perm[d]``. Always local: the tensor
     map is permuted with the dims (``Transpose((1, 0))`` of map [1, 0] gives [0, 1])."""
 
+    tape = "nothing"
+
     n_inputs = 1
 
     def __init__(self, perm: Sequence[int] | None = None) -> None:
@@ -211,6 +213,9 @@ class Reshape(Primitive):
     stay contiguous): the input is first redistributed to the cheapest layout that works.
     """
 
+    tape = "nothing"
+    output_aliases_input = True
+
     n_inputs = 1
 
     def __init__(self, shape: Sequence[int] | None = None) -> None:
@@ -354,6 +359,8 @@ class Split(Primitive):
     """Split along ``axis`` into ``output_num`` equal outputs; ``axis`` must be unsplit.
     Every output keeps the input's tensor map: on (2, 4) with x (8, 16) cut (2, 4) and
     ``Split(axis=0, output_num=2)``, rank 5 returns two (2, 4) blocks of its (4, 4) shard."""
+
+    tape = "nothing"
 
     n_inputs = 1
 

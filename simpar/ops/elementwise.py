@@ -179,6 +179,8 @@ class Identity(_Unary):
     """``x`` unchanged. Sharded, it moves ``x`` to the strategy's layout: ``Cell.shard`` and
     :func:`simpar.parallel.reshard` insert it (MindSpore's ``reshard``)."""
 
+    output_aliases_input = True
+
     flops_per_element = 0
 
     def kernel(self, *xs: np.ndarray) -> np.ndarray:

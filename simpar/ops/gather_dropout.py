@@ -186,6 +186,8 @@ class Dropout(Primitive):
     mask is exactly ``mask[4:8, 4:8]`` of the one-device mask.
     """
 
+    tape = "mask"
+
     n_inputs = 1
 
     def __init__(self, keep_prob: float = 0.5, seed0: int = 0, seed1: int = 0) -> None:

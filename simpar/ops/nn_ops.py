@@ -100,6 +100,8 @@ class _SoftmaxBase(Primitive):
     """Shared rule: every dim is an iteration dim; a split softmax axis adds internal
     AllReduces (max and sum of exp forward, one sum backward) over the splitting ranks."""
 
+    tape = "output"
+
     n_inputs = 1
     log: bool = False
 
@@ -251,6 +253,8 @@ class LayerNorm(Primitive):
     contributions, completed by the framework's AllReduce over ranks [1, 5] (the row split).
     """
 
+    tape = "new-like-input"
+
     n_inputs = 3
 
     def __init__(self, begin_norm_axis: int = 1, begin_params_axis: int = 1,
@@ -392,6 +396,8 @@ class SparseSoftmaxCrossEntropyWithLogits(Primitive):
     made ``dloss`` whole on every rank (so the class-split sum needs no collective of its
     own). Labels outside ``[0, C)`` raise ValueError naming the label.
     """
+
+    tape = "new-like-input"
 
     n_inputs = 2
     nondiff_inputs = (1,)

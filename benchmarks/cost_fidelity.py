@@ -1,0 +1,258 @@
+"""How well simpar's cost model predicts measured step time and memory, over many strategies.
+
+    mpirun -n 8 python benchmarks/cost_fidelity.py                     # writes "## cost_fidelity"
+    mpirun -n 8 python benchmarks/cost_fidelity.py --profile my.json --no-write
+
+Every strategy trains the main job's GPT (vocabulary 128, sequence 32, d_model 64, 2 layers,
+8 heads, batch 8, float64, Adam) or a Megatron MLP (batch 64, 256 -> 1024 -> 256, float32,
+Momentum) on all ranks: pure data parallel, Megatron tensor parallel, hybrids 2x4 and 4x2,
+split-k, vocabulary-parallel, computing everything on every rank, and strategies that
+redistribute at every layer. For each, the prediction is ``program.cost(profile,
+optimizer)`` (pure; the ``cpu-local`` profile that ``python -m simpar.calibrate`` wrote) and
+the measurement is:
+
+* step time: the median over ``--steps`` timed steps (after two untimed ones) of the slowest
+  rank's time for one ``TrainOneStepCell`` call, each step started after a barrier;
+* memory: each rank's peak of traced numpy allocations (tracemalloc) over one more step,
+  plus the bytes of its parameters and optimizer state that exist before the step, the same
+  parts the model counts.
+
+Reported: both per strategy, Spearman's rho between predicted and measured step time, the
+median |predicted / measured - 1|, and how many strategies' memory is within 15%. Targets
+(issue 13): rho >= 0.9, median error <= 25%, memory within 15%.
+"""
+
+# ruff: noqa: E402, I001  (simpar first: simpar/_env.py must run before numpy's BLAS and MPI)
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import tracemalloc
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import simpar.comm as comm
+
+import numpy as np
+from _common import host_line, markdown_table, today, write_section
+
+import simpar
+from simpar import nn
+from simpar.cost import load_profile
+from simpar.dataset import CharCorpus, random_classification
+from simpar.nn import presets
+
+SCRIPT = "python benchmarks/cost_fidelity.py"
+GPT = {"vocab_size": 128, "seq_length": 32, "d_model": 64, "n_layers": 2, "n_heads": 8}
+GPT_BATCH = 8
+MLP_SIZES, MLP_BATCH = (256, 1024, 256), 64
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One row: how to build the cell, its mode and dataset strategy, and its optimizer."""
+
+    name: str
+    model: str                      # "gpt" or "mlp"
+    mode: str
+    dataset: Any
+    annotate: Callable[[Any, Any, int], None]
+    optimizer: str
+
+
+def _none(model: Any, loss: Any, n: int) -> None:
+    pass
+
+
+def _megatron(dp: int, mp: int) -> Callable[[Any, Any, int], None]:
+    def apply(model: Any, loss: Any, n: int) -> None:
+        if isinstance(model, nn.GPT):
+            presets.megatron_gpt(model, dp, mp, loss)
+        else:
+            presets.megatron_mlp(model, dp, mp)
+    return apply
+
+
+def _split_k(model: Any, loss: Any, n: int) -> None:
+    for layer in model.layers:        # every MatMul cuts its reduction dim over all ranks
+        layer.matmul.shard(((1, n), (1, n)))
+
+
+def _replicated(model: Any, loss: Any, n: int) -> None:
+    for layer in model.layers:        # every op computes the whole batch on every rank
+        layer.matmul.shard(((1, 1), (1, 1)))
+        layer.bias_add.shard(((1, 1), (1,)))
+
+
+def _redistributing(model: Any, loss: Any, n: int) -> None:
+    presets.redistributing_mlp(model, n)
+
+
+def _vocab_parallel(model: Any, loss: Any, n: int) -> None:
+    """Only the vocabulary is split (embedding, LM head, cross entropy); the blocks follow."""
+    model.embedding.gather.shard(((n, 1), (1, 1)))
+    presets.column_parallel(model.head, 1, n)
+    loss.ce.shard(((1, n), (1,)))
+
+
+def _gpt_mix(model: Any, loss: Any, n: int) -> None:
+    presets.mixed_gpt(model, loss, n)  # every block boundary changes the layout
+
+
+def strategies(n: int) -> list[Strategy]:
+    semi = "semi_auto_parallel"
+    half = max(1, n // 2)
+    rows: list[Strategy] = []
+    for model, opt in (("mlp", "momentum"), ("gpt", "adam")):
+        batch_dim = (lambda d: ((d, 1), (d,))) if model == "mlp" else (
+            lambda d: ((d, 1), (d, 1)))
+        rows += [
+            Strategy(f"{model} data parallel", model, "data_parallel", "data_parallel",
+                     _none, opt),
+            Strategy(f"{model} Megatron 1x{n}", model, semi, batch_dim(1), _megatron(1, n), opt),
+            Strategy(f"{model} hybrid 2x{half}", model, semi, batch_dim(2), _megatron(2, half),
+                     opt),
+            Strategy(f"{model} hybrid {half}x2", model, semi, batch_dim(half),
+                     _megatron(half, 2), opt),
+        ]
+    rows += [
+        Strategy("mlp split-k", "mlp", semi, ((1, 1), (1,)), _split_k, "momentum"),
+        Strategy("mlp replicated (poor)", "mlp", semi, ((1, 1), (1,)), _replicated, "momentum"),
+        Strategy("mlp redistributing (poor)", "mlp", semi, ((n, 1), (n,)), _redistributing,
+                 "momentum"),
+        Strategy("gpt vocabulary-parallel", "gpt", semi, ((1, 1), (1, 1)), _vocab_parallel,
+                 "adam"),
+        Strategy("gpt mixed layouts (poor)", "gpt", semi, ((1, 1), (1, 1)), _gpt_mix, "adam"),
+    ]
+    return rows
+
+
+def _batch(model: str, step: int) -> tuple[np.ndarray, np.ndarray]:
+    if model == "mlp":
+        return random_classification(step, MLP_BATCH, MLP_SIZES[0], MLP_SIZES[2], 0,
+                                     np.dtype(np.float32))
+    return CharCorpus(seed=0).batch(step, GPT_BATCH, GPT["seq_length"])
+
+
+def _build(s: Strategy, n: int) -> nn.TrainOneStepCell:
+    if s.model == "mlp":
+        net: nn.Cell = nn.MLP(*MLP_SIZES, n_hidden=1, dtype=np.dtype(np.float32))
+    else:
+        net = nn.GPT(**GPT, dtype=np.dtype(np.float64))
+    loss = nn.SoftmaxCrossEntropyWithLogits()
+    s.annotate(net, loss, n)
+    simpar.reset_auto_parallel_context()
+    simpar.set_auto_parallel_context(parallel_mode=s.mode, gradients_mean=True,
+                                     dataset_strategy=s.dataset, enable_alltoall=True)
+    cell = nn.WithLossCell(net, loss)
+    params = cell.trainable_params()
+    opt: nn.Optimizer = (nn.Adam(params, 1e-3) if s.optimizer == "adam"
+                         else nn.Momentum(params, 0.01, 0.9))
+    return nn.TrainOneStepCell(cell, opt, parallel_mode=s.mode, seed=0)
+
+
+def _slowest(seconds: float) -> float:
+    return float(comm.all_reduce(np.array([seconds]), op="max")[0])
+
+
+def measure(s: Strategy, n: int, steps: int) -> tuple[float, float, list[int], Any]:
+    """(median slowest-rank step seconds, predicted seconds, per-rank measured peak bytes,
+    the cost report)."""
+    train = _build(s, n)
+    for k in range(2):
+        train(*_batch(s.model, k))
+    times = []
+    for k in range(steps):
+        comm.barrier()
+        start = time.perf_counter()
+        train(*_batch(s.model, 2 + k))
+        times.append(_slowest(time.perf_counter() - start))
+    assert train.program is not None
+    report = train.program.cost(PROFILE, s.optimizer)
+    before = sum(a.nbytes for a in train.params.values()) + sum(
+        a.nbytes for slots in train.optimizer.state.values() for a in slots.values())
+    tracemalloc.start()
+    tracemalloc.reset_peak()
+    train(*_batch(s.model, 2 + steps))
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    peaks = comm.all_gather(np.array([before + peak], dtype=np.int64)).reshape(-1)
+    simpar.reset_auto_parallel_context()
+    return float(np.median(times)), report.step_seconds, [int(p) for p in peaks], report
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation (average ranks for ties)."""
+    def ranks(x: list[float]) -> np.ndarray:
+        order = np.argsort(x, kind="stable")
+        r = np.empty(len(x))
+        r[order] = np.arange(len(x), dtype=float)
+        values = np.asarray(x)
+        for v in np.unique(values):
+            tie = values == v
+            r[tie] = r[tie].mean()
+        return r
+    ra, rb = ranks(a), ranks(b)
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+PROFILE: Any = None
+
+
+def main() -> int:
+    global PROFILE
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--profile", default="cpu-local", help="a shipped name or a JSON path")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per strategy")
+    parser.add_argument("--no-write", action="store_true", help="print only")
+    args = parser.parse_args()
+    PROFILE = load_profile(args.profile)
+    n, rank = comm.get_group_size(), comm.get_rank()
+    rows, predicted, measured, mem_ok = [], [], [], 0
+    table_rows = []
+    for s in strategies(n):
+        seconds, pred, peaks, report = measure(s, n, args.steps)
+        mem_pred = [m.peak for m in report.memory]
+        worst = max(range(len(peaks)), key=lambda r: peaks[r])
+        pred_mem = mem_pred[worst] if worst < len(mem_pred) else max(mem_pred)
+        mem_ratio = pred_mem / peaks[worst]
+        mem_ok += abs(mem_ratio - 1) <= 0.15
+        predicted.append(pred)
+        measured.append(seconds)
+        rows.append(s.name)
+        table_rows.append([s.name, f"{pred * 1e3:.1f}", f"{seconds * 1e3:.1f}",
+                           f"{pred / seconds:.2f}", f"{pred_mem / 2**20:.2f}",
+                           f"{peaks[worst] / 2**20:.2f}", f"{mem_ratio:.2f}"])
+        if rank == 0:
+            print(f"{s.name}: predicted {pred * 1e3:.1f} ms, measured {seconds * 1e3:.1f} ms; "
+                  f"memory predicted {pred_mem / 2**20:.2f} MiB, measured "
+                  f"{peaks[worst] / 2**20:.2f} MiB (rank {worst})", flush=True)
+    rho = spearman(predicted, measured)
+    errors = [abs(p / m - 1) for p, m in zip(predicted, measured)]
+    med = float(np.median(errors))
+    if rank == 0:
+        table = markdown_table(["strategy", "predicted ms", "measured ms", "ratio",
+                                "predicted MiB", "measured MiB", "ratio"], table_rows)
+        verdict = (f"Spearman rho {rho:.3f} (target >= 0.9); median |predicted/measured - 1| "
+                   f"{med:.1%} (target <= 25%); memory within 15% for {mem_ok} of "
+                   f"{len(rows)} strategies (target: all).")
+        body = "\n\n".join([
+            f"`mpirun -n {n} {SCRIPT}` ({today()}; profile {PROFILE.name}; {args.steps} "
+            "timed steps per strategy, the slowest rank's median; memory: the rank with the "
+            "largest measured peak, tracemalloc over one step plus the parameters and "
+            "optimizer state held before it).", table, verdict, host_line()])
+        print(table)
+        print(verdict)
+        if not args.no_write:
+            write_section("cost_fidelity", body)
+            print("written to benchmarks/RESULTS.md (## cost_fidelity)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
