@@ -202,6 +202,30 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 
 PROFILE: Any = None
+PNG = Path(__file__).resolve().parent / "cost_fidelity.png"
+
+
+def _scatter(names: list[str], predicted: list[float], measured: list[float]) -> str:
+    """Predicted against measured step time as a PNG (matplotlib, the optional ``viz``
+    extra); the line for RESULTS.md says where it is or why there is none."""
+    try:
+        import matplotlib  # noqa: PLC0415 (optional extra: imported only to draw)
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        return "(No scatter plot: matplotlib is not installed; `pip install -e .[viz]` adds it.)"
+    fig, ax = plt.subplots(figsize=(5, 5))
+    ms, ps = [m * 1e3 for m in measured], [p * 1e3 for p in predicted]
+    ax.scatter(ms, ps)
+    for name, m, p in zip(names, ms, ps):
+        ax.annotate(name, (m, p), fontsize=6)
+    top = max(ms + ps) * 1.1
+    ax.plot([0, top], [0, top], linewidth=0.5)
+    ax.set_xlabel("measured step (ms)")
+    ax.set_ylabel("predicted step (ms)")
+    fig.tight_layout()
+    fig.savefig(PNG, dpi=120)
+    return f"![predicted against measured step time]({PNG.name})"
 
 
 def main() -> int:
@@ -248,6 +272,8 @@ def main() -> int:
             "optimizer state held before it).", table, verdict, host_line()])
         print(table)
         print(verdict)
+        plot = _scatter(rows, predicted, measured)
+        body += "\n\n" + plot
         if not args.no_write:
             write_section("cost_fidelity", body)
             print("written to benchmarks/RESULTS.md (## cost_fidelity)")
