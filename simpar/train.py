@@ -29,6 +29,7 @@ import simpar
 from simpar import _env, comm, graph, nn
 from simpar.check import CheckReport, check_against_single_device
 from simpar.context import ContextError
+from simpar.cost import load_profile, profile_names
 from simpar.dataset import VOCAB_SIZE, CharCorpus, random_classification
 from simpar.nn import presets
 from simpar.runtime.program import build_program
@@ -80,7 +81,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-check", action="store_true", help="skip the single-device check")
     p.add_argument("--out", default=None, help="directory for summary.json")
+    p.add_argument("--profile", default="cpu-local",
+                   help="device profile the cost model predicts the step on: a shipped name "
+                   f"({', '.join(profile_names())}), a .json path (python -m simpar.calibrate "
+                   "writes one), or 'none'")
     args = p.parse_args(argv)
+    if args.profile != "none":
+        try:
+            args.profile = load_profile(args.profile)
+        except (ValueError, TypeError) as error:
+            p.error(f"--profile {args.profile}: {error}")
     for name in ("steps", "batch_size", "seq_length", "d_model", "n_layers", "n_heads",
                  "hidden"):
         if getattr(args, name) < 1:
@@ -371,12 +381,22 @@ def main(argv: list[str] | None = None) -> int:
         f"{1e3 * float(np.median(steady)):.1f} ms)")
     say("collectives per rank 0 over the run:\n" + "\n".join(
         "  " + line for line in trace.summary().splitlines()))
+    predicted = None
+    if args.profile != "none" and train.program is not None:
+        optimizer = {"adamw": "adam"}.get(args.optimizer, args.optimizer)
+        predicted = train.program.cost(args.profile, optimizer)
+        say(f"cost model ({predicted.profile}): predicted step {predicted.step_seconds * 1e3:.1f}"
+            f" ms (measured median {1e3 * float(np.median(steady)):.1f} ms), peak memory "
+            f"{predicted.peak_memory / 2**20:.2f} MiB per rank (program.cost(profile) has "
+            "the table)")
     summary: dict[str, Any] = {
         "mode": args.parallel_mode, "strategy": strategy_name(args, world), "dp": dp,
         "mp": mp, "model": args.model, "dtype": args.dtype, "steps": args.steps,
         "losses": [_json_float(x) for x in losses], "tokens_per_s": tok_s,
         "plan_seconds": t_build, "step_seconds": step_times, "comm": trace.by_kind(),
-        "strategies": train.program.strategies() if train.program else {}, "passed": None}
+        "strategies": train.program.strategies() if train.program else {}, "passed": None,
+        "predicted_step_seconds": predicted.step_seconds if predicted else None,
+        "predicted_peak_memory": predicted.peak_memory if predicted else None}
     report = None
     if not args.no_check:
         report = check_against_single_device(

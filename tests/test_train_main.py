@@ -185,8 +185,10 @@ def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     (["--parallel-mode", "data_parallel", "--strategy", "mp"],
      "--strategy mp sets semi_auto_parallel strategies, but --parallel-mode is data_parallel"),
     (["--parallel-mode", "auto_parallel"], "auto_parallel needs the strategy search"),
+    (["--profile", "tpu9"], "--profile tpu9: load_profile: unknown profile 'tpu9'; shipped "
+     "profiles are ['ascend910a', 'ascend910b', 'cpu-local']"),
 ], ids=["lr-negative", "lr-nan", "lr-inf", "heads-not-dividing", "steps-0", "seed", "mode",
-        "strategy-with-dp", "auto"])
+        "strategy-with-dp", "auto", "profile"])
 def test_user_errors_print_one_line_on_rank_0(argv: list[str], message: str,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     line = _refused([*argv, "--steps", "1"] if "--steps" not in argv else argv, capsys)
@@ -306,3 +308,18 @@ def test_a_diverged_run_is_inconclusive_not_a_fail(tmp_path: Path,
         assert re.search(r"error: the single-device run diverged \(first batch's loss "
                          r"[\d.]+ -> [\d.e+]+\)", err), err
         assert "--lr 1000 is too large here" in err
+
+
+def test_the_job_reports_the_cost_models_prediction(tmp_path: Path) -> None:
+    """The summary holds the cost model's predicted step and peak memory on the chosen
+    profile next to the measured steps; --profile none leaves them out."""
+    out = shared_dir(tmp_path) / "out"
+    assert train.main(["--steps", "1", "--no-check", "--profile", "ascend910a",
+                       "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["predicted_step_seconds"] > 0 and summary["predicted_peak_memory"] > 0
+    comm.barrier()  # every rank has read it before rank 0 writes the next one
+    assert train.main(["--steps", "1", "--no-check", "--profile", "none",
+                       "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["predicted_step_seconds"] is None
