@@ -238,3 +238,77 @@ def test_an_unused_op_type_does_not_break_costing() -> None:
     g = graph.trace(lambda a: ops.Transpose((1, 0))(ops.MatMul()(a, x)), [((4, 4), np.float64)])
     r = evaluate(lower(g, plan_strategies(g, 1, "stand_alone")), _profile())
     assert [row.op_type for row in r.ops] == ["MatMul", "Transpose"] and r.grad_sync == 0
+
+
+def test_a_split_k_output_before_and_after_its_allreduce_are_two_arrays() -> None:
+    """ReLU(x @ w) with k split over 2 devices, float64: the tapes keep x's shard (8, 16),
+    MatMul's raw partial output (8, 16), the AllReduced output ReLU reads (8, 16) and ReLU's
+    output (8, 16): four arrays of 1 KiB. The collective holds its input and result: 2 KiB."""
+    w = nn.Parameter(np.ones((32, 16)), name="w")
+    mm = ops.MatMul().shard(((1, 2), (2, 1)))
+    g = graph.trace(lambda x: ops.ReLU()(mm(x, w)), [((8, 32), np.float64)], ["x"])
+    m = evaluate(lower(g, plan_strategies(g, 2, "semi_auto_parallel")), _profile()).memory[0]
+    assert m.activations == 4 * 8 * 16 * 8
+    assert m.comm_buffer == 2 * 8 * 16 * 8
+
+
+def test_a_redistributed_copy_of_a_parameter_is_kept_and_gathers_hold_the_whole() -> None:
+    """w (64, 64) float64 read column-split by one MatMul and row-split by another, on 4
+    devices: the second gets its own (16, 64) copy (an AllGather then a slice), which its
+    tape keeps; that AllGather holds its (64, 16) input and its (64, 64) result."""
+    w = nn.Parameter(np.ones((64, 64)), name="w")
+    m1 = ops.MatMul().shard(((1, 1), (1, 4)))
+    m2 = ops.MatMul().shard(((1, 4), (4, 1)))
+    g = graph.trace(lambda x: m2(m1(x, w), w), [((8, 64), np.float64)], ["x"])
+    prog = lower(g, plan_strategies(g, 4, "semi_auto_parallel"))
+    m = evaluate(prog, _profile()).memory[0]
+    copy = 16 * 64 * 8
+    # x (8, 64); m1's output (8, 16), which m2 reads as is; m2's raw partial output (8, 64)
+    # (its AllReduced output is the graph's, kept by no tape)
+    assert m.activations == (8 * 64 + 8 * 16 + 8 * 64) * 8 + copy
+    assert m.comm_buffer >= 64 * 16 * 8 + 64 * 64 * 8
+
+
+def test_gather_keeps_its_ids_and_kernels_count_each_inputs_own_dtype() -> None:
+    table = nn.Parameter(np.ones((100, 64)), name="table")
+    gamma, beta = nn.Parameter(np.ones(64), name="g"), nn.Parameter(np.zeros(64), name="b")
+
+    def f(ids: Any) -> Any:
+        return ops.LayerNorm(1, 1)(ops.Gather()(table, ids), gamma, beta)
+
+    for ids in (np.int32, np.int64):
+        g = graph.trace(f, [((512,), ids)], ["ids"])
+        prog = lower(g, plan_strategies(g, 1, "stand_alone"))
+        m = evaluate(prog, _profile()).memory[0]
+        # the ids, and LayerNorm's xhat (512, 64); not Gather's output
+        assert m.activations == 512 * np.dtype(ids).itemsize + 512 * 64 * 8
+    g32 = graph.trace(f, [((512,), np.int32)], ["ids"])
+    g64 = graph.trace(f, [((512,), np.int64)], ["ids"])
+    base = _profile()                     # memory-bound: FLOPs are free
+    p = DeviceProfile("bytes", {"float64": 1e18}, base.memory_capacity, MEM_BW,
+                      base.intra_server, base.inter_server, 8)
+    r32 = evaluate(lower(g32, plan_strategies(g32, 1, "stand_alone")), p).ops[0]
+    r64 = evaluate(lower(g64, plan_strategies(g64, 1, "stand_alone")), p).ops[0]
+    assert r64.compute - r32.compute == pytest.approx(3 * 512 * 4 / MEM_BW)  # ids only
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    ({"memory_capacity": float("nan")}, r"memory_capacity must be a finite number > 0, got nan"),
+    ({"memory_capacity": 1.5e9 + 0.5}, r"memory_capacity must be a whole number of bytes"),
+    ({"peak_flops": {"fp16": 1e12}}, r"peak_flops key 'fp16' is not a floating-point dtype"),
+    ({"server_map": [0, -1]}, r"server map must list a server index \(an int >= 0\)"),
+])
+def test_more_bad_figures_are_named(tmp_path: pathlib.Path, change: dict[str, Any],
+                                    match: str) -> None:
+    d = {**_profile().to_dict(), **change}
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match=match):
+        load_profile(path)
+
+
+def test_a_rank_table_profile_round_trips() -> None:
+    p = _profile(devices_per_server=4).with_rank_table([0, 0, 1, 1])
+    assert DeviceProfile.from_dict(p.to_dict()) == p and p.server_map == (0, 0, 1, 1)
+    with pytest.raises(ValueError, match="server map"):
+        _profile().with_rank_table([0, True])

@@ -341,6 +341,7 @@ def _defaults() -> dict[str, float | int]:
 
 _state: dict[str, float | int] = _defaults()
 _warned: set[str] = set()
+_snapshot: CostModelContext | None = None  # the current context, built once per change
 
 
 def set_cost_model_context(**kwargs: Any) -> None:
@@ -363,13 +364,13 @@ def set_cost_model_context(**kwargs: Any) -> None:
     simpar.context.ContextTypeError: ...: costmodel_alpha must be a float in (0, inf), but got 1 ...
     >>> reset_cost_model_context()
     """
-    global _state
+    global _state, _snapshot
     func = "set_cost_model_context"
     staged = dict(_state)
     for key, value in kwargs.items():
         _check_key(func, key)
         staged[key] = _check_value(func, key, value)
-    _state = staged
+    _state, _snapshot = staged, None
     for key, value in kwargs.items():
         spec = _KEYS[key]
         if not spec.honoured and staged[key] != spec.default and key not in _warned:
@@ -397,8 +398,8 @@ def reset_cost_model_context() -> None:
     >>> get_cost_model_context("costmodel_gamma")
     0.001
     """
-    global _state
-    _state = _defaults()
+    global _state, _snapshot
+    _state, _snapshot = _defaults(), None
 
 
 def cost_model_context() -> CostModelContext:
@@ -407,7 +408,10 @@ def cost_model_context() -> CostModelContext:
     >>> cost_model_context().costmodel_communi_const
     3072.0
     """
-    return CostModelContext(**_state)  # type: ignore[arg-type]
+    global _snapshot
+    if _snapshot is None:  # searches price thousands of strategies: validate once per change
+        _snapshot = CostModelContext(**_state)  # type: ignore[arg-type]
+    return _snapshot
 
 
 # ----------------------------------------------------------------------------------------------

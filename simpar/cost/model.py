@@ -229,9 +229,8 @@ def _time_of(steps: Sequence[Any], by_name: Mapping[str, Any], prof: DeviceProfi
     for s in steps:
         if s.collective is None:
             op = by_name[s.op]
-            sh, dtype = op.sharding, op.node.outputs[0].dtype
-            itemsize = max(v.dtype.itemsize for v in op.node.inputs)
-            nbytes = sh.memory_bytes(itemsize, dtype.itemsize)
+            dtype = op.node.outputs[0].dtype
+            nbytes = _kernel_bytes(op)
             scale = 2 if s.backward else 1
             ops[s.op][0] += prof.compute_seconds(s.flops, scale * nbytes, dtype)
             continue
@@ -243,6 +242,17 @@ def _time_of(steps: Sequence[Any], by_name: Mapping[str, Any], prof: DeviceProfi
         else:
             ops[s.op][1 if s.role == "op-collective" else 2] += seconds
     return sum(sum(v) for v in ops.values()) + grad_sync, ops, grad_sync
+
+
+def _kernel_bytes(op: Any) -> int:
+    """Bytes a kernel reads and writes: its input shards and its raw outputs, each in its
+    own dtype; a view (Reshape, Identity) moves nothing."""
+    sh, node = op.sharding, op.node
+    if node.op.output_aliases_input and sh.inner_plan is None:
+        return 0
+    return (sum(lay.local_size() * v.dtype.itemsize for v, lay in zip(node.inputs, sh.in_layouts))
+            + sum(raw.local_size() * v.dtype.itemsize
+                  for v, (raw, _, _) in zip(node.outputs, sh.outputs)))
 
 
 def _buffer_bytes(step: Any) -> int:
@@ -260,8 +270,9 @@ def _memory_of(program: _Program, rank: int, optimizer: str, prof: DeviceProfile
         if v.param is not None and v.param.requires_grad:
             grads += nbytes
     # Activations: the arrays the tapes hold at the end of the forward, each counted once.
-    # An array is named by where it was made: a value's block as its producer made it, or
-    # as a consumer's redistribution made it; a view (Reshape, Identity) names its input's.
+    # An array is named by where it was made: an op's raw output, its output after the op's
+    # own collectives (a new array when there are any), a consumer's redistributed input; a
+    # view (Reshape, Identity) names its input's.
     storage: dict[int, tuple[Any, ...]] = {}
     sizes: dict[tuple[Any, ...], int] = {}
     kept: set[tuple[Any, ...]] = set()
@@ -274,28 +285,46 @@ def _memory_of(program: _Program, rank: int, optimizer: str, prof: DeviceProfile
                 key = ("redistributed", node.id, k)
             sizes.setdefault(key, lay.local_size() * v.dtype.itemsize)
             ins.append((v, key))
-        for k, (v, (raw, _, _)) in enumerate(zip(node.outputs, sh.outputs)):
+        raws = []
+        for k, (v, (raw, out, out_plan)) in enumerate(zip(node.outputs, sh.outputs)):
             aliases = node.op.output_aliases_input and sh.inner_plan is None and k == 0
-            storage[v.id] = ins[0][1] if aliases else ("value", v.id)
-            sizes.setdefault(storage[v.id], raw.local_size() * v.dtype.itemsize)
+            raw_key = ins[0][1] if aliases else ("raw", node.id, k)
+            sizes.setdefault(raw_key, raw.local_size() * v.dtype.itemsize)
+            raws.append(raw_key)
+            storage[v.id] = ("value", v.id) if out_plan.steps else raw_key
+            sizes.setdefault(storage[v.id], out.local_size() * v.dtype.itemsize)
         if node.id not in program.grad_nodes:
             continue
-        tape, first = node.op.tape, sh.in_layouts[0].local_size()
-        if tape == "inputs+output":
-            kept.update(key for v, key in ins if v.kind != "param")  # params: counted above
-            kept.update(storage[v.id] for v in node.outputs)
-        elif tape == "output":
-            kept.update(storage[v.id] for v in node.outputs)
-        elif tape == "new-like-input":
-            kept.add(("new", node.id))
-            sizes[("new", node.id)] = first * node.inputs[0].dtype.itemsize
-        elif tape == "mask":
-            kept.add(("new", node.id))
-            sizes[("new", node.id)] = first
+        kept.update(_kept(node.op.tape, node, sh, ins, raws, sizes))
     activations = sum(sizes[key] for key in kept)
     # A collective holds its input and its result at once (a Mirror's input is the
     # concatenation of its gradients: a copy).
-    buffer = 2 * max((_buffer_bytes(s) for s in program.schedule(rank)
-                      if s.collective is not None), default=0)
+    buffer = max((s.buffer_bytes + s.result_bytes for s in program.schedule(rank)
+                  if s.collective is not None), default=0)
     return MemoryRow(rank, params, grads, OPTIMIZER_STATE[optimizer] * grads, activations,
                      buffer, prof.memory_capacity)
+
+
+def _kept(tape: str, node: Any, sh: Any, ins: list[tuple[Any, tuple[Any, ...]]],
+          raws: list[tuple[Any, ...]], sizes: dict[tuple[Any, ...], int]
+          ) -> list[tuple[Any, ...]]:
+    """The arrays ``node``'s tape holds (naming new ones in ``sizes``). ``tape`` is the op's
+    ``simpar.ops.Tape`` (a str enum: compared by value, as this module sits below the ops'
+    package in import order)."""
+    if tape == "inputs+output":
+        # A parameter's own shard is counted as a parameter; a redistributed copy is not it.
+        return [key for v, key in ins if v.kind != "param" or key[0] == "redistributed"] + raws
+    if tape == "output":
+        return raws
+    if tape == "nothing":
+        return []
+    if tape == "indices":
+        return [ins[1][1]]
+    first = sh.in_layouts[0].local_size()
+    if tape == "new-like-input":
+        sizes[("new", node.id)] = first * node.inputs[0].dtype.itemsize
+    elif tape == "mask":
+        sizes[("new", node.id)] = first
+    else:
+        raise AssertionError(f"{node.op.name}: unknown tape kind {tape!r}")
+    return [("new", node.id)]

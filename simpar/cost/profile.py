@@ -102,9 +102,21 @@ class DeviceProfile:
             raise ValueError(f"{where}: peak_flops must map dtype names to FLOP/s, got "
                              f"{self.peak_flops!r}")
         for dtype, value in self.peak_flops.items():
+            try:
+                ok = np.dtype(dtype).kind == "f" and np.dtype(dtype).name == dtype
+            except TypeError:
+                ok = False
+            if not ok:
+                raise ValueError(f"{where}: peak_flops key {dtype!r} is not a floating-point "
+                                 "dtype name; use float16, float32 or float64")
             _positive(value, f"{where}: peak_flops[{dtype!r}]")
         object.__setattr__(self, "peak_flops", dict(self.peak_flops))
         _positive(self.memory_capacity, f"{where}: memory_capacity")
+        if isinstance(self.memory_capacity, bool) or int(self.memory_capacity) != \
+                self.memory_capacity:
+            raise ValueError(f"{where}: memory_capacity must be a whole number of bytes, got "
+                             f"{self.memory_capacity!r}")
+        object.__setattr__(self, "memory_capacity", int(self.memory_capacity))
         _positive(self.memory_bandwidth, f"{where}: memory_bandwidth")
         for key in ("intra_server", "inter_server"):
             link = getattr(self, key)
@@ -121,6 +133,8 @@ class DeviceProfile:
             raise ValueError(f"{where}: devices_per_server must be an int >= 1, got "
                              f"{self.devices_per_server!r}")
         object.__setattr__(self, "sources", dict(self.sources))
+        if self.server_map is not None:
+            object.__setattr__(self, "server_map", _server_map(self.server_map, where))
 
     # -------------------------------------------------------------------- queries
     def flops_per_second(self, dtype: Any) -> float:
@@ -156,8 +170,6 @@ class DeviceProfile:
         link = self.link(group)
         if kind == "AllToAllV":
             return link.seconds(latency_rounds(kind, p), nbytes)
-        if kind == "Broadcast":
-            return link.seconds(math.ceil(math.log2(p)), nbytes)
         rounds = 2 * (p - 1) if kind == "AllReduce" else p - 1  # ring algorithms
         return link.seconds(rounds, traffic(kind, p, nbytes))
 
@@ -172,11 +184,7 @@ class DeviceProfile:
     def with_rank_table(self, server_of: Sequence[int]) -> DeviceProfile:
         """This profile with servers as a rank table lays them out (``server_of[r]``: the
         server index of rank ``r``)."""
-        table = tuple(int(s) for s in server_of)
-        if not table or any(s < 0 for s in table):
-            raise ValueError(f"with_rank_table: server_of must list a server index >= 0 for "
-                             f"every rank, got {list(server_of)[:8]}")
-        return replace(self, server_map=table)
+        return replace(self, server_map=_server_map(server_of, "with_rank_table"))
 
     # -------------------------------------------------------------------- JSON
     def to_dict(self) -> dict[str, Any]:
@@ -186,6 +194,7 @@ class DeviceProfile:
                 "intra_server": _link_dict(self.intra_server),
                 "inter_server": _link_dict(self.inter_server),
                 "devices_per_server": self.devices_per_server,
+                **({"server_map": list(self.server_map)} if self.server_map else {}),
                 "kernel_overhead": self.kernel_overhead, "step_overhead": self.step_overhead,
                 "array_op_overhead": self.array_op_overhead,
                 "compute_scale": self.compute_scale, "sync_overhead": self.sync_overhead,
@@ -197,7 +206,8 @@ class DeviceProfile:
         raises naming it."""
         if not isinstance(d, Mapping):
             raise TypeError(f"{where}: a profile must be a JSON object, got {type(d).__name__}")
-        unknown = sorted(set(d) - set(_FIGURES) - set(_OPTIONAL) - {"name", "sources"})
+        unknown = sorted(set(d) - set(_FIGURES) - set(_OPTIONAL)
+                         - {"name", "sources", "server_map"})
         if unknown:
             raise ValueError(f"{where}: unknown key(s) {unknown}; a profile has name, sources, "
                              f"{sorted(_FIGURES)} and optionally {sorted(_OPTIONAL)}")
@@ -223,12 +233,15 @@ class DeviceProfile:
         sources = d.get("sources", {})
         if not isinstance(sources, Mapping):
             raise ValueError(f"{where}: sources must map figure names to text, got {sources!r}")
+        capacity = _number(d["memory_capacity"], f"{where}: memory_capacity")
+        _positive(capacity, f"{where}: memory_capacity")
         return cls(name, {str(k): _number(v, f"{where}: peak_flops[{k!r}]")
                           for k, v in flops.items()},
-                   int(_number(d["memory_capacity"], f"{where}: memory_capacity")),
+                   capacity,  # type: ignore[arg-type]  # checked whole in __post_init__
                    _number(d["memory_bandwidth"], f"{where}: memory_bandwidth"),
                    links["intra_server"], links["inter_server"], d["devices_per_server"],
-                   {str(k): str(v) for k, v in sources.items()}, None,
+                   {str(k): str(v) for k, v in sources.items()},
+                   None if d.get("server_map") is None else tuple(d["server_map"]),
                    _number(d.get("kernel_overhead", 0.0), f"{where}: kernel_overhead"),
                    _number(d.get("step_overhead", 0.0), f"{where}: step_overhead"),
                    _number(d.get("array_op_overhead", 0.0), f"{where}: array_op_overhead"),
@@ -241,6 +254,17 @@ class DeviceProfile:
         tmp = target.with_name(target.name + ".tmp")
         tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
         tmp.replace(target)
+
+
+def _server_map(server_of: Sequence[object], where: str) -> tuple[int, ...]:
+    """A rank table's server index per rank, checked: ints >= 0, at least one rank."""
+    table = tuple(server_of)
+    bad = [s for s in table if isinstance(s, bool) or not isinstance(s, (int, np.integer))
+           or s < 0]
+    if not table or bad:
+        raise ValueError(f"{where}: the server map must list a server index (an int >= 0) for "
+                         f"every rank, got {list(table)[:8]}")
+    return tuple(int(s) for s in table)  # type: ignore[call-overload]
 
 
 def _link_dict(link: Link) -> dict[str, float]:

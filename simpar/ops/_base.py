@@ -25,6 +25,7 @@ AllReduce over the input's replica axes (MindSpore's Mirror, for a parameter).
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -55,6 +56,7 @@ __all__ = [
     "Primitive",
     "StrategyError",
     "Strategy",
+    "Tape",
     "dim_names",
     "divisors",
     "plan_adjoint_comm",
@@ -384,6 +386,22 @@ def _float_of(saved: Any) -> Any:
     return find(saved) or np.dtype(np.float64)
 
 
+# ------------------------------------------------------------------ what a forward keeps
+class Tape(str, enum.Enum):
+    """What an op's forward keeps for its backward (``Primitive.tape``), as its
+    ``local_forward`` saves it: the cost model counts activation memory from it."""
+
+    INPUTS_AND_OUTPUT = "inputs+output"  # the default local_forward: (xs, y)
+    OUTPUT = "output"                    # Softmax: y
+    NOTHING = "nothing"                  # Reshape, Transpose, Split, ReduceMean: shapes only
+    NEW_LIKE_INPUT = "new-like-input"    # LayerNorm's xhat, the cross entropy's softmax
+    MASK = "mask"                        # Dropout: one byte per element of input 0
+    INDICES = "indices"                  # Gather: input 1 (the ids)
+
+    def __str__(self) -> str:
+        return self.value
+
+
 # ------------------------------------------------------------------ tracing hook
 #: While set (by :func:`simpar.graph.trace`), calling a primitive records a graph node
 #: through this function instead of running the kernel. The hook keeps ops below the graph.
@@ -415,10 +433,8 @@ class Primitive:
     nondiff_inputs: ClassVar[tuple[int, ...]] = ()
     #: Whether out_strategy is accepted (MindSpore supports it for a few ops).
     supports_out_strategy: ClassVar[bool] = False
-    #: What the forward keeps for the backward (the cost model's activation memory):
-    #: "inputs+output" (the default local_forward), "output", "nothing", "new-like-input"
-    #: (one new array as large as input 0) or "mask" (one byte per element of input 0).
-    tape: ClassVar[str] = "inputs+output"
+    #: What the forward keeps for the backward (the cost model's activation memory).
+    tape: ClassVar[Tape] = Tape.INPUTS_AND_OUTPUT
     #: Whether the local output is a view of the local input 0 (no new memory).
     output_aliases_input: ClassVar[bool] = False
 

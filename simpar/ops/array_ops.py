@@ -23,6 +23,7 @@ from simpar.ops._base import (
     OpSharding,
     Primitive,
     Strategy,
+    Tape,
     build_sharding,
     dim_names,
     register,
@@ -46,7 +47,7 @@ class Transpose(Primitive):
     """Permute dimensions: output dim ``d`` is input dim ``perm[d]``. Always local: the tensor
     map is permuted with the dims (``Transpose((1, 0))`` of map [1, 0] gives [0, 1])."""
 
-    tape = "nothing"
+    tape = Tape.NOTHING
 
     n_inputs = 1
 
@@ -213,7 +214,7 @@ class Reshape(Primitive):
     stay contiguous): the input is first redistributed to the cheapest layout that works.
     """
 
-    tape = "nothing"
+    tape = Tape.NOTHING
     output_aliases_input = True
 
     n_inputs = 1
@@ -360,7 +361,7 @@ class Split(Primitive):
     Every output keeps the input's tensor map: on (2, 4) with x (8, 16) cut (2, 4) and
     ``Split(axis=0, output_num=2)``, rank 5 returns two (2, 4) blocks of its (4, 4) shard."""
 
-    tape = "nothing"
+    tape = Tape.NOTHING
 
     n_inputs = 1
 

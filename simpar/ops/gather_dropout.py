@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from simpar.counter_rng import bits, mix_int
-from simpar.ops._base import IterSpace, OpSharding, Primitive, register
+from simpar.ops._base import IterSpace, OpSharding, Primitive, Tape, register
 from simpar.seed import current_step
 
 __all__ = ["Dropout", "Gather"]
@@ -46,6 +46,8 @@ class Gather(Primitive):
     rank 5 is the cotangent of those ids scattered into rows 4..7, then summed over [1, 5]
     (the table's replicas along the id axis).
     """
+
+    tape = Tape.INDICES
 
     n_inputs = 2
     nondiff_inputs = (1,)
@@ -186,7 +188,7 @@ class Dropout(Primitive):
     mask is exactly ``mask[4:8, 4:8]`` of the one-device mask.
     """
 
-    tape = "mask"
+    tape = Tape.MASK
 
     n_inputs = 1
 

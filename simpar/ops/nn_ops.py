@@ -29,6 +29,7 @@ from simpar.ops._base import (
     OpSharding,
     Primitive,
     Strategy,
+    Tape,
     dim_names,
     register,
 )
@@ -100,7 +101,7 @@ class _SoftmaxBase(Primitive):
     """Shared rule: every dim is an iteration dim; a split softmax axis adds internal
     AllReduces (max and sum of exp forward, one sum backward) over the splitting ranks."""
 
-    tape = "output"
+    tape = Tape.OUTPUT
 
     n_inputs = 1
     log: bool = False
@@ -253,7 +254,7 @@ class LayerNorm(Primitive):
     contributions, completed by the framework's AllReduce over ranks [1, 5] (the row split).
     """
 
-    tape = "new-like-input"
+    tape = Tape.NEW_LIKE_INPUT
 
     n_inputs = 3
 
@@ -397,7 +398,7 @@ class SparseSoftmaxCrossEntropyWithLogits(Primitive):
     own). Labels outside ``[0, C)`` raise ValueError naming the label.
     """
 
-    tape = "new-like-input"
+    tape = Tape.NEW_LIKE_INPUT
 
     n_inputs = 2
     nondiff_inputs = (1,)

@@ -38,6 +38,7 @@ from simpar.ops._base import (
     OpSharding,
     Primitive,
     Strategy,
+    Tape,
     dim_names,
     register,
 )
@@ -214,7 +215,7 @@ class ReduceMean(_Reduce):
     (3,) vector summed over ranks [1, 3, 5, 7].
     """
 
-    tape = "nothing"
+    tape = Tape.NOTHING
 
     float_only = True
     empty_error = "mean"

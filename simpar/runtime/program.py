@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from simpar import comm, schedule
-from simpar.cost.collective import seconds, traffic
+from simpar.cost.collective import traffic
 from simpar.cost.model import CostReport, evaluate
 from simpar.cost.profile import DeviceProfile
 from simpar.graph import Graph, Node, Value
@@ -89,16 +89,11 @@ class ProgramStep:
     group: tuple[int, ...] = ()
     recv_bytes: int = 0
     buffer_bytes: int = 0          # the collective's local input buffer
+    result_bytes: int = 0          # and its local result
     flops: int = 0
     reason: str = ""
     runs: object = field(default=None, compare=False, repr=False)
     adjoint: bool = False
-
-    def seconds(self) -> float:
-        """Alpha-beta time of the collective (:mod:`simpar.cost`); 0 for a compute step."""
-        if self.collective is None or len(self.group) < 2:
-            return 0.0
-        return seconds(self.collective, len(self.group), self.recv_bytes)
 
     def __str__(self) -> str:
         phase = "bwd" if self.backward else "fwd"
@@ -374,10 +369,15 @@ class _Builder:
         for spec in specs:
             where = f"{label}/{spec.reason}" if spec.step is None else (
                 f"{label}/redistribute{'-adjoint' if spec.adjoint else ''}:{spec.step.kind}")
+            if spec.step is None:   # an op's own AllReduce: the result is the buffer's size
+                result = spec.elements
+            else:
+                result = (spec.step.src if spec.adjoint else spec.step.dst).local_size()
             self.steps.append(ProgramStep(
                 len(self.steps), self.backward, role, op, where, spec.kind,
                 spec.group(self.rank), spec.recv_bytes(self.rank, itemsize),
-                spec.elements * itemsize, 0, spec.reason, spec.runs, spec.adjoint))
+                spec.elements * itemsize, result * itemsize, 0, spec.reason, spec.runs,
+                spec.adjoint))
 
 
 def _schedule(program: ParallelProgram, rank: int, seeded: tuple[bool, ...]
@@ -437,7 +437,8 @@ def _schedule(program: ParallelProgram, rank: int, seeded: tuple[bool, ...]
         nbytes = elements * np.dtype(dtype).itemsize
         b.steps.append(ProgramStep(
             len(b.steps), True, Role.MIRROR, "", f"Mirror:{len(names)} params",
-            StepKind.ALL_REDUCE, group, traffic(StepKind.ALL_REDUCE, len(group), nbytes), nbytes, 0,
+            StepKind.ALL_REDUCE, group, traffic(StepKind.ALL_REDUCE, len(group), nbytes), nbytes,
+            nbytes, 0,
             f"gradients of {', '.join(names)} (sum over their replicas)", _mirror(group, names)))
     return tuple(b.steps)
 
