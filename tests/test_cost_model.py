@@ -101,6 +101,7 @@ def test_ring_collectives_cost_their_formula_on_the_link_they_cross() -> None:
     assert p.collective_seconds("AllReduce", across, n) == pytest.approx(
         2 * 3 * 10 * ALPHA + 2 * 3 / 4 * n / (BETA / 10))
     assert p.collective_seconds("AllReduce", (3,), n) == 0.0
+    assert p.collective_seconds("Broadcast", inside, n) == pytest.approx(2 * ALPHA + n / BETA)
 
 
 def test_a_rank_table_sets_the_server_boundaries() -> None:
@@ -175,7 +176,10 @@ def test_memory_counts_parameters_gradients_state_and_kept_activations() -> None
         assert (m.parameters, m.gradients, m.optimizer) == (528 * 8, 528 * 8, copies * 528 * 8)
         assert m.activations == (4 * 32 + 3 * 4 * 16) * 8
         assert m.comm_buffer == 2 * 528 * 8                  # the Mirror's input and result
-        assert m.peak == m.parameters + m.gradients + m.optimizer + m.activations + 2 * 528 * 8
+        assert m.backward == (4 * 16 + 4 * 32 + 16 * 32) * 8  # MatMul: dy, dx, dw
+        assert m.update == {"sgd": 1, "momentum": 1, "adam": 4}[optimizer] * 16 * 32 * 8
+        assert m.peak == m.parameters + m.gradients + m.optimizer + max(
+            m.activations + 2 * 528 * 8, m.update)
 
 
 def test_activations_follow_what_each_op_keeps_for_the_backward() -> None:
@@ -312,3 +316,64 @@ def test_a_rank_table_profile_round_trips() -> None:
     assert DeviceProfile.from_dict(p.to_dict()) == p and p.server_map == (0, 0, 1, 1)
     with pytest.raises(ValueError, match="server map"):
         _profile().with_rank_table([0, True])
+
+
+# ------------------------------------------------------------------ one interface, two models
+def test_both_models_answer_one_interface_and_a_report_shows_both() -> None:
+    from simpar.cost import (
+        CostModel,
+        MindSporeCostModel,
+        SimparCostModel,
+        compare,
+        objective,
+        op_cost,
+        redistribution_cost,
+    )
+    from simpar.layout import TensorLayout
+    from simpar.redistribution import plan
+
+    prog = _split_k_dense(2)
+    simparm, msm = SimparCostModel(_profile(), "sgd"), MindSporeCostModel()
+    assert isinstance(simparm, CostModel) and isinstance(msm, CostModel)
+    (step,) = prog.steps
+    # simpar's op cost: the kernels forward and backward and the AllReduce both ways (the
+    # weight is split, so no Mirror), as evaluate prices them for the whole program
+    report = evaluate(prog, _profile(), "sgd")
+    assert simparm.op(step.sharding, {1}, 8) == pytest.approx(
+        report.ops[0].compute + report.ops[0].op_comm)
+    assert simparm.program(prog) == report.step_seconds
+    # MindSpore's: its objective of its op cost
+    assert msm.op(step.sharding, {1}, 8) == objective(
+        op_cost(step.sharding, {1}, 8), step.sharding.strategy, 2)
+    # an edge: S0 -> S1 on 8 devices with an AllToAll, both ways
+    src = TensorLayout((8,), (0, -1), (64, 64))
+    dst = TensorLayout((8,), (-1, 0), (64, 64))
+    p = plan(src, dst, enable_alltoall=True)
+    one = _profile().collective_seconds("AllToAll", range(8), 8 * 64 * 4)
+    assert simparm.edge(p, 4) == pytest.approx(2 * one)
+    assert msm.edge(p, 4) > 0 and redistribution_cost(p, 4).forward > 0
+    table = compare(prog, [simparm, msm])
+    assert "simpar (s)" in table and "mindspore (MindSpore cost" in table
+    assert "MatMul" in table and "whole program" in table
+
+
+def test_the_launchers_rank_table_sets_the_servers() -> None:
+    from simpar.launch import build_rank_table
+
+    table = build_rank_table(8, [("node-a", 4), ("node-b", 4)])
+    p = _profile(devices_per_server=8).with_rank_table(table)
+    assert p.server_map == (0, 0, 0, 0, 1, 1, 1, 1)
+    assert p.link((0, 4)) == p.inter_server and p.link((0, 3)) == p.intra_server
+
+
+def test_the_executor_reports_the_peak_bytes_it_holds() -> None:
+    """x (8, 32) @ w.T (w (16, 32)), float64, one device: after the forward the executor holds
+    w, x and the output (8, 16), each once though the tape keeps x and the output too."""
+    from simpar.runtime import watching_memory
+
+    dense = nn.Dense(32, 16, has_bias=False, dtype=np.float64)
+    g = graph.trace(dense, [((8, 32), np.float64)], ["x"])
+    prog = lower(g, plan_strategies(g, 1, "stand_alone"))
+    with watching_memory() as watch:
+        prog.forward([np.ones((8, 32))], {"weight": np.ones((16, 32))})
+    assert watch.peak == (16 * 32 + 8 * 32 + 8 * 16) * 8

@@ -7,7 +7,9 @@
   on a profile (:func:`evaluate`, or ``program.cost(profile)``);
 * :mod:`simpar.cost.mindspore`: MindSpore's own cost model (bytes of slices;
   ``set_cost_model_context``, ``op_cost``, ``objective``, ``redistribution_cost``), reproduced
-  term by term.
+  term by term;
+* :mod:`simpar.cost.interface`: one interface for both (``CostModel``: ``op``, ``edge``,
+  ``program``), so a search can use either, and :func:`compare` to show both.
 """
 
 from simpar.cost.collective import (
@@ -18,6 +20,7 @@ from simpar.cost.collective import (
     seconds,
     traffic,
 )
+from simpar.cost.interface import CostModel, MindSporeCostModel, SimparCostModel, compare
 from simpar.cost.mindspore import (
     CostModelContext,
     MindSporeCost,
@@ -36,7 +39,8 @@ from simpar.cost.mindspore import (
 from simpar.cost.model import OPTIMIZER_STATE, CostReport, MemoryRow, OpCostRow, evaluate
 from simpar.cost.profile import DeviceProfile, Link, load_profile, profile_names
 
-__all__ = ["ALPHA_SECONDS", "BANDWIDTH_BYTES_PER_S", "OPTIMIZER_STATE", "CostModelContext",
+__all__ = ["ALPHA_SECONDS", "BANDWIDTH_BYTES_PER_S", "OPTIMIZER_STATE", "CostModel",
+           "CostModelContext", "MindSporeCostModel", "SimparCostModel", "compare",
            "CostReport", "DeviceProfile", "Link", "MemoryRow", "MindSporeCost",
            "MindSporeOpCost", "OpCostRow", "RedistributionCost", "cost_model_context",
            "edge_objective", "evaluate", "fits", "get_cost_model_context", "latency_rounds",

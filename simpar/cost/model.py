@@ -38,7 +38,8 @@ from typing import Any, Protocol
 from simpar.cost.collective import sample_ranks
 from simpar.cost.profile import DeviceProfile, load_profile
 
-__all__ = ["OPTIMIZER_KERNELS", "OPTIMIZER_PASSES", "OPTIMIZER_STATE", "CostReport",
+__all__ = ["OPTIMIZER_KERNELS", "OPTIMIZER_PASSES", "OPTIMIZER_STATE", "OPTIMIZER_TEMPORARIES",
+           "CostReport",
            "MemoryRow", "OpCostRow", "evaluate"]
 
 #: Optimizer state per trainable parameter element, in parameter-sized copies.
@@ -47,6 +48,8 @@ OPTIMIZER_STATE = {"sgd": 0, "momentum": 1, "adam": 2}
 #: the parameter-sized arrays they read or write in all.
 OPTIMIZER_KERNELS = {"sgd": 3, "momentum": 5, "adam": 14}
 OPTIMIZER_PASSES = {"sgd": 4, "momentum": 8, "adam": 24}
+#: Parameter-sized temporaries an update holds at once (``lr * v``: one; Adam's direction: four).
+OPTIMIZER_TEMPORARIES = {"sgd": 1, "momentum": 1, "adam": 4}
 
 
 class _Program(Protocol):  # simpar.runtime.ParallelProgram, as this module reads it
@@ -96,11 +99,13 @@ class MemoryRow:
     activations: int
     comm_buffer: int
     capacity: int
+    backward: int = 0      # the largest op backward's cotangent and input gradients at once
+    update: int = 0        # the optimizer's temporaries (after the backward: no activations)
 
     @property
     def peak(self) -> int:
-        return (self.parameters + self.gradients + self.optimizer + self.activations
-                + self.comm_buffer)
+        return (self.parameters + self.gradients + self.optimizer
+                + max(self.activations + max(self.comm_buffer, self.backward), self.update))
 
     @property
     def over(self) -> int:
@@ -168,7 +173,8 @@ class CostReport:
         lines += ["", f"peak memory {_mib(worst.peak)} on rank {worst.rank} (parameters "
                       f"{_mib(worst.parameters)}, gradients {_mib(worst.gradients)}, optimizer "
                       f"{_mib(worst.optimizer)}, activations {_mib(worst.activations)}, "
-                      f"communication buffer {_mib(worst.comm_buffer)}) of "
+                      f"communication buffer {_mib(worst.comm_buffer)} or backward transient "
+                      f"{_mib(worst.backward)}, the larger) of "
                       f"{_mib(worst.capacity)}: " + ("fits" if self.fits else "OVER")]
         lines += self.over_capacity()
         return "\n".join(lines)
@@ -301,8 +307,19 @@ def _memory_of(program: _Program, rank: int, optimizer: str, prof: DeviceProfile
     # concatenation of its gradients: a copy).
     buffer = max((s.buffer_bytes + s.result_bytes for s in program.schedule(rank)
                   if s.collective is not None), default=0)
+    # While an op's backward runs, the tapes are all still alive; beside them it holds its
+    # output's cotangent and the gradients it computes for its float inputs.
+    backward = max((sum(raw.local_size() * v.dtype.itemsize
+                        for v, (raw, _, _) in zip(s.node.outputs, s.sharding.outputs))
+                    + sum(lay.local_size() * v.dtype.itemsize
+                          for k, (v, lay) in enumerate(zip(s.node.inputs, s.sharding.in_layouts))
+                          if s.node.op.gives_gradient(k, v.dtype))
+                    for s in program.steps if s.node.id in program.grad_nodes), default=0)
+    largest = max((lay.local_size() * program.param_values[n].dtype.itemsize
+                   for n, lay in program.param_layouts.items()), default=0)
     return MemoryRow(rank, params, grads, OPTIMIZER_STATE[optimizer] * grads, activations,
-                     buffer, prof.memory_capacity)
+                     buffer, prof.memory_capacity, backward,
+                     OPTIMIZER_TEMPORARIES[optimizer] * largest)
 
 
 def _kept(tape: str, node: Any, sh: Any, ins: list[tuple[Any, tuple[Any, ...]]],

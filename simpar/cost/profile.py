@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from simpar.cost.collective import latency_rounds, traffic
+from simpar.cost.collective import broadcast_traffic, latency_rounds, traffic
 
 __all__ = ["DeviceProfile", "Link", "load_profile", "profile_names"]
 
@@ -163,13 +163,16 @@ class DeviceProfile:
     def collective_seconds(self, kind: str, group: Sequence[int], nbytes: int) -> float:
         """Alpha-beta time of a ring ``kind`` collective of a local buffer of ``nbytes`` over
         ``group``: ring rounds times the latency plus the traffic over the bandwidth.
-        ``kind`` "AllToAllV" takes ``nbytes`` as the busiest rank's traffic itself."""
+        ``kind`` "AllToAllV" takes ``nbytes`` as the rank's traffic itself; "Broadcast" is a
+        tree of ``ceil(log2 p)`` rounds in which every rank receives the whole buffer."""
         p = len(group)
         if p < 2:
             return 0.0
         link = self.link(group)
         if kind == "AllToAllV":
             return link.seconds(latency_rounds(kind, p), nbytes)
+        if kind == "Broadcast":  # a tree: ceil(log2 p) rounds, each rank receives the buffer
+            return link.seconds(latency_rounds(kind, p), broadcast_traffic(p, nbytes)[1])
         rounds = 2 * (p - 1) if kind == "AllReduce" else p - 1  # ring algorithms
         return link.seconds(rounds, traffic(kind, p, nbytes))
 
@@ -181,10 +184,13 @@ class DeviceProfile:
                        memory_bytes / self.memory_bandwidth)
         return self.compute_scale * (self.kernel_overhead + roofline)
 
-    def with_rank_table(self, server_of: Sequence[int]) -> DeviceProfile:
-        """This profile with servers as a rank table lays them out (``server_of[r]``: the
-        server index of rank ``r``)."""
-        return replace(self, server_map=_server_map(server_of, "with_rank_table"))
+    def with_rank_table(self, table: Any) -> DeviceProfile:
+        """This profile with servers as a rank table lays them out: the launcher's
+        ``RankTable`` (``simpar.launch.read_rank_table(path)``), or a sequence giving the
+        server index of every rank."""
+        if hasattr(table, "server_of") and hasattr(table, "device_num"):
+            table = [table.server_of(r) for r in range(table.device_num)]
+        return replace(self, server_map=_server_map(table, "with_rank_table"))
 
     # -------------------------------------------------------------------- JSON
     def to_dict(self) -> dict[str, Any]:

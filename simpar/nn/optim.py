@@ -83,7 +83,7 @@ class SGD(Optimizer):
             s["v"] *= self.momentum
             s["v"] += d
             d = s["v"]
-        p -= (self.learning_rate * d).astype(p.dtype)
+        p -= (self.learning_rate * d).astype(p.dtype, copy=False)
 
 
 class Momentum(Optimizer):
@@ -100,7 +100,7 @@ class Momentum(Optimizer):
         d = g + self.weight_decay * p if self.weight_decay else g
         s["v"] *= self.momentum
         s["v"] += d
-        p -= (self.learning_rate * s["v"]).astype(p.dtype)
+        p -= (self.learning_rate * s["v"]).astype(p.dtype, copy=False)
 
 
 class Adam(Optimizer):
@@ -131,7 +131,7 @@ class Adam(Optimizer):
     def _update(self, p: np.ndarray, g: np.ndarray, s: dict[str, np.ndarray]) -> None:
         if self.weight_decay:
             g = g + self.weight_decay * p
-        p -= (self.learning_rate * self._direction(p, g, s)).astype(p.dtype)
+        p -= (self.learning_rate * self._direction(p, g, s)).astype(p.dtype, copy=False)
 
 
 class AdamW(Adam):
@@ -146,4 +146,4 @@ class AdamW(Adam):
         d = self._direction(p, g, s)
         if self.weight_decay:
             d = d + self.weight_decay * p
-        p -= (self.learning_rate * d).astype(p.dtype)
+        p -= (self.learning_rate * d).astype(p.dtype, copy=False)

@@ -66,8 +66,10 @@ class _MatMulBase(Primitive):
         at, bt = _t(a, self.transpose_a), _t(b, self.transpose_b)
         da = np.matmul(dy, np.swapaxes(bt, -1, -2))
         db = np.matmul(np.swapaxes(at, -1, -2), dy)
-        da = _unbroadcast(_t(da, self.transpose_a), a.shape)
-        db = _unbroadcast(_t(db, self.transpose_b), b.shape)
+        # Contiguous gradients (the same values): a transposed view makes every later pass
+        # over it (the Mirror, the optimizer's updates) strided, several times slower.
+        da = np.ascontiguousarray(_unbroadcast(_t(da, self.transpose_a), a.shape))
+        db = np.ascontiguousarray(_unbroadcast(_t(db, self.transpose_b), b.shape))
         return da, db
 
     def flops(self, local_in: tuple[tuple[int, ...], ...], local_out: tuple[int, ...]) -> int:

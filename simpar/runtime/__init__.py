@@ -1,6 +1,7 @@
 """simpar.runtime: lowering a traced graph to a per-rank ParallelProgram, and running it."""
 
 from simpar.runtime.program import (
+    MemoryWatch,
     NothingParallelWarning,
     OpStep,
     ParallelProgram,
@@ -8,7 +9,8 @@ from simpar.runtime.program import (
     Role,
     build_program,
     lower,
+    watching_memory,
 )
 
-__all__ = ["NothingParallelWarning", "OpStep", "ParallelProgram", "ProgramStep", "Role",
-           "build_program", "lower"]
+__all__ = ["MemoryWatch", "NothingParallelWarning", "OpStep", "ParallelProgram", "ProgramStep",
+           "Role", "build_program", "lower", "watching_memory"]

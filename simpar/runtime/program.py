@@ -23,7 +23,9 @@ from __future__ import annotations
 import enum
 import functools
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,8 +55,8 @@ from simpar.search import (
 )
 from simpar.seed import training_step
 
-__all__ = ["NothingParallelWarning", "OpStep", "ParallelProgram", "ProgramStep", "Role",
-           "build_program", "dataset_layouts", "lower"]
+__all__ = ["MemoryWatch", "NothingParallelWarning", "OpStep", "ParallelProgram", "ProgramStep",
+           "Role", "build_program", "dataset_layouts", "lower", "watching_memory"]
 
 
 class Role(str, enum.Enum):
@@ -274,6 +276,7 @@ class ParallelProgram:
                 vals[v.id] = o
             if node.id in self.grad_nodes:
                 tape[node.id] = saved
+            _watch(vals, tape, params=local_params)
         return [vals[v.id] for v in self.graph.outputs], tape
 
     def backward(self, tape: dict[int, Any], output_grads: Sequence[np.ndarray | None]
@@ -319,6 +322,7 @@ class ParallelProgram:
                     with comm.label(f"{node.name}:input{k}-adjoint"):
                         c = execute_adjoint(p, c)
                 grads[v.id] = grads[v.id] + c if v.id in grads else c
+            _watch(tape, grads)
         out: dict[str, np.ndarray] = {}
         buckets: dict[tuple[tuple[int, ...], str], list[str]] = {}
         for name, v in self.param_values.items():
@@ -344,6 +348,65 @@ class ParallelProgram:
                 out[n] = flat[offset:offset + size].reshape(out[n].shape)
                 offset += size
         return out
+
+
+class MemoryWatch:
+    """The peak bytes of the arrays the executor holds (parameters passed in, every value of
+    the forward, the tapes, the backward's cotangents), sampled after every op; arrays that
+    share memory (views) count once. Use :func:`watching_memory`."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self.params: Any = {}  # the parameter shards of the last forward, held throughout
+
+    def sample(self, *holders: Any) -> None:
+        seen: dict[int, int] = {}
+        for holder in (self.params, *holders):
+            _arrays(holder, seen)
+        self.peak = max(self.peak, sum(seen.values()))
+
+
+_WATCH: ContextVar[MemoryWatch | None] = ContextVar("simpar_memory_watch", default=None)
+
+
+@contextmanager
+def watching_memory() -> Iterator[MemoryWatch]:
+    """Inside the block, the executor records the peak bytes it holds (costly: for the cost
+    model's fidelity benchmark, not for training).
+
+    >>> with watching_memory() as watch:        # doctest: +SKIP
+    ...     train(data, label)
+    >>> watch.peak                              # doctest: +SKIP
+    """
+    watch = MemoryWatch()
+    token = _WATCH.set(watch)
+    try:
+        yield watch
+    finally:
+        _WATCH.reset(token)
+
+
+def _watch(*holders: Any, params: Any = None) -> None:
+    watch = _WATCH.get()
+    if watch is not None:
+        if params is not None:
+            watch.params = params
+        watch.sample(*holders)
+
+
+def _arrays(x: Any, seen: dict[int, int]) -> None:
+    """Every array inside ``x`` (dicts, tuples, lists), by the memory block it lives in."""
+    if isinstance(x, np.ndarray):
+        base = x
+        while isinstance(base.base, np.ndarray):
+            base = base.base
+        seen[id(base)] = base.nbytes
+    elif isinstance(x, dict):
+        for item in x.values():
+            _arrays(item, seen)
+    elif isinstance(x, (tuple, list)):
+        for item in x:
+            _arrays(item, seen)
 
 
 @functools.lru_cache(maxsize=65536)

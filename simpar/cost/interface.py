@@ -1,0 +1,174 @@
+"""One interface for both cost models, so a search can use either and a report can show both.
+
+A :class:`CostModel` prices the three things a strategy search compares:
+
+* ``op(sharding, parameters, itemsize)``: one op under one strategy (its kernels forward and
+  backward, its own collectives, the gradient sync of the parameters it reads);
+* ``edge(plan, itemsize)``: one redistribution between two ops (forward and backward);
+* ``program(program)``: a whole lowered program.
+
+:class:`SimparCostModel` answers in seconds on a :class:`~simpar.cost.profile.DeviceProfile`
+(the model of :mod:`simpar.cost.model`); :class:`MindSporeCostModel` answers in MindSpore's
+units with MindSpore's objective (:mod:`simpar.cost.mindspore`). :func:`compare` prints a
+program's ops under several models side by side.
+
+>>> models = [SimparCostModel("ascend910a"), MindSporeCostModel()]   # doctest: +SKIP
+>>> print(compare(program, models))                                   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from simpar.cost import mindspore as ms
+from simpar.cost.model import evaluate
+from simpar.cost.profile import DeviceProfile, load_profile
+
+if TYPE_CHECKING:  # types only: simpar.ops imports simpar.cost
+    from simpar.ops._base import CommSpec, OpSharding
+    from simpar.redistribution import RedistributionPlan
+
+__all__ = ["CostModel", "MindSporeCostModel", "SimparCostModel", "compare"]
+
+
+@runtime_checkable
+class CostModel(Protocol):
+    """What a strategy search needs of a cost model (lower is better, in ``unit``)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def unit(self) -> str: ...
+
+    def op(self, sharding: OpSharding, parameters: Collection[int], itemsize: int) -> float: ...
+
+    def edge(self, plan: RedistributionPlan, itemsize: int) -> float: ...
+
+    def program(self, program: Any) -> float: ...
+
+
+@dataclass(frozen=True)
+class SimparCostModel:
+    """simpar's model: seconds on ``profile``, seen from ``rank`` (groups are per rank)."""
+
+    profile: DeviceProfile | str = "cpu-local"
+    optimizer: str = "momentum"
+    rank: int = 0
+    name: str = field(default="simpar", init=False)
+    unit: str = field(default="s", init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "profile", load_profile(self.profile))
+
+    @property
+    def _profile(self) -> DeviceProfile:
+        assert isinstance(self.profile, DeviceProfile)
+        return self.profile
+
+    def _seconds(self, kind: str, group: Sequence[int], nbytes: int) -> float:
+        if len(group) < 2:
+            return 0.0
+        return self._profile.collective_seconds(kind, group, nbytes) + self._profile.sync_overhead
+
+    def _spec_seconds(self, spec: CommSpec, itemsize: int) -> float:
+        rank = self.rank % _devices(spec.device_matrix)
+        nbytes = (spec.recv_bytes(rank, itemsize) if str(spec.kind) == "AllToAllV"
+                  else spec.elements * itemsize)
+        return self._seconds(str(spec.kind), spec.group(rank), nbytes)
+
+    def op(self, sharding: OpSharding, parameters: Collection[int], itemsize: int) -> float:
+        """Kernels forward and backward (twice the FLOPs and bytes), the op's own collectives
+        both ways, and the AllReduce of every replicated parameter's gradient."""
+        sh, prof = sharding, self._profile
+        nbytes = itemsize * (sum(lay.local_size() for lay in sh.in_layouts)
+                             + sum(raw.local_size() for raw, _, _ in sh.outputs))
+        dtype = {2: "float16", 4: "float32", 8: "float64"}.get(itemsize, "float32")
+        flops = sh.local_flops()
+        seconds = (prof.compute_seconds(flops, nbytes, dtype)
+                   + prof.compute_seconds(2 * flops, 2 * nbytes, dtype))
+        backward = [c for c in sh.backward_comm if not c.reason.startswith("gradient of input")]
+        for spec in [*sh.forward_comm, *backward]:
+            seconds += self._spec_seconds(spec, itemsize)
+        for i in parameters:
+            mirror = sh.input_grad_spec(i)
+            if mirror is not None:  # the Mirror of a replicated parameter
+                seconds += self._spec_seconds(mirror, itemsize)
+        return seconds
+
+    def edge(self, plan: RedistributionPlan, itemsize: int) -> float:
+        """Every collective of ``plan`` forward, and its adjoint backward."""
+        seconds = 0.0
+        for step in plan.steps:
+            if step.kind.local:
+                continue
+            rank = self.rank % step.src.device_num
+            group = step.src.mesh.group_of(rank, step.device_axes)
+            if str(step.kind) == "AllToAllV":
+                there, back = step.recv_bytes(rank, itemsize), step.send_bytes(rank, itemsize)
+            else:
+                there = step.src.local_size() * itemsize
+                back = step.dst.local_size() * itemsize
+            seconds += (self._seconds(str(step.kind), group, there)
+                        + self._seconds(str(step.kind.adjoint), group, back))
+        return seconds
+
+    def program(self, program: Any) -> float:
+        return evaluate(program, self._profile, self.optimizer).step_seconds
+
+
+def _devices(device_matrix: Sequence[int]) -> int:
+    n = 1
+    for d in device_matrix:
+        n *= d
+    return n
+
+
+@dataclass(frozen=True)
+class MindSporeCostModel:
+    """MindSpore's model: its objective in its units (bytes of slices), under ``ctx`` (default:
+    the current ``set_cost_model_context``)."""
+
+    ctx: ms.CostModelContext | None = None
+    name: str = field(default="mindspore", init=False)
+    unit: str = field(default="MindSpore cost (bytes of slices)", init=False)
+
+    def op(self, sharding: OpSharding, parameters: Collection[int], itemsize: int) -> float:
+        cost = ms.op_cost(sharding, parameters, itemsize)
+        return ms.objective(cost, sharding.strategy, _device_num(sharding), self.ctx)
+
+    def edge(self, plan: RedistributionPlan, itemsize: int) -> float:
+        return ms.edge_objective(ms.redistribution_cost(plan, itemsize), self.ctx)
+
+    def program(self, program: Any) -> float:
+        return sum(_op_total(self, s) for s in program.steps)
+
+
+def _device_num(sh: OpSharding) -> int:
+    return _devices(sh.device_matrix)
+
+
+def _op_total(model: CostModel, step: Any) -> float:
+    """An op step's own cost plus the redistributions of its inputs."""
+    node, sh = step.node, step.sharding
+    itemsize = node.outputs[0].dtype.itemsize
+    params = {k for k, v in enumerate(node.inputs) if v.kind == "param"}
+    return model.op(sh, params, itemsize) + sum(
+        model.edge(p, v.dtype.itemsize) for v, p in zip(node.inputs, step.in_plans) if p.steps)
+
+
+def compare(program: Any, models: Sequence[CostModel]) -> str:
+    """A table: every op of ``program`` (its own cost plus its inputs' redistributions) under
+    each model, then each model's whole-program figure."""
+    header = ["op", "strategy"] + [f"{m.name} ({m.unit})" for m in models]
+    rows = [header]
+    for s in program.steps:
+        name = "/".join(s.node.name.rsplit("/", 2)[-2:])
+        rows.append([name, str([list(c) for c in s.sharding.strategy]).replace(" ", "")]
+                    + [f"{_op_total(m, s):.6g}" for m in models])
+    rows.append(["whole program", ""] + [f"{m.program(program):.6g}" for m in models])
+    widths = [max(len(r[k]) for r in rows) for k in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) if k < 2 else c.rjust(w)
+                               for k, (c, w) in enumerate(zip(r, widths))) for r in rows)
