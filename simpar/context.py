@@ -416,21 +416,26 @@ class NotHonouredWarning(UserWarning):
 # State fields that simpar validates but does not act on yet when they differ from their
 # default, with what is missing. Each warns once per process.
 _NOT_HONOURED: dict[str, str] = {
-    "search_mode": "the strategy searches behind auto_parallel are not built yet",
+    "search_mode": "the strategy searches behind auto_parallel are not all built yet",
     "strategy_ckpt_config": "strategy files are not written or read yet",
     "gradient_fp32_sync": "simpar has no float16 gradients, so there is nothing to cast",
     "elementwise_op_strategy_follow": "the strategy searches are not built yet",
     "enable_algo_approxi": "the strategy searches are not built yet",
     "algo_approxi_epsilon": "the strategy searches are not built yet",
-    "fully_use_devices": "the semi-auto fill-in considers every candidate; the strategy "
-                         "searches that restrict it are not built yet",
+    "fully_use_devices": "the semi-auto fill-in considers every candidate (auto_parallel's "
+                         "searches honour it)",
 }
 _warned: set[str] = set()
+_HONOURED_SEARCHES: set[str] = set()  # search modes with a planner (simpar.search registers)
 
 
 def _warn_not_honoured(func: str, specs: Mapping[str, _Spec], staged: Mapping[str, Any]
                        ) -> None:
     for key, why in _NOT_HONOURED.items():
+        if key == "search_mode" and staged.get(key) in _HONOURED_SEARCHES:
+            continue
+        if key == "search_mode":
+            why = f"{why} (search_mode {sorted(_HONOURED_SEARCHES)} is)"
         if key in specs and key not in _warned and staged[key] != specs[key].default:
             _warned.add(key)
             value = staged[key].as_dict() if key == "strategy_ckpt_config" else staged[key]
@@ -640,8 +645,9 @@ def reset_auto_parallel_context() -> None:
     _auto = _defaults(_AUTO_SPECS)
 
 
-def register_search_mode(name: str) -> None:
-    """Allow ``name`` as a ``search_mode`` (a planner in simpar.search calls this).
+def register_search_mode(name: str, honoured: bool = False) -> None:
+    """Allow ``name`` as a ``search_mode`` (a planner in simpar.search calls this, with
+    ``honoured`` True: setting it then does not warn that it is not honoured).
 
     Registering a name twice is harmless.
 
@@ -656,6 +662,8 @@ def register_search_mode(name: str) -> None:
                            f"'exact_search', but got {name!r}.")
     if name not in _SEARCH_MODES:
         _SEARCH_MODES.append(name)
+    if honoured:
+        _HONOURED_SEARCHES.add(name)
 
 
 def search_modes() -> tuple[str, ...]:

@@ -115,9 +115,9 @@ def test_default_snapshots() -> None:
     assert dataclasses.asdict(algo_parameters()) == ALGO_DEFAULTS
 
 
-def test_search_modes_are_mindspores_three() -> None:
-    assert search_modes() == ("recursive_programming", "dynamic_programming",
-                              "sharding_propagation")
+def test_search_modes_are_mindspores_three_then_simpars_exact() -> None:
+    assert search_modes()[:4] == ("recursive_programming", "dynamic_programming",
+                                  "sharding_propagation", "exact")
 
 
 # ------------------------------------------------------------------------------------------

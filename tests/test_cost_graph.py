@@ -85,3 +85,40 @@ def test_a_shared_parameter_gets_one_layout_and_user_strategies_stay() -> None:
     assert bad and all(math.isinf(cg.total((c, 0))) for c in bad)
     choice, _ = brute_force(cg)
     assert cg.nodes[0].candidates[choice[0]].in_layouts[1].cuts == (4, 1)
+
+
+@pytest.mark.parametrize("device_num", [2, 4, 8])
+def test_the_exact_search_finds_the_brute_force_optimum(device_num: int) -> None:
+    from simpar.search.exact import solve_exact
+
+    g = _mlp()
+    for model in (SimparCostModel("ascend910a"), MindSporeCostModel()):
+        cg = build_cost_graph(g, device_num, model, ((device_num, 1),), True)
+        _, best = brute_force(cg)
+        found = solve_exact(cg)
+        assert found.cost == pytest.approx(best) and found.gap == 0.0
+
+
+def test_the_exact_search_keeps_a_shared_parameter_in_one_layout() -> None:
+    from simpar.search.exact import solve_exact
+
+    w = nn.Parameter(np.ones((16, 16)), name="w")
+    g = graph.trace(lambda x: ops.MatMul()(ops.MatMul()(x, w), w), [((8, 16), np.float64)],
+                    ["x"])
+    cg = build_cost_graph(g, 4, SimparCostModel("ascend910a"))
+    found = solve_exact(cg)
+    _, best = brute_force(cg)
+    assert found.cost == pytest.approx(best)
+    a, b = (cg.nodes[k].candidates[found.choice[k]].in_layouts[1] for k in (0, 1))
+    assert all(a.slice_of(r) == b.slice_of(r) for r in range(4))
+
+
+def test_auto_parallel_plans_with_the_registered_exact_search() -> None:
+    """plan_strategies(auto_parallel, search_mode="exact") returns a searched map that lowers."""
+    from simpar.search import plan_strategies
+
+    g = _mlp()
+    smap = plan_strategies(g, 4, "auto_parallel", ((4, 1),), True, search_mode="exact")
+    assert {s.source for s in smap.ops.values()} == {Source.SEARCHED}
+    program = lower(g, smap, enable_alltoall=True)
+    assert len(program.steps) == len(g.nodes)

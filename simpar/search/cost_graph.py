@@ -109,13 +109,20 @@ def _same_blocks(a: TensorLayout, b: TensorLayout) -> bool:
 
 def build_cost_graph(graph: Graph, device_num: int, model: CostModel,
                      dataset_strategy: Any = "full_batch",
-                     enable_alltoall: bool = False) -> CostGraph:
+                     enable_alltoall: bool = False, *,
+                     input_layouts: Sequence[TensorLayout] | None = None,
+                     parameter_plan: Mapping[str, Sequence[int]] | None = None) -> CostGraph:
     """The cost graph of ``graph`` on ``device_num`` devices under ``model``. Candidates come
     from each op's ``candidate_strategies`` under the algo parameters (fully_use_devices,
-    tensor_slice_align_*); a ``.shard()`` strategy is the only candidate."""
+    tensor_slice_align_*); a ``.shard()`` strategy is the only candidate, and a candidate that
+    cuts a parameter otherwise than its ``parameter_plan`` is dropped. Graph inputs arrive in
+    ``input_layouts`` (default: the ``dataset_strategy``'s)."""
     fully = bool(context.get_algo_parameters("fully_use_devices"))
-    inputs = {v.id: lay for v, lay in zip(graph.inputs, dataset_layouts(
-        [v.shape for v in graph.inputs], device_num, dataset_strategy))}
+    if input_layouts is None:
+        input_layouts = dataset_layouts([v.shape for v in graph.inputs], device_num,
+                                        dataset_strategy)
+    inputs = {v.id: lay for v, lay in zip(graph.inputs, input_layouts)}
+    plans = {k: tuple(v) for k, v in (parameter_plan or {}).items()}
     index = {node.id: k for k, node in enumerate(graph.nodes)}
     nodes: list[CostNode] = []
     for node in graph.nodes:
@@ -130,6 +137,9 @@ def build_cost_graph(graph: Graph, device_num: int, model: CostModel,
                 sh = node.op.sharding(shapes, device_num, strat, None if not user else
                                       node.op.out_strategy, enable_alltoall)
             except (StrategyError, ValueError):
+                continue
+            if any(v.kind == "param" and v.name in plans and lay.cuts != plans[v.name]
+                   for v, lay in zip(node.inputs, sh.in_layouts)):
                 continue
             cost = model.op(sh, params, node.outputs[0].dtype.itemsize)
             for k, v in enumerate(node.inputs):

@@ -49,7 +49,7 @@ def register_search(name: str, planner: Planner) -> None:
     if not callable(planner):
         raise TypeError(f"register_search: planner must be callable, got "
                         f"{type(planner).__name__}")
-    context.register_search_mode(name)
+    context.register_search_mode(name, honoured=True)
     _SEARCHES[name] = planner
 
 
