@@ -14,13 +14,14 @@ from typing import Any
 
 import numpy as np
 
-from simpar import comm, context
+from simpar import comm, context, graph
 from simpar.compare import relative_error
 from simpar.layout import TensorLayout, distribute
 from simpar.ops._base import OpSharding, Primitive
 from simpar.redistribution import execute, plan
+from simpar.search import StrategyMap, parameter_plans, plan_strategies
 
-__all__ = ["OpCheckError", "OpRun", "get_parallel_info", "run_op"]
+__all__ = ["OpCheckError", "OpRun", "get_parallel_info", "run_op", "search_strategies"]
 
 
 class OpCheckError(AssertionError):
@@ -179,3 +180,18 @@ def get_parallel_info(op: Primitive, input_shapes: Sequence[Sequence[int]],
         "flops": int(sh.local_flops()),
         "memory_bytes": int(sh.memory_bytes(in_size, out_size)),
     }
+
+
+def search_strategies(cell: Any, input_specs: Sequence[tuple[Sequence[int], Any]],
+                      device_num: int, search_mode: str = "exact",
+                      dataset_strategy: Any = "full_batch", enable_alltoall: bool = False,
+                      input_names: Sequence[str] | None = None) -> StrategyMap:
+    """Search every op's strategy of ``cell`` for inputs of the given ``(shape, dtype)`` on
+    ``device_num`` devices, without running anything: no MPI, no data, nothing of the
+    model's size allocated. Returns the :class:`~simpar.search.StrategyMap`, keyed by
+    MindSpore-style op names (``.ops[name].in_strategy``), that ``lower`` and
+    ``TrainOneStepCell`` would run. ``search_mode`` names a registered search ("exact")."""
+    g = graph.trace(cell, input_specs, input_names)
+    return plan_strategies(g, device_num, "auto_parallel", dataset_strategy, enable_alltoall,
+                           parameter_plans(cell), search_mode=search_mode)
+

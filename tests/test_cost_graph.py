@@ -122,3 +122,27 @@ def test_auto_parallel_plans_with_the_registered_exact_search() -> None:
     assert {s.source for s in smap.ops.values()} == {Source.SEARCHED}
     program = lower(g, smap, enable_alltoall=True)
     assert len(program.steps) == len(g.nodes)
+
+
+def test_search_strategies_plans_a_cell_from_shapes_alone() -> None:
+    """simpar.parallel.search_strategies: trace, search and return every op's strategy by its
+    MindSpore-style name; the map is the cost graph's optimum and lowers."""
+    from simpar.parallel import search_strategies
+    from simpar.search import set_search_cost_model
+
+    mlp = nn.MLP(16, 32, 8, n_hidden=1, dtype=np.float64)
+    model = SimparCostModel("ascend910a")
+    set_search_cost_model(model)
+    try:
+        smap = search_strategies(mlp, [((8, 16), np.float64)], 4, dataset_strategy=((4, 1),),
+                                 enable_alltoall=True, input_names=["x"])
+    finally:
+        set_search_cost_model(None)
+    g = _mlp()
+    assert set(smap.ops) == {n.name for n in g.nodes}
+    assert {s.source for s in smap.ops.values()} == {Source.SEARCHED}
+    cg = build_cost_graph(g, 4, model, ((4, 1),), True)
+    chosen = tuple(next(i for i, c in enumerate(n.candidates)
+                        if c.strategy == smap.ops[n.name].in_strategy) for n in cg.nodes)
+    assert cg.total(chosen) == pytest.approx(brute_force(cg)[1])
+    assert len(lower(g, smap, enable_alltoall=True).steps) == len(g.nodes)

@@ -352,6 +352,11 @@ def test_both_models_answer_one_interface_and_a_report_shows_both() -> None:
     one = _profile().collective_seconds("AllToAll", range(8), 8 * 64 * 4)
     assert simparm.edge(p, 4) == pytest.approx(2 * one)
     assert msm.edge(p, 4) > 0 and redistribution_cost(p, 4).forward > 0
+    # a direct exchange (AllToAllV, over every rank) is priced too
+    q = plan(TensorLayout((8, 1, 1), (2, 0), (64, 256)),
+             TensorLayout((1, 4, 2), (2, 1), (64, 256)), enable_alltoall=True)
+    assert [str(s.kind) for s in q.steps if not s.kind.local] == ["AllToAllV"]
+    assert simparm.edge(q, 4) > 0
     table = compare(prog, [simparm, msm])
     assert "simpar (s)" in table and "mindspore (MindSpore cost" in table
     assert "MatMul" in table and "whole program" in table

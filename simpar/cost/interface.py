@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from simpar.cost import mindspore as ms
+from simpar.cost.collective import traffic
 from simpar.cost.model import evaluate
 from simpar.cost.profile import DeviceProfile, load_profile
 
@@ -95,8 +96,19 @@ class SimparCostModel:
         for i in parameters:
             mirror = sh.input_grad_spec(i)
             if mirror is not None:  # the Mirror of a replicated parameter
-                seconds += self._spec_seconds(mirror, itemsize)
+                seconds += self._mirror_seconds(mirror, itemsize)
         return seconds
+
+    def _mirror_seconds(self, spec: CommSpec, itemsize: int) -> float:
+        """A parameter's share of the fused gradient AllReduce: its bytes at the link's
+        bandwidth. The program fuses every Mirror of a group into one call, so the call's
+        fixed costs belong to no single op."""
+        rank = self.rank % _devices(spec.device_matrix)
+        group = spec.group(rank)
+        if len(group) < 2:
+            return 0.0
+        link = self._profile.link(group)
+        return traffic("AllReduce", len(group), spec.elements * itemsize) / link.bandwidth
 
     def edge(self, plan: RedistributionPlan, itemsize: int) -> float:
         """Every collective of ``plan`` forward, and its adjoint backward."""
@@ -105,7 +117,8 @@ class SimparCostModel:
             if step.kind.local:
                 continue
             rank = self.rank % step.src.device_num
-            group = step.src.mesh.group_of(rank, step.device_axes)
+            group = (step.src.mesh.group_of(rank, step.device_axes) if step.device_axes
+                     else tuple(range(step.src.device_num)))  # a direct exchange: everyone
             if str(step.kind) == "AllToAllV":
                 there, back = step.recv_bytes(rank, itemsize), step.send_bytes(rank, itemsize)
             else:
