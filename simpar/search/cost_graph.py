@@ -152,6 +152,16 @@ def build_cost_graph(graph: Graph, device_num: int, model: CostModel,
             raise StrategyError(f"{node.name}: no strategy of {node.op.name} fits shapes "
                                 f"{shapes} on {device_num} devices")
         nodes.append(CostNode(node, tuple(cands), tuple(costs), user))
+    # Many candidates share layouts: each (source, destination) pair is planned and priced
+    # once per build.
+    moves: dict[tuple[TensorLayout, TensorLayout, int], float] = {}
+
+    def move(src: TensorLayout, dst: TensorLayout, itemsize: int) -> float:
+        key = (src, dst, itemsize)
+        if key not in moves:
+            moves[key] = model.edge(plan(src, dst, enable_alltoall), itemsize)
+        return moves[key]
+
     edges = []
     for c, node in enumerate(graph.nodes):
         for k, v in enumerate(node.inputs):
@@ -159,8 +169,7 @@ def build_cost_graph(graph: Graph, device_num: int, model: CostModel,
                 continue
             p = index[v.producer.id]
             matrix = tuple(
-                tuple(model.edge(plan(pc.outputs[v.index][1], cc.in_layouts[k],
-                                      enable_alltoall), v.dtype.itemsize)
+                tuple(move(pc.outputs[v.index][1], cc.in_layouts[k], v.dtype.itemsize)
                       for cc in nodes[c].candidates)
                 for pc in nodes[p].candidates)
             edges.append(CostEdge(p, v.index, c, k, matrix))
