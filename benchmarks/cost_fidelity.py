@@ -247,9 +247,9 @@ def main() -> int:
     table_rows = []
     for s in strategies(n):
         seconds, pred, peaks, report = measure(s, n, args.steps)
-        mem_pred = [m.peak for m in report.memory]
+        mem_pred = {m.rank: m.peak for m in report.memory}
         worst = max(range(len(peaks)), key=lambda r: peaks[r])
-        pred_mem = mem_pred[worst] if worst < len(mem_pred) else max(mem_pred)
+        pred_mem = mem_pred.get(worst, max(mem_pred.values()))
         mem_ratio = pred_mem / peaks[worst]
         mem_ok += abs(mem_ratio - 1) <= 0.15
         predicted.append(pred)

@@ -18,6 +18,7 @@ program's ops under several models side by side.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -69,16 +70,11 @@ class SimparCostModel:
         assert isinstance(self.profile, DeviceProfile)
         return self.profile
 
-    def _seconds(self, kind: str, group: Sequence[int], nbytes: int) -> float:
-        if len(group) < 2:
-            return 0.0
-        return self._profile.collective_seconds(kind, group, nbytes) + self._profile.sync_overhead
-
     def _spec_seconds(self, spec: CommSpec, itemsize: int) -> float:
-        rank = self.rank % _devices(spec.device_matrix)
-        nbytes = (spec.recv_bytes(rank, itemsize) if str(spec.kind) == "AllToAllV"
-                  else spec.elements * itemsize)
-        return self._seconds(str(spec.kind), spec.group(rank), nbytes)
+        rank = self.rank % math.prod(spec.device_matrix)
+        return self._profile.step_collective_seconds(
+            str(spec.kind), spec.group(rank), spec.elements * itemsize,
+            spec.recv_bytes(rank, itemsize))
 
     def op(self, sharding: OpSharding, parameters: Collection[int], itemsize: int) -> float:
         """Kernels forward and backward (twice the FLOPs and bytes), the op's own collectives
@@ -103,7 +99,7 @@ class SimparCostModel:
         """A parameter's share of the fused gradient AllReduce: its bytes at the link's
         bandwidth. The program fuses every Mirror of a group into one call, so the call's
         fixed costs belong to no single op."""
-        rank = self.rank % _devices(spec.device_matrix)
+        rank = self.rank % math.prod(spec.device_matrix)
         group = spec.group(rank)
         if len(group) < 2:
             return 0.0
@@ -119,26 +115,18 @@ class SimparCostModel:
             rank = self.rank % step.src.device_num
             group = (step.src.mesh.group_of(rank, step.device_axes) if step.device_axes
                      else tuple(range(step.src.device_num)))  # a direct exchange: everyone
-            if str(step.kind) == "AllToAllV":
-                # the adjoint receives what the forward sends; for the even shards simpar
-                # plans that is what it receives, and far cheaper to count
-                there = back = step.recv_bytes(rank, itemsize)
-            else:
-                there = step.src.local_size() * itemsize
-                back = step.dst.local_size() * itemsize
-            seconds += (self._seconds(str(step.kind), group, there)
-                        + self._seconds(str(step.kind.adjoint), group, back))
+            # An AllToAllV's adjoint receives what the forward sends; for the even shards
+            # simpar plans that is what it receives, and far cheaper to count.
+            recv = step.recv_bytes(rank, itemsize) if str(step.kind) == "AllToAllV" else 0
+            prof = self._profile
+            seconds += (prof.step_collective_seconds(str(step.kind), group,
+                                                     step.src.local_size() * itemsize, recv)
+                        + prof.step_collective_seconds(str(step.kind.adjoint), group,
+                                                       step.dst.local_size() * itemsize, recv))
         return seconds
 
     def program(self, program: Any) -> float:
         return evaluate(program, self._profile, self.optimizer).step_seconds
-
-
-def _devices(device_matrix: Sequence[int]) -> int:
-    n = 1
-    for d in device_matrix:
-        n *= d
-    return n
 
 
 @dataclass(frozen=True)
@@ -152,17 +140,13 @@ class MindSporeCostModel:
 
     def op(self, sharding: OpSharding, parameters: Collection[int], itemsize: int) -> float:
         cost = ms.op_cost(sharding, parameters, itemsize)
-        return ms.objective(cost, sharding.strategy, _device_num(sharding), self.ctx)
+        return ms.objective(cost, sharding.strategy, math.prod(sharding.device_matrix), self.ctx)
 
     def edge(self, plan: RedistributionPlan, itemsize: int) -> float:
         return ms.edge_objective(ms.redistribution_cost(plan, itemsize), self.ctx)
 
     def program(self, program: Any) -> float:
         return sum(_op_total(self, s) for s in program.steps)
-
-
-def _device_num(sh: OpSharding) -> int:
-    return _devices(sh.device_matrix)
 
 
 def _op_total(model: CostModel, step: Any) -> float:

@@ -206,8 +206,7 @@ def evaluate(program: _Program, profile: str | DeviceProfile = "cpu-local",
     update = _optimizer_seconds(program, optimizer, prof)
     fixed = prof.step_overhead
     if program.device_num > 1:  # the per-step agreement check of the inputs: 8 bytes
-        fixed += (prof.collective_seconds("AllReduce", range(program.device_num), 8)
-                  + prof.sync_overhead)
+        fixed += prof.step_collective_seconds("AllReduce", range(program.device_num), 8, 0)
     return CostReport(prof.name, program.device_num, total + update + fixed, slowest,
                       sum(r.compute for r in rows), sum(r.op_comm for r in rows),
                       sum(r.redistribution for r in rows), grad_sync, update, fixed, rows,
@@ -240,9 +239,8 @@ def _time_of(steps: Sequence[Any], by_name: Mapping[str, Any], prof: DeviceProfi
             scale = 2 if s.backward else 1
             ops[s.op][0] += prof.compute_seconds(s.flops, scale * nbytes, dtype)
             continue
-        seconds = prof.collective_seconds(str(s.collective), s.group, _buffer_bytes(s))
-        if len(s.group) > 1:
-            seconds += prof.sync_overhead
+        seconds = prof.step_collective_seconds(str(s.collective), s.group, s.buffer_bytes,
+                                               s.recv_bytes)
         if s.role == "mirror":
             grad_sync += seconds
         else:
@@ -259,12 +257,6 @@ def _kernel_bytes(op: Any) -> int:
     return (sum(lay.local_size() * v.dtype.itemsize for v, lay in zip(node.inputs, sh.in_layouts))
             + sum(raw.local_size() * v.dtype.itemsize
                   for v, (raw, _, _) in zip(node.outputs, sh.outputs)))
-
-
-def _buffer_bytes(step: Any) -> int:
-    """What a scheduled collective is priced on: its local buffer, or for an AllToAllV (no
-    ring formula) the bytes the rank receives."""
-    return step.recv_bytes if str(step.collective) == "AllToAllV" else step.buffer_bytes
 
 
 def _memory_of(program: _Program, rank: int, optimizer: str, prof: DeviceProfile) -> MemoryRow:

@@ -176,6 +176,16 @@ class DeviceProfile:
         rounds = 2 * (p - 1) if kind == "AllReduce" else p - 1  # ring algorithms
         return link.seconds(rounds, traffic(kind, p, nbytes))
 
+    def step_collective_seconds(self, kind: str, group: Sequence[int], buffer_bytes: int,
+                                recv_bytes: int) -> float:
+        """One collective inside a training step: its ring time (an AllToAllV on the bytes
+        it receives, the others on their local buffer) plus the wait for the slowest rank
+        (``sync_overhead``); 0 over one rank. Both cost models price collectives with it."""
+        if len(group) < 2:
+            return 0.0
+        nbytes = recv_bytes if kind == "AllToAllV" else buffer_bytes
+        return self.collective_seconds(kind, group, nbytes) + self.sync_overhead
+
     def compute_seconds(self, flops: float, memory_bytes: float, dtype: Any) -> float:
         """Time of one kernel call: its dispatch (``kernel_overhead``) plus its roofline, the
         slower of its FLOPs at peak and its bytes at the memory bandwidth, all times

@@ -137,6 +137,8 @@ class ParallelProgram:
     strategy_map: StrategyMap | None = None
     _schedules: dict[tuple[int, tuple[bool, ...]], tuple[ProgramStep, ...]] = field(
         default_factory=dict, init=False, compare=False, repr=False)  # a cache, per (rank, seeds)
+    _guarded: dict[tuple[int, tuple[bool, ...] | None, bool], tuple[ProgramStep, ...]] = field(
+        default_factory=dict, init=False, compare=False, repr=False)
 
     # ------------------------------------------------------------ the flat per-rank program
     def schedule(self, rank: int, seeded: Sequence[bool] | None = None
@@ -157,6 +159,18 @@ class ParallelProgram:
         """Predicted step time and per-rank peak memory on ``profile``
         (:func:`simpar.cost.evaluate`)."""
         return evaluate(self, profile, optimizer)
+
+    def _collectives(self, rank: int, seeded: Sequence[bool] | None, backward: bool
+                     ) -> tuple[ProgramStep, ...]:
+        """The schedule's collectives of one direction (what the guard checks), built once
+        per (rank, seeds, direction): every training step reuses them."""
+        key = (rank, None if seeded is None else tuple(seeded), backward)
+        found = self._guarded.get(key)
+        if found is None:
+            found = self._guarded[key] = tuple(
+                s for s in self.schedule(rank, seeded)
+                if s.backward == backward and s.collective is not None)
+        return found
 
     def schedule_text(self, rank: int = 0) -> str:
         """The schedule of ``rank``, one step per line."""
@@ -244,7 +258,7 @@ class ParallelProgram:
         the same plan, so shapes agree by construction (and the check would double the
         number of collectives)."""
         rank = comm.get_rank() if self.device_num > 1 else 0
-        expected = [s for s in self.schedule(rank) if not s.backward and s.collective]
+        expected = self._collectives(rank, None, backward=False)
         with comm.validation_disabled(), training_step(step), \
                 schedule.following(expected, "forward"):
             return self._forward(local_inputs, local_params)
@@ -285,7 +299,7 @@ class ParallelProgram:
         gradient shard, completed by its Mirror AllReduce."""
         rank = comm.get_rank() if self.device_num > 1 else 0
         seeded = [g is not None for g in output_grads]
-        expected = [s for s in self.schedule(rank, seeded) if s.backward and s.collective]
+        expected = self._collectives(rank, seeded, backward=True)
         with comm.validation_disabled(), schedule.following(expected, "backward"):
             return self._backward(tape, output_grads, rank)
 

@@ -33,7 +33,8 @@ from simpar.ops._base import OpSharding, StrategyError
 from simpar.redistribution import plan
 from simpar.search.propagation import dataset_layouts
 
-__all__ = ["CostEdge", "CostGraph", "CostNode", "brute_force", "build_cost_graph"]
+__all__ = ["CostEdge", "CostGraph", "CostNode", "brute_force", "build_cost_graph",
+           "distinct_blocks", "same_blocks"]
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ class CostGraph:
                              f"{len(self.nodes)} nodes")
         for uses in self.shared.values():
             layouts = {self.nodes[n].candidates[choice[n]].in_layouts[k] for n, k in uses}
-            if len(_distinct(layouts)) > 1:
+            if len(distinct_blocks(layouts)) > 1:
                 return math.inf
         cost = sum(node.costs[c] for node, c in zip(self.nodes, choice))
         cost += sum(e.costs[choice[e.producer]][choice[e.consumer]] for e in self.edges)
@@ -93,16 +94,17 @@ class CostGraph:
         return {n.name: n.candidates[c].strategy for n, c in zip(self.nodes, choice)}
 
 
-def _distinct(layouts: set[TensorLayout]) -> list[TensorLayout]:
+def distinct_blocks(layouts: set[TensorLayout]) -> list[TensorLayout]:
     """Layouts that hold different blocks on some rank (one matrix written two ways is one)."""
     out: list[TensorLayout] = []
     for lay in layouts:
-        if not any(_same_blocks(lay, o) for o in out):
+        if not any(same_blocks(lay, o) for o in out):
             out.append(lay)
     return out
 
 
-def _same_blocks(a: TensorLayout, b: TensorLayout) -> bool:
+def same_blocks(a: TensorLayout, b: TensorLayout) -> bool:
+    """Whether two layouts give every rank the same block (one matrix written two ways)."""
     return a.device_num == b.device_num and all(
         a.slice_of(r) == b.slice_of(r) for r in range(a.device_num))
 

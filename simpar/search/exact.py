@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from simpar.search.cost_graph import CostGraph, _distinct
+from simpar.search.cost_graph import CostGraph, distinct_blocks
 
 __all__ = ["ExactSolution", "solve_exact"]
 
@@ -68,7 +68,7 @@ def solve_exact(cg: CostGraph, time_limit: float | None = None) -> ExactSolution
         for (a, ka), (b, kb) in zip(uses, uses[1:]):
             for i, ci in enumerate(cg.nodes[a].candidates):
                 for j, cj in enumerate(cg.nodes[b].candidates):
-                    if len(_distinct({ci.in_layouts[ka], cj.in_layouts[kb]})) > 1:
+                    if len(distinct_blocks({ci.in_layouts[ka], cj.in_layouts[kb]})) > 1:
                         rows.append(({offset[a] + i: 1.0, offset[b] + j: 1.0}, -np.inf, 1.0))
     matrix = lil_array((len(rows), n_var))
     lower, upper = np.empty(len(rows)), np.empty(len(rows))
