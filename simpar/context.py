@@ -75,7 +75,8 @@ from __future__ import annotations
 import difflib
 import numbers
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -90,11 +91,13 @@ __all__ = [
     "WorldMismatchError",
     "algo_parameters",
     "auto_parallel_context",
+    "check_dataset_strategy",
     "get_algo_parameters",
     "get_auto_parallel_context",
     "register_search_mode",
     "reset_algo_parameters",
     "reset_auto_parallel_context",
+    "scoped_auto_parallel_context",
     "search_modes",
     "set_algo_parameters",
     "set_auto_parallel_context",
@@ -419,9 +422,6 @@ _NOT_HONOURED: dict[str, str] = {
     "search_mode": "the strategy searches behind auto_parallel are not all built yet",
     "strategy_ckpt_config": "strategy files are not written or read yet",
     "gradient_fp32_sync": "simpar has no float16 gradients, so there is nothing to cast",
-    "elementwise_op_strategy_follow": "the strategy searches are not built yet",
-    "enable_algo_approxi": "the strategy searches are not built yet",
-    "algo_approxi_epsilon": "the strategy searches are not built yet",
     "fully_use_devices": "the semi-auto fill-in considers every candidate (auto_parallel's "
                          "searches honour it)",
 }
@@ -584,12 +584,17 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
     """
     global _auto
     func = "set_auto_parallel_context"
+    _auto = _staged_auto(func, kwargs)
+    _warn_not_honoured(func, _AUTO_SPECS, _auto)
+
+
+def _staged_auto(func: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The auto-parallel state ``kwargs`` would give, validated against the world."""
     staged = _stage(func, _AUTO_KEYS, _auto, kwargs)
     if _world is not None:
         _check_world(staged, *_world)
     _check_ranks(func, staged)
-    _auto = staged
-    _warn_not_honoured(func, _AUTO_SPECS, staged)
+    return staged
 
 
 def auto_parallel_context() -> ParallelContext:
@@ -643,6 +648,53 @@ def reset_auto_parallel_context() -> None:
     """
     global _auto
     _auto = _defaults(_AUTO_SPECS)
+
+
+@contextmanager
+def scoped_auto_parallel_context(**kwargs: Any) -> Iterator[ParallelContext]:
+    """Set auto-parallel keys for the ``with`` block only, then restore the context exactly.
+
+    The keys are validated as :func:`set_auto_parallel_context` validates them, and laid over
+    the current state. On leaving the block, even when it raises, the state from before is
+    put back whole: keys the block changed itself are undone too, and an unset ``device_num``
+    is unset again. ``simpar.nn.AutoParallel`` applies its settings to the compilation of its
+    own network this way, so that they never leak to other networks. Yields the snapshot in
+    force inside the block.
+
+    >>> with scoped_auto_parallel_context(parallel_mode="semi_auto_parallel",
+    ...                                   gradients_mean=True) as ctx:
+    ...     ctx.parallel_mode, get_auto_parallel_context("gradients_mean")
+    ('semi_auto_parallel', True)
+    >>> get_auto_parallel_context("parallel_mode"), get_auto_parallel_context("gradients_mean")
+    ('stand_alone', False)
+    """
+    global _auto
+    func = "scoped_auto_parallel_context"
+    staged = _staged_auto(func, kwargs)
+    saved = _auto
+    _auto = staged
+    try:
+        _warn_not_honoured(func, _AUTO_SPECS, staged)
+        yield auto_parallel_context()
+    finally:
+        _auto = saved
+
+
+def check_dataset_strategy(func: str, name: str, value: object
+                           ) -> str | tuple[tuple[int, ...], ...]:
+    """Validate a dataset strategy as ``set_auto_parallel_context(dataset_strategy=...)`` does,
+    for an entry point ``func`` whose parameter is ``name``; return it normalised (numpy ints
+    to Python ints).
+
+    >>> check_dataset_strategy("AutoParallel.dataset_strategy", "config", ((2, 1), (2,)))
+    ((2, 1), (2,))
+    >>> check_dataset_strategy("AutoParallel.dataset_strategy", "config", "half")
+    Traceback (most recent call last):
+    ...
+    simpar.context.ContextError: AutoParallel.dataset_strategy: config must be 'full_batch', \
+'data_parallel' or a tuple of tuples of positive ints such as ((2, 1), (2,)), but got 'half'.
+    """
+    return _check_dataset_strategy(func, name, value)
 
 
 def register_search_mode(name: str, honoured: bool = False) -> None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Union
 
@@ -95,6 +95,12 @@ def _listed(tensor_map: Sequence[MapEntry]) -> list[int | list[int]]:
     return [list(e) if isinstance(e, tuple) else e for e in tensor_map]
 
 
+@lru_cache(maxsize=1 << 16)
+def _from_dim_axes(device_matrix: tuple[int, ...], dim_axes: tuple[tuple[int, ...], ...],
+                   shape: tuple[int, ...], partial_axes: tuple[int, ...]) -> TensorLayout:
+    return TensorLayout._from_dim_axes(device_matrix, dim_axes, shape, partial_axes)
+
+
 @lru_cache(maxsize=4096)
 def _dim_axes(ndev: int, tensor_map: tuple[MapEntry, ...]) -> tuple[tuple[int, ...], ...]:
     out = []
@@ -117,6 +123,8 @@ class TensorLayout:
     tensor_map: tuple[MapEntry, ...]
     shape: tuple[int, ...]
     partial: tuple[int, ...] = ()
+    _axes: tuple[tuple[int, ...], ...] = field(default=(), init=False, repr=False,
+                                               compare=False)
 
     def __init__(self, device_matrix: Sequence[int], tensor_map: Sequence[object],
                  shape: Sequence[int], partial: Sequence[int] = ()) -> None:
@@ -153,6 +161,7 @@ class TensorLayout:
         object.__setattr__(self, "tensor_map", tmap)
         object.__setattr__(self, "shape", shp)
         object.__setattr__(self, "partial", part)
+        object.__setattr__(self, "_axes", _dim_axes(n, tmap))  # read by every planner step
         for tensor_dim, (size, cut) in enumerate(zip(shp, self.cuts)):
             if size % cut:
                 raise IndivisibleError(
@@ -181,6 +190,20 @@ class TensorLayout:
         >>> lay.partial, lay.partial_group(5)   # pending sums over the size-2 axis: ranks 1, 5
         ((1,), (1, 5))
         """
+        try:  # layouts are immutable: planners build the same ones millions of times
+            key = (tuple(device_matrix), tuple(map(tuple, dim_axes)), tuple(shape),
+                   tuple(partial_axes))
+            hash(key)
+        except TypeError:  # unhashable arguments: build it uncached (and let it complain)
+            return cls._from_dim_axes(device_matrix, dim_axes, shape, partial_axes)
+        if cls is not TensorLayout or any(
+                type(x) is not int for part in (key[0], key[2], key[3], *key[1]) for x in part):
+            return cls._from_dim_axes(device_matrix, dim_axes, shape, partial_axes)
+        return _from_dim_axes(*key)
+
+    @classmethod
+    def _from_dim_axes(cls, device_matrix: Sequence[int], dim_axes: Sequence[Sequence[int]],
+                       shape: Sequence[int], partial_axes: Sequence[int] = ()) -> TensorLayout:
         n = len(device_matrix)
         tmap: list[tuple[int, ...]] = []
         for tensor_dim, axes in enumerate(dim_axes):
@@ -244,7 +267,7 @@ class TensorLayout:
     @property
     def dim_axes(self) -> tuple[tuple[int, ...], ...]:
         """Per tensor dimension, the device axes (from the left) that split it, outer first."""
-        return _dim_axes(len(self.device_matrix), self.tensor_map)
+        return self._axes
 
     @property
     def partial_axes(self) -> tuple[int, ...]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -129,16 +130,7 @@ class DeviceMesh:
         ``group_of(5, (1,))`` is (4, 5, 6, 7) and ``group_of(5, (0, 1))`` is (0, 1, …, 7).
         """
         axes = self._axes(device_axes)
-        coord = list(self.coordinate(rank))
-        if not axes:
-            return (rank,)
-        sizes = [self.device_matrix[a] for a in axes]
-        out = []
-        for index in np.ndindex(*sizes):
-            for a, c in zip(axes, index):
-                coord[a] = c
-            out.append(self.rank_of(coord))
-        return tuple(out)
+        return _group_of(self.device_matrix, self._check_rank(rank), axes)
 
     def groups(self, device_axes: Iterable[int]) -> list[tuple[int, ...]]:
         """Every group along ``device_axes``, ordered by the first rank of each group."""
@@ -148,3 +140,15 @@ class DeviceMesh:
             g = self.group_of(rank, axes)
             seen.setdefault(min(g), g)
         return [seen[k] for k in sorted(seen)]
+
+
+@lru_cache(maxsize=1 << 16)
+def _group_of(device_matrix: tuple[int, ...], rank: int, axes: tuple[int, ...]
+              ) -> tuple[int, ...]:
+    """:meth:`DeviceMesh.group_of` by stride arithmetic (searches ask for millions)."""
+    strides = [math.prod(device_matrix[a + 1:]) for a in range(len(device_matrix))]
+    base = rank - sum((rank // strides[a]) % device_matrix[a] * strides[a] for a in axes)
+    offsets = np.zeros(1, dtype=np.int64)
+    for a in axes:
+        offsets = (offsets[:, None] + np.arange(device_matrix[a]) * strides[a]).ravel()
+    return tuple(int(base + o) for o in offsets)

@@ -183,14 +183,15 @@ def get_parallel_info(op: Primitive, input_shapes: Sequence[Sequence[int]],
 
 
 def search_strategies(cell: Any, input_specs: Sequence[tuple[Sequence[int], Any]],
-                      device_num: int, search_mode: str = "exact",
+                      device_num: int, search_mode: str = "dynamic_programming",
                       dataset_strategy: Any = "full_batch", enable_alltoall: bool = False,
                       input_names: Sequence[str] | None = None) -> StrategyMap:
     """Search every op's strategy of ``cell`` for inputs of the given ``(shape, dtype)`` on
     ``device_num`` devices, without running anything: no MPI, no data, nothing of the
     model's size allocated. Returns the :class:`~simpar.search.StrategyMap`, keyed by
     MindSpore-style op names (``.ops[name].in_strategy``), that ``lower`` and
-    ``TrainOneStepCell`` would run. ``search_mode`` names a registered search ("exact")."""
+    ``TrainOneStepCell`` would run. ``search_mode`` names a registered search
+    ("dynamic_programming", MindSpore's; "exact", the ILP optimum)."""
     g = graph.trace(cell, input_specs, input_names)
     return plan_strategies(g, device_num, "auto_parallel", dataset_strategy, enable_alltoall,
                            parameter_plans(cell), search_mode=search_mode)

@@ -1,6 +1,8 @@
 """The main job: train a small GPT in parallel on simulated Ascend devices, then check it.
 
-    mpirun -n 8 python -m simpar.train                       # GPT, dp x mp = 2 x 4 (hybrid)
+    mpirun -n 8 python -m simpar.train                       # auto_parallel, searched strategies
+    mpirun -n 8 python -m simpar.train --search-mode exact   # the ILP's proven optimum
+    mpirun -n 8 python -m simpar.train --strategy hybrid     # preset: dp x mp = 2 x 4
     mpirun -n 8 python -m simpar.train --strategy mp         # Megatron over all 8 ranks
     mpirun -n 8 python -m simpar.train --parallel-mode data_parallel
     mpirun -n 4 python -m simpar.train --model mlp --steps 30 --out out/
@@ -9,7 +11,10 @@
 Every rank holds only its shards; the collectives are real MPI collectives. At the end the
 same steps run on one device (rank 0) and every rank compares its shards with the matching
 slice of that run (simpar.check): max |Δloss|, max |Δparam|, max |Δgrad| at identical
-parameters, and the verdict. Exit codes: 0 PASS; 1 FAIL; 2 options refused before any work,
+parameters, and the verdict. In auto_parallel (the default) a search over the cost model
+(dynamic programming on the ``--profile``, cpu-local unless told) picks every op's strategy; the
+job prints why it won: its predicted cost next to the hand-written presets' and pure data
+parallelism's. Exit codes: 0 PASS; 1 FAIL; 2 options refused before any work,
 or INCONCLUSIVE (the single-device run diverged, so nothing can be judged).
 """
 
@@ -29,10 +34,14 @@ import simpar
 from simpar import _env, comm, graph, nn
 from simpar.check import CheckReport, check_against_single_device
 from simpar.context import ContextError
-from simpar.cost import load_profile, profile_names
+from simpar.cost import CostReport, SimparCostModel, load_profile, profile_names
 from simpar.dataset import VOCAB_SIZE, CharCorpus, random_classification
 from simpar.nn import presets
 from simpar.runtime.program import build_program
+from simpar.search import registered_searches, set_search_cost_model
+from simpar.strategy_table import columns as strategy_table_columns
+from simpar.strategy_table import display_names as display_names  # re-exported
+from simpar.strategy_table import strategy_table
 
 MODES = ("stand_alone", "data_parallel", "semi_auto_parallel", "auto_parallel")
 
@@ -53,14 +62,20 @@ def _positive_float(text: str) -> float:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = _env.RankZeroParser(prog="python -m simpar.train", description=__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--parallel-mode", default="semi_auto_parallel", choices=MODES,
-                   help="stand_alone runs on one rank only; auto_parallel is not built yet")
+    p.add_argument("--parallel-mode", default=None, choices=MODES,
+                   help="default auto_parallel (semi_auto_parallel with --strategy); "
+                   "stand_alone runs on one rank only")
+    p.add_argument("--search-mode", default="dynamic_programming",
+                   choices=registered_searches(),
+                   help="auto_parallel's search (default dynamic_programming, MindSpore's; "
+                   "exact: the ILP optimum, needs scipy)")
     p.add_argument("--device-num", type=int, default=None,
                    help="must equal the number of MPI ranks (default: the world size)")
     p.add_argument("--strategy", default=None, choices=presets.PRESETS,
-                   help="semi_auto_parallel preset: dp, mp (Megatron over every rank), hybrid "
-                   "(dp=2 x mp=N/2, N even); default hybrid on an even number of ranks, mp "
-                   "otherwise")
+                   help="semi_auto_parallel preset (implies --parallel-mode "
+                   "semi_auto_parallel): dp, mp (Megatron over every rank), hybrid "
+                   "(dp=2 x mp=N/2, N even); in semi_auto_parallel the default is hybrid on an "
+                   "even number of ranks, mp otherwise")
     p.add_argument("--model", default="gpt", choices=("gpt", "mlp"))
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=8,
@@ -86,6 +101,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    f"({', '.join(profile_names())}), a .json path (python -m simpar.calibrate "
                    "writes one), or 'none'")
     args = p.parse_args(argv)
+    if args.parallel_mode is None:
+        args.parallel_mode = "semi_auto_parallel" if args.strategy else "auto_parallel"
     if args.profile != "none":
         try:
             args.profile = load_profile(args.profile)
@@ -131,9 +148,8 @@ def mesh(args: argparse.Namespace, world: int) -> tuple[int, int]:
     """(dp, mp) for these options on ``world`` ranks; :class:`UsageError` when they cannot
     run there. Pure: the job calls it for its own world and for the -n values it suggests."""
     mode = args.parallel_mode
-    if mode == "auto_parallel":
-        raise UsageError("--parallel-mode auto_parallel needs the strategy search, which is not "
-                         "implemented yet; use semi_auto_parallel or data_parallel")
+    if mode == "auto_parallel":  # the search decides; each rank loads its batch slice if it can
+        return (world, 1) if args.batch_size % world == 0 else (1, 1)
     if mode == "stand_alone":
         if world != 1:
             raise UsageError(f"--parallel-mode stand_alone runs on one device, but this job "
@@ -175,6 +191,8 @@ def dataset_strategy(args: argparse.Namespace, dp: int, mp: int, device_num: int
     """Each rank loads only its batch slice where the strategy cuts the batch."""
     if args.parallel_mode == "semi_auto_parallel" and args.model == "gpt" and dp > 1:
         return ((dp, 1), (dp, 1))
+    if args.parallel_mode == "auto_parallel" and dp > 1:
+        return "data_parallel"  # MindSpore's default in auto_parallel (full_batch=False)
     return "full_batch"
 
 
@@ -272,54 +290,9 @@ def my_rows(train: nn.TrainOneStepCell, rank: int) -> tuple[int, int] | None:
 
 
 # ------------------------------------------------------------------ the strategy table
-def display_names(names: list[str]) -> dict[str, str]:
-    """Short, unique, readable op names: the cell path below the network without class
-    names ("block1/attn/q/MatMul"), with MindSpore's ``-opN`` kept only where two ops of one
-    cell would read alike ("block1/attn/BatchMatMul-op20")."""
-    short = {}
-    for name in names:
-        parts = name.split("/")
-        parts = parts[2:] if len(parts) > 2 and parts[0] == "Default" else parts
-        cells = [p.split("-")[0].lstrip("_") for p in parts[:-1]]
-        cells = [c for c in cells if c != "backbone"]
-        short[name] = "/".join([*cells, parts[-1].rsplit("-op", 1)[0]])
-    seen: dict[str, int] = {}
-    for s in short.values():
-        seen[s] = seen.get(s, 0) + 1
-    return {n: s if seen[s] == 1 else f"{s}-op{n.rsplit('-op', 1)[-1]}"
-            for n, s in short.items()}
-
-
-def _columns(rows: list[list[str]], indent: str = "  ") -> list[str]:
-    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    return [indent + "  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip()
-            for r in rows]
-
-
 def print_strategy_table(train: nn.TrainOneStepCell) -> None:
-    prog = train.program
-    assert prog is not None
-    rows = prog.comm_table()
-    shown = [r for r in rows if r["chosen"] == "annotated" or r["forward"] or r["redistribution"]
-             or r["repeat"] > 1]
-    names = display_names([r["op"] for r in rows])
-    print(f"\nstrategies ({len(shown)} of {len(rows)} ops shown: annotated, communicating or "
-          "computed alike on several ranks; the rest follow their producers)")
-    table = [["op", "strategy", "out map", "forward", "backward", "repeated"]]
-    for r in shown:
-        table.append([names[r["op"]], str(r["strategy"]).replace(" ", ""),
-                      str(r["out_tensor_map"]).replace(" ", ""),
-                      ", ".join(r["redistribution"] + r["forward"]) or "-",
-                      ", ".join(r["backward"]) or "-",
-                      f"x{r['repeat']}" if r["repeat"] > 1 else "-"])
-    print("\n".join(_columns(table)))
-    mirrors: dict[int, int] = {}
-    for name in prog.param_layouts:
-        g = len(prog.mirror_group(name, 0))
-        mirrors[g] = mirrors.get(g, 0) + 1
-    print("  parameter gradients: " + ", ".join(
-        f"{n} synced over {g} ranks" if g > 1 else f"{n} sharded (no Mirror)"
-        for g, n in sorted(mirrors.items())))
+    assert train.program is not None
+    print(strategy_table(train.program))
 
 
 # ------------------------------------------------------------------ the job
@@ -334,7 +307,9 @@ def main(argv: list[str] | None = None) -> int:
         simpar.set_auto_parallel_context(parallel_mode=args.parallel_mode,
                                          device_num=device_num,
                                          gradients_mean=args.gradients_mean,
-                                         enable_alltoall=True)
+                                         enable_alltoall=True, search_mode=args.search_mode)
+        set_search_cost_model(SimparCostModel(
+            args.profile if args.profile != "none" else "cpu-local", optimizer(args)))
         comm.check_context()
         dp, mp = mesh(args, world)
         train = build(args, args.parallel_mode, world)
@@ -346,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         if rank == 0:
             hint = ""
-            if not isinstance(e, ContextError):
+            if not isinstance(e, ContextError) and args.parallel_mode != "auto_parallel":
                 sizes = working_world_sizes(args)
                 hint = (f"; with these options -n can be {', '.join(map(str, sizes))}"
                         if sizes else "")
@@ -358,7 +333,13 @@ def main(argv: list[str] | None = None) -> int:
         f"wait policy {env.get('wait_policy')}")
     if args.parallel_mode == "semi_auto_parallel":
         say(f"mesh: dp x mp = {dp} x {mp}, strategy preset {strategy_name(args, world)!r}")
+    if args.parallel_mode == "auto_parallel":
+        say(f"strategies searched by {args.search_mode} on the "
+            f"{args.profile.name if args.profile != 'none' else 'cpu-local'} profile, "
+            f"dataset {dataset_strategy(args, dp, mp, world)}")
     print_strategy_table(train) if rank == 0 else None
+    if args.parallel_mode == "auto_parallel" and args.profile != "none" and rank == 0:
+        print(why_it_won(args, train, world))
     say(f"\nplanned in {t_build:.2f} s; training {args.steps} steps of {args.batch_size} x "
         f"{args.seq_length if args.model == 'gpt' else 1} tokens")
     losses, step_times = [], []
@@ -383,14 +364,14 @@ def main(argv: list[str] | None = None) -> int:
         "  " + line for line in trace.summary().splitlines()))
     predicted = None
     if args.profile != "none" and train.program is not None:
-        optimizer = {"adamw": "adam"}.get(args.optimizer, args.optimizer)
-        predicted = train.program.cost(args.profile, optimizer)
+        predicted = train.program.cost(args.profile, optimizer(args))
         say(f"cost model ({predicted.profile}): predicted step {predicted.step_seconds * 1e3:.1f}"
             f" ms (measured median {1e3 * float(np.median(steady)):.1f} ms), peak memory "
             f"{predicted.peak_memory / 2**20:.2f} MiB per rank (program.cost(profile) has "
             "the table)")
     summary: dict[str, Any] = {
         "mode": args.parallel_mode, "strategy": strategy_name(args, world), "dp": dp,
+        "search_mode": args.search_mode if args.parallel_mode == "auto_parallel" else None,
         "mp": mp, "model": args.model, "dtype": args.dtype, "steps": args.steps,
         "losses": [_json_float(x) for x in losses], "tokens_per_s": tok_s,
         "plan_seconds": t_build, "step_seconds": step_times, "comm": trace.by_kind(),
@@ -420,6 +401,51 @@ def main(argv: list[str] | None = None) -> int:
               f"the check cannot judge this run; train stably (--lr {learning_rate(args):g} "
               "is too large here) to check it", file=sys.stderr)
     return {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 2}[report.verdict]
+
+
+def optimizer(args: argparse.Namespace) -> str:
+    """The cost model's name for the optimizer (AdamW keeps Adam's state)."""
+    return {"adamw": "adam"}.get(args.optimizer, args.optimizer)
+
+
+def why_it_won(args: argparse.Namespace, train: nn.TrainOneStepCell, world: int) -> str:
+    """The searched plan's predicted cost next to every hand-written preset that runs on
+    ``world`` ranks and pure data parallelism (planned from shapes, nothing run)."""
+    assert train.program is not None
+    rows: list[tuple[str, CostReport | str]] = [
+        (f"searched ({args.search_mode})", train.program.cost(args.profile, optimizer(args)))]
+    for name in presets.PRESETS:
+        alt = argparse.Namespace(**{**vars(args), "parallel_mode": "semi_auto_parallel",
+                                    "strategy": name})
+        label = f"preset {name}" + (" (pure data parallel)" if name == "dp" else "")
+        try:
+            dp, mp = mesh(alt, world)
+            cell = build(alt, "semi_auto_parallel", world)
+            g = graph.trace(cell.network, batch_shapes(alt), ["data", "label"])
+            program = build_program(g, world, "semi_auto_parallel",
+                                    dataset_strategy(alt, dp, mp, world), True,
+                                    cell=cell.network)
+        except ValueError as error:
+            rows.append((label, f"does not run here: {error}"))
+            continue
+        rows.append((label, program.cost(args.profile, optimizer(args))))
+    table = [["plan", "step ms", "compute", "op comm", "redistr.", "grad sync", "other",
+              "peak MiB"]]
+    for label, r in rows:
+        if isinstance(r, str):
+            table.append([label, r[:70], "", "", "", "", "", ""])
+            continue
+        table.append([label] + [f"{x * 1e3:.2f}" for x in (
+            r.step_seconds, r.compute, r.op_comm, r.redistribution, r.grad_sync,
+            r.optimizer + r.overhead)] + [f"{r.peak_memory / 2**20:.2f}"])
+    best = min((r.step_seconds for _, r in rows[1:] if not isinstance(r, str)), default=None)
+    searched = rows[0][1]
+    assert not isinstance(searched, str)
+    verdict = ("" if best is None else
+               f"; the searched plan is predicted {best / searched.step_seconds:.2f}x as fast "
+               "as the best preset")
+    return "\n".join([f"\nwhy it won (predicted per step on {searched.profile}, ms{verdict}):",
+                      *strategy_table_columns(table)])
 
 
 def strategy_name(args: argparse.Namespace, world: int) -> str | None:

@@ -678,11 +678,14 @@ def test_a_key_simpar_does_not_honour_yet_warns_once_naming_it() -> None:
             warnings.simplefilter("error", NotHonouredWarning)
             set_auto_parallel_context(strategy_ckpt_save_file="again.json")  # once only
             set_auto_parallel_context(gradient_fp32_sync=True)               # the default
-        with pytest.warns(NotHonouredWarning, match="search_mode='dynamic_programming' is "
+        with pytest.warns(NotHonouredWarning, match="search_mode='sharding_propagation' is "
                           "accepted but not honoured yet: the strategy searches"):
+            set_auto_parallel_context(search_mode="sharding_propagation")
+        with warnings.catch_warnings():  # the searches honour these
+            warnings.simplefilter("error", NotHonouredWarning)
             set_auto_parallel_context(search_mode="dynamic_programming")
-        with pytest.warns(NotHonouredWarning, match="elementwise_op_strategy_follow=True"):
-            set_algo_parameters(elementwise_op_strategy_follow=True)
+            set_algo_parameters(elementwise_op_strategy_follow=True, enable_algo_approxi=True,
+                                algo_approxi_epsilon=0.5)
         with pytest.warns(NotHonouredWarning, match="fully_use_devices=True"):
             set_algo_parameters(fully_use_devices=True)
         with warnings.catch_warnings():  # MatMul honours the slice alignment: no warning

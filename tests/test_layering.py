@@ -2,8 +2,9 @@
 
 The layers, bottom first (see README, "Layers"): configuration and leaf helpers; the MPI
 package; meshes, layouts, parameters and the schedule guard; redistribution; operators; the
-traced graph; planners; lowering and execution; the op-level API; cells; the check and the
-data; the main job. A module may import its own layer or any layer below it.
+traced graph; planners; lowering and execution; the op-level API; cells (and
+``simpar.auto_parallel``, which names ``simpar.nn``'s AutoParallel); the check and the data; the
+main job. A module may import its own layer or any layer below it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("simpar.search", "simpar.cost"),
     ("simpar.runtime",),
     ("simpar.parallel",),
-    ("simpar.nn",),
+    ("simpar.nn", "simpar.auto_parallel"),
     ("simpar.check", "simpar.dataset"),
     ("simpar.train", "simpar.launch", "simpar.calibrate", "simpar"),
 ]

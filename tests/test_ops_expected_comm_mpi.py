@@ -285,6 +285,77 @@ def _reduce(kind: str) -> Callable[[int, int], Any]:
     return build
 
 
+def _floordiv_broadcast(n: int, rank: int) -> Any:
+    # Add's rule, but floor has no gradient: y is replicated over the row cut, and still
+    # nothing is communicated either way.
+    dd = 2 if n >= 2 else 1
+    rng = _rng()
+    x, y = 5.0 * rng.standard_normal((4, 8)), 1.5 + np.abs(rng.standard_normal((1, 8)))
+    return ops.FloorDiv().shard(((dd, n // dd), (1, n // dd))), [x, y], [], []
+
+
+def _prelu(n: int, rank: int) -> Any:
+    # Channels cut m ways with the weight, the batch d ways: the weight's gradient is this
+    # rank's partial sum over its rows, completed over the d row blocks (its Mirror).
+    d, m = _hybrid(n)
+    rng = _rng()
+    x, w = rng.standard_normal((4, 8, 2)), rng.standard_normal(8)
+    bwd = [_ar(_strided(rank, m, d), (8 // m,))] if d > 1 else []
+    return ops.PReLU().shard(((d, m, 1), (m,))), [x, w], [], bwd
+
+
+def _prelu_shared(n: int, rank: int) -> Any:
+    # One slope for every channel, data parallel: the (1,) weight is on every rank.
+    rng = _rng()
+    x, w = rng.standard_normal((8, 4)), rng.standard_normal(1)
+    bwd = [_ar(tuple(range(n)), (1,))] if n > 1 else []
+    return ops.PReLU().shard(((n, 1), (1,))), [x, w], [], bwd
+
+
+def _bn_inputs(rng: np.random.Generator, x_shape: tuple[int, ...]) -> list[np.ndarray]:
+    c = x_shape[1]
+    return [3.0 + rng.standard_normal(x_shape), rng.standard_normal(c),
+            rng.standard_normal(c), rng.standard_normal(c), 0.5 + np.abs(rng.standard_normal(c))]
+
+
+def _batch_norm(training: bool) -> Callable[[int, int], Any]:
+    def build(n: int, rank: int) -> Any:
+        # Batch cut d ways, channels m ways. Training (SyncBatchNorm): the per-channel sums,
+        # then the squared deviations, AllReduced over the d batch blocks that share the
+        # rank's channels (keepdims: (1, C/m, 1, 1)); backward one AllReduce of the stacked
+        # [sum dy, sum dy*xhat] (2, C/m) for dx, then scale's and bias's gradients over the
+        # same ranks (their replicas). Inference: only those two gradients.
+        d, m = _hybrid(n)
+        c = 8 // m
+        col = _strided(rank, m, d)
+        fwd = [_ar(col, (1, c, 1, 1)), _ar(col, (1, c, 1, 1))] if d > 1 and training else []
+        bwd = [_ar(col, (2, c))] if d > 1 and training else []
+        bwd += [_ar(col, (c,)), _ar(col, (c,))] if d > 1 else []
+        xs = _bn_inputs(_rng(), (4, 8, 2, 2))
+        op = ops.BatchNorm(training).shard(((d, m, 1, 1),) + ((m,),) * 4)
+        return op, xs, fwd, bwd
+    return build
+
+
+def _batch_norm_data_parallel(n: int, rank: int) -> Any:
+    # (N, C) cut over every rank along N: the statistics of 3 channels are AllReduced over all.
+    world = tuple(range(n))
+    xs = _bn_inputs(_rng(), (8, 3))
+    fwd = [_ar(world, (1, 3)), _ar(world, (1, 3))] if n > 1 else []
+    bwd = [_ar(world, (2, 3)), _ar(world, (3,)), _ar(world, (3,))] if n > 1 else []
+    return ops.BatchNorm(True).shard(((n, 1),) + ((1,),) * 4), xs, fwd, bwd
+
+
+def _assign_repeated(n: int, rank: int) -> Any:
+    # Rows cut n/2 ways, a repeat of 2 (rank pairs): the variable's gradient (MindSpore's bprop
+    # hands it the output's cotangent) is completed over its pair; the value gets none.
+    r = max(n // 2, 1)
+    rng = _rng()
+    variable, value = rng.standard_normal((8, 2)), rng.standard_normal((8, 2))
+    bwd = [_ar(_block(rank, 2), (8 // r, 2))] if n > 1 else []
+    return ops.Assign().shard(((r, 1), (r, 1))), [variable, value], [], bwd
+
+
 CASES = [
     Case("MatMul_k_split", _matmul),
     Case("BatchMatMul_batch_split", _batch_matmul),
@@ -308,6 +379,13 @@ CASES = [
     Case("ReduceSum_split_axis", _reduce("sum")),
     Case("ReduceMean_split_axis_keep_dims", _reduce("mean")),
     Case("ReduceMax_split_axis", _reduce("max")),
+    Case("FloorDiv_broadcast_no_gradient", _floordiv_broadcast),
+    Case("PReLU_batch_and_channel_split", _prelu),
+    Case("PReLU_shared_weight_data_parallel", _prelu_shared),
+    Case("BatchNorm_sync_batch_and_channel_split", _batch_norm(True)),
+    Case("BatchNorm_inference_batch_and_channel_split", _batch_norm(False)),
+    Case("BatchNorm_sync_data_parallel_2d", _batch_norm_data_parallel),
+    Case("Assign_repeated", _assign_repeated),
 ]
 
 
@@ -384,7 +462,8 @@ def test_every_op_family_has_a_case() -> None:
     assert names >= {"MatMul", "BatchMatMul", "Add", "Mul", "BiasAdd", "ReLU", "GeLU",
                      "Reshape", "Transpose", "Concat", "Split", "Gather", "Dropout", "Softmax",
                      "LogSoftmax", "LayerNorm", "SparseSoftmaxCrossEntropyWithLogits",
-                     "ReduceSum", "ReduceMean", "ReduceMax"}, names
+                     "ReduceSum", "ReduceMean", "ReduceMax", "FloorDiv", "PReLU", "BatchNorm",
+                     "Assign"}, names
     modules = {type(c.build(8, 0)[0]).__module__ for c in CASES}
     assert modules == {f"simpar.ops.{m}" for m in ("matmul", "elementwise", "array_ops",
                                                    "gather_dropout", "nn_ops", "reduce_ops")}

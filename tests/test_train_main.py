@@ -58,9 +58,24 @@ def _check_summary(summary: dict[str, Any], steps: int, dtype: str = "float64") 
 
 
 @pytest.mark.mpi(min_size=2)
-def test_gpt_hybrid_default(tmp_path: Path) -> None:
+def test_gpt_auto_parallel_default(tmp_path: Path) -> None:
+    """The default job: auto_parallel, strategies searched by dynamic programming, each rank
+    loading its batch slice; it trains like one device."""
     n = comm.get_group_size()
-    code, summary = _main(["--steps", "3"], tmp_path)
+    code, summary = _main(["--steps", "2"], tmp_path)
+    assert code == 0
+    _check_summary(summary, 2)
+    assert (summary["model"], summary["mode"], summary["search_mode"]) == (
+        "gpt", "auto_parallel", "dynamic_programming")
+    assert summary["strategy"] is None and summary["predicted_step_seconds"] > 0
+    assert len(summary["strategies"]) > 50
+    assert all(math.prod(c) <= n for s in summary["strategies"].values() for c in s)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_gpt_hybrid_preset(tmp_path: Path) -> None:
+    n = comm.get_group_size()
+    code, summary = _main(["--strategy", "hybrid", "--steps", "3"], tmp_path)
     assert code == 0
     _check_summary(summary, 3)
     assert (summary["model"], summary["mode"], summary["strategy"]) == (
@@ -144,12 +159,15 @@ def test_device_num_must_match_the_world(capsys: pytest.CaptureFixture[str]) -> 
                 in capsys.readouterr().err)
 
 
-def test_auto_parallel_refuses_clearly(capsys: pytest.CaptureFixture[str]) -> None:
-    if comm.get_group_size() != 1:
-        pytest.skip("one process")
-    assert train.main(["--parallel-mode", "auto_parallel", "--steps", "1"]) == 2
-    assert "auto_parallel needs the strategy search, which is not implemented" in \
-        capsys.readouterr().err
+def test_auto_parallel_is_the_default_and_presets_imply_semi_auto() -> None:
+    assert (train.parse_args([]).parallel_mode, train.parse_args([]).search_mode) == (
+        "auto_parallel", "dynamic_programming")
+    assert train.parse_args(["--strategy", "mp"]).parallel_mode == "semi_auto_parallel"
+    auto = train.parse_args([])
+    assert train.mesh(auto, 8) == (8, 1) and train.dataset_strategy(auto, 8, 1, 8) == \
+        "data_parallel"
+    assert train.mesh(auto, 3) == (1, 1) and train.dataset_strategy(auto, 1, 1, 3) == \
+        "full_batch"  # 8 rows do not split among 3 ranks: every rank loads the batch
 
 
 # ------------------------------------------------------------------ user errors, every rank
@@ -184,11 +202,11 @@ def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     (["--parallel-mode", "pipeline"], "argument --parallel-mode: invalid choice: 'pipeline'"),
     (["--parallel-mode", "data_parallel", "--strategy", "mp"],
      "--strategy mp sets semi_auto_parallel strategies, but --parallel-mode is data_parallel"),
-    (["--parallel-mode", "auto_parallel"], "auto_parallel needs the strategy search"),
+    (["--search-mode", "greedy"], "argument --search-mode: invalid choice: 'greedy'"),
     (["--profile", "tpu9"], "--profile tpu9: load_profile: unknown profile 'tpu9'; shipped "
      "profiles are ['ascend910a', 'ascend910b', 'cpu-local']"),
 ], ids=["lr-negative", "lr-nan", "lr-inf", "heads-not-dividing", "steps-0", "seed", "mode",
-        "strategy-with-dp", "auto", "profile"])
+        "strategy-with-dp", "search-mode", "profile"])
 def test_user_errors_print_one_line_on_rank_0(argv: list[str], message: str,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     line = _refused([*argv, "--steps", "1"] if "--steps" not in argv else argv, capsys)
@@ -208,7 +226,8 @@ def test_stand_alone_on_several_ranks_is_refused_before_any_work(
 
 @pytest.mark.mpi(min_size=2)
 def test_a_batch_that_does_not_split_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    line = _refused(["--batch-size", "3", "--steps", "1"], capsys)
+    line = _refused(["--parallel-mode", "semi_auto_parallel", "--batch-size", "3", "--steps",
+                     "1"], capsys)
     if comm.get_rank() == 0:
         assert "--batch-size 3 does not split among 2 data-parallel ranks (strategy hybrid, " \
             "the default" in line
@@ -219,7 +238,8 @@ def test_heads_that_do_not_split_among_mp_are_refused(capsys: pytest.CaptureFixt
                                                       ) -> None:
     n = comm.get_group_size()
     heads = 6 if n == 8 else 3  # the issue's --d-model 66 --n-heads 6 on 8 ranks: mp=4
-    line = _refused(["--d-model", "66", "--n-heads", str(heads), "--steps", "1"], capsys)
+    line = _refused(["--parallel-mode", "semi_auto_parallel", "--d-model", "66", "--n-heads",
+                     str(heads), "--steps", "1"], capsys)
     if comm.get_rank() == 0:
         assert f"--n-heads {heads} does not split among {n // 2} model-parallel ranks" in line
         assert "with these options -n can be 1, 2" in line
@@ -231,13 +251,14 @@ def test_which_world_sizes_work_is_computed_by_planning() -> None:
     with pytest.raises(train.UsageError, match="--strategy hybrid is dp=2 x mp=N/2, which "
                        "needs an even number of ranks; this job has 3"):
         train.mesh(args, 3)
-    default = train.parse_args([])
+    default = train.parse_args(["--parallel-mode", "semi_auto_parallel"])
     with pytest.raises(train.UsageError, match=r"the GPT's vocabulary of 128 characters does "
                        r"not split among 3 model-parallel ranks \(strategy mp, the default on an "
                        r"odd number of ranks, on 3 ranks is dp=1 x mp=3"):
         train.mesh(default, 3)
     with pytest.raises(train.UsageError, match=r"--n-heads 6 does not split among 4 "):
-        train.mesh(train.parse_args(["--d-model", "66", "--n-heads", "6"]), 8)
+        train.mesh(train.parse_args(["--parallel-mode", "semi_auto_parallel", "--d-model",
+                                     "66", "--n-heads", "6"]), 8)
     assert train.mesh(default, 8) == (2, 4) and train.mesh(default, 1) == (1, 1)
 
 

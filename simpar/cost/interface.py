@@ -5,7 +5,12 @@ A :class:`CostModel` prices the three things a strategy search compares:
 * ``op(sharding, parameters, itemsize)``: one op under one strategy (its kernels forward and
   backward, its own collectives, the gradient sync of the parameters it reads);
 * ``edge(plan, itemsize)``: one redistribution between two ops (forward and backward);
-* ``program(program)``: a whole lowered program.
+* ``program(program)``: a whole lowered program;
+* ``memory(sharding, parameters, itemsize, kept_elsewhere, ...)``: the bytes per rank one op
+  adds to a step's peak (its parameters with their gradients and optimizer state, the
+  activations its backward keeps), which a search adds up and holds under
+  ``memory_capacity``; ``keeps_output(op, ...)`` says whether an op's output is among them,
+  so that its consumers do not count it again.
 
 :class:`SimparCostModel` answers in seconds on a :class:`~simpar.cost.profile.DeviceProfile`
 (the model of :mod:`simpar.cost.model`); :class:`MindSporeCostModel` answers in MindSpore's
@@ -25,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from simpar.cost import mindspore as ms
 from simpar.cost.collective import traffic
-from simpar.cost.model import evaluate
+from simpar.cost.model import OPTIMIZER_STATE, evaluate
 from simpar.cost.profile import DeviceProfile, load_profile
 
 if TYPE_CHECKING:  # types only: simpar.ops imports simpar.cost
@@ -45,11 +50,24 @@ class CostModel(Protocol):
     @property
     def unit(self) -> str: ...
 
-    def op(self, sharding: OpSharding, parameters: Collection[int], itemsize: int) -> float: ...
+    def op(self, sharding: OpSharding, parameters: Collection[int], itemsize: int,
+           input_itemsizes: Sequence[int] | None = ...) -> float: ...
 
     def edge(self, plan: RedistributionPlan, itemsize: int) -> float: ...
 
     def program(self, program: Any) -> float: ...
+
+    def memory(self, sharding: OpSharding, parameters: Collection[int], itemsize: int,
+               kept_elsewhere: Collection[int] = ...,
+               input_itemsizes: Sequence[int] | None = ...,
+               involved: Collection[int] | None = ..., frozen: Collection[int] = ...
+               ) -> float: ...
+
+    def keeps_output(self, op: Any, n_inputs: int, parameters: Collection[int],
+                     involved: Collection[int], kept_elsewhere: Collection[int]) -> bool: ...
+
+    @property
+    def memory_capacity(self) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -76,12 +94,15 @@ class SimparCostModel:
             str(spec.kind), spec.group(rank), spec.elements * itemsize,
             spec.recv_bytes(rank, itemsize))
 
-    def op(self, sharding: OpSharding, parameters: Collection[int], itemsize: int) -> float:
+    def op(self, sharding: OpSharding, parameters: Collection[int], itemsize: int,
+           input_itemsizes: Sequence[int] | None = None) -> float:
         """Kernels forward and backward (twice the FLOPs and bytes), the op's own collectives
-        both ways, and the AllReduce of every replicated parameter's gradient."""
+        both ways, and the AllReduce of every replicated parameter's gradient. ``itemsize``
+        is the outputs' bytes per element, and the inputs' unless ``input_itemsizes``."""
         sh, prof = sharding, self._profile
-        nbytes = itemsize * (sum(lay.local_size() for lay in sh.in_layouts)
-                             + sum(raw.local_size() for raw, _, _ in sh.outputs))
+        sizes = input_itemsizes or (itemsize,) * len(sh.in_layouts)
+        nbytes = (sum(lay.local_size() * b for lay, b in zip(sh.in_layouts, sizes))
+                  + itemsize * sum(raw.local_size() for raw, _, _ in sh.outputs))
         dtype = {2: "float16", 4: "float32", 8: "float64"}.get(itemsize, "float32")
         flops = sh.local_flops()
         seconds = (prof.compute_seconds(flops, nbytes, dtype)
@@ -128,6 +149,61 @@ class SimparCostModel:
     def program(self, program: Any) -> float:
         return evaluate(program, self._profile, self.optimizer).step_seconds
 
+    @property
+    def memory_capacity(self) -> float:
+        """The profile's device memory."""
+        return float(self._profile.memory_capacity)
+
+    def memory(self, sharding: OpSharding, parameters: Collection[int], itemsize: int,
+               kept_elsewhere: Collection[int] = frozenset(),
+               input_itemsizes: Sequence[int] | None = None,
+               involved: Collection[int] | None = None, frozen: Collection[int] = ()
+               ) -> float:
+        """Bytes per rank: each trainable parameter's shard (positions ``parameters``) with
+        its gradient and the optimizer's state, each ``frozen`` one's shard alone, and what the
+        op's tape keeps for the backward (:class:`~simpar.ops.Tape`). Inputs in
+        ``kept_elsewhere`` (a producer's tape holds the same array, or a parameter another op
+        counts) and parameters are not counted as activations. (``involved`` is MindSpore's.)
+        An estimate per op: :func:`~simpar.cost.model.evaluate` counts a whole program's
+        arrays once each and adds the transient buffers."""
+        sh = sharding
+        sizes = input_itemsizes or (itemsize,) * len(sh.in_layouts)
+        ins = [lay.local_size() * b for lay, b in zip(sh.in_layouts, sizes)]
+        outs = sum(raw.local_size() * itemsize for raw, _, _ in sh.outputs)
+        copies = 2 + OPTIMIZER_STATE[self.optimizer]
+        total = float(sum(copies * ins[i] for i in parameters) + sum(ins[i] for i in frozen))
+        skip = {*parameters, *frozen, *kept_elsewhere}
+        tape = str(sh.op.tape)
+        if tape == "inputs+output":
+            total += sum(b for i, b in enumerate(ins) if i not in skip) + outs
+        elif tape == "output":
+            total += outs
+        elif tape == "indices" and 1 not in skip:
+            total += ins[1]
+        elif tape == "new-like-input":
+            total += ins[0]
+        elif tape == "mask":
+            total += sh.in_layouts[0].local_size()
+        return total
+
+    def keeps_output(self, op: Any, n_inputs: int, parameters: Collection[int],
+                     involved: Collection[int], kept_elsewhere: Collection[int]) -> bool:
+        """Whether ``op``'s tape holds its output (its consumers then share that array)."""
+        return str(op.tape) in ("inputs+output", "output")
+
+    #: Arrays are shared, as :func:`~simpar.cost.model.evaluate` counts them: an input one
+    #: op's tape keeps is not counted again by later readers, nor through views (Reshape).
+    shares_arrays = True
+
+    @staticmethod
+    def kept_inputs(op: Any, roles: Sequence[tuple[str, bool]]) -> list[int]:
+        """The input positions ``op``'s tape keeps as they are (not parameters)."""
+        tape = str(op.tape)
+        free = [k for k, (role, _) in enumerate(roles) if role == "free"]
+        if tape == "inputs+output":
+            return free
+        return [1] if tape == "indices" and 1 in free else []
+
 
 @dataclass(frozen=True)
 class MindSporeCostModel:
@@ -138,8 +214,9 @@ class MindSporeCostModel:
     name: str = field(default="mindspore", init=False)
     unit: str = field(default="MindSpore cost (bytes of slices)", init=False)
 
-    def op(self, sharding: OpSharding, parameters: Collection[int], itemsize: int) -> float:
-        cost = ms.op_cost(sharding, parameters, itemsize)
+    def op(self, sharding: OpSharding, parameters: Collection[int], itemsize: int,
+           input_itemsizes: Sequence[int] | None = None) -> float:
+        cost = ms.op_cost(sharding, parameters, itemsize, input_itemsizes=input_itemsizes)
         return ms.objective(cost, sharding.strategy, math.prod(sharding.device_matrix), self.ctx)
 
     def edge(self, plan: RedistributionPlan, itemsize: int) -> float:
@@ -148,13 +225,39 @@ class MindSporeCostModel:
     def program(self, program: Any) -> float:
         return sum(_op_total(self, s) for s in program.steps)
 
+    @property
+    def memory_capacity(self) -> float:
+        """``device_memory_capacity`` of the cost-model context."""
+        c = ms.cost_model_context() if self.ctx is None else self.ctx
+        return float(c.device_memory_capacity)
+
+    def memory(self, sharding: OpSharding, parameters: Collection[int], itemsize: int,
+               kept_elsewhere: Collection[int] = frozenset(),
+               input_itemsizes: Sequence[int] | None = None,
+               involved: Collection[int] | None = None, frozen: Collection[int] = ()
+               ) -> float:
+        """MindSpore's memory of the op (training or inference per ``run_phase``):
+        ``parameters`` and ``frozen`` are its Parameters, ``involved`` the inputs computed
+        from one, ``kept_elsewhere`` its ``prev_in_memory``."""
+        params = {*parameters, *frozen}
+        cost = ms.op_cost(sharding, params, itemsize,
+                          involved=None if involved is None else {*involved, *params},
+                          prev_in_memory=kept_elsewhere, input_itemsizes=input_itemsizes)
+        c = ms.cost_model_context() if self.ctx is None else self.ctx
+        return cost.memory if c.training else cost.inference_memory
+
+    def keeps_output(self, op: Any, n_inputs: int, parameters: Collection[int],
+                     involved: Collection[int], kept_elsewhere: Collection[int]) -> bool:
+        """MindSpore's ``is_output_in_memory`` of the op's cost class."""
+        return ms.keeps_output(op.name, n_inputs, parameters, involved, kept_elsewhere)
+
 
 def _op_total(model: CostModel, step: Any) -> float:
     """An op step's own cost plus the redistributions of its inputs."""
     node, sh = step.node, step.sharding
     itemsize = node.outputs[0].dtype.itemsize
     params = {k for k, v in enumerate(node.inputs) if v.kind == "param"}
-    return model.op(sh, params, itemsize) + sum(
+    return model.op(sh, params, itemsize, [v.dtype.itemsize for v in node.inputs]) + sum(
         model.edge(p, v.dtype.itemsize) for v, p in zip(node.inputs, step.in_plans) if p.steps)
 
 

@@ -76,8 +76,16 @@ forward communication / backward communication:
   ``TransposeCost``, ``ConcatCost``, ``SplitCost``): ``bytes(input 0)`` / 0 / ``rep(0)``.
 * ``SoftmaxCost`` (Softmax, LogSoftmax): ``bytes(output 0)`` / 0 / ``rep(0)``.
 * ``SubCost`` and subclasses (``TensorAddCost``: Add; Sub; ``BiasAddCost``; ``MulCost``: Mul;
-  ``DivCost``: RealDiv): ``bytes(A) + bytes(B)`` / 0 / ``rep(0) + rep(1)``, and the same again
-  as backward computation.
+  ``DivCost``: RealDiv; ``FloorDivCost``: FloorDiv; ``AssignCost``: Assign): ``bytes(A) +
+  bytes(B)`` / 0 / ``rep(0) + rep(1)``, and the same again as backward computation. (MindSpore
+  r1.0 priced these with one ``ArithmeticCost``, whose formulas are the same.)
+* ``PReLUCost`` (PReLU): ``bytes(x) + bytes(weight)`` / 0 / ``rep(1)``, backward computation
+  ``rep(1)``.
+* ``BatchNormCost`` (BatchNorm): the sum of ``bytes(inputs)`` / ``bytes(x)`` when x's channel
+  dimension is split, else 0 (MindSpore's formula: it charges the channel split, not the
+  N, H or W split whose statistics its SyncBatchNorm AllReduces) / the sum of ``rep(i)`` over
+  scale, bias, mean and variance. MindSpore r1.0 had no BatchNormInfo: it ran BatchNorm batch
+  parallel only, priced by ``BatchParallelCost``; simpar follows the later BatchNormInfo.
 * ``ReduceSumCost`` (ReduceSum; ``ReduceMaxCost``, a subclass: ReduceMax) and
   ``ReduceMeanCost`` (ReduceMean): ``bytes(in)``, plus ``bytes(out)`` (ReduceMean: twice)
   when a reduced dim is split / ``bytes(out)`` when a reduced dim is split / ``rep(0)``.
@@ -149,6 +157,7 @@ if TYPE_CHECKING:
     from simpar.redistribution import RedistributionPlan, Step
 
 __all__ = [
+    "keeps_output",
     "ALLGATHER_REDUCESCATTER_SCALE_FACTOR",
     "ALLTOALL_SCALE_FACTOR",
     "COST_FACTOR",
@@ -467,10 +476,11 @@ class _View:
     inputs: tuple[int, ...]           # elements of each input's local slice
     outputs: tuple[int, ...]          # elements of each output's local slice
     replicated: tuple[bool, ...]      # Parameter input i is not split over every device
-    itemsize: int
+    itemsize: int                     # bytes per element of the outputs
+    in_itemsizes: tuple[int, ...]     # bytes per element of each input
 
     def bytes_in(self, i: int) -> float:
-        return float(self.inputs[i] * self.itemsize)
+        return float(self.inputs[i] * self.in_itemsizes[i])
 
     def bytes_out(self, k: int = 0) -> float:
         return float(self.outputs[k] * self.itemsize)
@@ -550,6 +560,17 @@ def _gather(v: _View) -> _Terms:
             float(scattered * v.itemsize), reps)
 
 
+def _prelu(v: _View) -> _Terms:
+    return v.bytes_in(0) + v.bytes_in(1), v.rep(1), v.own_collectives(), v.rep(1)
+
+
+def _batch_norm(v: _View) -> _Terms:
+    """BatchNormCost: forward communication is the input slice when the channel is split."""
+    fwd_comm = v.bytes_in(0) if v.sh.strategy[0][1] > 1 else 0.0
+    reps = sum(v.rep(i) for i in range(1, len(v.inputs)))
+    return sum(v.bytes_in(i) for i in range(len(v.inputs))), 0.0, fwd_comm, reps
+
+
 def _dropout(v: _View) -> _Terms:
     return DROPOUT_COST_RATE * v.bytes_in(0), 0.0, 0.0, 0.0
 
@@ -627,6 +648,29 @@ def _in_layer_norm(n: int, p: _Flags, inv: _Flags, prev: _Flags) -> _Flags:
     return frozenset(keep)
 
 
+def _in_both_if_involved(n: int, p: _Flags, inv: _Flags, prev: _Flags) -> _Flags:
+    """PReLUCost: dx and dweight each need x and the weight."""
+    if 0 in inv or 1 in inv:
+        return frozenset(i for i in (0, 1) if i not in prev)
+    return frozenset()
+
+
+def _in_assign(n: int, p: _Flags, inv: _Flags, prev: _Flags) -> _Flags:
+    """AssignCost: the variable if it is involved (unless kept already); the value only if it
+    is a Parameter."""
+    keep = {0} if 0 in inv and 0 not in prev else set()
+    return frozenset(keep | ({1} if 1 in p else set()))
+
+
+def _in_first_always(n: int, p: _Flags, inv: _Flags, prev: _Flags) -> _Flags:
+    """BatchNormCost: x, always (MindSpore's loop sets input 0 only, whatever the flags)."""
+    return frozenset({0})
+
+
+def _out_always(n: int, p: _Flags, inv: _Flags, prev: _Flags) -> bool:
+    return True
+
+
 def _in_gather(n: int, p: _Flags, inv: _Flags, prev: _Flags) -> _Flags:
     """GatherV2Cost: d(params) needs the indices."""
     keep = {0} if 0 in p else set()
@@ -664,6 +708,10 @@ _RULES: dict[str, _Rule] = {name: _Rule(*entry) for name, entry in {
     "Add": ("TensorAddCost", *_SUB[1:]), "Sub": _SUB, "BiasAdd": ("BiasAddCost", *_SUB[1:]),
     "Mul": ("MulCost", _sub, _out_never, _in_pair),
     "RealDiv": ("DivCost", _sub, _out_if_involved(1), _in_div),
+    "FloorDiv": ("FloorDivCost", *_SUB[1:]),
+    "Assign": ("AssignCost", _sub, _out_never, _in_assign),
+    "PReLU": ("PReLUCost", _prelu, _out_never, _in_both_if_involved),
+    "BatchNorm": ("BatchNormCost", _batch_norm, _out_always, _in_first_always),
     "ReduceSum": _REDUCE_SUM,
     "ReduceMean": ("ReduceMeanCost", _reduce(2.0), _out_never, _in_first_param),
     "ReduceMax": ("ReduceMaxCost", _reduce(1.0), _out_if_involved(0), _in_first_param),
@@ -700,6 +748,24 @@ def _positions(func: str, op: str, what: str, given: Iterable[int], n: int) -> f
     return frozenset(out)
 
 
+def keeps_output(op_name: str, n_inputs: int, parameters: Collection[int] = frozenset(),
+                 involved: Collection[int] | None = None,
+                 prev_in_memory: Collection[int] = frozenset()) -> bool:
+    """Whether MindSpore's cost class of ``op_name`` keeps its output for the backward
+    (``is_output_in_memory``), given which inputs are Parameters, parameter-involved and
+    already kept by their producers: its consumers then do not count it again.
+
+    >>> keeps_output("ReLU", 1, involved={0}), keeps_output("ReLU", 1), keeps_output("MatMul", 2)
+    (True, False, False)
+    """
+    func = "keeps_output"
+    params = _positions(func, op_name, "parameters", parameters, n_inputs)
+    inv = params if involved is None else _positions(func, op_name, "involved", involved,
+                                                     n_inputs)
+    prev = _positions(func, op_name, "prev_in_memory", prev_in_memory, n_inputs)
+    return _RULES.get(op_name, _DEFAULT_RULE).keeps_output(n_inputs, params, inv, prev)
+
+
 def _check_itemsize(func: str, itemsize: object) -> int:
     if isinstance(itemsize, bool) or not isinstance(itemsize, numbers.Integral):
         raise TypeError(f"{func}: itemsize must be a positive int (bytes per element), got "
@@ -713,14 +779,17 @@ def _check_itemsize(func: str, itemsize: object) -> int:
 def op_cost(sh: OpSharding, parameters: Collection[int] = frozenset(), itemsize: int = 4, *,
             involved: Collection[int] | None = None,
             prev_in_memory: Collection[int] = frozenset(),
-            output_critical: bool = True) -> MindSporeOpCost:
+            output_critical: bool = True,
+            input_itemsizes: Sequence[int] | None = None) -> MindSporeOpCost:
     """MindSpore's costs of the op ``sh`` shards, in bytes of local slices.
 
     ``parameters``: the input positions that are Parameters. ``involved``: those that are
     Parameters or computed from one (MindSpore's ``is_parameter_involve``; default: the
     Parameters). ``prev_in_memory``: inputs whose producer already keeps them for the backward.
     ``output_critical``: whether the output counts in inference memory. ``itemsize``: bytes
-    per element of every input and output (MindSpore keeps one per tensor).
+    per element of the outputs, and of the inputs unless ``input_itemsizes`` gives each
+    input's (MindSpore prices every tensor at its own type length: a Cast from float16 reads
+    2-byte elements).
 
     MatMul (64, 32) x (32, 16) with strategy ((2, 4), (4, 1)) on 8 devices, float32, B a
     Parameter: A's slice is (32, 8) = 1024 bytes, B's (8, 16) = 512, the output's (32, 16) =
@@ -737,6 +806,13 @@ def op_cost(sh: OpSharding, parameters: Collection[int] = frozenset(), itemsize:
     name = sh.op.name
     n = len(sh.in_layouts)
     size = _check_itemsize(func, itemsize)
+    if input_itemsizes is None:
+        in_sizes = (size,) * n
+    else:
+        in_sizes = tuple(_check_itemsize(func, x) for x in input_itemsizes)
+        if len(in_sizes) != n:
+            raise ValueError(f"{func}: {name}: input_itemsizes has {len(in_sizes)} entries, the "
+                             f"op {n} inputs")
     params = _positions(func, name, "parameters", parameters, n)
     inv = params if involved is None else _positions(func, name, "involved", involved, n)
     prev = _positions(func, name, "prev_in_memory", prev_in_memory, n)
@@ -750,7 +826,7 @@ def op_cost(sh: OpSharding, parameters: Collection[int] = frozenset(), itemsize:
         tuple(out.local_size() for _, out, _ in sh.outputs),
         tuple(i in params and math.prod(lay.cuts) != devices
               for i, lay in enumerate(sh.in_layouts)),
-        size)
+        size, in_sizes)
     rule = _RULES.get(name, _DEFAULT_RULE)
     fc, bc, fm, bm = rule.terms(view)
     outputs = float(sum(view.outputs) * size)

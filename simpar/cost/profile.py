@@ -157,8 +157,12 @@ class DeviceProfile:
     def link(self, group: Sequence[int]) -> Link:
         """The link a collective over ``group`` runs at: intra-server when every rank sits in
         one server, else inter-server (the slowest it crosses)."""
-        servers = {self.server_of(r) for r in group}
-        return self.intra_server if len(servers) <= 1 else self.inter_server
+        if self.server_map is None and group:  # servers: runs of devices_per_server ranks
+            per = self.devices_per_server
+            one = min(group) // per == max(group) // per
+        else:
+            one = len({self.server_of(r) for r in group}) <= 1
+        return self.intra_server if one else self.inter_server
 
     def collective_seconds(self, kind: str, group: Sequence[int], nbytes: int) -> float:
         """Alpha-beta time of a ring ``kind`` collective of a local buffer of ``nbytes`` over

@@ -1,15 +1,20 @@
-"""simpar.nn: Cells, Parameters, layers, losses, optimizers and training wrappers."""
+"""simpar.nn: Cells, Parameters, layers, losses, optimizers, training wrappers and
+``AutoParallel`` (MindSpore 2.x's per-network parallel settings)."""
 
+from simpar.nn.auto_parallel import AutoParallel
 from simpar.nn.cell import Cell, Parameter, initializer
 from simpar.nn.layers import (
     GPT,
     MLP,
+    BatchNorm1d,
+    BatchNorm2d,
     Dense,
     Dropout,
     Embedding,
     FeedForward,
     LayerNorm,
     MultiHeadAttention,
+    PReLU,
     TransformerBlock,
 )
 from simpar.nn.loss import L1Loss, MSELoss, SoftmaxCrossEntropyWithLogits
@@ -22,6 +27,9 @@ __all__ = [
     "SGD",
     "Adam",
     "AdamW",
+    "AutoParallel",
+    "BatchNorm1d",
+    "BatchNorm2d",
     "Cell",
     "Dense",
     "Dropout",
@@ -33,6 +41,7 @@ __all__ = [
     "Momentum",
     "MultiHeadAttention",
     "Optimizer",
+    "PReLU",
     "Parameter",
     "SoftmaxCrossEntropyWithLogits",
     "TrainOneStepCell",

@@ -15,8 +15,8 @@ from simpar.nn.cell import Cell, Parameter, initializer
 from simpar.parameter import stable_seed
 from simpar.seed import get_seed
 
-__all__ = ["GPT", "MLP", "Dense", "Dropout", "Embedding", "FeedForward", "LayerNorm",
-           "MultiHeadAttention", "TransformerBlock"]
+__all__ = ["GPT", "MLP", "BatchNorm1d", "BatchNorm2d", "Dense", "Dropout", "Embedding",
+           "FeedForward", "LayerNorm", "MultiHeadAttention", "PReLU", "TransformerBlock"]
 
 
 def _check_sizes(layer: str, **sizes: Any) -> None:
@@ -107,6 +107,90 @@ class LayerNorm(Cell):
 
     def construct(self, x: Any) -> Any:
         return self.layer_norm(x, self.gamma, self.beta)
+
+
+class PReLU(Cell):
+    """MindSpore's ``nn.PReLU(channel=1, w=0.25)``: a learnable slope for ``x <= 0`` per channel
+    (dim 1) of x, or one shared slope when ``channel`` is 1. ``w`` is the initial slope: a
+    float for every channel, or a list or array of ``channel`` values. Strategies go on
+    ``prelu.prelu`` (``.shard(((dp, mp, 1, 1), (mp,)))``)."""
+
+    def __init__(self, channel: int = 1, w: Any = 0.25, dtype: Any = np.float32) -> None:
+        super().__init__()
+        _check_sizes("PReLU", channel=channel)
+        if isinstance(w, bool) or not isinstance(w, (int, float, list, tuple, np.ndarray)):
+            raise TypeError(f"PReLU: w must be a float, or a list or array of {channel} floats, "
+                            f"got {type(w).__name__} {w!r}")
+        init = np.asarray(w, dtype=dtype)
+        if init.ndim == 0:
+            init = np.full((channel,), init, dtype=dtype)
+        if init.shape != (channel,):
+            raise ValueError(f"PReLU: w must be one float or {channel} values (one per "
+                             f"channel), got shape {init.shape}")
+        self.channel = channel
+        self.w = Parameter(init)
+        self.prelu = ops.PReLU()
+
+    def construct(self, x: Any) -> Any:
+        return self.prelu(x, self.w)
+
+
+class _BatchNorm(Cell):
+    """MindSpore's ``nn.BatchNorm1d``/``nn.BatchNorm2d``: ``gamma`` and ``beta`` (trainable
+    when ``affine``), ``moving_mean`` and ``moving_variance`` (not trainable), and two
+    primitives, ``bn_train`` (batch statistics) and ``bn_infer`` (the moving ones), as in
+    MindSpore; shard both. ``use_batch_statistics`` None uses the batch statistics while the
+    cell trains and the moving ones otherwise. The moving statistics are never updated
+    (simpar has no way to write a Parameter inside a traced graph; see ops.BatchNorm)."""
+
+    rank: int
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.9,
+                 affine: bool = True, use_batch_statistics: bool | None = None,
+                 dtype: Any = np.float32) -> None:
+        super().__init__()
+        name = type(self).__name__
+        _check_sizes(name, num_features=num_features)
+        if not isinstance(affine, bool):
+            raise TypeError(f"{name}: affine must be a bool, got {affine!r}")
+        if use_batch_statistics is not None and not isinstance(use_batch_statistics, bool):
+            raise TypeError(f"{name}: use_batch_statistics must be None or a bool, got "
+                            f"{use_batch_statistics!r}")
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or \
+                not 0.0 <= momentum <= 1.0:
+            raise ValueError(f"{name}: momentum must be a float in [0, 1], got {momentum!r}")
+        self.num_features, self.eps, self.momentum = num_features, eps, momentum
+        self.use_batch_statistics = use_batch_statistics
+        shape = (num_features,)
+        self.gamma = Parameter(initializer("ones", shape, dtype), requires_grad=affine)
+        self.beta = Parameter(initializer("zeros", shape, dtype), requires_grad=affine)
+        self.moving_mean = Parameter(initializer("zeros", shape, dtype), requires_grad=False)
+        self.moving_variance = Parameter(initializer("ones", shape, dtype), requires_grad=False)
+        # MindSpore's momentum weighs the moving statistics (0.9); the primitive's the batch's.
+        self.bn_train = ops.BatchNorm(True, eps, 1.0 - momentum)
+        self.bn_infer = ops.BatchNorm(False, eps, 1.0 - momentum)
+
+    def construct(self, x: Any) -> Any:
+        if len(x.shape) != self.rank:
+            raise ValueError(f"{type(self).__name__}: x must have rank {self.rank} "
+                             f"((N, C{', H, W' if self.rank == 4 else ''})), got shape "
+                             f"{tuple(x.shape)}")
+        batch = self.training if self.use_batch_statistics is None else \
+            self.use_batch_statistics
+        bn = self.bn_train if batch else self.bn_infer
+        return bn(x, self.gamma, self.beta, self.moving_mean, self.moving_variance)
+
+
+class BatchNorm1d(_BatchNorm):
+    """Batch normalisation of (N, C) inputs over the batch, per feature."""
+
+    rank = 2
+
+
+class BatchNorm2d(_BatchNorm):
+    """Batch normalisation of (N, C, H, W) inputs over N, H and W, per channel."""
+
+    rank = 4
 
 
 class Dropout(Cell):
@@ -211,8 +295,7 @@ class MultiHeadAttention(Cell):
         self.merge = ops.Reshape()
         self.causal = causal
         self.drop = Dropout(1.0 - dropout) if dropout else None
-        mask = np.triu(np.full((seq_length, seq_length), -1e9), k=1).astype(dtype)
-        self._mask = mask
+        self._mask = _causal_mask(seq_length, self.dtype)
 
     def construct(self, x: Any) -> Any:
         b, s, h = x.shape
@@ -228,6 +311,18 @@ class MultiHeadAttention(Cell):
             p = self.drop(p)
         ctx = self.merge(self.merge_t(self.context(p, v)), (b, s, h))
         return self.proj(ctx)
+
+
+def _causal_mask(seq_length: int, dtype: np.dtype) -> np.ndarray:
+    """The (seq, seq) causal mask, 0 on and below the diagonal and -1e9 above, as a read-only
+    view of 2 seq - 1 elements: ``mask[i, j] = line[seq - 1 + j - i]``. A materialised mask
+    would cost seq² elements per layer at construction (96 MiB for 24 layers at seq 1024),
+    which planning from shapes alone must not allocate; a rank's kernel reads only its slice.
+    """
+    line = np.zeros(2 * seq_length - 1, dtype)
+    line[seq_length:] = -1e9
+    return np.lib.stride_tricks.as_strided(line[seq_length - 1:], (seq_length, seq_length),
+                                           (-line.itemsize, line.itemsize), writeable=False)
 
 
 class TransformerBlock(Cell):

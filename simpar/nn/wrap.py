@@ -10,10 +10,16 @@ with ``loss_repeated_mean`` each replica seeds ``1/r`` so that the gradients, on
 parameter's Mirror sums them, equal the single-device gradient of the global loss exactly.
 With ``gradients_mean=False`` they are instead the sum over the ``D`` data-parallel shards
 (``D`` = the cut of the batch dimension at the loss op), as data parallel training sums them.
+
+A network wrapped in :class:`~simpar.nn.auto_parallel.AutoParallel` (anywhere in the cell's
+network, at most once) brings its own settings: the cell takes its mode from the wrapper, and
+compiles inside ``AutoParallel.parallel_context()``, so the global context is neither read
+for the settings the wrapper gives nor changed afterwards.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -21,6 +27,7 @@ import numpy as np
 
 from simpar import comm, context, graph
 from simpar.layout import TensorLayout, distribute
+from simpar.nn.auto_parallel import AutoParallel
 from simpar.nn.cell import Cell
 from simpar.nn.optim import Optimizer
 from simpar.redistribution import execute, plan
@@ -49,6 +56,11 @@ class TrainOneStepCell:
     pass the global batch (each rank takes its slice per the dataset strategy) or this rank's
     slice. ``parallel_mode`` overrides the context's mode (tests build a stand-alone reference
     in the same process this way).
+
+    With an :class:`~simpar.nn.auto_parallel.AutoParallel` in ``network``, the mode and the
+    other parallel settings are the wrapper's; ``parallel_mode`` may then only repeat the
+    wrapper's mode or be ``"stand_alone"`` (the single-device twin, whose program the
+    wrapper's settings do not change). ``auto_parallel`` is that wrapper, or None.
     """
 
     def __init__(self, network: Cell, optimizer: Optimizer, sens: float = 1.0,
@@ -71,7 +83,16 @@ class TrainOneStepCell:
         self.network = network
         self.optimizer = optimizer
         self.sens = float(sens)
-        self.mode = parallel_mode or str(context.get_auto_parallel_context("parallel_mode"))
+        self.auto_parallel = _auto_parallel_of(network)
+        if self.auto_parallel is None:
+            self.mode = parallel_mode or str(context.get_auto_parallel_context("parallel_mode"))
+        else:
+            own = str(self.auto_parallel.parallel_settings()["parallel_mode"])
+            if parallel_mode not in (None, own, "stand_alone"):
+                raise ValueError(f"TrainOneStepCell: parallel_mode={parallel_mode!r} contradicts "
+                                 f"the network's {self.auto_parallel!r} (which plans as {own!r}); "
+                                 f"pass None, {own!r} or 'stand_alone' (the single-device twin)")
+            self.mode = parallel_mode or own
         self.seed = get_seed() if seed is None else seed
         self.program: ParallelProgram | None = None
         self._ctx: context.ParallelContext | None = None
@@ -84,7 +105,19 @@ class TrainOneStepCell:
     # ------------------------------------------------------------ build
     def build(self, data: np.ndarray, label: np.ndarray) -> ParallelProgram:
         """Trace and lower for these global input shapes, and lay out the parameters."""
-        ctx = context.auto_parallel_context()
+        with self._settings() as ctx:
+            return self._build(ctx, data, label)
+
+    def _settings(self) -> contextlib.AbstractContextManager[context.ParallelContext]:
+        """The parallel context to compile under: the network's AutoParallel's, scoped to the
+        compilation (a stand-alone twin's too: one device's program does not depend on them),
+        or else the global one."""
+        if self.auto_parallel is None:
+            return contextlib.nullcontext(context.auto_parallel_context())
+        return self.auto_parallel.parallel_context()
+
+    def _build(self, ctx: context.ParallelContext, data: np.ndarray, label: np.ndarray
+               ) -> ParallelProgram:
         self._ctx = ctx
         device_num = 1 if self.mode == "stand_alone" else comm.get_group_size()
         if device_num > 1:  # shapes decide the program: every rank must trace the same
@@ -195,3 +228,18 @@ def _agreed(what: str, x: np.ndarray, lay: TensorLayout) -> tuple[str, np.ndarra
     if tuple(x.shape) == lay.shape:
         return what, x
     return f"{what} (this rank's slice; shape)", np.asarray(x.shape, dtype=np.int64)
+
+
+def _auto_parallel_of(network: Cell) -> AutoParallel | None:
+    """The AutoParallel wrapper inside ``network`` (itself included), if any; more than one
+    would leave it unclear whose settings the one program follows."""
+    found: list[tuple[str, AutoParallel]] = []
+    for path, cell in network.cells_and_names():
+        if isinstance(cell, AutoParallel) and all(cell is not c for _, c in found):
+            found.append((path or "the network itself", cell))
+    if len(found) > 1:
+        raise ValueError(f"TrainOneStepCell: the network holds {len(found)} AutoParallel "
+                         f"wrappers ({', '.join(f'{p}: {c!r}' for p, c in found)}); wrap only "
+                         "the top-level network, once: one training cell compiles one program "
+                         "under one set of parallel settings")
+    return found[0][1] if found else None

@@ -14,16 +14,18 @@ from simpar.ops._base import (
     register,
     registry,
 )
-from simpar.ops.array_ops import Concat, Reshape, Split, Transpose
+from simpar.ops.array_ops import Assign, Concat, Reshape, Split, Transpose
 from simpar.ops.elementwise import (
     GELU,
     Abs,
     Add,
     BiasAdd,
     Cast,
+    FloorDiv,
     GeLU,
     Identity,
     Mul,
+    PReLU,
     RealDiv,
     ReLU,
     Sigmoid,
@@ -33,19 +35,28 @@ from simpar.ops.elementwise import (
 )
 from simpar.ops.gather_dropout import Dropout, Gather
 from simpar.ops.matmul import BatchMatMul, MatMul
-from simpar.ops.nn_ops import LayerNorm, LogSoftmax, Softmax, SparseSoftmaxCrossEntropyWithLogits
+from simpar.ops.nn_ops import (
+    BatchNorm,
+    LayerNorm,
+    LogSoftmax,
+    Softmax,
+    SparseSoftmaxCrossEntropyWithLogits,
+)
 from simpar.ops.reduce_ops import ReduceMax, ReduceMean, ReduceSum
 
 __all__ = [
     "GELU",
     "Abs",
     "Add",
+    "Assign",
     "BatchMatMul",
+    "BatchNorm",
     "BiasAdd",
     "Cast",
     "CommSpec",
     "Concat",
     "Dropout",
+    "FloorDiv",
     "Gather",
     "GeLU",
     "Identity",
@@ -55,6 +66,7 @@ __all__ = [
     "MatMul",
     "Mul",
     "OpSharding",
+    "PReLU",
     "Primitive",
     "ReLU",
     "RealDiv",

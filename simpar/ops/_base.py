@@ -437,6 +437,10 @@ class Primitive:
     tape: ClassVar[Tape] = Tape.INPUTS_AND_OUTPUT
     #: Whether the local output is a view of the local input 0 (no new memory).
     output_aliases_input: ClassVar[bool] = False
+    #: Whether ``fully_use_devices`` still admits the all-ones strategy (MindSpore's
+    #: ``PrepareStrategyBase`` keeps a strategy of product 1 or device_num; MatMul's own
+    #: ``MatMulBase::PrepareStrategy`` keeps device_num only).
+    fully_used_keeps_unsplit: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self.in_strategy: Strategy | None = None
@@ -592,7 +596,9 @@ class Primitive:
 
         Cuts are divisors of ``device_num`` (for a power of two, MindSpore's powers of two).
         With ``fully_use_devices`` (default: the algo parameter) only strategies that use all
-        devices are kept.
+        devices are kept, and the all-ones one unless the op says otherwise
+        (:attr:`fully_used_keeps_unsplit`): on 8 devices ``Cast`` keeps ``((1, 1),)`` and
+        ``((2, 4),)`` but drops ``((2, 2),)``, ``MatMul`` drops ``((1, 1), (1, 1))``.
         """
         if fully_use_devices is None:
             fully_use_devices = bool(context.get_algo_parameters("fully_use_devices"))
@@ -610,7 +616,8 @@ class Primitive:
 
         def walk(k: int, chosen: dict[str, int], used: int) -> None:
             if k == len(names):
-                if fully_use_devices and used != device_num:
+                if fully_use_devices and used != device_num and not (
+                        used == 1 and self.fully_used_keeps_unsplit):
                     return
                 strat = tuple(tuple(chosen[it] if it is not None else 1 for it in dims)
                               for dims in space.inputs)

@@ -1,10 +1,10 @@
-"""Data-movement operators: Transpose, Reshape, Concat and Split.
+"""Data-movement operators: Transpose, Reshape, Concat, Split and Assign.
 
 Transpose permutes the tensor map and is always local. Reshape keeps the input's layout when
 the split dimensions survive whole (a split dim's block stays one contiguous block of the
 output); otherwise it first redistributes the input to the cheapest layout that does
 (MindSpore's InferReshape does the same), then reshapes locally. Concat and Split work along
-an unsplit dimension.
+an unsplit dimension. Assign moves its value to its output, where both are laid out alike.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from simpar.ops._base import (
 )
 from simpar.redistribution import RedistributionPlan, plan
 
-__all__ = ["Concat", "Reshape", "Split", "Transpose", "reshape_layout"]
+__all__ = ["Assign", "Concat", "Reshape", "Split", "Transpose", "reshape_layout"]
 
 
 def _norm_axis(axis: int, ndim: int, op: str) -> int:
@@ -419,3 +419,65 @@ class Split(Primitive):
                        ) -> tuple[np.ndarray | None, ...]:
         return self.vjp((), None, dy)
 
+
+
+# ------------------------------------------------------------------ Assign
+@register
+class Assign(Primitive):
+    """MindSpore's ``Assign(variable, value)``, as the value-returning op: the output is
+    ``value`` (in the variable's dtype), with the variable's shape.
+
+    What it omits: MindSpore writes ``value`` into the Parameter ``variable`` and returns the
+    updated Parameter. simpar's traced graphs have no way to write a Parameter, so the variable
+    keeps its value; only the returned tensor equals what MindSpore returns.
+
+    Sharding (MindSpore's AssignInfo, an ArithmeticBase): ``variable`` and ``value`` have one
+    shape and must be cut alike; the output has their layout and nothing is communicated.
+    ``Assign().shard(((2, 4), (2, 4)))`` on 8 devices: rank 5 returns its own (rows 4..7,
+    columns 4..7 of an (8, 16)) block of ``value``.
+
+    Gradient, MindSpore's bprop for Assign, ``(dout, zeros_like(value))``: the output's
+    cotangent goes to ``variable`` unchanged (the output *is* the variable in MindSpore) and
+    ``value`` gets none (``gives_gradient`` is False for it), so nothing upstream of ``value``
+    is trained through an Assign.
+    """
+
+    tape = Tape.NOTHING
+
+    n_inputs = 2
+    nondiff_inputs = (1,)
+
+    def infer_shape(self, *shapes: tuple[int, ...]) -> tuple[int, ...]:
+        variable, value = (tuple(s) for s in shapes)
+        if variable != value:
+            raise ValueError(f"Assign: value has shape {value} but must have the variable's "
+                             f"shape {variable}")
+        return variable
+
+    def iter_space(self, *shapes: tuple[int, ...]) -> IterSpace:
+        names = dim_names(len(self.infer_shape(*shapes)))
+        return IterSpace((names, names), names, names)
+
+    def kernel(self, *xs: np.ndarray) -> np.ndarray:
+        variable, value = xs
+        self.infer_shape(variable.shape, value.shape)
+        return np.array(value, dtype=variable.dtype)  # a new tensor: the variable is not written
+
+    def vjp(self, xs: Sequence[np.ndarray], y: np.ndarray, dy: np.ndarray
+            ) -> tuple[np.ndarray | None, ...]:
+        variable = xs[0]
+        if variable.dtype.kind != "f":
+            return None, None
+        return np.asarray(dy, dtype=variable.dtype), None
+
+    def flops(self, local_in: tuple[tuple[int, ...], ...], local_out: tuple[int, ...]) -> int:
+        return 0
+
+    def local_forward(self, sh: OpSharding, *xs: np.ndarray) -> tuple[np.ndarray, Any]:
+        return self.kernel(*xs), xs[0].dtype
+
+    def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray
+                       ) -> tuple[np.ndarray | None, ...]:
+        if np.dtype(saved).kind != "f":
+            return None, None
+        return np.asarray(dy, dtype=saved), None

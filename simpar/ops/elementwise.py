@@ -1,5 +1,5 @@
-"""Elementwise operators: Add, Sub, Mul, RealDiv (numpy broadcasting), BiasAdd, ReLU, GeLU,
-Tanh, Sigmoid, Abs, Square and Cast.
+"""Elementwise operators: Add, Sub, Mul, RealDiv, FloorDiv (numpy broadcasting), BiasAdd,
+PReLU, ReLU, GeLU, Tanh, Sigmoid, Abs, Square and Cast.
 
 Every output dimension is one iteration dimension. An input dimension of size 1 that
 broadcasts against a larger one must have cut 1: that input is then replicated along the
@@ -15,11 +15,20 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from simpar.ops._base import IterSpace, Primitive, dim_names, register
+from simpar.ops._base import (
+    IterSpace,
+    OpSharding,
+    Primitive,
+    Strategy,
+    StrategyError,
+    Tape,
+    dim_names,
+    register,
+)
 from simpar.ops.matmul import _unbroadcast
 
-__all__ = ["GELU", "Abs", "Add", "BiasAdd", "Cast", "GeLU", "Identity", "Mul", "RealDiv",
-           "ReLU", "Sigmoid", "Square", "Sub", "Tanh"]
+__all__ = ["GELU", "Abs", "Add", "BiasAdd", "Cast", "FloorDiv", "GeLU", "Identity", "Mul",
+           "PReLU", "RealDiv", "ReLU", "Sigmoid", "Square", "Sub", "Tanh"]
 
 
 def _broadcast_space(op: str, *shapes: tuple[int, ...]) -> IterSpace:
@@ -110,6 +119,50 @@ class RealDiv(_Binary):
         return math.prod(local_out)
 
 
+def _floor_divide(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    # Floats: floor of the true quotient, as MindSpore's kernels compute it (numpy's
+    # floor_divide rounds through fmod and can differ by one next to an integer quotient).
+    if np.result_type(x, y).kind == "f":
+        return np.asarray(np.floor(np.divide(x, y)))
+    return np.asarray(np.floor_divide(x, y))
+
+
+@register
+class FloorDiv(_Binary):
+    """``floor(x / y)`` with numpy broadcasting (MindSpore's FloorDiv); integer inputs divide
+    exactly, rounding toward minus infinity.
+
+    The sharding rule is Add's and RealDiv's (MindSpore's FloorDivInfo is an ArithmeticBase):
+    every output dim is an iteration dim, a broadcast dim of size 1 must have cut 1 and the
+    inputs' cuts of a shared dim must agree. Nothing is communicated forward.
+
+    Floor is piecewise constant, so the gradient is zero with respect to both inputs
+    (MindSpore's bprop returns ``zeros_like`` of each). simpar reports it as no gradient at
+    all: both inputs are non-differentiable (``gives_gradient`` is False), the backward stops
+    here, keeps nothing from the forward and runs no collective, and an input replicated over
+    some device axes needs no gradient AllReduce.
+    """
+
+    nondiff_inputs = (0, 1)
+    tape = Tape.NOTHING
+
+    fn = staticmethod(_floor_divide)
+
+    def vjp(self, xs: Sequence[np.ndarray], y: np.ndarray, dy: np.ndarray
+            ) -> tuple[np.ndarray | None, ...]:
+        return None, None
+
+    def flops(self, local_in: tuple[tuple[int, ...], ...], local_out: tuple[int, ...]) -> int:
+        return 2 * math.prod(local_out)  # a division and a floor per element
+
+    def local_forward(self, sh: OpSharding, *xs: np.ndarray) -> tuple[np.ndarray, Any]:
+        return self.kernel(*xs), None
+
+    def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray
+                       ) -> tuple[np.ndarray | None, ...]:
+        return None, None
+
+
 @register
 class BiasAdd(Primitive):
     """``x + bias`` along the channel dimension: dim 1 for ``data_format="NCHW"`` (MindSpore's
@@ -158,6 +211,88 @@ class BiasAdd(Primitive):
         x = xs[0]
         c = self._channel(x.shape)
         return dy, dy.sum(axis=tuple(d for d in range(dy.ndim) if d != c))
+
+
+@register
+class PReLU(Primitive):
+    """Parametric ReLU (MindSpore's PReLU): ``x`` where ``x > 0``, else ``weight[c] * x`` for
+    the element's channel ``c``. ``x`` is (N, C, ...) of rank >= 2; ``weight`` is (C,), one
+    slope per channel, or (1,), one slope shared by every channel.
+
+    Sharding (MindSpore's PReLUInfo): any dimension of ``x`` may be cut; a (C,) weight's cut
+    must equal the cut of x's channel dimension (dim 1), and a (1,) weight is never cut. The
+    output has x's layout and nothing is communicated forward. The weight's gradient sums
+    ``dy * x`` over the elements with ``x <= 0`` of every dimension but the channel: each rank
+    sums its own slice, a partial sum that the AllReduce over the weight's replica axes (the
+    device axes that cut N or a spatial dimension, and any repeated calculation) completes,
+    MindSpore's Mirror of the weight. (MindSpore's own strategy generator never cuts C; simpar's
+    candidates are every valid strategy, channel cuts included.)
+
+    ``PReLU().shard(((2, 4, 1, 1), (4,)))`` on 8 devices, x (4, 8, 2, 2), weight (8,): device
+    matrix [2, 4, 1, 1]; rank 5 (coordinate (1, 1, 0, 0)) holds x[2:4, 2:4] and weight[2:4],
+    and its weight gradient is summed with rank 1's (the ranks that share channels 2..3).
+    """
+
+    n_inputs = 2
+
+    def infer_shape(self, *shapes: tuple[int, ...]) -> tuple[int, ...]:
+        x, w = shapes
+        if len(x) < 2:
+            raise ValueError(f"PReLU: x must have rank >= 2, (N, C, ...), got shape {tuple(x)}")
+        if len(w) != 1 or w[0] not in (x[1], 1):
+            raise ValueError(f"PReLU: weight must have shape ({x[1]},), one slope per channel "
+                             f"of x {tuple(x)}, or (1,), one shared slope, got {tuple(w)}")
+        return tuple(x)
+
+    def iter_space(self, *shapes: tuple[int, ...]) -> IterSpace:
+        x, w = shapes
+        self.infer_shape(x, w)
+        names = dim_names(len(x))
+        # A (1,) weight against C > 1 channels broadcasts: it is replicated on every rank.
+        return IterSpace((names, (names[1],) if w[0] == x[1] else (None,)), names, names)
+
+    def _sharding(self, shapes: tuple[tuple[int, ...], ...], strat: Strategy,
+                  out_strategy: Strategy | None, device_num: int,
+                  enable_alltoall: bool = False) -> OpSharding:
+        x, w = shapes
+        self.infer_shape(x, w)
+        if w[0] == x[1] and strat[1][0] != strat[0][1]:
+            raise StrategyError(
+                f"PReLU: the weight's strategy {strat[1]} must equal the cut of x's channel "
+                f"dimension: x's strategy {strat[0]} cuts dimension 1 (C = {x[1]}) into "
+                f"{strat[0][1]}, so the weight's must be ({strat[0][1]},)")
+        return super()._sharding(shapes, strat, out_strategy, device_num, enable_alltoall)
+
+    @staticmethod
+    def _slopes(w: np.ndarray, ndim: int) -> np.ndarray:
+        return w.reshape((1, w.shape[0]) + (1,) * (ndim - 2))
+
+    def _check(self, x: np.ndarray, w: np.ndarray) -> None:
+        self.infer_shape(x.shape, w.shape)
+        for what, a in (("x", x), ("weight", w)):
+            if a.dtype.kind != "f":
+                raise TypeError(f"PReLU: {what} must be a floating-point array, got dtype "
+                                f"{a.dtype}")
+
+    def kernel(self, *xs: np.ndarray) -> np.ndarray:
+        x, w = xs
+        self._check(x, w)
+        return np.where(x > 0, x, x * self._slopes(w, x.ndim)).astype(x.dtype, copy=False)
+
+    def vjp(self, xs: Sequence[np.ndarray], y: np.ndarray, dy: np.ndarray
+            ) -> tuple[np.ndarray | None, ...]:
+        x, w = xs
+        positive = x > 0
+        dx = np.where(positive, dy, dy * self._slopes(w, x.ndim)).astype(x.dtype, copy=False)
+        slope = np.where(positive, 0, dy * x)
+        if w.shape[0] == x.shape[1]:  # per channel (a local (1,) weight has one channel too)
+            dw = slope.sum(axis=tuple(d for d in range(x.ndim) if d != 1))
+        else:
+            dw = slope.sum().reshape(1)
+        return dx, np.asarray(dw, dtype=w.dtype)
+
+    def flops(self, local_in: tuple[tuple[int, ...], ...], local_out: tuple[int, ...]) -> int:
+        return 2 * math.prod(local_out)  # a comparison and a product per element
 
 
 class _Unary(Primitive):

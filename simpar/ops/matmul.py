@@ -27,6 +27,7 @@ def _t(x: np.ndarray, flag: bool) -> np.ndarray:
 class _MatMulBase(Primitive):
     n_inputs = 2
     supports_out_strategy = True
+    fully_used_keeps_unsplit = False  # MatMulBase::PrepareStrategy: product == device_num
 
     def __init__(self, transpose_a: bool = False, transpose_b: bool = False) -> None:
         super().__init__()

@@ -1,7 +1,8 @@
 """Neural-network operators whose reductions may run across shards: Softmax, LogSoftmax,
-LayerNorm and SparseSoftmaxCrossEntropyWithLogits.
+LayerNorm, BatchNorm and SparseSoftmaxCrossEntropyWithLogits.
 
-Each of them reduces along some axes (the softmax axis, the normalised axes, the classes).
+Each of them reduces along some axes (the softmax axis, the normalised axes, the batch and
+spatial axes of BatchNorm's statistics, the classes).
 When the strategy splits such an axis, the op never gathers its input: every rank reduces its
 own piece and one small AllReduce over the ranks that split the axis completes the per-row
 statistic (Megatron's vocabulary-parallel cross entropy, generalised). These collectives are
@@ -35,7 +36,8 @@ from simpar.ops._base import (
 )
 from simpar.redistribution import ALL_REDUCE
 
-__all__ = ["LayerNorm", "LogSoftmax", "Softmax", "SparseSoftmaxCrossEntropyWithLogits"]
+__all__ = ["BatchNorm", "LayerNorm", "LogSoftmax", "Softmax",
+           "SparseSoftmaxCrossEntropyWithLogits"]
 
 #: ``reduce(local_partial, how, what)``: the value over the whole reduced axis ("sum"/"max").
 _Reduce = Callable[[np.ndarray, str, str], np.ndarray]
@@ -348,6 +350,183 @@ class LayerNorm(Primitive):
         xhat, rstd, gamma = saved
         axes, lead, count = self._geometry(sh.input_shapes[0])
         return _layer_norm_grad(dy, xhat, rstd, gamma, axes, lead, count,
+                                _group_reduce(sh, sh.internal_backward))
+
+
+# ------------------------------------------------------------------ BatchNorm
+def _channel_view(v: np.ndarray, ndim: int) -> np.ndarray:
+    """A per-channel vector (C,) shaped to broadcast against (N, C, ...)."""
+    return v.reshape((1, v.shape[0]) + (1,) * (ndim - 2))
+
+
+def _batch_norm(xs: Sequence[np.ndarray], axes: tuple[int, ...], count: int, eps: float,
+                training: bool, reduce: _Reduce) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(y, xhat, rstd) of ``xs = (x, scale, bias, mean, variance)``. Training normalises with
+    the batch statistics over ``axes`` (two passes, as LayerNorm: the mean, then the squared
+    deviations), inference with the given ``mean`` and ``variance``."""
+    x, scale, bias, mean, variance = xs
+    if training:
+        mu = reduce(np.sum(x, axis=axes, keepdims=True), "sum", "sum-x") / count
+        xc = x - mu
+        var = reduce(np.sum(xc * xc, axis=axes, keepdims=True), "sum", "sum-sq-dev") / count
+    else:
+        xc = x - _channel_view(mean, x.ndim)
+        var = _channel_view(variance, x.ndim)
+    rstd = 1.0 / np.sqrt(var + eps)
+    xhat = xc * rstd
+    y = xhat * _channel_view(scale, x.ndim) + _channel_view(bias, x.ndim)
+    return np.asarray(y, dtype=x.dtype), np.asarray(xhat), np.asarray(rstd)
+
+
+def _batch_norm_grad(dy: np.ndarray, xhat: np.ndarray, rstd: np.ndarray, scale: np.ndarray,
+                     axes: tuple[int, ...], count: int, training: bool, reduce: _Reduce
+                     ) -> tuple[np.ndarray | None, ...]:
+    # This rank's sums over its slice of (N, H, W): scale's and bias's gradient contributions,
+    # which the AllReduce over their replica axes completes (their Mirror).
+    dbias = np.sum(dy, axis=axes)
+    dscale = np.sum(dy * xhat, axis=axes)
+    g = dy * _channel_view(scale, dy.ndim) * rstd
+    if training:
+        # dx needs the whole sums: one AllReduce of the stacked (2, C) buffer.
+        sums = reduce(np.stack([dbias, dscale]), "sum", "grad-sums")
+        g = g - _channel_view(scale, dy.ndim) * rstd * (
+            _channel_view(sums[0], dy.ndim) + xhat * _channel_view(sums[1], dy.ndim)) / count
+    return np.asarray(g, dtype=dy.dtype), dscale, dbias, None, None
+
+
+_BN_PARAMS = ("scale", "bias", "mean", "variance")
+
+
+@register
+class BatchNorm(Primitive):
+    """Batch normalisation over the channel dimension (MindSpore's BatchNorm, data format
+    NCHW): inputs ``x`` (N, C, H, W) or (N, C) and ``scale``, ``bias``, ``mean``,
+    ``variance``, each (C,). ``y = (x - mu) / sqrt(var + epsilon) * scale + bias`` per
+    channel, with ``mu`` and ``var`` the batch statistics over N, H and W (the biased
+    variance) when ``is_training``, else the ``mean`` and ``variance`` inputs.
+
+    Unlike MindSpore, which returns ``(y, batch_mean, batch_variance, reserve_1, reserve_2)``
+    and, in ``nn.BatchNorm2d``, folds the batch statistics into the moving mean and variance,
+    this returns ``y`` only and updates nothing: simpar's traced graphs have no way to write a
+    Parameter, so the running statistics stay at their initial values (an inference-mode call
+    then normalises with those). The ``mean`` and ``variance`` inputs get no gradient (MindSpore
+    gives them zeros); ``x``, ``scale`` and ``bias`` do.
+
+    Sharding (MindSpore's BatchNormInfo): the four (C,) inputs must be cut as x's channel
+    dimension; N, C, H and W may all be cut. Training with N, H or W cut is MindSpore's
+    SyncBatchNorm: the statistics are whole-batch ones, never gathered activations.
+    ``BatchNorm(True).shard(((4, 2, 1, 1), (2,), (2,), (2,), (2,)))`` on 8 devices, x
+    (8, 4, 2, 2): device matrix [4, 2, 1, 1]; rank 5 (coordinate (2, 1, 0, 0)) holds
+    x[4:6, 2:4] and scale[2:4]. It sums its slice per channel and AllReduces the 2 sums over
+    ranks [1, 3, 5, 7] (the ranks of its channels; the mean), then the same with its squared
+    deviations (the variance): two AllReduces of 2 numbers. Backward: one AllReduce of the
+    stacked per-channel ``[sum dy, sum dy*xhat]`` (4 numbers) over the same ranks for dx;
+    scale's and bias's gradients are this rank's sums over its slice, completed by the
+    framework's AllReduce over the same ranks (their replicas). In inference mode, or with only
+    C cut, nothing is communicated forward or in dx's backward.
+    """
+
+    tape = Tape.NEW_LIKE_INPUT
+
+    n_inputs = 5
+    nondiff_inputs = (3, 4)
+
+    def __init__(self, is_training: bool = False, epsilon: float = 1e-5,
+                 momentum: float = 0.1, data_format: str = "NCHW") -> None:
+        super().__init__()
+        if not isinstance(is_training, bool):
+            raise TypeError(f"BatchNorm: is_training must be a bool, got "
+                            f"{type(is_training).__name__} {is_training!r}")
+        self.is_training = is_training
+        for name, value, lo_open in (("epsilon", epsilon, True), ("momentum", momentum, False)):
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)):
+                raise TypeError(f"BatchNorm: {name} must be a float, got "
+                                f"{type(value).__name__} {value!r}")
+            if not (0.0 < value <= 1.0 if lo_open else 0.0 <= value <= 1.0):
+                raise ValueError(f"BatchNorm: {name} must be in {'(0' if lo_open else '[0'}, "
+                                 f"1], got {value!r}")
+        self.epsilon, self.momentum = float(epsilon), float(momentum)
+        if data_format != "NCHW":
+            raise ValueError(f"BatchNorm: data_format must be 'NCHW' (the only layout "
+                             f"MindSpore's BatchNormInfo shards), got {data_format!r}")
+        self.data_format = data_format
+
+    def attrs(self) -> dict[str, Any]:
+        return {"is_training": self.is_training, "epsilon": self.epsilon,
+                "momentum": self.momentum, "data_format": self.data_format}
+
+    def infer_shape(self, *shapes: tuple[int, ...]) -> tuple[int, ...]:
+        x = tuple(shapes[0])
+        if len(x) not in (2, 4):
+            raise ValueError(f"BatchNorm: x must be (N, C, H, W) or (N, C), got shape {x}")
+        for name, s in zip(_BN_PARAMS, shapes[1:]):
+            if tuple(s) != (x[1],):
+                raise ValueError(f"BatchNorm: {name} has shape {tuple(s)} but must have shape "
+                                 f"({x[1]},), one value per channel of x {x}")
+        return x
+
+    def iter_space(self, *shapes: tuple[int, ...]) -> IterSpace:
+        x = self.infer_shape(*shapes)
+        names = dim_names(len(x))
+        return IterSpace((names,) + ((names[1],),) * 4, names, names)
+
+    @staticmethod
+    def _geometry(x: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
+        """The axes of the statistics (all but the channel) and their element count."""
+        axes = tuple(d for d in range(len(x)) if d != 1)
+        return axes, math.prod(x[d] for d in axes)
+
+    def _check(self, xs: Sequence[np.ndarray]) -> None:
+        self.infer_shape(*(a.shape for a in xs))
+        for name, a in zip(("x",) + _BN_PARAMS, xs):
+            _check_float(self.name, name, a)
+
+    def kernel(self, *xs: np.ndarray) -> np.ndarray:
+        self._check(xs)
+        axes, count = self._geometry(xs[0].shape)
+        return _batch_norm(xs, axes, count, self.epsilon, self.is_training, _identity)[0]
+
+    def vjp(self, xs: Sequence[np.ndarray], y: np.ndarray, dy: np.ndarray
+            ) -> tuple[np.ndarray | None, ...]:
+        axes, count = self._geometry(xs[0].shape)
+        _, xhat, rstd = _batch_norm(xs, axes, count, self.epsilon, self.is_training, _identity)
+        return _batch_norm_grad(dy, xhat, rstd, xs[1], axes, count, self.is_training,
+                                _identity)
+
+    def flops(self, local_in: tuple[tuple[int, ...], ...], local_out: tuple[int, ...]) -> int:
+        return (8 if self.is_training else 4) * math.prod(local_out)
+
+    def _sharding(self, shapes: tuple[tuple[int, ...], ...], strat: Strategy,
+                  out_strategy: Strategy | None, device_num: int,
+                  enable_alltoall: bool = False) -> OpSharding:
+        sh = super()._sharding(shapes, strat, out_strategy, device_num, enable_alltoall)
+        if not self.is_training:
+            return sh
+        axes, _ = self._geometry(shapes[0])
+        group = sh.device_axes_cutting([f"d{a}" for a in axes])
+        if not group:
+            return sh
+        channels = sh.in_layouts[1].local_size()
+        dm = sh.device_matrix
+        fwd = (CommSpec(ALL_REDUCE, dm, group, channels, "BatchNorm: channel sums (mean)"),
+               CommSpec(ALL_REDUCE, dm, group, channels,
+                        "BatchNorm: squared deviations (variance)"))
+        bwd = (CommSpec(ALL_REDUCE, dm, group, 2 * channels,
+                        "BatchNorm: channel sums of dy and dy*xhat"),)
+        return dataclasses.replace(sh, internal_forward=fwd, internal_backward=bwd)
+
+    def local_forward(self, sh: OpSharding, *xs: np.ndarray) -> tuple[np.ndarray, Any]:
+        self._check(xs)
+        axes, count = self._geometry(sh.input_shapes[0])
+        y, xhat, rstd = _batch_norm(xs, axes, count, self.epsilon, self.is_training,
+                                    _group_reduce(sh, sh.internal_forward))
+        return y, (xhat, rstd, xs[1])
+
+    def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray
+                       ) -> tuple[np.ndarray | None, ...]:
+        xhat, rstd, scale = saved
+        axes, count = self._geometry(sh.input_shapes[0])
+        return _batch_norm_grad(dy, xhat, rstd, scale, axes, count, self.is_training,
                                 _group_reduce(sh, sh.internal_backward))
 
 

@@ -5,11 +5,12 @@ Pure (no MPI, no data). Every planner takes a :class:`PlanRequest` and returns a
 strategies with a fill-in from the producers for the rest (stand_alone, data_parallel,
 semi_auto_parallel: :func:`follow_producers`). The auto_parallel searches register with
 :func:`register_search` under their ``search_mode``, and :func:`plan_strategies` picks the one
-the context names: today ``exact`` (the cost graph's ILP optimum, :mod:`simpar.search.exact`);
-MindSpore's dynamic programming, recursive programming and sharding propagation are to come.
+the context names: ``dynamic_programming`` (MindSpore's elimination search,
+:mod:`simpar.search.dynamic_programming`) and ``exact`` (the cost graph's ILP optimum,
+:mod:`simpar.search.exact`); recursive programming and sharding propagation are to come.
 """
 
-from simpar.search.auto import exact_planner, set_search_cost_model
+from simpar.search.auto import dynamic_programming_planner, exact_planner, set_search_cost_model
 from simpar.search.cost_graph import CostGraph, brute_force, build_cost_graph
 from simpar.search.planner import (
     Planner,
@@ -28,6 +29,7 @@ from simpar.search.propagation import (
 from simpar.search.strategy_map import OpStrategy, Source, StrategyMap
 
 # The searches of auto_parallel (cost graph + solver) register under their search_mode.
+register_search("dynamic_programming", dynamic_programming_planner)
 register_search("exact", exact_planner)
 
 __all__ = [

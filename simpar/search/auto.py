@@ -9,11 +9,13 @@ from __future__ import annotations
 from simpar.cost.interface import CostModel, SimparCostModel
 from simpar.layout import TensorLayout
 from simpar.search.cost_graph import CostGraph, build_cost_graph
+from simpar.search.dynamic_programming import solve_dynamic_programming
 from simpar.search.exact import solve_exact
 from simpar.search.planner import PlanRequest
 from simpar.search.strategy_map import OpStrategy, Source, StrategyMap
 
-__all__ = ["exact_planner", "search_cost_model", "set_search_cost_model", "strategy_map_of"]
+__all__ = ["cost_graph_of", "dynamic_programming_planner", "exact_planner", "search_cost_model",
+           "set_search_cost_model", "strategy_map_of"]
 
 _MODEL: CostModel | None = None
 
@@ -47,10 +49,21 @@ def strategy_map_of(request: PlanRequest, cg: CostGraph, choice: tuple[int, ...]
     return StrategyMap(request.device_num, "auto_parallel", ops, params, inputs)
 
 
+def cost_graph_of(request: PlanRequest) -> CostGraph:
+    """The cost graph of a request under the search cost model."""
+    return build_cost_graph(request.graph, request.device_num, search_cost_model(),
+                            input_layouts=request.input_layouts,
+                            parameter_plan=request.parameter_plan,
+                            enable_alltoall=request.enable_alltoall)
+
+
 def exact_planner(request: PlanRequest) -> StrategyMap:
     """search_mode "exact": the ILP optimum of the cost graph (HiGHS)."""
-    cg = build_cost_graph(request.graph, request.device_num, search_cost_model(),
-                          input_layouts=request.input_layouts,
-                          parameter_plan=request.parameter_plan,
-                          enable_alltoall=request.enable_alltoall)
+    cg = cost_graph_of(request)
     return strategy_map_of(request, cg, solve_exact(cg).choice)
+
+
+def dynamic_programming_planner(request: PlanRequest) -> StrategyMap:
+    """search_mode "dynamic_programming": MindSpore's elimination search of the cost graph."""
+    cg = cost_graph_of(request)
+    return strategy_map_of(request, cg, solve_dynamic_programming(cg).choice)

@@ -4,7 +4,9 @@ Variables: ``x[n, i]`` = 1 when node ``n`` takes candidate ``i`` (one per node),
 edge ``y[e, i, j]`` = 1 when its producer takes ``i`` and its consumer ``j`` (linked to ``x``
 by ``sum_j y[e, i, j] = x[p, i]`` and ``sum_i y[e, i, j] = x[c, j]``, exact for 0/1 values).
 A parameter read by several ops forbids pairs of candidates that lay it out differently
-(``x[a, i] + x[b, j] <= 1``). The objective is the cost graph's: node costs plus edge costs.
+(``x[a, i] + x[b, j] <= 1``), an edge's infinite entries fix their ``y`` at 0, and the nodes'
+memories sum to at most the graph's memory capacity. The objective is the cost graph's: node
+costs plus edge costs.
 HiGHS solves it through ``scipy.optimize.milp`` (the optional ``exact`` extra); on a time
 limit it returns its best solution and the optimality gap.
 
@@ -64,8 +66,18 @@ def solve_exact(cg: CostGraph, time_limit: float | None = None) -> ExactSolution
             row = {off + i * n_c + j: 1.0 for i in range(n_p)}
             row[offset[e.consumer] + j] = -1.0
             rows.append((row, 0.0, 0.0))
+    if math.isfinite(cg.memory_capacity):                      # memory per rank
+        # in units of the cap, less HiGHS's feasibility tolerance: a plan over the cap by
+        # a hair must not pass for one that fits
+        rows.append(({offset[k] + i: m / cg.memory_capacity for k, node in enumerate(cg.nodes)
+                      for i, m in enumerate(node.memories) if m}, -np.inf, 1.0 - 1e-6))
     for uses in cg.shared.values():                            # one layout per parameter
         for (a, ka), (b, kb) in zip(uses, uses[1:]):
+            if a == b:  # one op reads it twice: its candidates must agree with themselves
+                for i, ci in enumerate(cg.nodes[a].candidates):
+                    if len(distinct_blocks({ci.in_layouts[ka], ci.in_layouts[kb]})) > 1:
+                        rows.append(({offset[a] + i: 1.0}, -np.inf, 0.0))
+                continue
             for i, ci in enumerate(cg.nodes[a].candidates):
                 for j, cj in enumerate(cg.nodes[b].candidates):
                     if len(distinct_blocks({ci.in_layouts[ka], cj.in_layouts[kb]})) > 1:
@@ -82,9 +94,11 @@ def solve_exact(cg: CostGraph, time_limit: float | None = None) -> ExactSolution
     # Costs in seconds are ~1e-5: scaled to ~1, so that HiGHS's absolute tolerances cannot
     # take a worse choice for an equal one.
     c = np.asarray(cost, dtype=float)
+    allowed = np.isfinite(c)                                   # inf: a forbidden pair
+    c = np.where(allowed, c, 0.0)
     scale = float(np.max(np.abs(c))) or 1.0
     result = milp(c / scale, integrality=np.ones(n_var),
-                  bounds=Bounds(np.zeros(n_var), np.ones(n_var)),
+                  bounds=Bounds(np.zeros(n_var), allowed.astype(float)),
                   constraints=LinearConstraint(matrix.tocsr(), lower, upper), options=options)
     if result.x is None:
         raise ValueError(f"search_mode 'exact': no strategy satisfies every constraint "
@@ -95,5 +109,6 @@ def solve_exact(cg: CostGraph, time_limit: float | None = None) -> ExactSolution
     gap = float(getattr(result, "mip_gap", 0.0) or 0.0)
     total = cg.total(choice)
     assert not math.isinf(total), "the solver broke a shared-parameter constraint"
+    assert cg.fits(choice), "the solver broke the memory constraint"
     return ExactSolution(choice, total, gap, "optimal" if result.status == 0 else
                          str(result.message))

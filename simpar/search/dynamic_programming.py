@@ -1,0 +1,474 @@
+"""``search_mode="dynamic_programming"``: MindSpore's graph-elimination search over the cost graph.
+
+The cost graph's nodes are ops (a cost per candidate) and its edges redistributions (a cost per
+pair of candidates). The search shrinks the graph one elimination at a time, each exact for the
+objective, then picks the best entry of what is left and replays the eliminations backwards to
+give every op its candidate. The eliminations are MindSpore's (``dp_algo_costmodel.cc``):
+
+* **op**: a node with one neighbour on each side (``u - v - w``) becomes an edge ``u - w``
+  whose cost for (i, k) is the best over v's candidates j of ``e(i, j) + v(j) + e'(j, k)``;
+* **edge**: parallel edges between two nodes become one (their sum);
+* **merge** and **contract**: a node with one edge (a source: merge; a sink: contract) folds
+  into its neighbour, whose candidate i gains the best ``e(i, j) + leaf(j)``;
+* **triangle**: an op elimination whose two neighbours are already joined (followed by an
+  edge elimination);
+* **star**, the last resort, when every node has three neighbours or more: MindSpore merges a
+  source node into its successors heuristically; simpar merges it into the neighbour that
+  gives the smallest product of candidate counts, a node whose candidates are the pairs. That
+  is exact, so the search returns the objective's optimum on every graph (at a cost in time
+  when stars are large); graphs without stars (chains, residual blocks, attention) never need
+  it.
+
+Every table entry is a Pareto list of (cost, memory) pairs, as in MindSpore: an op's memory is
+what :meth:`~simpar.cost.CostModel.memory` says, and lists are pruned of dominated pairs and of
+pairs over the memory cap. The search runs twice at most: first keeping only the cheapest pair
+(the unconstrained optimum); if that plan fits the cap it is the answer, otherwise again with
+lists of up to ``width`` (128) pairs per entry. A longer list is thinned evenly by memory, always
+keeping its least-memory and its cheapest pair: the least-memory plan stays reachable, so "no
+plan fits" is never reported wrongly, and :attr:`DPSolution.exact` says whether any list was
+thinned. When nothing fits, :class:`NoAvailableCost` gives the smallest memory per rank any
+plan needs and the op that needs most of it.
+
+A parameter read by several ops gets a virtual node whose candidates are its distinct layouts,
+with an edge to each reader that is 0 where the reader's candidate lays it out that way and
+infinite elsewhere (MindSpore's ``TmpIdentity``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from simpar.search.cost_graph import CostGraph, same_blocks
+
+__all__ = ["DPSolution", "NoAvailableCost", "solve_dynamic_programming"]
+
+log = logging.getLogger("simpar.search")
+
+#: Table entries above this many elements are built a block of rows at a time.
+_CHUNK = 1 << 22
+
+
+class NoAvailableCost(ValueError):
+    """No plan fits the memory cap (MindSpore: "No available cost")."""
+
+
+@dataclass(frozen=True)
+class DPSolution:
+    """One candidate per node, the plan's objective and memory per rank, the eliminations
+    applied by kind, whether the search was exact (no Pareto list thinned), and which pass
+    found it (1: the cheapest plan fits; 2: the memory cap binds)."""
+
+    choice: tuple[int, ...]
+    cost: float
+    memory: float
+    eliminations: dict[str, int]
+    exact: bool
+    passes: int
+
+
+class _Table:
+    """A cost table: per index (a node's candidate, or an edge's pair) a Pareto list of
+    (cost, memory) entries, as arrays of shape ``index shape + (entries,)`` padded with
+    infinite cost. ``parts``, ``prov`` and ``axes`` say how it was made, for the replay."""
+
+    __slots__ = ("axes", "cost", "extra", "kind", "mem", "node", "parts", "prov")
+
+    def __init__(self, cost: np.ndarray, mem: np.ndarray, kind: str,
+                 parts: tuple[_Table, ...] = (), prov: np.ndarray | None = None,
+                 axes: tuple[int, ...] = (), node: int = -1, extra: Any = None) -> None:
+        self.cost, self.mem, self.kind = cost, mem, kind
+        self.parts, self.prov, self.axes, self.node, self.extra = parts, prov, axes, node, extra
+
+    def flipped(self) -> _Table:
+        """An edge table seen from its other end."""
+        return _Table(self.cost.transpose(1, 0, 2), self.mem.transpose(1, 0, 2), "flip",
+                      (self,))
+
+
+def _pareto(cost: np.ndarray, mem: np.ndarray, width: int, cap: float
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
+    """Per row of ``cost``/``mem`` (rows x M), the Pareto-minimal entries within ``cap``,
+    ascending in memory, at most ``width`` of them (thinned evenly by memory rank, keeping the
+    first and the last), with their column in the input. Returns (cost, mem, column,
+    thinned)."""
+    cost = np.where(mem > cap, np.inf, cost)
+    if width == 1:  # the cheapest entry, the least memory among equals, the first of those
+        best = cost.min(axis=1, keepdims=True)
+        col = np.argmin(np.where(cost == best, mem, np.inf), axis=1)[:, None]
+        col = np.where(np.isfinite(best), col, -1)
+        return best, np.take_along_axis(mem, np.maximum(col, 0), axis=1), col, False
+    by_cost = np.argsort(cost, axis=1, kind="stable")
+    order = np.take_along_axis(by_cost, np.argsort(np.take_along_axis(mem, by_cost, axis=1),
+                                                   axis=1, kind="stable"), axis=1)
+    cs = np.take_along_axis(cost, order, axis=1)
+    ms = np.take_along_axis(mem, order, axis=1)
+    best = np.minimum.accumulate(cs, axis=1)
+    before = np.concatenate([np.full((cs.shape[0], 1), np.inf), best[:, :-1]], axis=1)
+    keep = cs < before
+    count = keep.sum(axis=1, keepdims=True)
+    thinned = bool((count > width).any())
+    if thinned:
+        rank = np.cumsum(keep, axis=1) - 1
+        span = np.maximum(count - 1, 1)
+        q = np.rint(rank * (width - 1) / span)
+        keep &= (count <= width) | (np.rint(q * span / (width - 1)) == rank)
+    count = keep.sum(axis=1)
+    f = max(int(count.max(initial=0)), 1)
+    slot = np.cumsum(keep, axis=1) - 1
+    rows, cols = np.nonzero(keep)
+    out_c = np.full((cs.shape[0], f), np.inf)
+    out_m = np.zeros((cs.shape[0], f))
+    out_i = np.full((cs.shape[0], f), -1, dtype=np.int64)
+    out_c[rows, slot[rows, cols]] = cs[rows, cols]
+    out_m[rows, slot[rows, cols]] = ms[rows, cols]
+    out_i[rows, slot[rows, cols]] = order[rows, cols]
+    return out_c, out_m, out_i, thinned
+
+
+class _Eliminator:
+    """The elimination graph of one cost graph, under a list width and a memory cap."""
+
+    def __init__(self, cg: CostGraph, width: int, cap: float, memory_as_cost: bool) -> None:
+        self.width, self.cap = width, cap
+        self.thinned = False
+        self.counts: Counter[str] = Counter()
+        self.tables: dict[int, _Table] = {}
+        self.adj: dict[int, dict[int, tuple[int, int, _Table]]] = {}
+        for k, node in enumerate(cg.nodes):
+            mem = np.asarray(node.memories, dtype=float)[:, None]
+            cost = mem.copy() if memory_as_cost else np.asarray(node.costs, dtype=float)[:, None]
+            self._add_node(k, _Table(cost, mem, "node", node=k))
+        for e in cg.edges:
+            matrix = np.asarray(e.costs, dtype=float)[:, :, None]
+            if memory_as_cost:  # only the edge's feasibility matters
+                matrix = np.where(np.isinf(matrix), np.inf, 0.0)
+            self._add_edge(e.producer, e.consumer, _Table(matrix, np.zeros_like(matrix), "edge"))
+        self.next_id = len(cg.nodes)
+        for name, uses in cg.shared.items():
+            self._add_shared(cg, name, uses)
+
+    # -- the graph
+    def _add_node(self, k: int, table: _Table) -> None:
+        self.tables[k] = table
+        self.adj[k] = {}
+
+    def _add_edge(self, u: int, v: int, table: _Table) -> None:
+        """Join ``u`` and ``v`` (``table`` indexed [u's candidate, v's]); a second edge between
+        them is summed into the first (edge elimination). Edges remember their direction
+        (producer, consumer) for naming the eliminations."""
+        old = self.adj[u].get(v)
+        if old is not None:
+            a = old[2] if old[0] == u else old[2].flipped()
+            table = self._sum(a, table)
+            self.counts["edge"] += 1
+            u_src = old[0] == u
+            entry = (u, v, table) if u_src else (v, u, table.flipped())
+        else:
+            entry = (u, v, table)
+        self.adj[u][v] = entry
+        self.adj[v][u] = entry
+
+    def _edge(self, u: int, v: int) -> _Table:
+        """The table of the edge u - v, indexed [u's candidate, v's]."""
+        src, _, table = self.adj[u][v]
+        return table if src == u else table.flipped()
+
+    def _remove(self, k: int) -> None:
+        for n in self.adj.pop(k):
+            del self.adj[n][k]
+        del self.tables[k]
+
+    def _add_shared(self, cg: CostGraph, name: str, uses: tuple[tuple[int, int], ...]) -> None:
+        """A virtual node per parameter read by several ops: one candidate per distinct
+        layout, and an edge to each reader allowing only its candidates that agree."""
+        classes: list[Any] = []
+        of_use: list[list[int]] = []
+        for n, k in uses:
+            row = []
+            for sh in cg.nodes[n].candidates:
+                lay = sh.in_layouts[k]
+                found = next((c for c, ref in enumerate(classes) if same_blocks(lay, ref)),
+                             None)
+                if found is None:
+                    classes.append(lay)
+                    found = len(classes) - 1
+                row.append(found)
+            of_use.append(row)
+        s = self.next_id
+        self.next_id += 1
+        zeros = np.zeros((len(classes), 1))
+        self._add_node(s, _Table(zeros, zeros.copy(), "node", node=s))
+        for (n, _), row in zip(uses, of_use):
+            matrix = np.full((len(classes), len(row), 1), np.inf)
+            matrix[row, np.arange(len(row)), 0] = 0.0
+            self._add_edge(s, n, _Table(matrix, np.zeros_like(matrix), "edge"))
+        log.debug("shared parameter %s: %d layouts, %d readers", name, len(classes), len(uses))
+
+    # -- table algebra
+    def _reduce(self, total_c: np.ndarray, total_m: np.ndarray, keep_dims: int
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Pareto-reduce every axis after the first ``keep_dims`` of the summed tables."""
+        shape = total_c.shape[:keep_dims]
+        rows = math.prod(shape)
+        c, m, i, thinned = _pareto(total_c.reshape(rows, -1), total_m.reshape(rows, -1),
+                                   self.width, self.cap)
+        self.thinned |= thinned
+        f = c.shape[1]
+        return c.reshape(*shape, f), m.reshape(*shape, f), i.reshape(*shape, f)
+
+    def _sum(self, a: _Table, b: _Table) -> _Table:
+        """Two tables of one index shape, entry lists combined pairwise."""
+        tc = a.cost[..., :, None] + b.cost[..., None, :]
+        tm = a.mem[..., :, None] + b.mem[..., None, :]
+        c, m, i = self._reduce(tc, tm, a.cost.ndim - 1)
+        return _Table(c, m, "sum", (a, b), i, (a.cost.shape[-1], b.cost.shape[-1]))
+
+    def _through(self, a: _Table, mid: _Table, b: _Table) -> _Table:
+        """``a`` [u, v] + ``mid`` [v] + ``b`` [v, w], best over v: a table [u, w]."""
+        ku, kv, fa = a.cost.shape
+        _, kw, fb = b.cost.shape
+        fm = mid.cost.shape[1]
+        per_row = kv * kw * fa * fm * fb
+        step = max(1, _CHUNK // max(per_row, 1))
+        parts_c, parts_m, parts_i = [], [], []
+        for lo in range(0, ku, step):
+            sl = slice(lo, lo + step)
+            tc = (a.cost[sl, :, None, :, None, None] + mid.cost[None, :, None, None, :, None]
+                  + b.cost[None, :, :, None, None, :])
+            tm = (a.mem[sl, :, None, :, None, None] + mid.mem[None, :, None, None, :, None]
+                  + b.mem[None, :, :, None, None, :])
+            # -> [u, w, v, fa, fm, fb]
+            c, m, i = self._reduce(tc.transpose(0, 2, 1, 3, 4, 5),
+                                   tm.transpose(0, 2, 1, 3, 4, 5), 2)
+            parts_c.append(c)
+            parts_m.append(m)
+            parts_i.append(i)
+        c, m, i = _stack(parts_c, parts_m, parts_i)
+        return _Table(c, m, "through", (a, mid, b), i, (kv, fa, fm, fb))
+
+    def _fold(self, target: _Table, edge: _Table, leaf: _Table, node: int) -> _Table:
+        """``target`` [i] gains the best over j of ``edge`` [i, j] + ``leaf`` [j]."""
+        tc = (target.cost[:, None, :, None, None] + edge.cost[:, :, None, :, None]
+              + leaf.cost[None, :, None, None, :])
+        tm = (target.mem[:, None, :, None, None] + edge.mem[:, :, None, :, None]
+              + leaf.mem[None, :, None, None, :])
+        c, m, i = self._reduce(tc, tm, 1)
+        kl, ft, fe, fl = tc.shape[1:]
+        return _Table(c, m, "fold", (target, edge, leaf), i, (kl, ft, fe, fl), node=node)
+
+    # -- eliminations
+    def _direction(self, k: int, n: int) -> str:
+        return "merge" if self.adj[k][n][0] == k else "contract"
+
+    def _eliminate_leaf(self, k: int) -> None:
+        (n,) = self.adj[k]
+        self.counts[self._direction(k, n)] += 1
+        self.tables[n] = self._fold(self.tables[n], self._edge(n, k), self.tables[k], n)
+        self._remove(k)
+
+    def _eliminate_middle(self, k: int) -> None:
+        u, w = sorted(self.adj[k])
+        self.counts["triangle" if w in self.adj[u] else "op"] += 1
+        table = self._through(self._edge(u, k), self.tables[k], self._edge(k, w))
+        self._remove(k)
+        self._add_edge(u, w, table)
+
+    def _eliminate_star(self) -> None:
+        """Merge the node and neighbour whose candidate counts have the smallest product."""
+        best: tuple[int, int, int] | None = None
+        for k in sorted(self.adj):
+            for n in sorted(self.adj[k]):
+                size = self.tables[k].cost.shape[0] * self.tables[n].cost.shape[0]
+                if best is None or size < best[0]:
+                    best = (size, k, n)
+        assert best is not None
+        _, a, b = best
+        self.counts["star"] += 1
+        ta, tb, e = self.tables[a], self.tables[b], self._edge(a, b)
+        ka, kb = ta.cost.shape[0], tb.cost.shape[0]
+        tc = (ta.cost[:, None, :, None, None] + tb.cost[None, :, None, :, None]
+              + e.cost[:, :, None, None, :])
+        tm = (ta.mem[:, None, :, None, None] + tb.mem[None, :, None, :, None]
+              + e.mem[:, :, None, None, :])
+        c, m, i = self._reduce(tc.reshape(ka * kb, *tc.shape[2:]),
+                               tm.reshape(ka * kb, *tm.shape[2:]), 1)
+        live = np.flatnonzero(np.isfinite(c).any(axis=1))
+        if live.size == 0:
+            live = np.arange(1)  # nothing is feasible: keep one, the replay reports it
+        s = self.next_id
+        self.next_id += 1
+        merged = _Table(c[live], m[live], "merge", (ta, tb, e), i[live],
+                        tuple(tc.shape[2:]), node=s, extra=(live, kb))
+        others = [(n, a, live // kb) for n in self.adj[a] if n != b] + \
+                 [(n, b, live % kb) for n in self.adj[b] if n != a]
+        moved = [(n, self._edge(old, n), rows) for n, old, rows in others]
+        self._remove(a)
+        self._remove(b)
+        self._add_node(s, merged)
+        for n, table, rows in moved:
+            self._add_edge(s, n, _Table(table.cost[rows], table.mem[rows], "rows", (table,),
+                                        extra=rows))
+        log.info("star elimination: merged two nodes into one of %d candidates", live.size)
+
+    def run(self, started: float) -> _Table:
+        """Eliminate until no edge is left, then fold every remaining node into one root."""
+        total = len(self.adj)
+        while True:
+            changed = False
+            for k in sorted(self.adj):
+                if k not in self.adj:
+                    continue
+                degree = len(self.adj[k])
+                if degree == 2:
+                    self._eliminate_middle(k)
+                    changed = True
+                elif degree == 1:
+                    self._eliminate_leaf(k)
+                    changed = True
+            if not changed:
+                if any(self.adj[k] for k in self.adj):
+                    self._eliminate_star()
+                else:
+                    break
+            log.info("dynamic programming: %d of %d nodes left after %.1f s", len(self.adj),
+                     total, time.perf_counter() - started)
+        root = _Table(np.zeros((1, 1)), np.zeros((1, 1)), "node", node=-1)
+        for k in sorted(self.adj):
+            t = self.tables[k]
+            zero = np.zeros((1, t.cost.shape[0], 1))
+            root = self._fold(root, _Table(zero, zero.copy(), "edge"), t, -1)
+        return root
+
+
+def _stack(cs: list[np.ndarray], ms: list[np.ndarray], idx: list[np.ndarray]
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Row blocks of tables whose lists may differ in length: pad on the left (lists are
+    ascending in memory and end with the cheapest entry)."""
+    if len(cs) == 1:
+        return cs[0], ms[0], idx[0]
+    f = max(c.shape[-1] for c in cs)
+
+    def pad(x: np.ndarray, value: float) -> np.ndarray:
+        return np.concatenate([np.full((*x.shape[:-1], f - x.shape[-1]), value, x.dtype), x],
+                              axis=-1)
+
+    return (np.concatenate([pad(c, np.inf) for c in cs]),
+            np.concatenate([pad(m, 0.0) for m in ms]),
+            np.concatenate([pad(i, -1) for i in idx]))
+
+
+def _replay(root: _Table, entry: int, n_nodes: int) -> list[int]:
+    """Walk the tables back from the root's chosen entry: every elimination gives the
+    candidates (and entries) of what it was made of."""
+    choice = [-1] * n_nodes
+    stack: list[tuple[_Table, tuple[int, ...], int]] = [(root, (0,), entry)]
+    while stack:
+        t, idx, e = stack.pop()
+        if 0 <= t.node < n_nodes:
+            choice[t.node] = idx[0]
+        kind = t.kind
+        if kind in ("node", "edge"):
+            continue
+        if kind == "flip":
+            stack.append((t.parts[0], idx[::-1], e))
+            continue
+        if kind == "rows":
+            stack.append((t.parts[0], (int(t.extra[idx[0]]), idx[1]), e))
+            continue
+        assert t.prov is not None
+        flat = int(t.prov[(*idx, e)])
+        assert flat >= 0, "replay reached an empty entry"
+        sub = np.unravel_index(flat, t.axes)
+        if kind == "sum":
+            a, b = t.parts
+            stack += [(a, idx, int(sub[0])), (b, idx, int(sub[1]))]
+        elif kind == "through":
+            a, mid, b = t.parts
+            j = int(sub[0])
+            stack += [(a, (idx[0], j), int(sub[1])), (mid, (j,), int(sub[2])),
+                      (b, (j, idx[1]), int(sub[3]))]
+        elif kind == "fold":
+            target, edge, leaf = t.parts
+            j = int(sub[0])
+            stack += [(target, idx, int(sub[1])), (edge, (idx[0], j), int(sub[2])),
+                      (leaf, (j,), int(sub[3]))]
+        elif kind == "merge":
+            ta, tb, edge = t.parts
+            live, kb = t.extra
+            i, j = divmod(int(live[idx[0]]), kb)
+            stack += [(ta, (i,), int(sub[0])), (tb, (j,), int(sub[1])),
+                      (edge, (i, j), int(sub[2]))]
+        else:
+            raise AssertionError(f"unknown table kind {kind!r}")
+    return choice
+
+
+def _solve(cg: CostGraph, width: int, cap: float, memory_as_cost: bool = False
+           ) -> tuple[tuple[int, ...] | None, bool, Counter[str]]:
+    started = time.perf_counter()
+    elim = _Eliminator(cg, width, cap, memory_as_cost)
+    root = elim.run(started)
+    finite = np.isfinite(root.cost[0])
+    if not finite.any():
+        return None, not elim.thinned, elim.counts
+    entry = int(np.argmin(root.cost[0]))
+    choice = tuple(_replay(root, entry, len(cg.nodes)))
+    assert min(choice) >= 0, "the replay left an op without a strategy"
+    return choice, not elim.thinned, elim.counts
+
+
+def solve_dynamic_programming(cg: CostGraph, width: int = 128) -> DPSolution:
+    """The plan of least objective whose memory fits ``cg.memory_capacity``.
+
+    Raises :class:`NoAvailableCost` when none fits (naming the least memory any plan needs),
+    and ValueError when no plan satisfies the graph's constraints (a user strategy against a
+    shared parameter, an elementwise op that cannot follow its producer)."""
+    if isinstance(width, bool) or not isinstance(width, int) or width < 2:
+        raise ValueError(f"solve_dynamic_programming: width must be an int >= 2, got {width!r}")
+    if not cg.nodes:
+        return DPSolution((), 0.0, 0.0, {}, True, 1)
+    choice, exact, counts = _solve(cg, 1, math.inf)
+    if choice is None:
+        raise ValueError("search_mode 'dynamic_programming': no plan satisfies every "
+                         "constraint (a parameter shared by ops whose user strategies lay it "
+                         "out differently, or an op that cannot follow its producer)")
+    passes = 1
+    if not cg.fits(choice):
+        passes = 2
+        found, exact, counts = _solve(cg, width, cg.memory_capacity)
+        if found is None:
+            raise _no_available_cost(cg)
+        choice = found
+        if not exact:
+            log.warning("dynamic programming: the memory cap binds and some (cost, memory) "
+                        "lists were longer than %d entries and were thinned: the plan fits but "
+                        "may not be the cheapest that does (solve_dynamic_programming(cg, "
+                        "width=...) keeps more)", width)
+    log.info("dynamic programming: eliminations %s", dict(sorted(counts.items())))
+    return DPSolution(choice, cg.total(choice), cg.memory(choice), dict(counts), exact, passes)
+
+
+def _no_available_cost(cg: CostGraph) -> NoAvailableCost:
+    """MindSpore's "No available cost" error, with the least memory any plan needs."""
+    least, _, _ = _solve(cg, 1, math.inf, memory_as_cost=True)
+    assert least is not None
+    need = cg.memory(least)
+    k = max(range(len(cg.nodes)), key=lambda n: cg.nodes[n].memories[least[n]])
+    node = cg.nodes[k]
+    cand = node.candidates[least[k]]
+    strategy = [list(c) for c in cand.strategy] if hasattr(cand, "strategy") else cand
+    return NoAvailableCost(
+        f"No available cost: no strategy fits the device memory capacity of "
+        f"{cg.memory_capacity:.0f} bytes per rank. The minimum memory cost is {need:.0f} bytes "
+        f"per rank; the op that needs most of it is {node.name} ({node.memories[least[k]]:.0f} "
+        f"bytes, strategy {strategy}, in the plan of least memory). Use more devices, smaller "
+        "shapes, or raise "
+        "the capacity (the profile's memory_capacity, or device_memory_capacity in "
+        "set_cost_model_context for MindSpore's model).")

@@ -1,0 +1,264 @@
+"""search_mode="dynamic_programming": the elimination search against brute force and the ILP
+(pure: one process, shapes only)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+
+from simpar import context, graph, nn, ops
+from simpar.cost import MindSporeCostModel, SimparCostModel
+from simpar.graph import Node
+from simpar.layout import TensorLayout
+from simpar.parallel import search_strategies
+from simpar.search.cost_graph import (
+    CostEdge,
+    CostGraph,
+    CostNode,
+    brute_force,
+    build_cost_graph,
+    canonical,
+    same_blocks,
+)
+from simpar.search.dynamic_programming import NoAvailableCost, solve_dynamic_programming
+from simpar.search.exact import solve_exact
+
+
+@pytest.fixture(autouse=True)
+def _algo_defaults() -> Any:
+    yield
+    context.reset_algo_parameters()
+
+
+def _random_graph(rng: np.random.Generator, n: int, density: float) -> CostGraph:
+    """Synthetic nodes (1-4 candidates, random costs and memories, a few forbidden pairs)
+    joined by random edges, dense enough at high ``density`` to need star eliminations."""
+    nodes = []
+    for k in range(n):
+        size = int(rng.integers(1, 5))
+        nodes.append(CostNode(Node(k, ops.Identity(), ()), tuple(range(size)),  # type: ignore
+                              tuple(rng.uniform(0, 10, size).round(3)), False,
+                              tuple(rng.integers(1, 20, size).astype(float))))
+    edges = []
+    for p, c in itertools.combinations(range(n), 2):
+        if rng.random() < density:
+            m = rng.uniform(0, 10, (len(nodes[p].costs), len(nodes[c].costs))).round(3)
+            m[rng.random(m.shape) < 0.15] = math.inf
+            edges.append(CostEdge(p, 0, c, 0, tuple(map(tuple, m.tolist()))))
+            if rng.random() < 0.2:  # a second edge between the same pair
+                edges.append(CostEdge(p, 1, c, 1, tuple(map(tuple, np.ones_like(m).tolist()))))
+    return CostGraph(tuple(nodes), tuple(edges))
+
+
+def _cheapest(cg: CostGraph) -> float:
+    """The brute-force optimum, inf when no combination is allowed."""
+    try:
+        return brute_force(cg)[1]
+    except ValueError:
+        return math.inf
+
+
+@pytest.mark.parametrize("density", [0.3, 0.6, 1.0])
+def test_dp_equals_brute_force_on_random_graphs(density: float) -> None:
+    """Up to 6 ops with every elimination (op, edge, merge, contract, triangle and, on dense
+    graphs, star): the same optimum as trying every combination, with and without a memory
+    cap that binds."""
+    rng = np.random.default_rng(int(density * 10))
+    kinds: set[str] = set()
+    for _ in range(60):
+        cg = _random_graph(rng, int(rng.integers(2, 7)), density)
+        best = _cheapest(cg)
+        if math.isinf(best):
+            with pytest.raises(ValueError, match="no plan satisfies every constraint"):
+                solve_dynamic_programming(cg)
+            continue
+        dp = solve_dynamic_programming(cg)
+        kinds.update(dp.eliminations)
+        assert dp.cost == pytest.approx(best) and cg.total(dp.choice) == pytest.approx(best)
+        # a cap between the least and the most memory any allowed plan needs
+        allowed = [c for c in itertools.product(*(range(len(n.costs)) for n in cg.nodes))
+                   if not math.isinf(cg.total(c))]
+        mems = sorted({cg.memory(c) for c in allowed})
+        capped = dataclasses.replace(cg, memory_capacity=mems[len(mems) // 3])
+        dp = solve_dynamic_programming(capped)
+        assert dp.memory <= capped.memory_capacity and dp.exact
+        assert dp.cost == pytest.approx(_cheapest(capped))
+        tight = dataclasses.replace(cg, memory_capacity=mems[0] - 0.5)
+        with pytest.raises(NoAvailableCost, match=f"minimum memory cost is {mems[0]:.0f} "):
+            solve_dynamic_programming(tight)
+    if density == 1.0:
+        assert "star" in kinds
+    else:
+        assert {"op", "merge", "contract"} <= kinds
+
+
+def test_dp_exact_and_brute_force_agree_on_an_mlp_under_both_models() -> None:
+    mlp = nn.MLP(16, 32, 8, n_hidden=1, dtype=np.float64)
+    g = graph.trace(mlp, [((8, 16), np.float64)], ["x"])
+    for model in (SimparCostModel("ascend910a"), MindSporeCostModel()):
+        cg = build_cost_graph(g, 4, model, ((4, 1),), True)
+        _, best = brute_force(cg)
+        assert solve_dynamic_programming(cg).cost == pytest.approx(best)
+        assert solve_exact(cg).cost == pytest.approx(best)
+
+
+def test_the_memory_cap_binds_on_a_real_graph_and_exact_agrees() -> None:
+    """An MLP on 4 devices whose cheapest plan does not fit: the second pass finds the
+    cheapest plan that does, as brute force and the ILP do."""
+    mlp = nn.MLP(16, 32, 8, n_hidden=1, dtype=np.float64)
+    g = graph.trace(mlp, [((8, 16), np.float64)], ["x"])
+    free = build_cost_graph(g, 4, SimparCostModel("ascend910a"), ((4, 1),))
+    first = solve_dynamic_programming(free)
+    assert first.passes == 1
+    cg = dataclasses.replace(free, memory_capacity=first.memory - 1)
+    dp = solve_dynamic_programming(cg)
+    _, best = brute_force(cg)
+    assert dp.passes == 2 and dp.memory <= cg.memory_capacity
+    assert dp.cost == pytest.approx(best) == pytest.approx(solve_exact(cg).cost)
+    assert dp.cost > first.cost
+
+
+def test_a_shared_parameter_gets_one_layout() -> None:
+    """w feeds three MatMuls (a star of its virtual node): DP keeps it in one layout and
+    matches brute force."""
+    w = nn.Parameter(np.ones((16, 16)), name="w")
+    mm = [ops.MatMul() for _ in range(3)]
+    g = graph.trace(lambda x: mm[2](ops.ReLU()(mm[1](mm[0](x, w), w)), w),
+                    [((8, 16), np.float64)], ["x"])
+    cg = build_cost_graph(g, 4, SimparCostModel("ascend910a"))
+    assert len(cg.shared["w"]) == 3
+    dp = solve_dynamic_programming(cg)
+    assert dp.cost == pytest.approx(brute_force(cg)[1])
+    layouts = [cg.nodes[n].candidates[dp.choice[n]].in_layouts[k] for n, k in cg.shared["w"]]
+    assert all(same_blocks(layouts[0], lay) for lay in layouts[1:])
+
+
+def test_a_user_strategy_that_splits_a_shared_parameter_two_ways_is_refused() -> None:
+    w = nn.Parameter(np.ones((16, 16)), name="w")
+    first, second = ops.MatMul().shard(((1, 4), (4, 1))), ops.MatMul().shard(((4, 1), (1, 1)))
+    g = graph.trace(lambda x: second(first(x, w), w), [((8, 16), np.float64)], ["x"])
+    cg = build_cost_graph(g, 4, SimparCostModel("ascend910a"))
+    with pytest.raises(ValueError, match="no plan satisfies every constraint"):
+        solve_dynamic_programming(cg)
+
+
+@pytest.mark.parametrize("device_num", [8, 16])
+def test_dp_equals_exact_on_a_two_layer_gpt(device_num: int) -> None:
+    """The medium graph of the issue: a 2-layer GPT (88 ops) under simpar's model; every
+    elimination but star applies, and DP's objective is the ILP's proven optimum."""
+    net = nn.GPT(vocab_size=64, seq_length=16, d_model=32, n_heads=4, n_layers=2,
+                 dtype=np.float32)
+    g = graph.trace(net, [((16, 16), np.int32)], ["ids"])
+    cg = build_cost_graph(g, device_num, SimparCostModel("cpu-local"), "data_parallel")
+    dp = solve_dynamic_programming(cg)
+    ex = solve_exact(cg)
+    assert ex.gap == 0 and dp.exact
+    assert dp.cost == pytest.approx(ex.cost, rel=1e-9)
+    assert {"op", "triangle", "edge", "merge"} <= set(dp.eliminations)
+
+
+def test_identical_layers_are_priced_once() -> None:
+    """Nodes of identical layers share their candidate tuples (one pricing per distinct
+    op), and the edges between them their matrices."""
+    net = nn.GPT(vocab_size=64, seq_length=16, d_model=32, n_heads=4, n_layers=3,
+                 dtype=np.float32)
+    g = graph.trace(net, [((8, 16), np.int32)], ["ids"])
+    cg = build_cost_graph(g, 4, SimparCostModel("cpu-local"), "data_parallel")
+    blocks = [[n for n in cg.nodes if f"/block{b}-" in n.name] for b in range(3)]
+    assert len(blocks[0]) == len(blocks[1]) == len(blocks[2]) > 20
+    for a, b in zip(blocks[1], blocks[2]):
+        assert a.candidates is b.candidates and a.costs is b.costs
+    matrices = {id(e.costs) for e in cg.edges}
+    assert len(matrices) < len(cg.edges) / 2
+
+
+def test_canonical_layout_keys_match_same_blocks() -> None:
+    """Two layouts with one canonical key give every rank the same block (checked over all
+    candidate layouts of a GPT block's ops on 8 devices)."""
+    net = nn.GPT(vocab_size=64, seq_length=16, d_model=32, n_heads=4, n_layers=1,
+                 dtype=np.float32)
+    g = graph.trace(net, [((8, 16), np.int32)], ["ids"])
+    layouts = set()
+    for node in g.nodes:
+        shapes = [v.shape for v in node.inputs]
+        for strat in node.op.candidate_strategies(shapes, 8):
+            sh = node.op.sharding(shapes, 8, strat)
+            layouts.update(sh.in_layouts)
+            layouts.update(out for _, out, _ in sh.outputs)
+    by_key: dict[Any, list[Any]] = {}
+    for lay in layouts:
+        by_key.setdefault(canonical(lay), []).append(lay)
+    assert len(by_key) < len(layouts)
+    for group in by_key.values():
+        for a in group[1:]:
+            assert same_blocks(a, group[0])
+            assert a.partial_group(0) == group[0].partial_group(0)
+
+
+@pytest.mark.parametrize("mesh", [(2, 2, 2), (2, 1, 2), (4, 2), (2, 2, 1, 2)])
+def test_canonical_keys_on_every_layout_of_small_meshes(mesh: tuple[int, ...]) -> None:
+    """Every way to split an (8, 8) tensor over the mesh's axes (each axis splitting one
+    dimension, in either order, or pending sums, or repeating): one key exactly when every
+    rank holds the same block with the same pending-sum group."""
+    n = len(mesh)
+    layouts = []
+    for roles in itertools.product(range(4), repeat=n):  # 0, 1: a dimension; 2: sum; 3: repeat
+        dims = [[a for a in range(n) if roles[a] == d] for d in (0, 1)]
+        for orders in itertools.product(*(itertools.permutations(d) for d in dims)):
+            layouts.append(TensorLayout.from_dim_axes(
+                mesh, orders, (8, 8), partial_axes=[a for a in range(n) if roles[a] == 2]))
+    size = math.prod(mesh)
+    for a, b in itertools.combinations(layouts, 2):
+        same = same_blocks(a, b) and all(
+            a.partial_group(r) == b.partial_group(r) for r in range(size))
+        assert (canonical(a) == canonical(b)) == same, (a, b)
+
+
+def test_algo_approximation_keeps_the_cheapest_candidates() -> None:
+    g = graph.trace(nn.MLP(16, 32, 8, n_hidden=1, dtype=np.float64),
+                    [((8, 16), np.float64)], ["x"])
+    full = build_cost_graph(g, 8, SimparCostModel("ascend910a"), "data_parallel")
+    context.set_algo_parameters(enable_algo_approxi=True, algo_approxi_epsilon=0.25)
+    approx = build_cost_graph(g, 8, SimparCostModel("ascend910a"), "data_parallel")
+    for a, f in zip(approx.nodes, full.nodes):
+        assert len(a.candidates) == min(4, len(f.candidates))
+        assert sorted(a.costs) == sorted(f.costs)[:len(a.costs)]
+    assert solve_dynamic_programming(approx).cost >= solve_dynamic_programming(full).cost
+
+
+def test_elementwise_ops_follow_their_producer() -> None:
+    """With elementwise_op_strategy_follow, the edge out of ReLU is an identity edge: the
+    next MatMul reads ReLU's output as it is laid out (MindSpore's rule)."""
+    g = graph.trace(nn.MLP(16, 32, 8, n_hidden=1, dtype=np.float64),
+                    [((8, 16), np.float64)], ["x"])
+    context.set_algo_parameters(elementwise_op_strategy_follow=True)
+    cg = build_cost_graph(g, 4, SimparCostModel("ascend910a"), "data_parallel")
+    dp = solve_dynamic_programming(cg)
+    identity = [e for e in cg.edges if cg.nodes[e.producer].node.op.name == "ReLU"]
+    assert identity
+    for e in identity:
+        assert e.costs[dp.choice[e.producer]][dp.choice[e.consumer]] == 0.0
+        assert any(math.isinf(x) for row in e.costs for x in row)
+    assert all(not math.isinf(x) for e in cg.edges if e not in identity
+               for row in e.costs for x in row)
+
+
+def test_search_strategies_with_dynamic_programming_and_bad_inputs() -> None:
+    mlp = nn.MLP(16, 32, 8, n_hidden=1, dtype=np.float64)
+    smap = search_strategies(mlp, [((8, 16), np.float64)], 4,
+                             search_mode="dynamic_programming", dataset_strategy="data_parallel")
+    exact = search_strategies(mlp, [((8, 16), np.float64)], 4, search_mode="exact",
+                              dataset_strategy="data_parallel")
+    assert set(smap.ops) == set(exact.ops)
+    with pytest.raises(NotImplementedError, match="search_mode 'nonsense'"):
+        search_strategies(mlp, [((8, 16), np.float64)], 4, search_mode="nonsense")
+    # with fully_use_devices a MatMul must use all 3 devices, and no dimension splits in 3
+    context.set_algo_parameters(fully_use_devices=True)
+    with pytest.raises(ValueError, match=r"MatMul-op0: no strategy of MatMul fits shapes "
+                       r"\[\(8, 16\), \(32, 16\)\] on 3 devices"):
+        search_strategies(mlp, [((8, 16), np.float64)], 3, search_mode="dynamic_programming")
