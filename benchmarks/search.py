@@ -74,8 +74,11 @@ def run(spec: dict) -> dict:
     except subprocess.TimeoutExpired:
         return {"error": f"over {spec['timeout'] + 30:.0f} s"}
     if out.returncode:
-        return {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else
-                f"exit {out.returncode}"}
+        last = out.stderr.strip().splitlines()[-1] if out.stderr.strip() else ""
+        if "No available cost" in last:  # the figure that matters, not the whole advice
+            need = last.split("minimum memory cost is ")[1].split(" bytes")[0]
+            return {"error": f"nothing fits: at least {float(need) / 2**30:.0f} GiB per rank"}
+        return {"error": last or f"exit {out.returncode}"}
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -30,11 +30,12 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import pathlib
 import sys
 from typing import IO, NoReturn
 
 __all__ = ["RANK_VARS", "SETTINGS", "RankZeroParser", "apply", "launcher_rank", "local_ranks",
-           "usable_cores"]
+           "unwritable_file", "usable_cores"]
 
 _THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
                 "BLIS_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
@@ -165,3 +166,16 @@ class RankZeroParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         """One line, no usage block: the mistake, and where the options are listed."""
         self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
+
+
+def unwritable_file(path: pathlib.Path) -> str | None:
+    """Why a file cannot be written at ``path`` (a directory, a missing or read-only parent),
+    or None: the command-line tools refuse an ``--out`` before any work."""
+    if path.is_dir():
+        return "is a directory; give a file name"
+    parent = path.parent
+    if not parent.is_dir():
+        return f"directory {str(parent)!r} does not exist"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"directory {str(parent)!r} is not writable"
+    return None

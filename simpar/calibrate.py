@@ -592,14 +592,7 @@ def _unwritable(path: pathlib.Path) -> str | None:
     """Why a profile cannot be written to ``path``, or None."""
     if path.suffix != ".json":
         return "must end in .json (load_profile reads a path by its .json suffix)"
-    if path.is_dir():
-        return "is a directory"
-    parent = path.parent
-    if not parent.is_dir():
-        return f"directory {str(parent)!r} does not exist"
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return f"directory {str(parent)!r} is not writable"
-    return None
+    return _env.unwritable_file(path)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -123,6 +123,31 @@ def test_the_memory_cap_binds_on_a_real_graph_and_exact_agrees() -> None:
     assert dp.cost > first.cost
 
 
+def test_the_lagrangian_pass_fits_when_lists_would_be_too_long(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no budget for Pareto lists the second pass prices memory instead: its plan fits
+    the cap, costs at least the optimum, and says it is not proven exact."""
+    import simpar.search.dynamic_programming as dpm
+    monkeypatch.setattr(dpm, "_BUDGET", 0)
+    rng = np.random.default_rng(7)
+    checked = 0
+    for _ in range(40):
+        cg = _random_graph(rng, int(rng.integers(3, 7)), 0.5)
+        allowed = [c for c in itertools.product(*(range(len(n.costs)) for n in cg.nodes))
+                   if not math.isinf(cg.total(c))]
+        if not allowed:
+            continue
+        mems = sorted({cg.memory(c) for c in allowed})
+        capped = dataclasses.replace(cg, memory_capacity=mems[len(mems) // 2])
+        dp = solve_dynamic_programming(capped)
+        assert dp.memory <= capped.memory_capacity
+        assert dp.cost >= _cheapest(capped) - 1e-9
+        if dp.passes == 2:
+            checked += 1
+            assert not dp.exact
+    assert checked > 10
+
+
 def test_a_shared_parameter_gets_one_layout() -> None:
     """w feeds three MatMuls (a star of its virtual node): DP keeps it in one layout and
     matches brute force."""

@@ -26,8 +26,12 @@ pairs over the memory cap. The search runs twice at most: first keeping only the
 lists of up to ``width`` (128) pairs per entry. A longer list is thinned evenly by memory, always
 keeping its least-memory and its cheapest pair: the least-memory plan stays reachable, so "no
 plan fits" is never reported wrongly, and :attr:`DPSolution.exact` says whether any list was
-thinned. When nothing fits, :class:`NoAvailableCost` gives the smallest memory per rank any
-plan needs and the op that needs most of it.
+thinned. On graphs where the lists would combine more than ``_BUDGET`` entries (thousands of
+ops with hundreds of candidates each), the second pass gives way to a Lagrangian one: the
+one-entry search of ``cost + weight * memory``, the weight raised until the plan fits, then
+bisected; that plan fits but is not proven the cheapest (``exact`` False). When nothing fits,
+:class:`NoAvailableCost` gives the smallest memory per rank any plan needs and the op that
+needs most of it.
 
 A parameter read by several ops gets a virtual node whose candidates are its distinct layouts,
 with an edge to each reader that is 0 where the reader's candidate lays it out that way and
@@ -55,8 +59,16 @@ log = logging.getLogger("simpar.search")
 _CHUNK = 1 << 22
 
 
+#: Table entries the Pareto pass may combine in all before it gives way to the Lagrangian one.
+_BUDGET = 300_000_000
+
+
 class NoAvailableCost(ValueError):
     """No plan fits the memory cap (MindSpore: "No available cost")."""
+
+
+class _TooBig(Exception):
+    """The Pareto pass would combine more entries than its budget."""
 
 
 @dataclass(frozen=True)
@@ -135,15 +147,18 @@ def _pareto(cost: np.ndarray, mem: np.ndarray, width: int, cap: float
 class _Eliminator:
     """The elimination graph of one cost graph, under a list width and a memory cap."""
 
-    def __init__(self, cg: CostGraph, width: int, cap: float, memory_as_cost: bool) -> None:
+    def __init__(self, cg: CostGraph, width: int, cap: float, memory_as_cost: bool,
+                 weight: float = 0.0) -> None:
         self.width, self.cap = width, cap
         self.thinned = False
+        self.spent = 0
         self.counts: Counter[str] = Counter()
         self.tables: dict[int, _Table] = {}
         self.adj: dict[int, dict[int, tuple[int, int, _Table]]] = {}
         for k, node in enumerate(cg.nodes):
             mem = np.asarray(node.memories, dtype=float)[:, None]
-            cost = mem.copy() if memory_as_cost else np.asarray(node.costs, dtype=float)[:, None]
+            cost = mem.copy() if memory_as_cost else (
+                np.asarray(node.costs, dtype=float)[:, None] + weight * mem)
             self._add_node(k, _Table(cost, mem, "node", node=k))
         for e in cg.edges:
             matrix = np.asarray(e.costs, dtype=float)[:, :, None]
@@ -217,6 +232,10 @@ class _Eliminator:
         """Pareto-reduce every axis after the first ``keep_dims`` of the summed tables."""
         shape = total_c.shape[:keep_dims]
         rows = math.prod(shape)
+        if self.width > 1:
+            self.spent += total_c.size
+            if self.spent > _BUDGET:
+                raise _TooBig
         c, m, i, thinned = _pareto(total_c.reshape(rows, -1), total_m.reshape(rows, -1),
                                    self.width, self.cap)
         self.thinned |= thinned
@@ -236,6 +255,8 @@ class _Eliminator:
         _, kw, fb = b.cost.shape
         fm = mid.cost.shape[1]
         per_row = kv * kw * fa * fm * fb
+        if self.width > 1 and per_row > 8 * _CHUNK:
+            raise _TooBig
         step = max(1, _CHUNK // max(per_row, 1))
         parts_c, parts_m, parts_i = [], [], []
         for lo in range(0, ku, step):
@@ -410,10 +431,10 @@ def _replay(root: _Table, entry: int, n_nodes: int) -> list[int]:
     return choice
 
 
-def _solve(cg: CostGraph, width: int, cap: float, memory_as_cost: bool = False
-           ) -> tuple[tuple[int, ...] | None, bool, Counter[str]]:
+def _solve(cg: CostGraph, width: int, cap: float, memory_as_cost: bool = False,
+           weight: float = 0.0) -> tuple[tuple[int, ...] | None, bool, Counter[str]]:
     started = time.perf_counter()
-    elim = _Eliminator(cg, width, cap, memory_as_cost)
+    elim = _Eliminator(cg, width, cap, memory_as_cost, weight)
     root = elim.run(started)
     finite = np.isfinite(root.cost[0])
     if not finite.any():
@@ -442,9 +463,16 @@ def solve_dynamic_programming(cg: CostGraph, width: int = 128) -> DPSolution:
     passes = 1
     if not cg.fits(choice):
         passes = 2
-        found, exact, counts = _solve(cg, width, cg.memory_capacity)
-        if found is None:
-            raise _no_available_cost(cg)
+        least, _, _ = _solve(cg, 1, math.inf, memory_as_cost=True)
+        if least is None or not cg.fits(least):
+            raise _no_available_cost(cg, least)
+        try:
+            found, exact, counts = _solve(cg, width, cg.memory_capacity)
+        except _TooBig:
+            log.warning("dynamic programming: the memory cap binds and the (cost, memory) lists "
+                        "would outgrow the budget; pricing memory instead (Lagrangian)")
+            found, exact = _lagrangian(cg, choice, least), False
+        assert found is not None, "a plan fits, but the search lost it"
         choice = found
         if not exact:
             log.warning("dynamic programming: the memory cap binds and some (cost, memory) "
@@ -455,10 +483,38 @@ def solve_dynamic_programming(cg: CostGraph, width: int = 128) -> DPSolution:
     return DPSolution(choice, cg.total(choice), cg.memory(choice), dict(counts), exact, passes)
 
 
-def _no_available_cost(cg: CostGraph) -> NoAvailableCost:
+def _lagrangian(cg: CostGraph, cheapest: tuple[int, ...], least: tuple[int, ...],
+                rounds: int = 6) -> tuple[int, ...]:
+    """A plan that fits, on graphs too large for Pareto lists: the one-entry search of
+    ``cost + weight * memory``, the weight raised until the plan fits and then bisected
+    (the fitting plan of least cost found is kept; ``least``, the least-memory plan, fits)."""
+    best = least
+    lo = 0.0
+    hi = max(cg.total(cheapest) - cg.total(least), 0.0) / max(
+        cg.memory(cheapest) - cg.memory(least), 1.0) or 1e-12
+    for _ in range(60):  # find a weight whose plan fits
+        plan_hi, _, _ = _solve(cg, 1, math.inf, weight=hi)
+        if plan_hi is not None and cg.fits(plan_hi):
+            if cg.total(plan_hi) < cg.total(best):
+                best = plan_hi
+            break
+        lo, hi = hi, hi * 4
+    for _ in range(rounds):
+        mid = (lo + hi) / 2
+        plan_mid, _, _ = _solve(cg, 1, math.inf, weight=mid)
+        if plan_mid is not None and cg.fits(plan_mid):
+            hi = mid
+            if cg.total(plan_mid) < cg.total(best):
+                best = plan_mid
+        else:
+            lo = mid
+    return best
+
+
+def _no_available_cost(cg: CostGraph, least: tuple[int, ...] | None) -> NoAvailableCost:
     """MindSpore's "No available cost" error, with the least memory any plan needs."""
-    least, _, _ = _solve(cg, 1, math.inf, memory_as_cost=True)
-    assert least is not None
+    if least is None:
+        return NoAvailableCost("No available cost: no plan satisfies every constraint")
     need = cg.memory(least)
     k = max(range(len(cg.nodes)), key=lambda n: cg.nodes[n].memories[least[n]])
     node = cg.nodes[k]

@@ -1,0 +1,508 @@
+"""Plan a model of any size for any number of devices, in one process: no MPI, no data.
+
+    python -m simpar.plan --model gpt --layers 24 --hidden 1024 --heads 16 --seq 1024 \\
+        --batch 512 --device-num 64 --search-mode dynamic_programming --profile ascend910b
+    python -m simpar.plan --preset 175B --batch 1024 --device-num 1024 --out plan.json
+    python -m simpar.plan --model mlp --hidden 8192 --layers 2 --batch 1024 --device-num 8
+
+The model is built from shapes alone (its Parameters stay unmaterialised initializers), traced
+with its loss for a global batch, and every op's strategy is searched by a registered
+auto_parallel search (``simpar.search.registered_searches()``) minimising simpar's cost model
+on ``--profile`` or MindSpore's (``--cost-model``). The plan is then lowered to the per-rank
+program and priced by simpar's cost model on the profile. It prints the strategy table, the
+predicted step time (compute, op collectives, redistribution, gradient sync), each rank's peak
+memory against the device's capacity, and how long planning took; the searches' progress (the
+``simpar.search`` logger) goes to stderr unless ``--quiet``. ``--out`` saves it all as JSON,
+with the strategy map that ``simpar.search.StrategyMap.from_dict`` reads back.
+
+Exit codes: 0 planned; 1 no plan (the search or the lowering refused, with its reason);
+2 options refused before any work (one line naming the option, the value and what is allowed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import math
+import os
+import pathlib
+import shlex
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from simpar import _env, graph, nn
+from simpar.cost import (
+    CostModel,
+    CostReport,
+    DeviceProfile,
+    MindSporeCostModel,
+    SimparCostModel,
+    evaluate,
+    load_profile,
+    profile_names,
+)
+from simpar.runtime import NothingParallelWarning, ParallelProgram, lower
+from simpar.search import (
+    StrategyMap,
+    parameter_plans,
+    plan_strategies,
+    registered_searches,
+    set_search_cost_model,
+)
+from simpar.search.auto import search_cost_model
+from simpar.strategy_table import strategy_table
+
+__all__ = ["GPT_PRESETS", "GPTSize", "Plan", "PlanOptions", "build_network", "main",
+           "make_plan", "parse_args"]
+
+PROG = "python -m simpar.plan"
+log = logging.getLogger("simpar.plan")
+
+
+@dataclass(frozen=True, slots=True)
+class GPTSize:
+    """A GPT's sizes: hidden width, layers, attention heads, sequence length, vocabulary."""
+
+    hidden: int
+    layers: int
+    heads: int
+    seq: int = 1024
+    vocab: int = 51200
+
+
+#: Alpa's GPT benchmark suite (alpa-projects/alpa, benchmark/alpa/paper_auto_gpt_suite.py:
+#: sequence 1024, vocabulary 51200), and GPT-3 175B (Brown et al. 2020, Table 2.1: 96 layers,
+#: d_model 12288, 96 heads, context 2048).
+GPT_PRESETS: Mapping[str, GPTSize] = {
+    "125M": GPTSize(768, 12, 12),
+    "350M": GPTSize(1024, 24, 16),
+    "760M": GPTSize(1536, 24, 16),
+    "1.3B": GPTSize(2048, 24, 32),
+    "2.6B": GPTSize(2560, 32, 32),
+    "6.7B": GPTSize(4096, 32, 32),
+    "15B": GPTSize(5120, 48, 40),
+    "39B": GPTSize(8192, 48, 64),
+    "76B": GPTSize(10240, 60, 80),
+    "175B": GPTSize(12288, 96, 96, seq=2048),
+}
+_DEFAULT_PRESET = "125M"
+#: The MLP's sizes when not given: input features, hidden width, classes, hidden layers.
+_MLP_DEFAULTS = {"in_features": 1024, "hidden": 4096, "classes": 1024, "layers": 1}
+_GPT_ONLY = ("preset", "heads", "seq", "vocab")
+_MLP_ONLY = ("in_features", "classes")
+_MAX_DEVICES = 4096
+_OPTIMIZERS = {"sgd": "sgd", "momentum": "momentum", "adam": "adam", "adamw": "adam"}
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """What to plan: the model and its sizes, the batch, the devices and how to search."""
+
+    model: str
+    hidden: int
+    layers: int
+    batch: int
+    device_num: int
+    search_mode: str
+    profile: DeviceProfile
+    heads: int = 0                      # GPT
+    seq: int = 0
+    vocab: int = 0
+    in_features: int = 0                # MLP
+    classes: int = 0
+    dtype: str = "float32"
+    cost_model: str = "simpar"
+    optimizer: str = "adam"
+    dataset_strategy: str = "full_batch"
+    enable_alltoall: bool = True
+    preset: str | None = None
+
+    def describe(self) -> str:
+        if self.model == "gpt":
+            preset = f"preset {self.preset}: " if self.preset else ""
+            return (f"GPT ({preset}{self.layers} layers, hidden {self.hidden}, {self.heads} "
+                    f"heads, seq {self.seq}, vocab {self.vocab}, {self.dtype})")
+        return (f"MLP ({self.in_features} -> {self.layers} x {self.hidden} -> {self.classes}, "
+                f"{self.dtype})")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A planned model: its strategy map, the lowered program, the cost report, its
+    parameter count, the seconds each stage took (trace, search, lower, cost) and notes
+    (e.g. that the search found nothing worth splitting)."""
+
+    options: PlanOptions
+    strategy_map: StrategyMap
+    program: ParallelProgram
+    report: CostReport
+    parameters: int
+    parameter_bytes: int
+    seconds: Mapping[str, float]
+    notes: tuple[str, ...] = ()
+
+
+# ------------------------------------------------------------------ options
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {value}")
+    return value
+
+
+def _device_num(text: str) -> int:
+    value = _positive_int(text)
+    if value > _MAX_DEVICES:
+        raise argparse.ArgumentTypeError(f"must be an int in [1, {_MAX_DEVICES}] (MindSpore's "
+                                         f"device_num range), got {value}")
+    return value
+
+
+def _preset(text: str) -> str:
+    return text.upper()
+
+
+def _default_search() -> str:
+    searches = registered_searches()
+    return "dynamic_programming" if "dynamic_programming" in searches else searches[0]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _env.RankZeroParser(prog=PROG, description=__doc__, allow_abbrev=False,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="gpt", choices=("gpt", "mlp"))
+    p.add_argument("--preset", type=_preset, default=None, choices=list(GPT_PRESETS),
+                   help=f"GPT sizes (default {_DEFAULT_PRESET}); --layers, --hidden, --heads, "
+                   "--seq and --vocab override it")
+    p.add_argument("--layers", type=_positive_int, default=None,
+                   help="GPT: transformer blocks; MLP: hidden layers "
+                   f"(default {_MLP_DEFAULTS['layers']})")
+    p.add_argument("--hidden", type=_positive_int, default=None,
+                   help=f"GPT: d_model; MLP: hidden width (default {_MLP_DEFAULTS['hidden']})")
+    p.add_argument("--heads", type=_positive_int, default=None,
+                   help="GPT: attention heads; must divide --hidden")
+    p.add_argument("--seq", type=_positive_int, default=None, help="GPT: sequence length")
+    p.add_argument("--vocab", type=_positive_int, default=None, help="GPT: vocabulary size")
+    p.add_argument("--in-features", type=_positive_int, default=None,
+                   help=f"MLP: input features (default {_MLP_DEFAULTS['in_features']})")
+    p.add_argument("--classes", type=_positive_int, default=None,
+                   help=f"MLP: output classes (default {_MLP_DEFAULTS['classes']})")
+    p.add_argument("--batch", type=_positive_int, default=1024, help="global batch (default "
+                   "1024, Alpa's)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "float64"),
+                   help="parameters and activations (default float32)")
+    p.add_argument("--device-num", type=_device_num, default=8,
+                   help="devices to plan for (default 8); no MPI is started")
+    p.add_argument("--search-mode", default=None, choices=registered_searches(),
+                   help=f"a registered auto_parallel search (default {_default_search()})")
+    p.add_argument("--cost-model", default="simpar", choices=("simpar", "mindspore"),
+                   help="what the search minimises: simpar's step time on --profile "
+                   "(default), or MindSpore's cost model; the plan is priced by simpar's")
+    p.add_argument("--profile", default="ascend910b",
+                   help=f"device profile: a shipped name ({', '.join(profile_names())}; "
+                   "default ascend910b) or a .json path (python -m simpar.calibrate writes one)")
+    p.add_argument("--optimizer", default="adam", choices=tuple(_OPTIMIZERS),
+                   help="whose state the memory counts (default adam; adamw as adam)")
+    p.add_argument("--dataset-strategy", default="full_batch",
+                   choices=("full_batch", "data_parallel"),
+                   help="how the batch arrives: whole on every device (default), or split "
+                   "over all devices (--batch must then divide among them)")
+    p.add_argument("--enable-alltoall", action=argparse.BooleanOptionalAction, default=True,
+                   help="redistribute with AllToAll (default on, as the main job)")
+    p.add_argument("--out", default=None, help="write the plan as JSON to this file")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress on stderr (the plan still prints)")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None) -> tuple[PlanOptions, argparse.Namespace]:
+    """The checked options; a bad one prints one line and exits 2 (``SystemExit``)."""
+    p = _parser()
+    args = p.parse_args(argv)
+    given = {k for k in (*_GPT_ONLY, *_MLP_ONLY) if getattr(args, k) is not None}
+    wrong = [k for k in (_MLP_ONLY if args.model == "gpt" else _GPT_ONLY) if k in given]
+    if wrong:
+        takes = ("--preset, --layers, --hidden, --heads, --seq, --vocab" if args.model == "gpt"
+                 else "--layers, --hidden, --in-features, --classes")
+        p.error(f"argument --{wrong[0].replace('_', '-')}: not an option of --model "
+                f"{args.model}, which takes {takes}")
+    try:
+        profile = load_profile(args.profile)
+    except (ValueError, TypeError) as error:
+        p.error(f"argument --profile: {str(error).removeprefix('load_profile: ')}")
+    search = args.search_mode or _default_search()
+    common: dict[str, Any] = dict(
+        batch=args.batch, device_num=args.device_num, search_mode=search, profile=profile,
+        dtype=args.dtype, cost_model=args.cost_model, optimizer=args.optimizer,
+        dataset_strategy=args.dataset_strategy, enable_alltoall=args.enable_alltoall)
+    if args.model == "gpt":
+        base = GPT_PRESETS[args.preset or _DEFAULT_PRESET]
+        sizes = {k: getattr(args, k) if getattr(args, k) is not None else getattr(base, k)
+                 for k in ("hidden", "layers", "heads", "seq", "vocab")}
+        if sizes["hidden"] % sizes["heads"]:
+            divisors = [h for h in range(1, min(sizes["hidden"], 128) + 1)
+                        if sizes["hidden"] % h == 0]
+            p.error(f"argument --heads: {sizes['heads']} heads do not divide --hidden "
+                    f"{sizes['hidden']} (each head gets hidden / heads features); up to 128, "
+                    f"heads can be {', '.join(map(str, divisors))}")
+        opts = PlanOptions("gpt", preset=args.preset, **sizes, **common)
+    else:
+        sizes = {k: getattr(args, k) if getattr(args, k) is not None else _MLP_DEFAULTS[k]
+                 for k in ("in_features", "hidden", "classes", "layers")}
+        opts = PlanOptions("mlp", **sizes, **common)
+    if args.dataset_strategy == "data_parallel" and args.batch % args.device_num:
+        p.error(f"argument --batch: {args.batch} does not split over --device-num "
+                f"{args.device_num} under --dataset-strategy data_parallel; use a multiple of "
+                f"{args.device_num}, or --dataset-strategy full_batch")
+    if args.out is not None:
+        problem = _env.unwritable_file(pathlib.Path(args.out))
+        if problem:
+            p.error(f"argument --out: {args.out!r}: {problem}")
+    return opts, args
+
+
+# ------------------------------------------------------------------ planning
+_Spec = tuple[tuple[int, ...], np.dtype]
+
+
+def build_network(opts: PlanOptions) -> tuple[nn.Cell, list[_Spec]]:
+    """The model with its loss (``WithLossCell``, as the main job trains it) and the global
+    input specs ``(data, label)``. Nothing of the model's size is allocated: the Parameters
+    hold initializers, drawn only when a rank takes its shard."""
+    dtype = np.dtype(opts.dtype)
+    model: nn.Cell
+    specs: list[_Spec]
+    if opts.model == "gpt":
+        model = nn.GPT(opts.vocab, opts.seq, opts.hidden, opts.layers, opts.heads, dtype=dtype)
+        ids: _Spec = ((opts.batch, opts.seq), np.dtype(np.int32))
+        specs = [ids, ids]
+    else:
+        model = nn.MLP(opts.in_features, opts.hidden, opts.classes, n_hidden=opts.layers,
+                       dtype=dtype)
+        specs = [((opts.batch, opts.in_features), dtype), ((opts.batch,), np.dtype(np.int32))]
+    return nn.WithLossCell(model, nn.SoftmaxCrossEntropyWithLogits()), specs
+
+
+def search_model(opts: PlanOptions) -> CostModel:
+    """The cost model the search minimises."""
+    if opts.cost_model == "mindspore":
+        return MindSporeCostModel()
+    return SimparCostModel(opts.profile, _OPTIMIZERS[opts.optimizer])
+
+
+def make_plan(opts: PlanOptions) -> Plan:
+    """Trace, search, lower and price (pure: no MPI, no data). The search's cost model is
+    set for the search only and restored after."""
+    seconds: dict[str, float] = {}
+    t = time.perf_counter()
+    net, specs = build_network(opts)
+    g = graph.trace(net, specs, ["data", "label"])
+    parameters = sum(math.prod(v.shape) for v in g.params)
+    parameter_bytes = sum(math.prod(v.shape) * v.dtype.itemsize for v in g.params)
+    seconds["trace"] = time.perf_counter() - t
+    log.info("traced %d ops, %d parameters (%s elements, %s) in %.1f s", len(g.nodes),
+             len(g.params), _count(parameters), _bytes(parameter_bytes), seconds["trace"])
+    log.info("searching (%s, minimising %s's cost model) for %d devices", opts.search_mode,
+             opts.cost_model, opts.device_num)
+    t = time.perf_counter()
+    previous = search_cost_model()
+    set_search_cost_model(search_model(opts))
+    try:
+        smap = plan_strategies(g, opts.device_num, "auto_parallel", opts.dataset_strategy,
+                               opts.enable_alltoall, parameter_plans(net),
+                               search_mode=opts.search_mode)
+    finally:
+        set_search_cost_model(previous)
+    seconds["search"] = time.perf_counter() - t
+    log.info("searched in %.1f s; lowering", seconds["search"])
+    t = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", NothingParallelWarning)
+        program = lower(g, smap, opts.enable_alltoall)
+    notes = tuple(str(w.message).split(". ")[0] for w in caught
+                  if issubclass(w.category, NothingParallelWarning))
+    seconds["lower"] = time.perf_counter() - t
+    log.info("lowered in %.1f s; pricing on %s", seconds["lower"], opts.profile.name)
+    t = time.perf_counter()
+    report = evaluate(program, opts.profile, _OPTIMIZERS[opts.optimizer])
+    seconds["cost"] = time.perf_counter() - t
+    log.info("priced in %.1f s", seconds["cost"])
+    return Plan(opts, smap, program, report, parameters, parameter_bytes, seconds, notes)
+
+
+# ------------------------------------------------------------------ output
+def _count(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(n)
+
+
+def _bytes(n: float) -> str:
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _time(s: float) -> str:
+    if s >= 1:
+        return f"{s:.3f} s"
+    return f"{s * 1e3:.3f} ms" if s >= 1e-3 else f"{s * 1e6:.1f} us"
+
+
+def summary(plan: Plan) -> str:
+    """The cost breakdown, memory per rank and planning time, as printed."""
+    r, o = plan.report, plan.options
+    parts = [("compute", r.compute), ("op collectives", r.op_comm),
+             ("redistribution", r.redistribution), ("gradient sync", r.grad_sync),
+             ("optimizer", r.optimizer), ("fixed", r.overhead)]
+    priced = (f"all {r.device_num} ranks priced" if len(r.memory) == r.device_num else
+              f"{len(r.memory)} of {r.device_num} ranks priced")
+    lines = [f"\npredicted step {_time(r.step_seconds)} on {r.profile} x {r.device_num} "
+             f"(rank {r.slowest_rank} slowest; {priced}; optimizer {o.optimizer}):"]
+    width = max(len(name) for name, _ in parts)
+    lines += [f"  {name.ljust(width)}  {_time(value):>12}  "
+              f"{100 * value / r.step_seconds if r.step_seconds else 0.0:5.1f}%"
+              for name, value in parts]
+    worst = max(r.memory, key=lambda m: (m.peak, -m.rank))
+    least = min(m.peak for m in r.memory)
+    spread = "" if least == worst.peak else f" (least {_bytes(least)})"
+    verdict = "fits" if r.fits else (
+        f"OVER by {_bytes(worst.over)}; {sum(1 for m in r.memory if m.over)} of "
+        f"{len(r.memory)} priced ranks do not fit")
+    lines += [f"memory per rank: peak {_bytes(worst.peak)} on rank {worst.rank}{spread}, "
+              f"capacity {_bytes(worst.capacity)}: {verdict}",
+              f"  parameters {_bytes(worst.parameters)} + gradients {_bytes(worst.gradients)} "
+              f"+ optimizer state {_bytes(worst.optimizer)}"]
+    m = worst
+    if m.activations + max(m.comm_buffer, m.backward) >= m.update:
+        (big, b), (small, c) = sorted([("backward transient", m.backward),
+                                       ("communication buffer", m.comm_buffer)],
+                                      key=lambda x: -x[1])
+        lines.append(f"  + activations {_bytes(m.activations)} + {big} {_bytes(b)} (the larger "
+                     f"of it and the {small}, {_bytes(c)})")
+    else:
+        lines.append(f"  + optimizer update {_bytes(m.update)} (after the backward: more than "
+                     f"the activations with the backward's transient or communication buffer, "
+                     f"{_bytes(m.activations + max(m.comm_buffer, m.backward))})")
+    s = plan.seconds
+    lines.append(f"planned in {sum(s.values()):.1f} s (trace {s['trace']:.1f} s, search "
+                 f"{s['search']:.1f} s, lower {s['lower']:.1f} s, cost {s['cost']:.1f} s)")
+    return "\n".join(lines)
+
+
+def to_json(plan: Plan, command: str = "") -> dict[str, Any]:
+    """The plan as JSON-ready data: options, the strategy map (every op's strategy by its
+    MindSpore-style name, every parameter's and input's layout), the cost breakdown, every
+    priced rank's memory, and the planning seconds."""
+    o, r = plan.options, plan.report
+    model: dict[str, Any] = {"model": o.model, "dtype": o.dtype, "layers": o.layers,
+                             "hidden": o.hidden, "parameters": plan.parameters,
+                             "parameter_bytes": plan.parameter_bytes}
+    if o.model == "gpt":
+        model.update(preset=o.preset, heads=o.heads, seq=o.seq, vocab=o.vocab)
+    else:
+        model.update(in_features=o.in_features, classes=o.classes)
+    return {
+        "command": command, "model": model, "batch": o.batch, "device_num": o.device_num,
+        "search_mode": o.search_mode, "cost_model": o.cost_model, "profile": o.profile.name,
+        "optimizer": o.optimizer, "dataset_strategy": o.dataset_strategy,
+        "enable_alltoall": o.enable_alltoall,
+        "strategy_map": plan.strategy_map.to_dict(),
+        "cost": {"unit": "s", "step_seconds": r.step_seconds, "slowest_rank": r.slowest_rank,
+                 "compute": r.compute, "op_comm": r.op_comm,
+                 "redistribution": r.redistribution, "grad_sync": r.grad_sync,
+                 "optimizer": r.optimizer, "overhead": r.overhead,
+                 "ops": [{**asdict(row), "strategy": [list(c) for c in row.strategy]}
+                         for row in r.ops]},
+        "memory": {"peak": r.peak_memory, "fits": r.fits, "capacity": r.memory[0].capacity,
+                   "ranks": [{**asdict(m), "peak": m.peak, "over": m.over}
+                             for m in r.memory]},
+        "seconds": dict(plan.seconds),
+    }
+
+
+def write_json(path: str | pathlib.Path, data: Any) -> None:
+    """Write ``data`` to a temporary file beside ``path``, then rename it: a failure leaves
+    no half-written file (and no temporary one)."""
+    target = pathlib.Path(path)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, allow_nan=False)
+            f.write("\n")
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def _progress(shown: bool) -> Iterator[None]:
+    """INFO messages of the ``simpar.search`` and ``simpar.plan`` loggers on stderr (those
+    two loggers only; restored after)."""
+    if not shown:
+        yield
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    loggers = [logging.getLogger(name) for name in ("simpar.search", "simpar.plan")]
+    saved = [(lg.level, lg.propagate) for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(handler)
+        lg.setLevel(logging.INFO)
+        lg.propagate = False
+    try:
+        yield
+    finally:
+        for lg, (level, propagate) in zip(loggers, saved):
+            lg.removeHandler(handler)
+            lg.setLevel(level)
+            lg.propagate = propagate
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    opts, args = parse_args(argv)
+    print(f"simpar plan: {opts.describe()}, batch {opts.batch}, {opts.device_num} devices, "
+          f"search {opts.search_mode} minimising {opts.cost_model}'s cost model"
+          + (f" on {opts.profile.name}" if opts.cost_model == "simpar" else "")
+          + f", dataset {opts.dataset_strategy}", flush=True)
+    with _progress(not args.quiet):
+        try:
+            plan = make_plan(opts)
+        except (ValueError, ImportError) as error:
+            print(f"{PROG}: error: no plan: {error}", file=sys.stderr)
+            return 1
+    print(f"model: {_count(plan.parameters)} parameters ({_bytes(plan.parameter_bytes)} in "
+          f"{opts.dtype}), none of them allocated")
+    print(strategy_table(plan.program, fold_blocks=True))
+    for note in plan.notes:
+        print(f"  note: {note}: the search found no split worth its communication")
+    print(summary(plan))
+    if args.out is not None:
+        try:
+            write_json(args.out, to_json(plan, shlex.join([*PROG.split(), *argv])))
+        except OSError as error:
+            print(f"{PROG}: error: --out {args.out}: {error.strerror or error}", file=sys.stderr)
+            return 1
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
