@@ -312,7 +312,8 @@ def test_out_below_a_regular_file_is_refused_before_any_work(
 def test_an_mlp_hidden_width_that_does_not_split_is_refused(
         capsys: pytest.CaptureFixture[str]) -> None:
     mp = comm.get_group_size() // 2
-    line = _refused(["--model", "mlp", "--hidden", "3", "--steps", "1"], capsys)
+    line = _refused(["--parallel-mode", "semi_auto_parallel", "--model", "mlp", "--hidden", "3",
+                     "--steps", "1"], capsys)
     if comm.get_rank() == 0:
         assert f"--hidden 3 does not split among {mp} model-parallel ranks" in line
 
@@ -322,7 +323,8 @@ def test_a_diverged_run_is_inconclusive_not_a_fail(tmp_path: Path,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     """SGD at lr 1000 blows the loss up to ~1e9: round-off then grows without bound, so
     the job says it cannot judge the run (exit 2) instead of blaming the parallel math."""
-    code, summary = _main(["--steps", "2", "--optimizer", "sgd", "--lr", "1000"], tmp_path)
+    code, summary = _main(["--strategy", "hybrid", "--steps", "2", "--optimizer", "sgd",
+                           "--lr", "1000"], tmp_path)
     err = capsys.readouterr().err
     assert code == 2 and summary["verdict"] == "INCONCLUSIVE" and summary["passed"] is False
     if comm.get_rank() == 0:
