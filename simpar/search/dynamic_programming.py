@@ -470,15 +470,17 @@ def solve_dynamic_programming(cg: CostGraph, width: int = 128) -> DPSolution:
             found, exact, counts = _solve(cg, width, cg.memory_capacity)
         except _TooBig:
             log.warning("dynamic programming: the memory cap binds and the (cost, memory) lists "
-                        "would outgrow the budget; pricing memory instead (Lagrangian)")
+                        "would outgrow the budget; pricing memory instead (Lagrangian): the "
+                        "plan fits but is not proven the cheapest that does")
             found, exact = _lagrangian(cg, choice, least), False
+        else:
+            if not exact:
+                log.warning("dynamic programming: the memory cap binds and some (cost, memory) "
+                            "lists were longer than %d entries and were thinned: the plan fits "
+                            "but may not be the cheapest that does "
+                            "(solve_dynamic_programming(cg, width=...) keeps more)", width)
         assert found is not None, "a plan fits, but the search lost it"
         choice = found
-        if not exact:
-            log.warning("dynamic programming: the memory cap binds and some (cost, memory) "
-                        "lists were longer than %d entries and were thinned: the plan fits but "
-                        "may not be the cheapest that does (solve_dynamic_programming(cg, "
-                        "width=...) keeps more)", width)
     log.info("dynamic programming: eliminations %s", dict(sorted(counts.items())))
     return DPSolution(choice, cg.total(choice), cg.memory(choice), dict(counts), exact, passes)
 
