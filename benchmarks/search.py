@@ -67,6 +67,7 @@ def plan_once(spec: dict) -> dict:
 def run(spec: dict) -> dict:
     """Plan ``spec`` in a child process, within the time limit."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    started = time.perf_counter()
     try:
         out = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)],
                              capture_output=True, text=True, timeout=spec["timeout"] + 30,
@@ -77,7 +78,8 @@ def run(spec: dict) -> dict:
         last = out.stderr.strip().splitlines()[-1] if out.stderr.strip() else ""
         if "No available cost" in last:  # the figure that matters, not the whole advice
             need = last.split("minimum memory cost is ")[1].split(" bytes")[0]
-            return {"error": f"nothing fits: at least {float(need) / 2**30:.0f} GiB per rank"}
+            return {"error": f"nothing fits: at least {float(need) / 2**30:.0f} GiB per rank "
+                             f"(found in {time.perf_counter() - started:.0f} s)"}
         return {"error": last or f"exit {out.returncode}"}
     return json.loads(out.stdout.strip().splitlines()[-1])
 
