@@ -32,7 +32,9 @@ replaced by AllGather + slice, as MindSpore does; that costs more bytes.
 from __future__ import annotations
 
 import enum
+import itertools
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache, lru_cache
@@ -224,8 +226,8 @@ def common_refinement(a: Sequence[int], b: Sequence[int]) -> tuple[int, ...] | N
     """
     if math.prod(a) != math.prod(b):
         return None
-    cuts = sorted(set(np.cumprod([d for d in a if d > 1], dtype=np.int64).tolist())
-                  | set(np.cumprod([d for d in b if d > 1], dtype=np.int64).tolist()))
+    cuts = sorted(set(itertools.accumulate((d for d in a if d > 1), operator.mul))
+                  | set(itertools.accumulate((d for d in b if d > 1), operator.mul)))
     out, prev = [], 1
     for c in cuts:
         if c % prev:
@@ -244,6 +246,12 @@ def refine(layout: TensorLayout, device_matrix: Sequence[int]) -> TensorLayout:
     new = tuple(device_matrix)
     if tuple(layout.device_matrix) == new:
         return layout
+    return _refine(layout, new)
+
+
+@lru_cache(maxsize=1 << 16)
+def _refine(layout: TensorLayout, new: tuple[int, ...]) -> TensorLayout:
+    """:func:`refine` (layouts are immutable: planners refine the same ones many times)."""
     not_refining = f"device matrix {list(new)} does not refine {list(layout.device_matrix)}"
     groups: dict[int, tuple[int, ...]] = {}
     j, n_new = 0, len(new)
