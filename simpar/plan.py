@@ -62,7 +62,7 @@ from simpar.search.auto import search_cost_model
 from simpar.strategy_table import strategy_table
 
 __all__ = ["GPT_PRESETS", "GPTSize", "Plan", "PlanOptions", "build_network", "main",
-           "make_plan", "parse_args"]
+           "make_plan", "parse_args", "search_model", "summary", "to_json", "write_json"]
 
 PROG = "python -m simpar.plan"
 log = logging.getLogger("simpar.plan")
