@@ -23,6 +23,7 @@ import pytest
 import simpar
 import simpar.comm as comm
 from simpar import train
+from simpar.search import set_search_cost_model
 from tests.mpi_guard import shared_dir
 
 
@@ -31,6 +32,7 @@ def _clean_context() -> Any:
     yield
     simpar.reset_auto_parallel_context()
     simpar.set_seed(0)
+    set_search_cost_model(None)  # the job sets its --profile's model for the searches
 
 
 
