@@ -174,12 +174,10 @@ class SimparCostModel:
         total = float(sum(copies * ins[i] for i in parameters) + sum(ins[i] for i in frozen))
         skip = {*parameters, *frozen, *kept_elsewhere}
         tape = str(sh.op.tape)
-        if tape == "inputs+output":
-            total += sum(b for i, b in enumerate(ins) if i not in skip) + outs
-        elif tape == "output":
+        total += sum(ins[k] for k in _tape_inputs(tape, [k for k in range(len(ins))
+                                                         if k not in skip]))
+        if tape in ("inputs+output", "output"):
             total += outs
-        elif tape == "indices" and 1 not in skip:
-            total += ins[1]
         elif tape == "new-like-input":
             total += ins[0]
         elif tape == "mask":
@@ -198,11 +196,15 @@ class SimparCostModel:
     @staticmethod
     def kept_inputs(op: Any, roles: Sequence[tuple[str, bool]]) -> list[int]:
         """The input positions ``op``'s tape keeps as they are (not parameters)."""
-        tape = str(op.tape)
-        free = [k for k, (role, _) in enumerate(roles) if role == "free"]
-        if tape == "inputs+output":
-            return free
-        return [1] if tape == "indices" and 1 in free else []
+        return _tape_inputs(str(op.tape), [k for k, (role, _) in enumerate(roles)
+                                           if role == "free"])
+
+
+def _tape_inputs(tape: str, free: list[int]) -> list[int]:
+    """Which of the ``free`` input positions a tape of kind ``tape`` keeps as they are."""
+    if tape == "inputs+output":
+        return free
+    return [1] if tape == "indices" and 1 in free else []
 
 
 @dataclass(frozen=True)

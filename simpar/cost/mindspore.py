@@ -157,7 +157,6 @@ if TYPE_CHECKING:
     from simpar.redistribution import RedistributionPlan, Step
 
 __all__ = [
-    "keeps_output",
     "ALLGATHER_REDUCESCATTER_SCALE_FACTOR",
     "ALLTOALL_SCALE_FACTOR",
     "COST_FACTOR",
@@ -173,6 +172,7 @@ __all__ = [
     "edge_objective",
     "fits",
     "get_cost_model_context",
+    "keeps_output",
     "mindspore_cost_class",
     "objective",
     "op_cost",
