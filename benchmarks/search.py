@@ -3,12 +3,14 @@
 Alpa's GPT suite (125M to 39B, sequence 1024, vocabulary 51200) plus GPT-3 175B, on 8, 64,
 512 and 1024 devices, for each search mode; the objective is simpar's step-time model on the
 ``ascend910b`` profile, and each search's is given as a ratio to the exact ILP's where that
-solves within the time limit. Every plan runs in its own process (shapes only: no MPI, no
-data), so its peak resident memory is the planner's own; a plan that takes longer than
-``--timeout`` seconds is reported as such.
+solves within the time limit, and to dynamic programming's. Every plan runs in its own process
+(shapes only: no MPI, no data), so its peak resident memory is the planner's own; a plan that
+takes longer than ``--timeout`` seconds is reported as such. ``--depth`` times
+recursive_programming against the number of layers instead, with a straight-line fit.
 
     python benchmarks/search.py                          # the default grid, into RESULTS.md
     python benchmarks/search.py --models 125M --devices 8 --modes dynamic_programming exact
+    python benchmarks/search.py --models 1.3B --devices 64 --depth 6 12 24 48 96
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import host_line, markdown_table, today, write_section  # noqa: E402
 
+#: The searches, in the order they are run (the ratios read dynamic_programming and exact).
+MODES = ("dynamic_programming", "exact", "recursive_programming", "sharding_propagation")
 #: name: (layers, hidden, heads); sequence 1024 and vocabulary 51200 throughout.
 GPT_SUITE = {
     "125M": (12, 768, 12), "350M": (24, 1024, 16), "760M": (24, 1536, 16),
@@ -43,13 +47,36 @@ def plan_once(spec: dict) -> dict:
     from simpar.search.cost_graph import build_cost_graph
     from simpar.search.dynamic_programming import solve_dynamic_programming
     from simpar.search.exact import solve_exact
+    from simpar.search.pricing import Pricer
+    from simpar.search.propagation import dataset_layouts
+    from simpar.search.recursive_programming import solve_recursive_programming
+    from simpar.search.sharding_propagation import propagate
 
     context.set_algo_parameters(fully_use_devices=spec["fully_use_devices"])
     layers, hidden, heads = GPT_SUITE[spec["model"]]
+    layers = spec.get("layers") or layers
     net = nn.GPT(51200, 1024, hidden, layers, heads, dtype=np.float16)
     start = time.perf_counter()
     g = graph.trace(net, [((spec["batch"], 1024), np.int32)], ["ids"])
-    cg = build_cost_graph(g, spec["devices"], SimparCostModel(spec["profile"]), "data_parallel")
+    model = SimparCostModel(spec["profile"])
+    if spec["mode"] in ("recursive_programming", "sharding_propagation"):
+        inputs = dataset_layouts([v.shape for v in g.inputs], spec["devices"], "data_parallel")
+        pricer = Pricer(g, spec["devices"], model, inputs)
+        built = time.perf_counter()
+        if spec["mode"] == "recursive_programming":
+            shardings = list(solve_recursive_programming(pricer).shardings)
+        else:
+            smap = propagate(pricer, "auto_parallel", inputs)
+            priced = [pricer.price(s.index, smap.ops[s.name].in_strategy)
+                      for s in pricer.sites]
+            shardings = [p.sharding for p in priced if p is not None]
+        done = time.perf_counter()
+        return {"ops": len(g.nodes), "candidates": 0, "build": built - start,
+                "solve": done - built, "objective": pricer.total(shardings),
+                "memory": pricer.memory(shardings), "capacity": model.memory_capacity,
+                "gap": math.nan,
+                "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    cg = build_cost_graph(g, spec["devices"], model, "data_parallel")
     built = time.perf_counter()
     if spec["mode"] == "exact":
         sol = solve_exact(cg, time_limit=spec["timeout"])
@@ -77,9 +104,14 @@ def run(spec: dict) -> dict:
     if out.returncode:
         last = out.stderr.strip().splitlines()[-1] if out.stderr.strip() else ""
         if "No available cost" in last:  # the figure that matters, not the whole advice
-            need = last.split("minimum memory cost is ")[1].split(" bytes")[0]
-            return {"error": f"nothing fits: at least {float(need) / 2**30:.0f} GiB per rank "
-                             f"(found in {time.perf_counter() - started:.0f} s)"}
+            took = time.perf_counter() - started
+            if "minimum memory cost is " in last:
+                need = last.split("minimum memory cost is ")[1].split(" bytes")[0]
+                return {"error": f"nothing fits: at least {float(need) / 2**30:.0f} GiB per "
+                                 f"rank (found in {took:.1f} s)", "seconds": took}
+            need = last.split("plan needs ")[1].split(" bytes")[0]
+            return {"error": f"its plan needs {float(need) / 2**30:.0f} GiB per rank, over "
+                             f"the cap (found in {took:.1f} s)", "seconds": took}
         return {"error": last or f"exit {out.returncode}"}
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -91,8 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", nargs="+", default=["125M", "350M", "1.3B", "175B"],
                    choices=list(GPT_SUITE))
     p.add_argument("--devices", nargs="+", type=int, default=[8, 64])
-    p.add_argument("--modes", nargs="+", default=["dynamic_programming", "exact"],
-                   choices=["dynamic_programming", "exact"])
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--depth", nargs="*", type=int, default=None,
+                   help="instead of the grid: recursive_programming on --models[0]'s widths "
+                   "with these numbers of layers, on --devices[0] devices, and a straight-line "
+                   "fit of planning time against depth")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--profile", default="ascend910b")
     p.add_argument("--timeout", type=float, default=300.0,
@@ -106,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(plan_once(json.loads(args.child))))
         return 0
+    if args.depth is not None:
+        return depth_fit(args, argv)
     rows = []
     for model in args.models:
         for devices in args.devices:
@@ -117,20 +154,23 @@ def main(argv: list[str] | None = None) -> int:
                 results[mode] = r = run(spec)
                 print(model, devices, mode, r, flush=True)
             ref = results.get("exact", {})
+            dp = results.get("dynamic_programming", {})
             for mode, r in results.items():
                 if "error" in r:
-                    rows.append([model, devices, mode, "", "", r["error"], "", "", "", ""])
+                    rows.append([model, devices, mode, "", "", r["error"], "", "", "", "", ""])
                     continue
                 ratio = (f"{r['objective'] / ref['objective']:.6f}"
                          if "objective" in ref and ref["gap"] == 0 else "")
-                rows.append([model, devices, mode, r["ops"], r["candidates"],
-                             f"{r['build']:.1f} + {r['solve']:.1f}",
-                             f"{r['objective'] * 1e3:.3f}", ratio,
+                to_dp = (f"{r['objective'] / dp['objective']:.4f}" if "objective" in dp
+                         else "")
+                rows.append([model, devices, mode, r["ops"], r["candidates"] or "-",
+                             f"{r['build']:.2f} + {r['solve']:.2f}",
+                             f"{r['objective'] * 1e3:.3f}", ratio, to_dp,
                              f"{r['memory'] / 2**30:.2f} / {r['capacity'] / 2**30:.0f}",
                              f"{r['peak_rss'] / 2**20:.0f}"])
     header = ["model", "devices", "search", "ops", "max candidates",
               "planning s (build + solve)", "predicted step ms", "ratio to exact",
-              "memory GiB / cap", "planner peak RSS MiB"]
+              "ratio to DP", "memory GiB / cap", "planner peak RSS MiB"]
     table = markdown_table(header, rows)
     print(table)
     if not args.no_write:
@@ -141,6 +181,48 @@ def main(argv: list[str] | None = None) -> int:
                 f"sequence 1024, float16, fully_use_devices={not args.all_devices}. "
                 f"{host_line()}.\n")
         write_section("search", body)
+    return 0
+
+
+def depth_fit(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """Planning time of recursive_programming against depth, with a least-squares line."""
+    model, devices = args.models[0], args.devices[0]
+    depths = args.depth or [6, 12, 24, 48, 96]
+    rows, xs, ys = [], [], []
+    for layers in depths:
+        spec = {"model": model, "layers": layers, "devices": devices,
+                "mode": "recursive_programming", "batch": max(args.batch, devices),
+                "profile": args.profile, "timeout": args.timeout,
+                "fully_use_devices": not args.all_devices}
+        r = run(spec)
+        print(layers, r, flush=True)
+        seconds = r["build"] + r["solve"] if "build" in r else r.get("seconds", math.nan)
+        xs.append(layers)
+        ys.append(seconds)
+        rows.append([layers, r.get("ops", ""), f"{seconds:.2f}",
+                     f"{r['objective'] * 1e3:.3f}" if "objective" in r else r["error"]])
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    icept = my - slope * mx
+    ss_res = sum((y - icept - slope * x) ** 2 for x, y in zip(xs, ys))
+    ss_tot = sum((y - my) ** 2 for y in ys)
+    fit = (f"least-squares line: seconds = {icept:.3f} + {slope * 1e3:.2f} ms x layers, "
+           f"R^2 = {1 - ss_res / ss_tot:.4f}")
+    table = markdown_table(["layers", "ops", "planning s (build + solve)",
+                            "predicted step ms"], rows)
+    print(table)
+    print(fit)
+    if not args.no_write:
+        command = "python benchmarks/search.py " + " ".join(argv if argv is not None
+                                                            else sys.argv[1:])
+        width = GPT_SUITE[model]
+        body = (f"Command: `{command.strip()}` · date: {today()}\n\n"
+                f"recursive_programming on GPT hidden {width[1]}, {width[2]} heads, "
+                f"sequence 1024, batch {max(args.batch, devices)}, {devices} devices, "
+                f"profile {args.profile}, one process per plan.\n\n{table}\n\n{fit}. "
+                f"{host_line()}.\n")
+        write_section("search-depth", body)
     return 0
 
 

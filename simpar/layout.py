@@ -98,7 +98,27 @@ def _listed(tensor_map: Sequence[MapEntry]) -> list[int | list[int]]:
 @lru_cache(maxsize=1 << 16)
 def _from_dim_axes(device_matrix: tuple[int, ...], dim_axes: tuple[tuple[int, ...], ...],
                    shape: tuple[int, ...], partial_axes: tuple[int, ...]) -> TensorLayout:
-    return TensorLayout._from_dim_axes(device_matrix, dim_axes, shape, partial_axes)
+    """``TensorLayout.from_dim_axes`` of plain ints: checked here in one pass and built
+    without the general constructor's normalisation (planners build many layouts); anything
+    invalid goes through the constructor, which raises the precise error."""
+    n = len(device_matrix)
+    used = [a for axes in dim_axes for a in axes]
+    used.extend(partial_axes)
+    cuts = tuple(math.prod(device_matrix[a] for a in axes if 0 <= a < n) for axes in dim_axes)
+    if (not n or min(device_matrix) < 1 or len(dim_axes) != len(shape)
+            or (shape and min(shape) < 0) or len(set(used)) != len(used)
+            or any(not 0 <= a < n for a in used) or any(x % c for x, c in zip(shape, cuts))):
+        return TensorLayout._from_dim_axes(device_matrix, dim_axes, shape, partial_axes)
+    tmap = tuple(-1 if not axes else n - 1 - axes[0] if len(axes) == 1 else
+                 tuple(n - 1 - a for a in axes) for axes in dim_axes)
+    part = tuple(sorted(n - 1 - a for a in partial_axes))
+    lay = object.__new__(TensorLayout)
+    for name, value in (("device_matrix", device_matrix), ("tensor_map", tmap),
+                        ("shape", shape), ("partial", part),
+                        ("_axes", dim_axes), ("_cuts", cuts),
+                        ("_local", tuple(x // c for x, c in zip(shape, cuts)))):
+        object.__setattr__(lay, name, value)
+    return lay
 
 
 @lru_cache(maxsize=4096)
@@ -125,6 +145,8 @@ class TensorLayout:
     partial: tuple[int, ...] = ()
     _axes: tuple[tuple[int, ...], ...] = field(default=(), init=False, repr=False,
                                                compare=False)
+    _cuts: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
+    _local: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __init__(self, device_matrix: Sequence[int], tensor_map: Sequence[object],
                  shape: Sequence[int], partial: Sequence[int] = ()) -> None:
@@ -161,8 +183,12 @@ class TensorLayout:
         object.__setattr__(self, "tensor_map", tmap)
         object.__setattr__(self, "shape", shp)
         object.__setattr__(self, "partial", part)
-        object.__setattr__(self, "_axes", _dim_axes(n, tmap))  # read by every planner step
-        for tensor_dim, (size, cut) in enumerate(zip(shp, self.cuts)):
+        axes = _dim_axes(n, tmap)
+        cuts = tuple(math.prod(dm[a] for a in x) for x in axes)
+        object.__setattr__(self, "_axes", axes)  # read by every planner step
+        object.__setattr__(self, "_cuts", cuts)
+        object.__setattr__(self, "_local", tuple(s // c for s, c in zip(shp, cuts)))
+        for tensor_dim, (size, cut) in enumerate(zip(shp, cuts)):
             if size % cut:
                 raise IndivisibleError(
                     f"dimension {tensor_dim} of shape {shp} cannot be split into {cut} parts "
@@ -280,7 +306,7 @@ class TensorLayout:
     @property
     def cuts(self) -> tuple[int, ...]:
         """How many parts each tensor dimension is cut into."""
-        return tuple(math.prod(self.device_matrix[a] for a in axes) for axes in self.dim_axes)
+        return self._cuts
 
     @property
     def split_axes(self) -> frozenset[int]:
@@ -302,7 +328,7 @@ class TensorLayout:
 
     def local_shape(self) -> tuple[int, ...]:
         """Shape of the shard every rank holds."""
-        return tuple(s // c for s, c in zip(self.shape, self.cuts))
+        return self._local
 
     def local_size(self) -> int:
         return math.prod(self.local_shape())

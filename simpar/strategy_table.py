@@ -56,8 +56,9 @@ def strategy_table(program: ParallelProgram, fold_blocks: bool = False) -> str:
               ", ".join(r["redistribution"] + r["forward"]) or "-",
               ", ".join(r["backward"]) or "-",
               f"x{r['repeat']}" if r["repeat"] > 1 else "-"] for r in shown]
-    rest = ("searched, need no communication and are computed once"
-            if program.mode == "auto_parallel" else "follow their producers")
+    rest = ("searched" if program.mode == "auto_parallel" and any(
+        str(r["chosen"]) == "searched" for r in rows) else "propagated")
+    rest += ", need no communication and are computed once"
     title = (f"\nstrategies ({len(shown)} of {len(rows)} ops shown: annotated, communicating or "
              f"computed alike on several ranks; the rest {rest})")
     if fold_blocks:

@@ -67,8 +67,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "stand_alone runs on one rank only")
     p.add_argument("--search-mode", default="dynamic_programming",
                    choices=registered_searches(),
-                   help="auto_parallel's search (default dynamic_programming, MindSpore's; "
-                   "exact: the ILP optimum, needs scipy)")
+                   help="auto_parallel's search (default dynamic_programming, MindSpore's "
+                   "elimination search; recursive_programming and sharding_propagation, "
+                   "MindSpore's fast ones; exact: the ILP optimum, needs scipy)")
     p.add_argument("--device-num", type=int, default=None,
                    help="must equal the number of MPI ranks (default: the world size)")
     p.add_argument("--strategy", default=None, choices=presets.PRESETS,

@@ -40,16 +40,20 @@ def _batches(model: str, dtype: type, n: int) -> list[tuple[np.ndarray, np.ndarr
              rng.integers(0, 32, (8, 8)).astype(np.int32)) for _ in range(n)]
 
 
-@pytest.mark.parametrize(("model", "dtype"), [("mlp", np.float64), ("mlp", np.float32),
-                                              ("gpt", np.float64), ("gpt", np.float32)])
-def test_dynamic_programming_trains_like_one_device(model: str, dtype: type) -> None:
-    """search_mode "dynamic_programming" (the cpu-local model): three steps match one device
-    on every rank (1e-10 relative in float64, 1e-5 in float32), every op is "searched", and
-    the traced collectives are exactly the schedule's, in order."""
+@pytest.mark.parametrize(("search", "model", "dtype"), [
+    ("dynamic_programming", "mlp", np.float64), ("dynamic_programming", "mlp", np.float32),
+    ("dynamic_programming", "gpt", np.float64), ("dynamic_programming", "gpt", np.float32),
+    ("recursive_programming", "mlp", np.float64), ("recursive_programming", "gpt", np.float32),
+    ("sharding_propagation", "mlp", np.float32), ("sharding_propagation", "gpt", np.float64)])
+def test_each_search_trains_like_one_device(search: str, model: str, dtype: type) -> None:
+    """Each search_mode (the cpu-local model): three steps match one device on every rank
+    (1e-10 relative in float64, 1e-5 in float32), every op is "searched" (propagated from
+    the dataset, for sharding_propagation without user strategies), and the traced
+    collectives are exactly the schedule's, in order."""
     simpar.reset_auto_parallel_context()
-    simpar.set_auto_parallel_context(parallel_mode="auto_parallel",
-                                     search_mode="dynamic_programming", gradients_mean=True,
-                                     dataset_strategy="data_parallel", enable_alltoall=True)
+    simpar.set_auto_parallel_context(parallel_mode="auto_parallel", search_mode=search,
+                                     gradients_mean=True, dataset_strategy="data_parallel",
+                                     enable_alltoall=True)
     try:
         train = _make("auto_parallel", model, dtype)
         batches = _batches(model, dtype, 4)
@@ -57,7 +61,8 @@ def test_dynamic_programming_trains_like_one_device(model: str, dtype: type) -> 
             train, lambda: _make("stand_alone", model, dtype), batches[:3])
         assert report.passed, str(report)
         assert train.program is not None
-        assert {str(s.chosen) for s in train.program.steps} == {"searched"}
+        source = "propagated" if search == "sharding_propagation" else "searched"
+        assert {str(s.chosen) for s in train.program.steps} == {source}
         with CommTrace() as trace:
             train(*batches[3])
         steps = train.program.schedule(comm.get_rank())
@@ -134,6 +139,11 @@ def test_bad_searches_fail_on_every_rank() -> None:
                                         parallel_mode="auto_parallel")
             train.build(x, np.zeros((8, 16)))
         _raised_everywhere(conflict, ValueError, "no plan satisfies every constraint")
+        simpar.set_auto_parallel_context(search_mode="sharding_propagation")
+        _raised_everywhere(conflict, ValueError, "reads parameter w cut")
+        simpar.set_auto_parallel_context(search_mode="recursive_programming")
+        _raised_everywhere(conflict, ValueError, "a shared parameter has one layout")
+        simpar.set_auto_parallel_context(search_mode="dynamic_programming")
 
         tiny = dataclasses.replace(load_profile("cpu-local"), memory_capacity=1024)
         set_search_cost_model(SimparCostModel(tiny))
@@ -142,6 +152,8 @@ def test_bad_searches_fail_on_every_rank() -> None:
             train = _make("auto_parallel")
             train.build(*random_classification(0, 8, 16, 8, 0, np.dtype(np.float64)))
         _raised_everywhere(no_memory, NoAvailableCost, "The minimum memory cost is")
+        simpar.set_auto_parallel_context(search_mode="recursive_programming")
+        _raised_everywhere(no_memory, NoAvailableCost, "recursive_programming's plan needs")
     finally:
         set_search_cost_model(None)
         simpar.reset_auto_parallel_context()

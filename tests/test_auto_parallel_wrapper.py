@@ -91,26 +91,6 @@ def test_every_registered_search_is_accepted_as_a_simpar_only_mode() -> None:
         assert (settings["parallel_mode"], settings["search_mode"]) == ("auto_parallel", name)
 
 
-@pytest.mark.parametrize("mode", ["sharding_propagation", "recursive_programming"])
-def test_an_unbuilt_search_raises_at_the_first_call_naming_it(mode: str) -> None:
-    if mode in registered_searches():
-        pytest.skip(f"simpar's {mode} search is built now")
-    parallel_net = _net(mode)
-    train = _train(parallel_net)  # constructing and configuring it is fine
-    parallel_net.dataset_strategy("full_batch")
-    before = context.auto_parallel_context()
-    with pytest.raises(NotImplementedError, match=rf"AutoParallel\(parallel_mode='{mode}'\) "
-                       rf"plans with parallel_mode='auto_parallel', search_mode='{mode}', and "
-                       rf"simpar's {mode} search is not built yet; the searches simpar runs "
-                       rf"today are \[.*'exact'.*\]"):
-        train(*_batch())
-    assert train.program is None
-    assert context.auto_parallel_context() == before
-    with pytest.raises(NotImplementedError, match=f"search_mode='{mode}'"), \
-            parallel_net.parallel_context():
-        pass
-
-
 def test_semi_auto_trains_like_the_global_context_path_on_one_device() -> None:
     """On one process the wrapper's semi_auto program is the same as the one the global
     context builds with the same settings, and trains to the same numbers."""

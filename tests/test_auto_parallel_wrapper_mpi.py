@@ -21,7 +21,6 @@ from simpar.comm import CommTrace
 from simpar.dataset import random_classification
 from simpar.layout import distribute
 from simpar.nn import presets
-from simpar.search import registered_searches
 from tests.mpi_guard import abort_job_on_error
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -161,14 +160,50 @@ def test_a_registered_search_trains_through_the_wrapper() -> None:
 
 
 @pytest.mark.parametrize("mode", ["sharding_propagation", "recursive_programming"])
-def test_an_unbuilt_search_fails_alike_on_every_rank(
-        mode: str, _global_context: context.ParallelContext) -> None:
-    if mode in registered_searches():
-        pytest.skip(f"simpar's {mode} search is built now")
-    net = nn.MLP(*SIZES, n_hidden=1, dtype=np.float64)
-    parallel_net = AutoParallel(nn.WithLossCell(net, nn.SoftmaxCrossEntropyWithLogits()), mode)
-    train = nn.TrainOneStepCell(parallel_net, nn.SGD(net.trainable_params(), 0.1))
-    with pytest.raises(NotImplementedError, match=f"search_mode='{mode}'.*not built yet"):
-        train(*_batches(1)[0])
-    assert context.auto_parallel_context() == _global_context
-    comm.barrier()  # every rank got here: none is left inside a collective
+def test_mindspore_s_searches_train_through_the_wrapper(mode: str) -> None:
+    """AutoParallel(parallel_mode="sharding_propagation" / "recursive_programming") trains
+    like one device on every rank. Propagation starts from the one op the user shards (fc1's
+    MatMul, column-parallel): fc1's bias and ReLU follow it, and fc2's MatMul takes the
+    row-parallel strategy that reads the split hidden layer where it is, so the forward runs
+    one AllReduce of the model (fc2's partial sums, over the model-parallel ranks) besides
+    the loss's mean over the batch shards."""
+    dp, mp = _dp_mp()
+
+    def make() -> nn.TrainOneStepCell:
+        net = nn.MLP(*SIZES, n_hidden=1, dtype=np.float64)
+        if mode == "sharding_propagation":
+            net.fc1.matmul.shard(((dp, 1), (mp, 1)))
+        parallel_net = AutoParallel(nn.WithLossCell(net, nn.SoftmaxCrossEntropyWithLogits()),
+                                    parallel_mode=mode)
+        parallel_net.dataset_strategy(((dp, 1), (dp,)))
+        parallel_net.enable_gradients_mean()
+        return nn.TrainOneStepCell(parallel_net, nn.SGD(net.trainable_params(), 0.1),
+                                   seed=SEED)
+
+    train = make()
+    assert train.mode == "auto_parallel"
+    with abort_job_on_error(f"AutoParallel {mode} training"):
+        report = check_against_single_device(train, make, _batches(STEPS))
+    assert report.passed, str(report)
+    program = train.program
+    assert program is not None
+    chosen = {s.node.name.removeprefix(BACKBONE): str(s.chosen) for s in program.steps}
+    if mode == "recursive_programming":
+        assert set(chosen.values()) == {"searched"}
+        return
+    assert chosen.pop("fc1-Dense/MatMul-op0") == "annotated"
+    assert set(chosen.values()) == {"propagated"}
+    strategies = {s.node.name.removeprefix(BACKBONE): s.sharding.strategy
+                  for s in program.steps}
+    assert strategies["fc1-Dense/BiasAdd-op1"] == ((dp, mp), (mp,))
+    assert strategies["fc2-Dense/MatMul-op3"][0] == (dp, mp)
+    with CommTrace() as trace:
+        train(*_batches(1, STEPS)[0])
+    steps = program.schedule(comm.get_rank())
+    assert [e.step for e in trace.events] == [s.index for s in steps if s.collective]
+    forward = [(s.op.removeprefix("Default/network-WithLossCell/"), e.kind, len(e.group))
+               for e, s in zip(trace.events, [s for s in steps if s.collective])
+               if not s.backward]
+    loss = [("_loss_fn-SoftmaxCrossEntropyWithLogits/SparseSoftmaxCrossEntropyWithLogits-op5",
+             "AllReduce", dp)] if dp > 1 else []  # the loss's mean over the batch shards
+    assert forward == [("_backbone-MLP/fc2-Dense/MatMul-op3", "AllReduce", mp), *loss], forward

@@ -678,12 +678,10 @@ def test_a_key_simpar_does_not_honour_yet_warns_once_naming_it() -> None:
             warnings.simplefilter("error", NotHonouredWarning)
             set_auto_parallel_context(strategy_ckpt_save_file="again.json")  # once only
             set_auto_parallel_context(gradient_fp32_sync=True)               # the default
-        with pytest.warns(NotHonouredWarning, match="search_mode='sharding_propagation' is "
-                          "accepted but not honoured yet: the strategy searches"):
-            set_auto_parallel_context(search_mode="sharding_propagation")
         with warnings.catch_warnings():  # the searches honour these
             warnings.simplefilter("error", NotHonouredWarning)
-            set_auto_parallel_context(search_mode="dynamic_programming")
+            for mode in ("sharding_propagation", "dynamic_programming", "recursive_programming"):
+                set_auto_parallel_context(search_mode=mode)
             set_algo_parameters(elementwise_op_strategy_follow=True, enable_algo_approxi=True,
                                 algo_approxi_epsilon=0.5)
         with pytest.warns(NotHonouredWarning, match="fully_use_devices=True"):

@@ -4,6 +4,7 @@ layouts checked against an independent reference slicer, and every error a calle
 from __future__ import annotations
 
 import math
+import random
 from itertools import product
 
 import numpy as np
@@ -11,7 +12,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from simpar.layout import IndivisibleError, Layout, TensorLayout, assemble, distribute
+from simpar.layout import (
+    IndivisibleError,
+    Layout,
+    TensorLayout,
+    _from_dim_axes,
+    assemble,
+    distribute,
+)
 from tests.layout_strategies import layouts
 
 # ------------------------------------------------------------------ reference slicer
@@ -554,3 +562,39 @@ def test_mesh_axes_errors_speak_the_callers_count() -> None:
     lay = TensorLayout.from_dim_axes((2, 4), [(), (1,)], (8, 8))
     with pytest.raises(ValueError, match=r"partial_axes \(1,\): device axes \[1\]"):
         lay.with_partial_axes((1,))
+
+
+def test_from_dim_axes_fast_path_builds_what_the_constructor_builds():
+    """Planners build layouts of plain ints through a cached one-pass path; it must give the
+    very layout the checked constructor gives (every field, equality, hash), and send anything
+    invalid to the constructor's error."""
+    rng = random.Random(0)
+    valid = 0
+    for _ in range(4000):
+        nd = rng.randint(1, 4)
+        dm = tuple(rng.choice([1, 2, 3, 4]) for _ in range(nd))
+        ndim = rng.randint(0, 3)
+        shape = tuple(rng.choice([0, 1, 2, 4, 6, 8, 12, 16]) for _ in range(ndim))
+        axes = list(range(nd + 1))
+        rng.shuffle(axes)
+        dim_axes = tuple(tuple(axes[:rng.randint(0, 2)]) if rng.random() < .5 else ()
+                         for _ in range(ndim))
+        part = tuple(rng.sample(range(nd + 1), rng.randint(0, 1)))
+        try:
+            slow, slow_error = TensorLayout._from_dim_axes(dm, dim_axes, shape, part), None
+        except (TypeError, ValueError) as e:
+            slow, slow_error = None, type(e)
+        _from_dim_axes.cache_clear()
+        try:
+            fast, fast_error = _from_dim_axes(dm, dim_axes, shape, part), None
+        except (TypeError, ValueError) as e:
+            fast, fast_error = None, type(e)
+        assert slow_error == fast_error, (dm, dim_axes, shape, part)
+        if slow is None:
+            continue
+        valid += 1
+        assert fast == slow and hash(fast) == hash(slow) and repr(fast) == repr(slow)
+        for name in ("device_matrix", "tensor_map", "shape", "partial", "_axes", "_cuts",
+                     "_local"):
+            assert getattr(fast, name) == getattr(slow, name), name
+    assert valid > 1000  # both branches are exercised

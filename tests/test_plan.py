@@ -41,10 +41,10 @@ def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str,
 
 
 def _searched(net: nn.Cell, specs: list[Any], device_num: int, model: Any,
-              dataset_strategy: str) -> StrategyMap:
+              dataset_strategy: str, search: str = "exact") -> StrategyMap:
     set_search_cost_model(model)
     try:
-        return search_strategies(net, specs, device_num, "exact", dataset_strategy, True,
+        return search_strategies(net, specs, device_num, search, dataset_strategy, True,
                                  ["data", "label"])
     finally:
         set_search_cost_model(None)
@@ -88,6 +88,23 @@ def test_a_small_gpt_plans_end_to_end_and_its_json_holds_the_searched_strategies
     assert list(d["strategy_map"]["ops"])[0].startswith(
         "Default/network-WithLossCell/_backbone-GPT/embedding-Embedding/Gather-op")
     assert not list(tmp_path.glob(".*.tmp"))  # the temporary file was renamed
+
+
+@pytest.mark.parametrize("search", ["recursive_programming", "sharding_propagation"])
+def test_mindspore_s_fast_searches_plan_end_to_end(
+        search: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_path = tmp_path / "plan.json"
+    argv = [*SMALL_GPT[:-1], search, "--quiet", "--out", str(out_path)]
+    code, out, err = _run(argv, capsys)
+    assert code == 0, err
+    d = json.loads(out_path.read_text())
+    assert d["search_mode"] == search
+    _check_cost(d, 2)
+    net = nn.WithLossCell(nn.GPT(64, 8, 32, 1, 4), nn.SoftmaxCrossEntropyWithLogits())
+    ids = ((8, 8), np.dtype(np.int32))
+    want = _searched(net, [ids, ids], 2, SimparCostModel("ascend910b", "adam"), "full_batch",
+                     search)
+    assert StrategyMap.from_dict(d["strategy_map"]) == want
 
 
 def test_an_mlp_plans_under_mindspore_s_cost_model_with_the_batch_split(

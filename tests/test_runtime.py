@@ -21,12 +21,13 @@ import numpy as np
 import pytest
 
 import simpar
-from simpar import graph, nn, ops
+from simpar import context, graph, nn, ops
 from simpar.dataset import random_classification
 from simpar.graph import Graph
 from simpar.nn import presets
 from simpar.runtime import ParallelProgram, build_program
 from simpar.runtime.program import dataset_layouts
+from simpar.search import plan_strategies
 
 BATCH = 8
 SEMI = "semi_auto_parallel"
@@ -288,17 +289,19 @@ def test_print_program_lists_layouts_strategies_and_collectives() -> None:
     assert prog.strategies()[rows[0]["op"]] == [[2, 1], [4, 1]]
 
 
-def test_auto_parallel_is_not_implemented_and_says_so() -> None:
+def test_a_search_mode_without_a_planner_is_not_implemented_and_says_so(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every MindSpore search_mode has a planner; a name registered without one (a search
+    being written) fails clearly, before anything runs."""
+    monkeypatch.setattr(context, "_SEARCH_MODES", list(context._SEARCH_MODES))
+    context.register_search_mode("search_under_construction")
     g = _trace_mlp(_mlp_cell())
     with pytest.raises(NotImplementedError, match="auto_parallel.*not implemented.*"
-                       "semi_auto_parallel"):
-        build_program(g, 8, "auto_parallel")
-    cell = _mlp_cell()
-    train = nn.TrainOneStepCell(cell, nn.SGD(cell.trainable_params()),
-                                parallel_mode="auto_parallel")
-    with pytest.raises(NotImplementedError, match="auto_parallel"):
-        train(np.zeros((BATCH, 16)), np.zeros(BATCH, np.int32))
-    assert train.program is None
+                       "search_under_construction.*implemented: .*recursive_programming"):
+        plan_strategies(g, 8, "auto_parallel", search_mode="search_under_construction")
+    for mode in ("recursive_programming", "dynamic_programming", "sharding_propagation"):
+        smap = plan_strategies(g, 8, "auto_parallel", search_mode=mode)
+        assert set(smap.ops) == {n.name for n in g.nodes}
 
 
 def test_lower_rejects_an_unknown_mode() -> None:
@@ -352,9 +355,13 @@ def test_cell_shard_in_strategy_inserts_a_redistribution() -> None:
     prog = build_program(g, 8, SEMI, "data_parallel", True, cell=cell)
     step = next(s for s in prog.steps if s.node is ident[0])
     assert step.chosen == "annotated"
-    kinds = [st.kind for st in step.in_plans[0].steps]
-    assert kinds == ["AllToAll"], kinds
     assert step.sharding.out.cuts == (1, 8)
+    # One AllToAll turns fc1's batch-split output into fc2's column split. Propagation runs
+    # backward from the annotated Identity too, so fc1's ReLU already takes its layout and
+    # the move sits at the ReLU's input: the same bytes, one edge earlier.
+    moves = [(s.node.name.split("/")[-1], str(st.kind)) for s in prog.steps
+             for p in s.in_plans for st in p.steps if not st.kind.local]
+    assert moves == [("ReLU-op2", "AllToAll")], moves
     mlp.fc1.shard(((1, 8, 1),))  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match=r"Dense.shard: in_strategy \(1, 8, 1\) for input 0 "
                                          r"must have one cut per dimension of \(8, 16\)"):

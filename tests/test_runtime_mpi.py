@@ -591,8 +591,11 @@ def _redistributing_gpt_step(n: int, rank: int) -> list[tuple[str, str, str | No
     """Every collective of one training step of ``_gpt_mix`` on n ranks, derived from the
     strategies (h = n/2; dp = data parallel cut, mp = model parallel cut).
 
-    Unannotated ops follow their producers, or take the free slice when two producers
-    disagree (an R -> S move is a local slice, no collective). Walking the graph: the
+    Unannotated ops take their layouts by sharding propagation: where a move is needed
+    anyway they follow their producers, or take the free slice when two producers disagree
+    (an R -> S move is a local slice, no collective); a Dense's flattening Reshape is
+    reached from its annotated MatMul, so an activation move into the Dense happens at the
+    Reshape, on the 3-D activations. Walking the graph: the
     vocabulary-parallel embedding AllReduces over all n; block 0's attention (mp n) ends in
     the row-parallel proj's AllReduce over all n; its FFN (dp 2, mp h) takes its input by a
     free slice and ends in fc2's AllReduce over each h-block; block 1's attention (dp n) takes
@@ -620,18 +623,18 @@ def _redistributing_gpt_step(n: int, rank: int) -> list[tuple[str, str, str | No
     forward = [("embedding/Gather", "AllReduce", "sum", world, (BATCH, seq, d)),
                ("block0/attn/proj/MatMul", "AllReduce", "sum", world, (tokens, d))]
     forward += [("block0/ffn/fc2/MatMul", "AllReduce", "sum", hblock, (tokens // 2, d))] * mine
-    forward += [("block1/ffn/fc1/MatMul:input0", "AllGather", None, world, (tokens // n, d)),
+    forward += [("block1/ffn/fc1/Reshape:input0", "AllGather", None, world, (BATCH // n, seq, d)),
                 ("block1/ffn/fc2/MatMul", "AllReduce", "sum", world, (tokens, d))]
-    forward += [("head/MatMul:input0", "AllGather", None, hblock, (tokens // n, d))] * mine
+    forward += [("head/Reshape:input0", "AllGather", None, hblock, (BATCH // n, seq, d))] * mine
     forward += [(ce, "AllReduce", "max", hblock, (tokens // 2,)),
                 (ce, "AllReduce", "sum", hblock, (2, tokens // 2))] * mine
     forward += [(ce, "AllReduce", "sum", world, ())]
     backward = [(f"{ce}:backward", "AllReduce", "sum", world, ())]
-    backward += [("head/MatMul:input0-adjoint", "ReduceScatter", "sum", hblock,
-                  (tokens // 2, d))] * mine
+    backward += [("head/Reshape:input0-adjoint", "ReduceScatter", "sum", hblock,
+                  (BATCH // 2, seq, d))] * mine
     backward += [("block1/ffn/fc2/MatMul:backward", "AllReduce", "sum", world, (tokens, d)),
-                 ("block1/ffn/fc1/MatMul:input0-adjoint", "ReduceScatter", "sum", world,
-                  (tokens, d))]
+                 ("block1/ffn/fc1/Reshape:input0-adjoint", "ReduceScatter", "sum", world,
+                  (BATCH, seq, d))]
     backward += [("block0/ffn/fc2/MatMul:backward", "AllReduce", "sum", hblock,
                   (tokens // 2, d))] * mine
     backward += [("block0/attn/proj/MatMul:backward", "AllReduce", "sum", world, (tokens, d)),

@@ -75,6 +75,19 @@ def test_gpt_auto_parallel_default(tmp_path: Path) -> None:
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("search", ["recursive_programming", "sharding_propagation"])
+def test_mindspore_s_fast_searches_run_the_job(search: str, tmp_path: Path) -> None:
+    """``--search-mode recursive_programming`` and ``sharding_propagation``: the job plans
+    with them and trains like one device."""
+    code, summary = _main(["--model", "mlp", "--search-mode", search, "--steps", "2"],
+                          tmp_path)
+    assert code == 0
+    _check_summary(summary, 2)
+    assert (summary["mode"], summary["search_mode"]) == ("auto_parallel", search)
+    assert summary["predicted_step_seconds"] > 0
+
+
+@pytest.mark.mpi(min_size=2)
 def test_gpt_hybrid_preset(tmp_path: Path) -> None:
     n = comm.get_group_size()
     code, summary = _main(["--strategy", "hybrid", "--steps", "3"], tmp_path)

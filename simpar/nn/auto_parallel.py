@@ -22,11 +22,11 @@ afterwards, even on error. Other networks never see them. MindSpore's functional
 functional autodiff); wrapping a ``TrainOneStepCell`` raises and says so.
 
 ``parallel_mode`` maps onto simpar's planners: ``"semi_auto"`` is ``semi_auto_parallel``
-(``.shard()`` strategies, the rest filled in from the producers); ``"sharding_propagation"``
-and ``"recursive_programming"`` are ``auto_parallel`` with that ``search_mode``. simpar-only:
-any search registered in :func:`simpar.search.registered_searches` (``"exact"`` today) is
-accepted as ``parallel_mode`` too, as ``auto_parallel`` with that search. A search that is not
-built yet raises ``NotImplementedError`` naming it when the network compiles (its first call).
+(``.shard()`` strategies, the rest filled in by sharding propagation);
+``"sharding_propagation"`` and ``"recursive_programming"`` are ``auto_parallel`` with that
+``search_mode``. simpar-only: any search registered in
+:func:`simpar.search.registered_searches` (``"dynamic_programming"`` and ``"exact"`` besides
+MindSpore's two) is accepted as ``parallel_mode`` too, as ``auto_parallel`` with that search.
 
 Methods whose feature simpar has (dataset strategy, gradient mean, loss repeated mean, one
 pipeline stage) set it. Methods whose feature simpar lacks (pipeline stages > 1, optimizer
@@ -180,8 +180,6 @@ class AutoParallel(Cell):
         ``TrainOneStepCell`` compiles the network inside it; use it yourself to trace or
         plan the wrapped network by hand. On leaving, even by an exception, the global
         context is restored exactly (:func:`simpar.context.scoped_auto_parallel_context`).
-        An auto-parallel search that simpar has not built raises ``NotImplementedError``
-        here, naming it, before anything is traced.
 
         >>> from simpar import nn, get_auto_parallel_context
         >>> ap = AutoParallel(nn.Dense(4, 2))
@@ -193,14 +191,6 @@ class AutoParallel(Cell):
         ('stand_alone', False)
         """
         settings = self.parallel_settings()
-        search = settings.get("search_mode")
-        if search is not None and search not in registered_searches():
-            raise NotImplementedError(
-                f"AutoParallel(parallel_mode={self.parallel_mode!r}) plans with "
-                f"parallel_mode='auto_parallel', search_mode={search!r}, and simpar's {search} "
-                f"search is not built yet; the searches simpar runs today are "
-                f"{list(registered_searches())} (as AutoParallel's parallel_mode, a simpar "
-                f"extension). Use parallel_mode='semi_auto' with .shard() strategies meanwhile")
         with context.scoped_auto_parallel_context(**settings) as ctx:
             _ACTIVE.append(self)
             try:

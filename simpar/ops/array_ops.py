@@ -274,9 +274,12 @@ class Reshape(Primitive):
             if out is None:
                 continue
             p = plan(src, mid, enable_alltoall)
-            cost = max(p.recv_bytes(r, 1) for r in sample_ranks(src.device_num))
+            cost = max(p.recv_bytes(r, 1) for r in sample_ranks(src.device_num)) if any(
+                not s.kind.local for s in p.steps) else 0
             if best is None or cost < best[0]:
                 best = (cost, mid, out, p)
+            if cost == 0:  # nothing is cheaper, and the first of equals is kept
+                break
         assert best is not None  # the fully replicated candidate always reshapes
         _, mid, out, pre = best
         empty = plan(out, out)

@@ -1,16 +1,26 @@
 """simpar.search: planners that turn a traced graph into a :class:`StrategyMap`.
 
 Pure (no MPI, no data). Every planner takes a :class:`PlanRequest` and returns a
-:class:`StrategyMap` (:mod:`simpar.search.planner`). Today: the user's ``.shard()``
-strategies with a fill-in from the producers for the rest (stand_alone, data_parallel,
-semi_auto_parallel: :func:`follow_producers`). The auto_parallel searches register with
-:func:`register_search` under their ``search_mode``, and :func:`plan_strategies` picks the one
-the context names: ``dynamic_programming`` (MindSpore's elimination search,
-:mod:`simpar.search.dynamic_programming`) and ``exact`` (the cost graph's ILP optimum,
-:mod:`simpar.search.exact`); recursive programming and sharding propagation are to come.
+:class:`StrategyMap` (:mod:`simpar.search.planner`). stand_alone, data_parallel and
+semi_auto_parallel keep the user's ``.shard()`` strategies and fill in the rest by sharding
+propagation (:func:`follow_producers`, :mod:`simpar.search.sharding_propagation`). The
+auto_parallel searches register with :func:`register_search` under their ``search_mode``, and
+:func:`plan_strategies` picks the one the context names: ``recursive_programming`` (MindSpore's
+default: bisection rounds, then an exact refinement,
+:mod:`simpar.search.recursive_programming`), ``dynamic_programming`` (MindSpore's elimination
+search, :mod:`simpar.search.dynamic_programming`), ``sharding_propagation`` (the user's
+strategies spread by least redistribution cost) and ``exact`` (the cost graph's ILP optimum,
+:mod:`simpar.search.exact`). All of them price through one
+:class:`~simpar.search.pricing.Pricer`: one cost model, one redistribution planner.
 """
 
-from simpar.search.auto import dynamic_programming_planner, exact_planner, set_search_cost_model
+from simpar.search.auto import (
+    dynamic_programming_planner,
+    exact_planner,
+    recursive_programming_planner,
+    set_search_cost_model,
+    sharding_propagation_planner,
+)
 from simpar.search.cost_graph import CostGraph, brute_force, build_cost_graph
 from simpar.search.planner import (
     Planner,
@@ -31,6 +41,8 @@ from simpar.search.strategy_map import OpStrategy, Source, StrategyMap
 # The searches of auto_parallel (cost graph + solver) register under their search_mode.
 register_search("dynamic_programming", dynamic_programming_planner)
 register_search("exact", exact_planner)
+register_search("recursive_programming", recursive_programming_planner)
+register_search("sharding_propagation", sharding_propagation_planner)
 
 __all__ = [
     "MODES",

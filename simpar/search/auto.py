@@ -6,16 +6,25 @@ user set ``.shard()``). Costs come from simpar's model on the ``cpu-local`` prof
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from simpar import context
 from simpar.cost.interface import CostModel, SimparCostModel
 from simpar.layout import TensorLayout
+from simpar.ops._base import OpSharding
 from simpar.search.cost_graph import CostGraph, build_cost_graph
 from simpar.search.dynamic_programming import solve_dynamic_programming
 from simpar.search.exact import solve_exact
 from simpar.search.planner import PlanRequest
+from simpar.search.pricing import Pricer
+from simpar.search.recursive_programming import solve_recursive_programming
+from simpar.search.sharding_propagation import propagate
 from simpar.search.strategy_map import OpStrategy, Source, StrategyMap
 
-__all__ = ["cost_graph_of", "dynamic_programming_planner", "exact_planner", "search_cost_model",
-           "set_search_cost_model", "strategy_map_of"]
+__all__ = ["cost_graph_of", "dynamic_programming_planner", "exact_planner", "pricer_of",
+           "recursive_programming_planner", "search_cost_model", "set_search_cost_model",
+           "sharding_propagation_planner",
+           "strategy_map_from", "strategy_map_of"]
 
 _MODEL: CostModel | None = None
 
@@ -35,18 +44,31 @@ def search_cost_model() -> CostModel:
 
 def strategy_map_of(request: PlanRequest, cg: CostGraph, choice: tuple[int, ...]) -> StrategyMap:
     """The strategy map of one candidate per node of ``cg``."""
+    return strategy_map_from(request, [node.candidates[c] for node, c in zip(cg.nodes, choice)])
+
+
+def strategy_map_from(request: PlanRequest, shardings: Sequence[OpSharding]) -> StrategyMap:
+    """The strategy map of one sharding per node of ``request.graph`` (trace order): searched,
+    or the user's where the op has a ``.shard()`` strategy."""
     ops: dict[str, OpStrategy] = {}
     params: dict[str, TensorLayout] = {}
-    for node, c in zip(cg.nodes, choice):
-        sh = node.candidates[c]
-        source = Source.USER if node.user_set else Source.SEARCHED
-        out = node.node.op.out_strategy if node.user_set else None
-        ops[node.name] = OpStrategy(node.node.op.name, sh.strategy, out, source)
-        for v, lay in zip(node.node.inputs, sh.in_layouts):
+    for node, sh in zip(request.graph.nodes, shardings):
+        user = node.op.in_strategy is not None
+        source = Source.USER if user else Source.SEARCHED
+        out = node.op.out_strategy if user else None
+        ops[node.name] = OpStrategy(node.op.name, sh.strategy, out, source)
+        for v, lay in zip(node.inputs, sh.in_layouts):
             if v.kind == "param":
                 params.setdefault(v.name, lay)
     inputs = {v.name: lay for v, lay in zip(request.graph.inputs, request.input_layouts)}
     return StrategyMap(request.device_num, "auto_parallel", ops, params, inputs)
+
+
+def pricer_of(request: PlanRequest) -> Pricer:
+    """The on-demand prices of a request under the search cost model."""
+    return Pricer(request.graph, request.device_num, search_cost_model(),
+                  request.input_layouts, request.parameter_plan, request.enable_alltoall,
+                  bool(context.get_algo_parameters("elementwise_op_strategy_follow")))
 
 
 def cost_graph_of(request: PlanRequest) -> CostGraph:
@@ -67,3 +89,14 @@ def dynamic_programming_planner(request: PlanRequest) -> StrategyMap:
     """search_mode "dynamic_programming": MindSpore's elimination search of the cost graph."""
     cg = cost_graph_of(request)
     return strategy_map_of(request, cg, solve_dynamic_programming(cg).choice)
+
+
+def recursive_programming_planner(request: PlanRequest) -> StrategyMap:
+    """search_mode "recursive_programming": MindSpore's rec bisection rounds."""
+    return strategy_map_from(request, solve_recursive_programming(pricer_of(request)).shardings)
+
+
+def sharding_propagation_planner(request: PlanRequest) -> StrategyMap:
+    """search_mode "sharding_propagation": the user's strategies spread to every other op
+    through the edges of least redistribution cost under the search cost model."""
+    return propagate(pricer_of(request), "auto_parallel", request.input_layouts)

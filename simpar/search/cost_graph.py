@@ -25,19 +25,19 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any
 
 from simpar import context
 from simpar.cost.interface import CostModel
 from simpar.graph import Graph, Node
 from simpar.layout import TensorLayout
-from simpar.ops._base import OpSharding, StrategyError
-from simpar.redistribution import plan
+from simpar.ops._base import OpSharding, Strategy, StrategyError
+from simpar.search.pricing import ELEMENTWISE_OPS, Pricer, canonical
 from simpar.search.propagation import dataset_layouts
 
 __all__ = ["ELEMENTWISE_OPS", "CostEdge", "CostGraph", "CostNode", "brute_force",
-           "build_cost_graph", "distinct_blocks", "same_blocks"]
+           "build_cost_graph", "canonical", "distinct_blocks", "restricted_cost_graph",
+           "same_blocks"]
 
 log = logging.getLogger("simpar.search")
 
@@ -127,91 +127,6 @@ def same_blocks(a: TensorLayout, b: TensorLayout) -> bool:
         a.slice_of(r) == b.slice_of(r) for r in range(a.device_num))
 
 
-#: MindSpore's elementwise operators (``IsElementWiseOperator``: the unary ones). Under
-#: ``set_algo_parameters(elementwise_op_strategy_follow=True)`` an edge leaving one is an
-#: identity edge: its consumer reads the value in the layout it is produced, no redistribution.
-ELEMENTWISE_OPS = frozenset({
-    "Abs", "Cast", "Exp", "GeLU", "Log", "LogSoftmax", "Neg", "ReLU", "Sigmoid", "Softmax",
-    "Sqrt", "Square", "Tanh"})
-
-
-def _memory_roles(node: Node, counted: set[str], involved: set[int], kept: set[int],
-                  array: Mapping[int, int]) -> tuple[tuple[str, bool], ...]:
-    """Per input, how the op's memory treats it: "new" (a trainable parameter no earlier op
-    counts; its first position only), "frozen" (the same, not trainable), "held" (a parameter
-    counted already, or a value an earlier op's memory holds), "free" (the op's to keep or
-    not); and whether it is computed from a parameter (MindSpore's ``is_parameter_involve``)."""
-    roles = []
-    seen: set[str] = set()
-    for v in node.inputs:
-        if v.kind == "param":
-            role = "held" if v.name in counted or v.name in seen else (
-                "new" if v.param is None or v.param.requires_grad else "frozen")
-            seen.add(v.name)
-        else:
-            role = "held" if array.get(v.id, v.id) in kept else "free"
-        roles.append((role, v.kind == "param" or v.id in involved))
-    return tuple(roles)
-
-
-def _signature(node: Node, inputs: Mapping[int, TensorLayout],
-               plans: Mapping[str, tuple[int, ...]], roles: tuple[tuple[str, bool], ...]
-               ) -> tuple[Any, ...]:
-    """What a node's candidates, costs and memories depend on: equal signatures (the same op
-    at the same place of two identical layers) share one computation."""
-    ins = []
-    for v in node.inputs:
-        where: Any = v.kind
-        if v.id in inputs:
-            where = ("input", inputs[v.id])
-        elif v.kind == "param":
-            where = ("param", plans.get(v.name))
-        ins.append((v.shape, v.dtype.str, where))
-    return (type(node.op), repr(node.op), node.op.out_strategy, tuple(ins), roles,
-            tuple((v.shape, v.dtype.str) for v in node.outputs))
-
-
-@lru_cache(maxsize=1 << 16)
-def canonical(layout: TensorLayout) -> tuple[Any, ...]:
-    """A key equal for layouts that give every rank the same block and the same pending sums,
-    however their device matrices are written: axes of size 1 dropped, and neighbouring axes
-    merged when both are replicas, both pending sums, or successive splits of one dimension.
-    (Pure arithmetic on the device matrix; :func:`same_blocks` compares every rank's block.)"""
-    dm = layout.device_matrix
-    roles: list[Any] = [("rep",)] * len(dm)
-    for d, axes in enumerate(layout.dim_axes):
-        for k, a in enumerate(x for x in axes if dm[x] > 1):  # outer first, size-1 dropped
-            roles[a] = ("dim", d, k)
-    for a in layout.partial_axes:
-        roles[a] = ("partial",)
-    merged: list[list[Any]] = []
-    for size, role in zip(layout.device_matrix, roles):
-        if size == 1:
-            continue
-        if merged:
-            last = merged[-1]
-            same = role[0] == last[1][0] and role[0] in ("rep", "partial")
-            follows = (role[0] == "dim" == last[1][0] and role[1] == last[1][1]
-                       and role[2] == last[1][2] + 1)
-            if same or follows:
-                last[0] *= size
-                last[1] = role
-                continue
-        merged.append([size, role])
-    # Positions within a dimension only order its axes (outer first): after merging, each
-    # merged axis takes its rank among its dimension's.
-    ks: dict[int, list[int]] = {}
-    for _, role in merged:
-        if role[0] == "dim":
-            ks.setdefault(role[1], []).append(role[2])
-    out = []
-    for size, role in merged:
-        if role[0] == "dim":
-            role = ("dim", role[1], sorted(ks[role[1]]).index(role[2]))
-        out.append((size, role))
-    return (layout.shape, tuple(out))
-
-
 def _approximate(shardings: list[OpSharding], costs: list[float], memories: list[float],
                  keep: int) -> tuple[list[OpSharding], list[float], list[float]]:
     """MindSpore's ``ApproximateStrategies``: the ``keep`` cheapest candidates (stable)."""
@@ -251,128 +166,88 @@ def build_cost_graph(graph: Graph, device_num: int, model: CostModel,
     if input_layouts is None and dataset_strategy is not None:
         input_layouts = dataset_layouts([v.shape for v in graph.inputs], device_num,
                                         dataset_strategy)
-    # dataset_strategy None: graph inputs cost nothing in any layout (MindSpore r1.0 compiling
-    # a network without a _VirtualDataset)
-    inputs = {v.id: lay for v, lay in zip(graph.inputs, input_layouts or ())}
-    plans = {k: tuple(v) for k, v in (parameter_plan or {}).items()}
-    index = {node.id: k for k, node in enumerate(graph.nodes)}
-    # Memory, in trace order: a parameter is counted by its first reader; a value its
-    # producer keeps (the model's keeps_output) is not counted again by a consumer.
-    counted: set[str] = set()
-    involved: set[int] = set()  # values computed from a parameter
-    kept: set[int] = set()      # arrays some op's memory already holds
-    array: dict[int, int] = {}  # a view's value id -> the value whose array it is
-    kept_inputs = getattr(model, "kept_inputs", None) if getattr(
-        model, "shares_arrays", False) else None
+    pricer = Pricer(graph, device_num, model, input_layouts, parameter_plan, enable_alltoall,
+                    follow)
     nodes: list[CostNode] = []
-    signatures: list[tuple[Any, ...]] = []
     priced: dict[tuple[Any, ...], tuple[tuple[OpSharding, ...], tuple[float, ...],
                                         tuple[float, ...]]] = {}
     started = time.perf_counter()
-    for n, node in enumerate(graph.nodes):
-        shapes = [v.shape for v in node.inputs]
-        user = node.op.in_strategy is not None
-        roles = _memory_roles(node, counted, involved, kept, array)
-        sig = _signature(node, inputs, plans, roles)
-        signatures.append(sig)
-        params = {k for k, v in enumerate(node.inputs) if v.kind == "param"}
-        inv = {k for k, (_, i) in enumerate(roles) if i}
-        held = {k for k, (r, _) in enumerate(roles) if r == "held"}
-        if sig not in priced:
-            strategies = ([node.op.in_strategy] if user else
-                          node.op.candidate_strategies(shapes, device_num,
-                                                       fully_use_devices=fully))
-            cands: list[OpSharding] = []
-            costs: list[float] = []
-            mems: list[float] = []
-            new = {k for k, (r, _) in enumerate(roles) if r == "new"}
-            frozen = {k for k, (r, _) in enumerate(roles) if r == "frozen"}
-            itemsize = node.outputs[0].dtype.itemsize
-            in_sizes = tuple(v.dtype.itemsize for v in node.inputs)
-            for strat in strategies:
-                try:
-                    sh = node.op.sharding(shapes, device_num, strat, None if not user else
-                                          node.op.out_strategy, enable_alltoall)
-                except (StrategyError, ValueError):
-                    continue
-                if any(v.kind == "param" and v.name in plans and lay.cuts != plans[v.name]
-                       for v, lay in zip(node.inputs, sh.in_layouts)):
-                    continue
-                cost = model.op(sh, params, itemsize, in_sizes)
-                for k, v in enumerate(node.inputs):
-                    if v.id in inputs:  # a graph input arrives in the dataset's layout
-                        cost += model.edge(plan(inputs[v.id], sh.in_layouts[k],
-                                                enable_alltoall), v.dtype.itemsize)
-                cands.append(sh)
-                costs.append(cost)
-                mems.append(model.memory(sh, new, itemsize, held, in_sizes, inv, frozen))
-            if not cands:
-                raise StrategyError(f"{node.name}: no strategy of {node.op.name} fits shapes "
-                                    f"{shapes} on {device_num} devices")
-            if approxi and not user:
+    for site in pricer.sites:
+        if site.signature not in priced:
+            user = site.node.op.in_strategy
+            strategies = ([user] if user is not None else
+                          site.node.op.candidate_strategies(site.shapes, device_num,
+                                                            fully_use_devices=fully))
+            found = [p for p in (pricer.price(site.index, s) for s in strategies)
+                     if p is not None]
+            if not found:
+                raise StrategyError(f"{site.name}: no strategy of {site.node.op.name} fits "
+                                    f"shapes {list(site.shapes)} on {device_num} devices")
+            cands = [p.sharding for p in found]
+            costs = [p.cost for p in found]
+            mems = [p.memory for p in found]
+            if approxi and not site.user:
                 cands, costs, mems = _approximate(cands, costs, mems, keep)
-            priced[sig] = (tuple(cands), tuple(costs), tuple(mems))
-        cands_t, costs_t, mems_t = priced[sig]
-        nodes.append(CostNode(node, cands_t, costs_t, user, mems_t))
-        counted.update(node.inputs[k].name for k in params)
-        if inv:
-            involved.update(v.id for v in node.outputs)
-        if model.keeps_output(node.op, len(node.inputs), params, inv, held):
-            kept.update(v.id for v in node.outputs)
-        if kept_inputs is not None:  # one array counted once: by its first keeper, via views
-            kept.update(array.get(node.inputs[k].id, node.inputs[k].id)
-                        for k in kept_inputs(node.op, roles))
-            if node.op.output_aliases_input and node.inputs:
-                array[node.outputs[0].id] = array.get(node.inputs[0].id, node.inputs[0].id)
-        if (n + 1) % 200 == 0 or n + 1 == len(graph.nodes):
-            log.info("cost graph: %d/%d ops priced (%d distinct) in %.1f s", n + 1,
-                     len(graph.nodes), len(priced), time.perf_counter() - started)
-    # Many candidates share layouts: each (source, destination) pair is planned and priced
-    # once per build; and an edge between two signatures is built once.
-    moves: dict[tuple[Any, Any, int], float] = {}
-
-    def move(src: TensorLayout, dst: TensorLayout, itemsize: int) -> float:
-        key = (canonical(src), canonical(dst), itemsize)
-        if key not in moves:
-            moves[key] = model.edge(plan(src, dst, enable_alltoall), itemsize)
-        return moves[key]
-
-    def moves_free(src: TensorLayout, dst: TensorLayout) -> bool:
-        return not plan(src, dst, enable_alltoall).steps
-
+            priced[site.signature] = (tuple(cands), tuple(costs), tuple(mems))
+        cands_t, costs_t, mems_t = priced[site.signature]
+        nodes.append(CostNode(site.node, cands_t, costs_t, site.user, mems_t))
+        if (site.index + 1) % 200 == 0 or site.index + 1 == len(pricer.sites):
+            log.info("cost graph: %d/%d ops priced (%d distinct) in %.1f s", site.index + 1,
+                     len(pricer.sites), len(priced), time.perf_counter() - started)
+    # An edge between two signatures is built once; its pairs of layouts priced once each.
     matrices: dict[tuple[Any, ...], tuple[tuple[float, ...], ...]] = {}
     edges = []
-    for c, node in enumerate(graph.nodes):
-        for k, v in enumerate(node.inputs):
-            if v.producer is None:
-                continue
-            p = index[v.producer.id]
-            follows = follow and nodes[p].node.op.name in ELEMENTWISE_OPS
-            key = (signatures[p], v.index, signatures[c], k, follows)
-            if key not in matrices:
-                matrices[key] = tuple(
-                    tuple(math.inf if follows and not moves_free(pc.outputs[v.index][1],
-                                                                  cc.in_layouts[k])
-                          else move(pc.outputs[v.index][1], cc.in_layouts[k],
-                                    v.dtype.itemsize)
-                          for cc in nodes[c].candidates)
-                    for pc in nodes[p].candidates)
-                if approxi and all(math.isinf(x) for row in matrices[key] for x in row):
-                    raise StrategyError(
-                        f"{node.name}: with enable_algo_approxi no kept candidate of it "
-                        f"agrees with its producer {nodes[p].name}; raise "
-                        "algo_approxi_epsilon's reciprocal or disable the approximation")
-            edges.append(CostEdge(p, v.index, c, k, matrices[key]))
+    for e, se in enumerate(pricer.edges):
+        p, c = se.producer, se.consumer
+        key = (pricer.sites[p].kind, se.output, pricer.sites[c].kind, se.input,
+               se.follows)
+        if key not in matrices:
+            matrices[key] = tuple(tuple(pricer.edge_cost(e, pc, cc)
+                                        for cc in nodes[c].candidates)
+                                  for pc in nodes[p].candidates)
+            if approxi and all(math.isinf(x) for row in matrices[key] for x in row):
+                raise StrategyError(
+                    f"{nodes[c].name}: with enable_algo_approxi no kept candidate of it "
+                    f"agrees with its producer {nodes[p].name}; raise "
+                    "algo_approxi_epsilon's reciprocal or disable the approximation")
+        edges.append(CostEdge(p, se.output, c, se.input, matrices[key]))
     log.info("cost graph: %d edges (%d distinct matrices, %d layout pairs priced) in %.1f s",
-             len(edges), len(matrices), len(moves), time.perf_counter() - started)
-    uses: dict[str, list[tuple[int, int]]] = {}
-    for c, node in enumerate(graph.nodes):
-        for k, v in enumerate(node.inputs):
-            if v.kind == "param":
-                uses.setdefault(v.name, []).append((c, k))
-    shared = {name: tuple(u) for name, u in uses.items() if len(u) > 1}
-    return CostGraph(tuple(nodes), tuple(edges), shared, device_num, model.unit,
+             len(edges), len(matrices), pricer.moves_priced, time.perf_counter() - started)
+    return CostGraph(tuple(nodes), tuple(edges), pricer.shared, device_num, model.unit,
                      float(model.memory_capacity))
+
+
+def restricted_cost_graph(pricer: Pricer, candidates: Sequence[Sequence[Strategy]]
+                          ) -> CostGraph:
+    """The cost graph of ``pricer``'s graph whose op ``n`` has the candidates
+    ``candidates[n]`` (strategies the op rejects are dropped): a neighbourhood for a search to
+    refine its plan in exactly. Ops with equal signatures and equal candidate lists share
+    their prices, and edges between such ops their matrices."""
+    nodes: list[CostNode] = []
+    for site, strategies in zip(pricer.sites, candidates):
+        found = [p for p in (pricer.price(site.index, s) for s in dict.fromkeys(strategies))
+                 if p is not None]
+        if not found:
+            raise StrategyError(f"{site.name}: none of the strategies {list(strategies)[:4]} "
+                                f"of {site.node.op.name} is valid for shapes "
+                                f"{list(site.shapes)} on {pricer.device_num} devices")
+        nodes.append(CostNode(site.node, tuple(p.sharding for p in found),
+                              tuple(p.cost for p in found), site.user,
+                              tuple(p.memory for p in found)))
+    matrices: dict[tuple[Any, ...], tuple[tuple[float, ...], ...]] = {}
+    edges = []
+    for e, se in enumerate(pricer.edges):
+        p, c = se.producer, se.consumer
+        key = (pricer.sites[p].kind, tuple(x.strategy for x in nodes[p].candidates),
+               se.output, pricer.sites[c].kind,
+               tuple(x.strategy for x in nodes[c].candidates), se.input, se.follows)
+        if key not in matrices:
+            matrices[key] = tuple(tuple(pricer.edge_cost(e, pc, cc)
+                                        for cc in nodes[c].candidates)
+                                  for pc in nodes[p].candidates)
+        edges.append(CostEdge(p, se.output, c, se.input, matrices[key]))
+    return CostGraph(tuple(nodes), tuple(edges), pricer.shared, pricer.device_num,
+                     pricer.model.unit, float(pricer.model.memory_capacity))
 
 
 def brute_force(cg: CostGraph, limit: int = 1_000_000) -> tuple[tuple[int, ...], float]:

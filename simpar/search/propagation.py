@@ -1,15 +1,15 @@
 """The planners of stand_alone, data_parallel and semi_auto_parallel: a :class:`StrategyMap`
-from the user's strategies, and a forward fill-in for the ops without one.
+from the user's strategies, and sharding propagation for the ops without one.
 
 Pure: shapes, the device count and the redistribution planner; no MPI, no data.
 
-The fill-in walks the graph in order. An op the user annotated with ``.shard()`` keeps its
-strategy (semi_auto_parallel). Any other op takes the candidate strategy that moves the fewest
-bytes from its producers' layouts, then the fewest redistribution steps (even a free local
-slice now can force a gather later), then the most parallel one, then the largest batch cut
-(README, "Unannotated ops follow their producers"). In data_parallel the same rule runs with
-parameters held whole. Parameters take the layout of their ``parameter_plan`` or of their
-first consumer; graph inputs the layout of the dataset strategy.
+An op the user annotated with ``.shard()`` keeps its strategy (semi_auto_parallel). Every
+other op is reached by sharding propagation from the user's ops and the graph inputs (in the
+dataset strategy's layouts), forward and backward, and takes the candidate that moves the
+fewest bytes against its settled neighbours (ties: see
+:mod:`simpar.search.sharding_propagation`; README, "Unannotated ops are filled in by sharding
+propagation"). In data_parallel the same rule runs with parameters held whole. Parameters take
+the layout of their ``parameter_plan`` or of their first settled reader.
 """
 
 from __future__ import annotations
@@ -22,13 +22,12 @@ from typing import Any
 import numpy as np
 
 from simpar import context
-from simpar.cost.collective import sample_ranks
 from simpar.graph import Graph, Node
 from simpar.layout import TensorLayout
-from simpar.ops._base import OpSharding, Strategy, StrategyError
-from simpar.redistribution import RedistributionPlan, plan
 from simpar.search.planner import PlanRequest, search_for
-from simpar.search.strategy_map import OpStrategy, Source, StrategyMap
+from simpar.search.pricing import Pricer
+from simpar.search.sharding_propagation import MovedBytes, propagate
+from simpar.search.strategy_map import StrategyMap
 
 __all__ = ["MODES", "dataset_layouts", "follow_producers", "parameter_plans", "plan_strategies"]
 
@@ -64,33 +63,17 @@ def plan_strategies(graph: Graph, device_num: int, mode: str,
 
 def follow_producers(request: PlanRequest) -> StrategyMap:
     """The planner of stand_alone, data_parallel and semi_auto_parallel: ``.shard()``
-    strategies kept (semi_auto_parallel), every other op filled in from its producers."""
-    graph, device_num, mode = request.graph, request.device_num, request.mode
-    plans, enable_alltoall = request.parameter_plan, request.enable_alltoall
-    layouts: dict[int, TensorLayout] = {}
-    inputs: dict[str, TensorLayout] = {}
-    for v, lay in zip(graph.inputs, request.input_layouts):
-        layouts[v.id] = inputs[v.name] = lay
-    for v in graph.consts:
-        layouts[v.id] = TensorLayout((device_num,), [-1] * v.ndim, v.shape)
-    ops: dict[str, OpStrategy] = {}
-    params: dict[str, TensorLayout] = {}
-    for node in graph.nodes:
-        shapes = [v.shape for v in node.inputs]
-        sh, source = _choose(node, shapes, device_num, mode, layouts, plans, enable_alltoall)
-        if source == Source.USER:
-            _check_plan_against_strategy(node, sh, plans)
-        ops[node.name] = OpStrategy(node.op.name, sh.strategy, _out_strategy(node, source),
-                                    source)
-        for v, need in zip(node.inputs, sh.in_layouts):
-            if v.kind == "param" and v.id not in layouts:
-                layouts[v.id] = params[v.name] = need
-        for v, (_, out, _) in zip(node.outputs, sh.outputs):
-            layouts[v.id] = out
-    for v in graph.params:
-        if v.name not in params:  # unused parameter: keep it replicated
-            params[v.name] = TensorLayout((device_num,), [-1] * v.ndim, v.shape)
-    return StrategyMap(device_num, mode, ops, params, inputs)
+    strategies kept (semi_auto_parallel), every other op filled in by sharding propagation
+    (:func:`~simpar.search.sharding_propagation.propagate`), moving the fewest bytes."""
+    pricer = Pricer(request.graph, request.device_num, MovedBytes(), request.input_layouts,
+                    request.parameter_plan, request.enable_alltoall,
+                    user_strategies=request.mode == "semi_auto_parallel")
+    if request.mode == "semi_auto_parallel":
+        for site in pricer.sites:
+            if site.user:
+                _check_plan_against_strategy(site.node, request.device_num,
+                                             request.parameter_plan, request.enable_alltoall)
+    return propagate(pricer, request.mode, request.input_layouts)
 
 
 def _check_parameter_plan(graph: Graph, plans: Mapping[str, tuple[int, ...]]) -> None:
@@ -111,19 +94,18 @@ def _check_parameter_plan(graph: Graph, plans: Mapping[str, tuple[int, ...]]) ->
                              f"{cuts}")
 
 
-def _check_plan_against_strategy(node: Node, sh: OpSharding,
-                                 plans: Mapping[str, tuple[int, ...]]) -> None:
+def _check_plan_against_strategy(node: Node, device_num: int,
+                                 plans: Mapping[str, tuple[int, ...]],
+                                 enable_alltoall: bool) -> None:
     """A parameter plan and the ``.shard()`` strategy of the op that reads the parameter
     must agree: simpar would otherwise silently follow one of them."""
+    sh = node.op.sharding([v.shape for v in node.inputs], device_num,
+                          enable_alltoall=enable_alltoall)
     for v, lay in zip(node.inputs, sh.in_layouts):
         if v.kind == "param" and v.name in plans and lay.cuts != plans[v.name]:
             raise ValueError(f"parameter_plan gives {v.name} the cuts {plans[v.name]}, but "
                              f"{node.name} (.shard({[list(c) for c in sh.strategy]})) reads it "
                              f"cut {lay.cuts}; make them agree, or drop one of them")
-
-
-def _out_strategy(node: Node, source: Source) -> Strategy | None:
-    return node.op.out_strategy if source == Source.USER else None
 
 
 def parameter_plans(cell: Any) -> dict[str, tuple[int, ...]]:
@@ -169,73 +151,3 @@ def dataset_layouts(shapes: Sequence[Sequence[int]], device_num: int,
     return out
 
 
-def _moved_bytes(p: RedistributionPlan) -> int:
-    """The busiest sampled rank's bytes sent plus received, per element byte."""
-    return max(p.recv_bytes(r, 1) + p.send_bytes(r, 1)
-               for r in sample_ranks(p.src.device_num)) if p.steps else 0
-
-
-def _follow_strategy(node: Node, known: dict[int, TensorLayout]) -> Strategy:
-    """Cuts that keep every activation input where it already is (params and consts free)."""
-    cuts = []
-    for v in node.inputs:
-        lay = known.get(v.id)
-        cuts.append(lay.cuts if lay is not None and v.kind in ("op", "input") else
-                    (1,) * v.ndim)
-    return tuple(cuts)
-
-
-def _param_cuts_ok(node: Node, strat: Strategy, mode: str,
-                   plans: Mapping[str, tuple[int, ...]]) -> bool:
-    for v, cuts in zip(node.inputs, strat):
-        if v.kind != "param":
-            continue
-        if v.name in plans and tuple(cuts) != plans[v.name]:
-            return False
-        if mode == "data_parallel" and any(c != 1 for c in cuts):
-            return False
-    return True
-
-
-def _choose(node: Node, shapes: list[tuple[int, ...]], device_num: int, mode: str,
-            known: dict[int, TensorLayout], param_plans: Mapping[str, tuple[int, ...]],
-            enable_alltoall: bool) -> tuple[OpSharding, Source]:
-    op = node.op
-    if mode == "semi_auto_parallel" and op.in_strategy is not None:
-        return op.sharding(shapes, device_num, enable_alltoall=enable_alltoall), Source.USER
-
-    def score(sh: OpSharding) -> tuple[int, int, int, int]:
-        cost = steps = 0
-        for v, lay in zip(node.inputs, sh.in_layouts):
-            src = known.get(v.id)
-            if src is not None and v.kind in ("op", "input"):
-                p = plan(src, lay, enable_alltoall)
-                cost += _moved_bytes(p)
-                steps += len(p.steps)
-        batch_cut = -sh.in_layouts[0].cuts[0] if sh.in_layouts and sh.in_layouts[0].ndim else 0
-        return cost, steps, sh.repeat, batch_cut
-
-    source = Source.DATA_PARALLEL if mode == "data_parallel" else Source.PROPAGATED
-    follow = _follow_strategy(node, known)
-    if _param_cuts_ok(node, follow, mode, param_plans):
-        try:
-            sh = op.sharding(shapes, device_num, follow, enable_alltoall=enable_alltoall)
-            if score(sh)[:2] == (0, 0):  # no byte and no step to move: nothing can beat it
-                return sh, source
-        except (StrategyError, ValueError):
-            pass
-    best: tuple[tuple[int, int, int, int], OpSharding] | None = None
-    for strat in op.candidate_strategies(shapes, device_num, fully_use_devices=False):
-        if not _param_cuts_ok(node, strat, mode, param_plans):
-            continue
-        try:
-            sh = op.sharding(shapes, device_num, strat, enable_alltoall=enable_alltoall)
-        except (StrategyError, ValueError):
-            continue
-        key = score(sh)
-        if best is None or key < best[0]:
-            best = (key, sh)
-    if best is None:
-        raise StrategyError(f"{node.name}: no valid strategy for shapes {shapes} on "
-                            f"{device_num} devices")
-    return best[1], source

@@ -1,0 +1,327 @@
+"""Prices of one graph's strategies and moves, on demand: what every search of auto_parallel
+reads (pure: shapes only, no MPI, no data).
+
+A :class:`Pricer` walks the traced graph once, in trace order, and records for each op what its
+price depends on: its signature (op, attributes, shapes, where each input comes from, how its
+memory treats each input), and the edges it has. Then:
+
+- :meth:`Pricer.price` gives one strategy of one op its cost and memory under the cost model,
+  including moving any graph input it reads from the dataset's layout;
+- :meth:`Pricer.move` prices one redistribution, planned by the real planner (what is costed
+  is what runs).
+
+Both are memoised: ops with one signature (the same op at the same place of two identical
+layers) are priced once per strategy, and layouts that give every rank the same block
+(:func:`canonical`) share one move. Dynamic programming and the ILP enumerate every candidate
+and every edge through it (:func:`~simpar.search.cost_graph.build_cost_graph`); recursive
+programming and sharding propagation ask only for what they visit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from simpar.cost.interface import CostModel
+from simpar.graph import Graph, Node
+from simpar.layout import TensorLayout
+from simpar.ops._base import OpSharding, Strategy, StrategyError
+from simpar.redistribution import RedistributionPlan, plan
+
+__all__ = ["ELEMENTWISE_OPS", "Priced", "Pricer", "Site", "SiteEdge", "canonical"]
+
+#: MindSpore's elementwise operators (``IsElementWiseOperator``: the unary ones). Under
+#: ``set_algo_parameters(elementwise_op_strategy_follow=True)`` an edge leaving one is an
+#: identity edge: its consumer reads the value in the layout it is produced, no redistribution.
+ELEMENTWISE_OPS = frozenset({
+    "Abs", "Cast", "Exp", "GeLU", "Log", "LogSoftmax", "Neg", "ReLU", "Sigmoid", "Softmax",
+    "Sqrt", "Square", "Tanh"})
+
+
+@dataclass(frozen=True)
+class Site:
+    """One op as the pricer sees it. ``roles[k]`` says how the op's memory treats input k
+    ("new" trainable parameter, "frozen" parameter, "held" elsewhere, "free") and whether it
+    is computed from a parameter; ``inputs`` maps input positions to graph-input layouts."""
+
+    index: int
+    node: Node
+    signature: tuple[Any, ...]
+    #: A small number equal for equal signatures (cheap to hash).
+    kind: int
+    shapes: tuple[tuple[int, ...], ...]
+    roles: tuple[tuple[str, bool], ...]
+    user: bool
+    inputs: Mapping[int, TensorLayout]
+
+    @property
+    def name(self) -> str:
+        return self.node.name
+
+    @property
+    def params(self) -> frozenset[int]:
+        """Input positions that read a parameter."""
+        return frozenset(k for k, v in enumerate(self.node.inputs) if v.kind == "param")
+
+    def positions(self, role: str) -> frozenset[int]:
+        return frozenset(k for k, (r, _) in enumerate(self.roles) if r == role)
+
+
+@dataclass(frozen=True)
+class SiteEdge:
+    """``producer``'s output ``output`` feeds ``consumer``'s input ``input`` (node indices);
+    ``follows``: the producer is elementwise and elementwise_op_strategy_follow is on."""
+
+    producer: int
+    output: int
+    consumer: int
+    input: int
+    itemsize: int
+    follows: bool = False
+
+
+_MISSING: Any = object()
+
+
+@dataclass(frozen=True)
+class Priced:
+    """One strategy of one op: its sharding, its cost (kernels, own collectives, Mirror,
+    moving graph inputs) and its memory per rank."""
+
+    sharding: OpSharding
+    cost: float
+    memory: float
+
+
+def _memory_roles(node: Node, counted: set[str], involved: set[int], kept: set[int],
+                  array: Mapping[int, int]) -> tuple[tuple[str, bool], ...]:
+    """Per input, how the op's memory treats it: "new" (a trainable parameter no earlier op
+    counts; its first position only), "frozen" (the same, not trainable), "held" (a parameter
+    counted already, or a value an earlier op's memory holds), "free" (the op's to keep or
+    not); and whether it is computed from a parameter (MindSpore's ``is_parameter_involve``)."""
+    roles = []
+    seen: set[str] = set()
+    for v in node.inputs:
+        if v.kind == "param":
+            role = "held" if v.name in counted or v.name in seen else (
+                "new" if v.param is None or v.param.requires_grad else "frozen")
+            seen.add(v.name)
+        else:
+            role = "held" if array.get(v.id, v.id) in kept else "free"
+        roles.append((role, v.kind == "param" or v.id in involved))
+    return tuple(roles)
+
+
+def _signature(node: Node, inputs: Mapping[int, TensorLayout],
+               plans: Mapping[str, tuple[int, ...]], roles: tuple[tuple[str, bool], ...]
+               ) -> tuple[Any, ...]:
+    """What a node's candidates, costs and memories depend on: equal signatures (the same op
+    at the same place of two identical layers) share one computation."""
+    ins = []
+    for v in node.inputs:
+        where: Any = v.kind
+        if v.id in inputs:
+            where = ("input", inputs[v.id])
+        elif v.kind == "param":
+            where = ("param", plans.get(v.name))
+        ins.append((v.shape, v.dtype.str, where))
+    return (type(node.op), repr(node.op), node.op.out_strategy, tuple(ins), roles,
+            tuple((v.shape, v.dtype.str) for v in node.outputs))
+
+
+@lru_cache(maxsize=1 << 16)
+def canonical(layout: TensorLayout) -> tuple[Any, ...]:
+    """A key equal for layouts that give every rank the same block and the same pending sums,
+    however their device matrices are written: axes of size 1 dropped, and neighbouring axes
+    merged when both are replicas, both pending sums, or successive splits of one dimension.
+    (Pure arithmetic on the device matrix; ``same_blocks`` compares every rank's block.)"""
+    dm = layout.device_matrix
+    roles: list[Any] = [("rep",)] * len(dm)
+    for d, axes in enumerate(layout.dim_axes):
+        for k, a in enumerate(x for x in axes if dm[x] > 1):  # outer first, size-1 dropped
+            roles[a] = ("dim", d, k)
+    for a in layout.partial_axes:
+        roles[a] = ("partial",)
+    merged: list[list[Any]] = []
+    for size, role in zip(layout.device_matrix, roles):
+        if size == 1:
+            continue
+        if merged:
+            last = merged[-1]
+            same = role[0] == last[1][0] and role[0] in ("rep", "partial")
+            follows = (role[0] == "dim" == last[1][0] and role[1] == last[1][1]
+                       and role[2] == last[1][2] + 1)
+            if same or follows:
+                last[0] *= size
+                last[1] = role
+                continue
+        merged.append([size, role])
+    # Positions within a dimension only order its axes (outer first): after merging, each
+    # merged axis takes its rank among its dimension's.
+    ks: dict[int, list[int]] = {}
+    for _, role in merged:
+        if role[0] == "dim":
+            ks.setdefault(role[1], []).append(role[2])
+    out = []
+    for size, role in merged:
+        if role[0] == "dim":
+            role = ("dim", role[1], sorted(ks[role[1]]).index(role[2]))
+        out.append((size, role))
+    return (layout.shape, tuple(out))
+
+
+class Pricer:
+    """Prices strategies of ``graph``'s ops and moves between layouts under ``model``.
+
+    ``input_layouts`` are the graph inputs' layouts (None: free in any layout, as in
+    MindSpore r1.0's networks compiled without a ``_VirtualDataset``); ``parameter_plan`` maps
+    parameter names to the cuts every reader must use; ``follow`` turns edges out of
+    elementwise ops into identity edges (elementwise_op_strategy_follow);
+    ``user_strategies=False`` ignores ``.shard()`` strategies (data_parallel, stand_alone).
+    """
+
+    def __init__(self, graph: Graph, device_num: int, model: CostModel,
+                 input_layouts: Sequence[TensorLayout] | None = None,
+                 parameter_plan: Mapping[str, Sequence[int]] | None = None,
+                 enable_alltoall: bool = False, follow: bool = False,
+                 user_strategies: bool = True) -> None:
+        self.graph, self.device_num, self.model = graph, device_num, model
+        self.enable_alltoall = enable_alltoall
+        self.plans = {k: tuple(v) for k, v in (parameter_plan or {}).items()}
+        inputs = {v.id: lay for v, lay in zip(graph.inputs, input_layouts or ())}
+        index = {node.id: k for k, node in enumerate(graph.nodes)}
+        # Memory, in trace order: a parameter is counted by its first reader; a value its
+        # producer keeps (the model's keeps_output) is not counted again by a consumer.
+        counted: set[str] = set()
+        involved: set[int] = set()  # values computed from a parameter
+        kept: set[int] = set()      # arrays some op's memory already holds
+        array: dict[int, int] = {}  # a view's value id -> the value whose array it is
+        kept_inputs = getattr(model, "kept_inputs", None) if getattr(
+            model, "shares_arrays", False) else None
+        sites: list[Site] = []
+        edges: list[SiteEdge] = []
+        kinds: dict[tuple[Any, ...], int] = {}
+        for n, node in enumerate(graph.nodes):
+            roles = _memory_roles(node, counted, involved, kept, array)
+            mine = {k: inputs[v.id] for k, v in enumerate(node.inputs) if v.id in inputs}
+            signature = _signature(node, inputs, self.plans, roles)
+            site = Site(n, node, signature, kinds.setdefault(signature, len(kinds)),
+                        tuple(tuple(v.shape) for v in node.inputs), roles,
+                        user_strategies and node.op.in_strategy is not None, mine)
+            sites.append(site)
+            params = site.params
+            inv = {k for k, (_, i) in enumerate(roles) if i}
+            counted.update(node.inputs[k].name for k in params)
+            if inv:
+                involved.update(v.id for v in node.outputs)
+            if model.keeps_output(node.op, len(node.inputs), params, inv, site.positions("held")):
+                kept.update(v.id for v in node.outputs)
+            if kept_inputs is not None:  # one array counted once: by its first keeper
+                kept.update(array.get(node.inputs[k].id, node.inputs[k].id)
+                            for k in kept_inputs(node.op, roles))
+                if node.op.output_aliases_input and node.inputs:
+                    array[node.outputs[0].id] = array.get(node.inputs[0].id, node.inputs[0].id)
+            for k, v in enumerate(node.inputs):
+                if v.producer is not None:
+                    p = index[v.producer.id]
+                    edges.append(SiteEdge(p, v.index, n, k, v.dtype.itemsize,
+                                          follow and graph.nodes[p].op.name in ELEMENTWISE_OPS))
+        self.sites: tuple[Site, ...] = tuple(sites)
+        self.edges: tuple[SiteEdge, ...] = tuple(edges)
+        self.in_edges: list[list[int]] = [[] for _ in sites]
+        self.out_edges: list[list[int]] = [[] for _ in sites]
+        for e, edge in enumerate(edges):
+            self.in_edges[edge.consumer].append(e)
+            self.out_edges[edge.producer].append(e)
+        uses: dict[str, list[tuple[int, int]]] = {}
+        for site in sites:
+            for k in sorted(site.params):
+                uses.setdefault(site.node.inputs[k].name, []).append((site.index, k))
+        #: Parameters read by several ops: (node index, input position) of each read.
+        self.shared = {name: tuple(u) for name, u in uses.items() if len(u) > 1}
+        self._priced: dict[tuple[int, Strategy], Priced | None] = {}
+        self._moves: dict[tuple[Any, Any, int], float] = {}
+
+    def sharding(self, n: int, strategy: Strategy) -> OpSharding | None:
+        """Op ``n`` under ``strategy`` (None: the op rejects it, or it cuts a parameter
+        otherwise than the parameter's plan)."""
+        priced = self.price(n, strategy)
+        return None if priced is None else priced.sharding
+
+    def price(self, n: int, strategy: Strategy) -> Priced | None:
+        """Cost and memory of op ``n`` under ``strategy`` (None, as :meth:`sharding`)."""
+        site = self.sites[n]
+        key = (site.kind, strategy)
+        found = self._priced.get(key, _MISSING)
+        if found is not _MISSING:
+            return found
+        node = site.node
+        found = None
+        try:
+            sh = node.op.sharding(site.shapes, self.device_num, strategy,
+                                  node.op.out_strategy if site.user else None,
+                                  self.enable_alltoall)
+        except (StrategyError, ValueError):
+            sh = None
+        if sh is not None and not any(
+                v.kind == "param" and v.name in self.plans and lay.cuts != self.plans[v.name]
+                for v, lay in zip(node.inputs, sh.in_layouts)):
+            itemsize = node.outputs[0].dtype.itemsize
+            in_sizes = tuple(v.dtype.itemsize for v in node.inputs)
+            params = site.params
+            cost = self.model.op(sh, params, itemsize, in_sizes)
+            for k, lay in site.inputs.items():  # a graph input arrives in the dataset's layout
+                cost += self.move(lay, sh.in_layouts[k], node.inputs[k].dtype.itemsize)
+            involved = {k for k, (_, i) in enumerate(site.roles) if i}
+            memory = self.model.memory(sh, site.positions("new"), itemsize,
+                                       site.positions("held"), in_sizes, involved,
+                                       site.positions("frozen"))
+            found = Priced(sh, cost, memory)
+        self._priced[key] = found
+        return found
+
+    def plan(self, src: TensorLayout, dst: TensorLayout) -> RedistributionPlan:
+        return plan(src, dst, self.enable_alltoall)
+
+    def move(self, src: TensorLayout, dst: TensorLayout, itemsize: int) -> float:
+        """The model's cost of redistributing a value from ``src`` to ``dst``."""
+        key = (canonical(src), canonical(dst), itemsize)
+        found = self._moves.get(key)
+        if found is None:
+            found = self._moves[key] = self.model.edge(self.plan(src, dst), itemsize)
+        return found
+
+    @property
+    def moves_priced(self) -> int:
+        return len(self._moves)
+
+    def edge_cost(self, e: int, producer: OpSharding, consumer: OpSharding) -> float:
+        """Edge ``e`` between a producer and a consumer sharding (``inf`` for a followed
+        elementwise producer whose layout the consumer would move)."""
+        edge = self.edges[e]
+        src = producer.outputs[edge.output][1]
+        dst = consumer.in_layouts[edge.input]
+        if edge.follows:
+            return 0.0 if not self.plan(src, dst).steps else math.inf
+        return self.move(src, dst, edge.itemsize)
+
+    def total(self, strategies: Sequence[OpSharding]) -> float:
+        """The objective of one sharding per op: their costs and every edge's move."""
+        cost = 0.0
+        for site, sh in zip(self.sites, strategies):
+            priced = self.price(site.index, sh.strategy)
+            cost += math.inf if priced is None else priced.cost
+        for e, edge in enumerate(self.edges):
+            cost += self.edge_cost(e, strategies[edge.producer], strategies[edge.consumer])
+        return cost
+
+    def memory(self, strategies: Sequence[OpSharding]) -> float:
+        """Bytes per rank of one sharding per op."""
+        total = 0.0
+        for site, sh in zip(self.sites, strategies):
+            priced = self.price(site.index, sh.strategy)
+            total += math.inf if priced is None else priced.memory
+        return total

@@ -1,0 +1,316 @@
+"""search_mode "recursive_programming": MindSpore's rec search, on simpar's cost model.
+
+**Bisection rounds (MindSpore's rec).** Every op starts whole (strategy all ones; cuts a
+parameter plan imposes are kept). The device count is split into its prime factors
+(``log2(n)`` halvings for a power of two, MindSpore's case); each factor ``p`` is one round. In
+a round the ops are visited in reverse graph order (MindSpore's default ``TopologyOrder``), and
+each multiplies the cut of one of its iteration dimensions by ``p``, or keeps its strategy
+(MindSpore's "no cut" option): whichever minimises its own cost plus the redistribution
+against the neighbours already settled in this round (a neighbour not yet visited will be cut
+too, so, as in MindSpore's ``CostRedis``, it does not count yet). An op that keeps its
+strategy is computed by several ranks alike (MindSpore's repeated calculation). Strategies set
+with ``.shard()`` are kept and count as settled from the start, so their neighbours adapt.
+
+**Shared parameters.** A parameter read by several ops has one layout (MindSpore keeps one per
+parameter): its first ``.shard()`` reader's, else its first reader in visiting order; every
+other reader takes its cheapest strategy that reads the parameter so. When a ``.shard()``
+reader disagrees, or no strategy of a reader fits, the error names both ops and the parameter.
+
+**Refinement (simpar's own).** Greedy rounds cannot move two neighbours at once: a Megatron
+pair, or data parallel turning into data x model parallel, takes several ops changing
+together. So the plan is then refined exactly within its neighbourhood: every op may keep its
+strategy, move one prime factor of its cuts from one iteration dimension to another, drop one,
+or add one where devices are left, and dynamic programming picks the best combination of
+those under the memory cap, again until nothing changes (at most ``refine`` times, default 4).
+Each refinement is a small cost graph (a few candidates per op) solved by the same
+eliminations as ``dynamic_programming``; ``refine=0`` gives MindSpore's rounds alone.
+
+**Memory check.** A plan over the memory capacity raises :class:`NoAvailableCost` (MindSpore
+r1.x: "Failure: Out of memory!") with the plan's bytes per rank and the op that needs most.
+
+Every step prices through the shared :class:`~simpar.search.pricing.Pricer`, and a round's
+decision is remembered per (op signature, strategy, settled neighbours' layouts): the
+identical layers of a deep model decide once, and planning grows linearly with depth.
+
+Reference: Wang et al., "Efficient and Systematic Partitioning of Large and Deep Neural
+Networks for Parallelization", Euro-Par 2021; MindSpore's ``rec_core``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from simpar.ops._base import IterSpace, OpSharding, Strategy
+from simpar.search.cost_graph import restricted_cost_graph
+from simpar.search.dynamic_programming import NoAvailableCost, solve_dynamic_programming
+from simpar.search.pricing import Pricer, canonical
+
+__all__ = ["RecSolution", "prime_factors", "solve_recursive_programming"]
+
+log = logging.getLogger("simpar.search")
+
+
+def prime_factors(n: int) -> list[int]:
+    """``n``'s prime factors, largest first: one bisection round each (8 -> [2, 2, 2])."""
+    out, f = [], 2
+    while f * f <= n:
+        while n % f == 0:
+            out.append(f)
+            n //= f
+        f += 1
+    if n > 1:
+        out.append(n)
+    return sorted(out, reverse=True)
+
+
+@dataclass(frozen=True)
+class RecSolution:
+    """One sharding per op (trace order), the objective, the memory per rank, the objective
+    the rounds alone reached, and how many decisions the rounds made (and remembered)."""
+
+    shardings: tuple[OpSharding, ...]
+    cost: float
+    memory: float
+    rounds_cost: float
+    decisions: int
+    remembered: int
+
+
+def _strategy(space: IterSpace, cuts: dict[str, int]) -> Strategy:
+    return tuple(tuple(cuts[it] if it is not None else 1 for it in dims)
+                 for dims in space.inputs)
+
+
+def _listed(strategy: Strategy) -> list[list[int]]:
+    return [list(s) for s in strategy]
+
+
+class _Rec:
+    """The rounds' state: one sharding per op, and which ops are settled in this round."""
+
+    def __init__(self, pricer: Pricer) -> None:
+        self.pr = pricer
+        self.state: list[OpSharding] = []
+        self.used: list[int] = []
+        for site in pricer.sites:
+            strat = site.node.op.in_strategy
+            if strat is None:
+                strat = self._start(site.index)
+            priced = pricer.price(site.index, strat)
+            if priced is None:
+                raise ValueError(
+                    f"recursive_programming: {site.name} ({site.node.op.name}) has no valid "
+                    f"starting strategy {_listed(strat)} on {pricer.device_num} devices for "
+                    f"shapes {list(site.shapes)}")
+            self.state.append(priced.sharding)
+            self.used.append(pricer.device_num // priced.sharding.repeat)
+        self.settled = [site.user for site in pricer.sites]
+        self.decisions = self.remembered = 0
+        self._memo: dict[tuple[Any, ...], Strategy] = {}
+
+    def _space(self, n: int) -> tuple[IterSpace, dict[str, int], dict[str, int]]:
+        """The op's iteration space, each iteration dimension's size and its current cut."""
+        site = self.pr.sites[n]
+        space = site.node.op.iter_space(*site.shapes)
+        sizes: dict[str, int] = {}
+        cuts = dict.fromkeys(space.order, 1)
+        for dims, shape, strat in zip(space.inputs, site.shapes, self.state[n].strategy):
+            for it, size, c in zip(dims, shape, strat):
+                if it is not None:
+                    sizes[it], cuts[it] = size, c
+        return space, sizes, cuts
+
+    def _start(self, n: int) -> Strategy:
+        """All ones, except the cuts that parameter plans impose on their readers."""
+        site = self.pr.sites[n]
+        space = site.node.op.iter_space(*site.shapes)
+        cuts = dict.fromkeys(space.order, 1)
+        for k in site.params:
+            want = self.pr.plans.get(site.node.inputs[k].name)
+            if want is not None:
+                for it, c in zip(space.inputs[k], want):
+                    if it is not None:
+                        cuts[it] = c
+        return _strategy(space, cuts)
+
+    def successors(self, n: int, p: int) -> list[Strategy]:
+        """The op's strategies with one iteration dimension cut ``p`` times more."""
+        space, sizes, cuts = self._space(n)
+        return [_strategy(space, {**cuts, it: cuts[it] * p}) for it in space.order
+                if it not in space.unsplittable and sizes.get(it, 1) % (cuts[it] * p) == 0]
+
+    def neighbourhood(self, n: int) -> list[Strategy]:
+        """The op's strategy and those one step from it: one prime factor of a cut moved to
+        another iteration dimension, dropped, or (while devices are left) added."""
+        space, sizes, cuts = self._space(n)
+        out = [self.state[n].strategy]
+        for a in space.order:
+            for p in sorted(set(prime_factors(cuts[a]))):
+                out.append(_strategy(space, {**cuts, a: cuts[a] // p}))
+                for b in space.order:
+                    c = cuts[b] * p
+                    if b != a and b not in space.unsplittable and sizes.get(b, 1) % c == 0:
+                        out.append(_strategy(space, {**cuts, a: cuts[a] // p, b: c}))
+        for p in sorted(set(prime_factors(self.pr.device_num // self.used[n]))):
+            out.extend(self.successors(n, p))
+        return out
+
+    def local_cost(self, n: int, sh: OpSharding, cost: float, everyone: bool = False
+                   ) -> float:
+        """The op's own cost plus its edges against its settled neighbours' layouts (every
+        neighbour's with ``everyone``)."""
+        pr, settled = self.pr, self.settled
+        total = cost
+        for e in pr.in_edges[n]:
+            p = pr.edges[e].producer
+            if everyone or settled[p]:
+                total += pr.edge_cost(e, self.state[p], sh)
+        for e in pr.out_edges[n]:
+            c = pr.edges[e].consumer
+            if everyone or settled[c]:
+                total += pr.edge_cost(e, sh, self.state[c])
+        return total
+
+    def _key(self, n: int, p: int) -> tuple[Any, ...]:
+        pr, settled = self.pr, self.settled
+        ins = tuple((pr.edges[e].input, canonical(
+            self.state[pr.edges[e].producer].outputs[pr.edges[e].output][1]),
+            pr.edges[e].follows) for e in pr.in_edges[n] if settled[pr.edges[e].producer])
+        outs = tuple((pr.edges[e].output, canonical(
+            self.state[pr.edges[e].consumer].in_layouts[pr.edges[e].input]),
+            pr.edges[e].follows) for e in pr.out_edges[n] if settled[pr.edges[e].consumer])
+        return (pr.sites[n].kind, self.state[n].strategy, p, ins, outs)
+
+    def set(self, n: int, strategy: Strategy) -> None:
+        priced = self.pr.price(n, strategy)
+        assert priced is not None, (self.pr.sites[n].name, strategy)
+        self.state[n] = priced.sharding
+        self.used[n] = self.pr.device_num // priced.sharding.repeat
+
+    def cut(self, n: int, p: int) -> None:
+        """Op ``n`` takes its cheapest successor (the first of equals), if it has one."""
+        key = self._key(n, p)
+        self.decisions += 1
+        chosen = self._memo.get(key)
+        if chosen is not None:
+            self.remembered += 1
+        else:
+            # Not cutting competes too (MindSpore's "no cut" option): a cut that costs more
+            # in communication than it saves in computation leaves the op as it is.
+            best: tuple[float, Strategy] | None = None
+            for strat in [*self.successors(n, p), self.state[n].strategy]:
+                priced = self.pr.price(n, strat)
+                if priced is None:
+                    continue
+                cost = self.local_cost(n, priced.sharding, priced.cost)
+                if best is None or cost < best[0]:
+                    best = (cost, strat)
+            chosen = best[1] if best is not None else self.state[n].strategy
+            self._memo[key] = chosen
+        self.set(n, chosen)
+        self.settled[n] = True
+
+    def unify_shared(self, order: list[int]) -> None:
+        """One layout per shared parameter: its first ``.shard()`` reader's, else its first
+        reader's in visiting order."""
+        pr = self.pr
+        rank = {n: k for k, n in enumerate(order)}
+        for name, uses in pr.shared.items():
+            readers = sorted(uses, key=lambda u: (not pr.sites[u[0]].user, rank.get(u[0], -1)))
+            lead, lead_k = readers[0]
+            want = self.state[lead].in_layouts[lead_k]
+            for n, k in readers[1:]:
+                if canonical(self.state[n].in_layouts[k]) == canonical(want):
+                    continue
+                if pr.sites[n].user:
+                    raise ValueError(
+                        f"recursive_programming: parameter {name} is read by "
+                        f"{pr.sites[lead].name} cut {want.cuts} and by {pr.sites[n].name} "
+                        f"(.shard({_listed(self.state[n].strategy)})) cut "
+                        f"{self.state[n].in_layouts[k].cuts}; a shared parameter has one "
+                        "layout: make the two strategies agree")
+                self.set(n, self._reader_like(n, k, want, name, lead))
+
+    def _reader_like(self, n: int, k: int, want: Any, name: str, lead: int) -> Strategy:
+        pr, site = self.pr, self.pr.sites[n]
+        best: tuple[float, Strategy] | None = None
+        for strat in site.node.op.candidate_strategies(site.shapes, pr.device_num,
+                                                       fully_use_devices=False):
+            priced = pr.price(n, strat)
+            if priced is None or canonical(priced.sharding.in_layouts[k]) != canonical(want):
+                continue
+            cost = self.local_cost(n, priced.sharding, priced.cost, everyone=True)
+            if best is None or cost < best[0]:
+                best = (cost, strat)
+        if best is None:
+            raise ValueError(f"recursive_programming: parameter {name} is cut {want.cuts} by "
+                             f"{pr.sites[lead].name}, and no strategy of {site.name} "
+                             f"({site.node.op.name}) reads it so")
+        return best[1]
+
+    def refine(self) -> bool:
+        """The best plan within one step of every op's strategy (dynamic programming over
+        that neighbourhood); False when nothing changed or nothing there fits in memory."""
+        cg = restricted_cost_graph(self.pr, [
+            [self.state[s.index].strategy] if s.user else self.neighbourhood(s.index)
+            for s in self.pr.sites])
+        try:
+            choice = solve_dynamic_programming(cg).choice
+        except NoAvailableCost:
+            return False
+        changed = False
+        for n, (node, c) in enumerate(zip(cg.nodes, choice)):
+            if node.candidates[c].strategy != self.state[n].strategy:
+                self.set(n, node.candidates[c].strategy)
+                changed = True
+        return changed
+
+
+def solve_recursive_programming(pricer: Pricer, refine: int = 4) -> RecSolution:
+    """Recursive programming over ``pricer``'s graph: MindSpore's bisection rounds, then
+    ``refine`` exact refinements within one swap of the plan (see the module docstring)."""
+    started = time.perf_counter()
+    rec = _Rec(pricer)
+    order = [s.index for s in reversed(pricer.sites) if not s.user]
+    target = 1
+    for r, p in enumerate(prime_factors(pricer.device_num)):
+        target *= p
+        rec.settled = [s.user or rec.used[s.index] >= target for s in pricer.sites]
+        for n in order:
+            if rec.used[n] < target:
+                rec.cut(n, p)
+        log.info("recursive_programming: round %d (cut by %d) in %.2f s", r + 1, p,
+                 time.perf_counter() - started)
+    rec.unify_shared(order)
+    rounds_cost = pricer.total(rec.state)
+    for k in range(refine):
+        if not rec.refine():
+            break
+        log.info("recursive_programming: refinement %d in %.2f s", k + 1,
+                 time.perf_counter() - started)
+    memory = pricer.memory(rec.state)
+    capacity = float(pricer.model.memory_capacity)
+    if memory > capacity:
+        mems = [_memory(pricer, sh, n) for n, sh in enumerate(rec.state)]
+        worst = max(range(len(mems)), key=mems.__getitem__)
+        raise NoAvailableCost(
+            f"No available cost: recursive_programming's plan needs {memory:.0f} bytes per "
+            f"rank, over the memory capacity of {capacity:.0f} (Failure: Out of memory!); "
+            f"the op that needs most of it is {pricer.sites[worst].name} ({mems[worst]:.0f} "
+            f"bytes, strategy {_listed(rec.state[worst].strategy)}). dynamic_programming "
+            "searches under the cap; or use more devices")
+    cost = pricer.total(rec.state)
+    log.info("recursive_programming: %d decisions (%d remembered), objective %.6g (rounds "
+             "alone %.6g) in %.2f s", rec.decisions, rec.remembered, cost, rounds_cost,
+             time.perf_counter() - started)
+    return RecSolution(tuple(rec.state), cost, memory, rounds_cost, rec.decisions,
+                       rec.remembered)
+
+
+def _memory(pricer: Pricer, sh: OpSharding, n: int) -> float:
+    priced = pricer.price(n, sh.strategy)
+    return priced.memory if priced is not None else math.inf
