@@ -47,7 +47,7 @@ def plan_once(spec: dict) -> dict:
     from simpar.search.cost_graph import build_cost_graph
     from simpar.search.dynamic_programming import solve_dynamic_programming
     from simpar.search.exact import solve_exact
-    from simpar.search.pricing import Pricer
+    from simpar.search.pricing import NoAvailableCost, Pricer
     from simpar.search.propagation import dataset_layouts
     from simpar.search.recursive_programming import solve_recursive_programming
     from simpar.search.sharding_propagation import propagate
@@ -63,13 +63,18 @@ def plan_once(spec: dict) -> dict:
         inputs = dataset_layouts([v.shape for v in g.inputs], spec["devices"], "data_parallel")
         pricer = Pricer(g, spec["devices"], model, inputs)
         built = time.perf_counter()
-        if spec["mode"] == "recursive_programming":
-            shardings = list(solve_recursive_programming(pricer).shardings)
-        else:
-            smap = propagate(pricer, "auto_parallel", inputs)
-            priced = [pricer.price(s.index, smap.ops[s.name].in_strategy)
-                      for s in pricer.sites]
-            shardings = [p.sharding for p in priced if p is not None]
+        try:
+            if spec["mode"] == "recursive_programming":
+                shardings = list(solve_recursive_programming(pricer).shardings)
+            else:
+                smap = propagate(pricer, "auto_parallel", inputs)
+                priced = [pricer.price(s.index, smap.ops[s.name].in_strategy)
+                          for s in pricer.sites]
+                shardings = [p.sharding for p in priced if p is not None]
+        except NoAvailableCost as e:  # the time to find out counts as planning time
+            need = float(str(e).split("plan needs ")[1].split(" bytes")[0])
+            return {"error": f"its plan needs {need / 2**30:.0f} GiB per rank, over the cap",
+                    "build": built - start, "solve": time.perf_counter() - built}
         done = time.perf_counter()
         return {"ops": len(g.nodes), "candidates": 0, "build": built - start,
                 "solve": done - built, "objective": pricer.total(shardings),
@@ -124,6 +129,12 @@ def main(argv: list[str] | None = None) -> int:
                    choices=list(GPT_SUITE))
     p.add_argument("--devices", nargs="+", type=int, default=[8, 64])
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--exact-up-to", type=int, default=8, metavar="N",
+                   help="run exact only on up to N devices (default 8: beyond, HiGHS does "
+                   "not finish in minutes)")
+    p.add_argument("--dp-up-to", type=int, default=64, metavar="N",
+                   help="run dynamic_programming only on up to N devices (default 64: on 1024 "
+                   "it takes 11-18 minutes per plan, RESULTS.md)")
     p.add_argument("--depth", nargs="*", type=int, default=None,
                    help="instead of the grid: recursive_programming on --models[0]'s widths "
                    "with these numbers of layers, on --devices[0] devices, and a straight-line "
@@ -148,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         for devices in args.devices:
             results = {}
             for mode in args.modes:
+                limit = {"exact": args.exact_up_to, "dynamic_programming": args.dp_up_to}
+                if devices > limit.get(mode, devices):
+                    continue
                 spec = {"model": model, "devices": devices, "mode": mode,
                         "batch": max(args.batch, devices), "profile": args.profile,
                         "timeout": args.timeout, "fully_use_devices": not args.all_devices}
@@ -157,7 +171,9 @@ def main(argv: list[str] | None = None) -> int:
             dp = results.get("dynamic_programming", {})
             for mode, r in results.items():
                 if "error" in r:
-                    rows.append([model, devices, mode, "", "", r["error"], "", "", "", "", ""])
+                    took = f"{r['build']:.2f} + {r['solve']:.2f}: " if "build" in r else ""
+                    rows.append([model, devices, mode, "", "", took + r["error"], "", "", "",
+                                 "", ""])
                     continue
                 ratio = (f"{r['objective'] / ref['objective']:.6f}"
                          if "objective" in ref and ref["gap"] == 0 else "")
@@ -197,6 +213,8 @@ def depth_fit(args: argparse.Namespace, argv: list[str] | None) -> int:
         r = run(spec)
         print(layers, r, flush=True)
         seconds = r["build"] + r["solve"] if "build" in r else r.get("seconds", math.nan)
+        if "objective" not in r:
+            print(f"{layers} layers: {r['error']}", flush=True)
         xs.append(layers)
         ys.append(seconds)
         rows.append([layers, r.get("ops", ""), f"{seconds:.2f}",

@@ -37,7 +37,8 @@ import numpy as np
 
 from simpar.mesh import DeviceMesh
 
-__all__ = ["IndivisibleError", "Layout", "MapEntry", "TensorLayout", "assemble", "distribute"]
+__all__ = ["IndivisibleError", "Layout", "MapEntry", "TensorLayout", "assemble", "block_key",
+           "distribute"]
 
 MapEntry = Union[int, tuple[int, ...]]  # noqa: UP007 (a runtime alias, Python 3.10 too)
 
@@ -398,6 +399,12 @@ class TensorLayout:
     def with_partial(self, partial: Sequence[int]) -> TensorLayout:
         """The same cut, pending sums over ``partial`` (counted from the right, like the tensor
         map); ``with_partial(())`` is the layout with the sums done."""
+        n = len(self.device_matrix)
+        split = self.split_axes
+        axes = [n - 1 - k for k in partial if type(k) is int and 0 <= k < n]
+        if len(axes) == len(partial) == len(set(axes)) and not split.intersection(axes):
+            return TensorLayout.from_dim_axes(self.device_matrix, self._axes, self.shape,
+                                              sorted(axes))
         return TensorLayout(self.device_matrix, self.tensor_map, self.shape, partial)
 
     def with_partial_axes(self, partial_axes: Sequence[int]) -> TensorLayout:
@@ -436,6 +443,47 @@ class TensorLayout:
         part = f" P{list(self.partial)}" if self.partial else ""
         return (f"{list(self.device_matrix)}:[{','.join(entry(e) for e in self.tensor_map)}]"
                 f"{part} {list(self.shape)}")
+
+
+@lru_cache(maxsize=1 << 16)
+def block_key(layout: TensorLayout) -> tuple[Any, ...]:
+    """A key equal for layouts that give every rank the same block and the same pending sums,
+    however their device matrices are written: axes of size 1 dropped, and neighbouring axes
+    merged when both are replicas, both pending sums, or successive splits of one dimension.
+    (Pure arithmetic on the device matrix, checked against every rank's block in the tests.)"""
+    dm = layout.device_matrix
+    roles: list[Any] = [("rep",)] * len(dm)
+    for d, axes in enumerate(layout.dim_axes):
+        for k, a in enumerate(x for x in axes if dm[x] > 1):  # outer first, size-1 dropped
+            roles[a] = ("dim", d, k)
+    for a in layout.partial_axes:
+        roles[a] = ("partial",)
+    merged: list[list[Any]] = []
+    for size, role in zip(layout.device_matrix, roles):
+        if size == 1:
+            continue
+        if merged:
+            last = merged[-1]
+            same = role[0] == last[1][0] and role[0] in ("rep", "partial")
+            follows = (role[0] == "dim" == last[1][0] and role[1] == last[1][1]
+                       and role[2] == last[1][2] + 1)
+            if same or follows:
+                last[0] *= size
+                last[1] = role
+                continue
+        merged.append([size, role])
+    # Positions within a dimension only order its axes (outer first): after merging, each
+    # merged axis takes its rank among its dimension's.
+    ks: dict[int, list[int]] = {}
+    for _, role in merged:
+        if role[0] == "dim":
+            ks.setdefault(role[1], []).append(role[2])
+    out = []
+    for size, role in merged:
+        if role[0] == "dim":
+            role = ("dim", role[1], sorted(ks[role[1]]).index(role[2]))
+        out.append((size, role))
+    return (layout.shape, tuple(out))
 
 
 @dataclass(frozen=True, slots=True)

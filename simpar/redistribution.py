@@ -51,7 +51,7 @@ from simpar.cost.collective import (
     seconds,
     traffic,
 )
-from simpar.layout import TensorLayout
+from simpar.layout import TensorLayout, block_key
 from simpar.mesh import DeviceMesh
 
 __all__ = [
@@ -298,7 +298,9 @@ def plan(src: TensorLayout, dst: TensorLayout, enable_alltoall: bool = False
 
 @lru_cache(maxsize=8192)
 def _plan(src: TensorLayout, dst: TensorLayout, enable_alltoall: bool) -> RedistributionPlan:
-    if src == dst or src.device_num == 1:  # one device: every layout is the whole tensor
+    if src == dst or src.device_num == 1 or block_key(src) == block_key(dst):
+        # Nothing moves: one device holds the whole tensor in every layout, and two layouts
+        # written over different device matrices can still give every rank the same block.
         return RedistributionPlan(src, dst, (), enable_alltoall)
     fine = common_refinement(src.device_matrix, dst.device_matrix)
     if fine is None:

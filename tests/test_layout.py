@@ -564,6 +564,27 @@ def test_mesh_axes_errors_speak_the_callers_count() -> None:
         lay.with_partial_axes((1,))
 
 
+def _random_dim_axes(rng: random.Random, extra_axis: bool, most: int
+                     ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """A device matrix, a shape and per-dimension device axes drawn at random (``extra_axis``
+    lets an axis one past the matrix appear, ``most`` bounds the axes per dimension)."""
+    nd = rng.randint(1, 4)
+    dm = tuple(rng.choice([1, 2, 3, 4]) for _ in range(nd))
+    ndim = rng.randint(0, 3)
+    shape = tuple(rng.choice([0, 1, 2, 4, 6, 8, 12, 16, 24]) for _ in range(ndim))
+    axes = list(range(nd + extra_axis))
+    rng.shuffle(axes)
+    dim_axes = tuple(tuple(axes[:rng.randint(0, most)]) if rng.random() < .5 else ()
+                     for _ in range(ndim))
+    return dm, shape, dim_axes
+
+
+def _same_layout(a: TensorLayout, b: TensorLayout) -> None:
+    assert a == b and hash(a) == hash(b) and repr(a) == repr(b)
+    for name in ("device_matrix", "tensor_map", "shape", "partial", "_axes", "_cuts", "_local"):
+        assert getattr(a, name) == getattr(b, name), name
+
+
 def test_from_dim_axes_fast_path_builds_what_the_constructor_builds():
     """Planners build layouts of plain ints through a cached one-pass path; it must give the
     very layout the checked constructor gives (every field, equality, hash), and send anything
@@ -571,15 +592,8 @@ def test_from_dim_axes_fast_path_builds_what_the_constructor_builds():
     rng = random.Random(0)
     valid = 0
     for _ in range(4000):
-        nd = rng.randint(1, 4)
-        dm = tuple(rng.choice([1, 2, 3, 4]) for _ in range(nd))
-        ndim = rng.randint(0, 3)
-        shape = tuple(rng.choice([0, 1, 2, 4, 6, 8, 12, 16]) for _ in range(ndim))
-        axes = list(range(nd + 1))
-        rng.shuffle(axes)
-        dim_axes = tuple(tuple(axes[:rng.randint(0, 2)]) if rng.random() < .5 else ()
-                         for _ in range(ndim))
-        part = tuple(rng.sample(range(nd + 1), rng.randint(0, 1)))
+        dm, shape, dim_axes = _random_dim_axes(rng, extra_axis=True, most=2)
+        part = tuple(rng.sample(range(len(dm) + 1), rng.randint(0, 2)))
         try:
             slow, slow_error = TensorLayout._from_dim_axes(dm, dim_axes, shape, part), None
         except (TypeError, ValueError) as e:
@@ -590,11 +604,34 @@ def test_from_dim_axes_fast_path_builds_what_the_constructor_builds():
         except (TypeError, ValueError) as e:
             fast, fast_error = None, type(e)
         assert slow_error == fast_error, (dm, dim_axes, shape, part)
-        if slow is None:
-            continue
-        valid += 1
-        assert fast == slow and hash(fast) == hash(slow) and repr(fast) == repr(slow)
-        for name in ("device_matrix", "tensor_map", "shape", "partial", "_axes", "_cuts",
-                     "_local"):
-            assert getattr(fast, name) == getattr(slow, name), name
+        if slow is not None and fast is not None:
+            valid += 1
+            _same_layout(fast, slow)
     assert valid > 1000  # both branches are exercised
+
+
+def test_with_partial_builds_what_the_constructor_builds() -> None:
+    """``with_partial`` takes the cached one-pass path for valid pending-sum axes; the result
+    (and any error) is the constructor's."""
+    rng = random.Random(1)
+    valid = 0
+    for _ in range(3000):
+        dm, shape, dim_axes = _random_dim_axes(rng, extra_axis=False, most=1)
+        try:
+            lay = TensorLayout.from_dim_axes(dm, dim_axes, shape)
+        except ValueError:
+            continue
+        part = tuple(rng.sample(range(-1, len(dm) + 1), rng.randint(0, 2)))
+        try:
+            want, want_error = TensorLayout(dm, lay.tensor_map, shape, part), None
+        except (TypeError, ValueError) as e:
+            want, want_error = None, type(e)
+        try:
+            got, got_error = lay.with_partial(part), None
+        except (TypeError, ValueError) as e:
+            got, got_error = None, type(e)
+        assert got_error == want_error, (lay, part)
+        if want is not None and got is not None:
+            valid += 1
+            _same_layout(got, want)
+    assert valid > 500

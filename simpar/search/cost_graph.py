@@ -224,28 +224,33 @@ def restricted_cost_graph(pricer: Pricer, candidates: Sequence[Sequence[Strategy
     refine its plan in exactly. Ops with equal signatures and equal candidate lists share
     their prices, and edges between such ops their matrices."""
     nodes: list[CostNode] = []
+    shared: dict[tuple[int, tuple[Strategy, ...]], tuple[tuple[OpSharding, ...],
+                                                        tuple[float, ...], tuple[float, ...]]] = {}
     for site, strategies in zip(pricer.sites, candidates):
-        found = [p for p in (pricer.price(site.index, s) for s in dict.fromkeys(strategies))
-                 if p is not None]
-        if not found:
-            raise StrategyError(f"{site.name}: none of the strategies {list(strategies)[:4]} "
-                                f"of {site.node.op.name} is valid for shapes "
-                                f"{list(site.shapes)} on {pricer.device_num} devices")
-        nodes.append(CostNode(site.node, tuple(p.sharding for p in found),
-                              tuple(p.cost for p in found), site.user,
-                              tuple(p.memory for p in found)))
-    matrices: dict[tuple[Any, ...], tuple[tuple[float, ...], ...]] = {}
+        key = (site.kind, tuple(strategies))
+        if key not in shared:
+            found = [p for p in (pricer.price(site.index, s) for s in dict.fromkeys(strategies))
+                     if p is not None]
+            if not found:
+                raise StrategyError(f"{site.name}: none of the strategies "
+                                    f"{list(strategies)[:4]} of {site.node.op.name} is valid "
+                                    f"for shapes {list(site.shapes)} on {pricer.device_num} "
+                                    "devices")
+            shared[key] = (tuple(p.sharding for p in found), tuple(p.cost for p in found),
+                           tuple(p.memory for p in found))
+        cands, costs, mems = shared[key]
+        nodes.append(CostNode(site.node, cands, costs, site.user, mems))
+    matrices: dict[tuple[int, ...], tuple[tuple[float, ...], ...]] = {}
     edges = []
     for e, se in enumerate(pricer.edges):
         p, c = se.producer, se.consumer
-        key = (pricer.sites[p].kind, tuple(x.strategy for x in nodes[p].candidates),
-               se.output, pricer.sites[c].kind,
-               tuple(x.strategy for x in nodes[c].candidates), se.input, se.follows)
-        if key not in matrices:
-            matrices[key] = tuple(tuple(pricer.edge_cost(e, pc, cc)
-                                        for cc in nodes[c].candidates)
-                                  for pc in nodes[p].candidates)
-        edges.append(CostEdge(p, se.output, c, se.input, matrices[key]))
+        pair = (pricer.sites[p].kind, id(nodes[p].candidates), se.output,
+                pricer.sites[c].kind, id(nodes[c].candidates), se.input, se.follows)
+        if pair not in matrices:
+            matrices[pair] = tuple(tuple(pricer.edge_cost(e, pc, cc)
+                                         for cc in nodes[c].candidates)
+                                   for pc in nodes[p].candidates)
+        edges.append(CostEdge(p, se.output, c, se.input, matrices[pair]))
     return CostGraph(tuple(nodes), tuple(edges), pricer.shared, pricer.device_num,
                      pricer.model.unit, float(pricer.model.memory_capacity))
 

@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 
 from simpar.search.cost_graph import CostGraph, same_blocks
+from simpar.search.pricing import NoAvailableCost
 
 __all__ = ["DPSolution", "NoAvailableCost", "solve_dynamic_programming"]
 
@@ -61,10 +62,6 @@ _CHUNK = 1 << 22
 
 #: Table entries the Pareto pass may combine in all before it gives way to the Lagrangian one.
 _BUDGET = 300_000_000
-
-
-class NoAvailableCost(ValueError):
-    """No plan fits the memory cap (MindSpore: "No available cost")."""
 
 
 class _TooBig(Exception):

@@ -22,16 +22,16 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 from simpar.cost.interface import CostModel
 from simpar.graph import Graph, Node
-from simpar.layout import TensorLayout
+from simpar.layout import TensorLayout, block_key
 from simpar.ops._base import OpSharding, Strategy, StrategyError
 from simpar.redistribution import RedistributionPlan, plan
 
-__all__ = ["ELEMENTWISE_OPS", "Priced", "Pricer", "Site", "SiteEdge", "canonical"]
+__all__ = ["ELEMENTWISE_OPS", "NoAvailableCost", "Priced", "Pricer", "Site", "SiteEdge",
+           "canonical", "check_memory", "one_layout_per_parameter"]
 
 #: MindSpore's elementwise operators (``IsElementWiseOperator``: the unary ones). Under
 #: ``set_algo_parameters(elementwise_op_strategy_follow=True)`` an edge leaving one is an
@@ -39,6 +39,10 @@ __all__ = ["ELEMENTWISE_OPS", "Priced", "Pricer", "Site", "SiteEdge", "canonical
 ELEMENTWISE_OPS = frozenset({
     "Abs", "Cast", "Exp", "GeLU", "Log", "LogSoftmax", "Neg", "ReLU", "Sigmoid", "Softmax",
     "Sqrt", "Square", "Tanh"})
+
+
+class NoAvailableCost(ValueError):
+    """No plan fits the memory cap (MindSpore: "No available cost")."""
 
 
 @dataclass(frozen=True)
@@ -132,45 +136,16 @@ def _signature(node: Node, inputs: Mapping[int, TensorLayout],
             tuple((v.shape, v.dtype.str) for v in node.outputs))
 
 
-@lru_cache(maxsize=1 << 16)
-def canonical(layout: TensorLayout) -> tuple[Any, ...]:
-    """A key equal for layouts that give every rank the same block and the same pending sums,
-    however their device matrices are written: axes of size 1 dropped, and neighbouring axes
-    merged when both are replicas, both pending sums, or successive splits of one dimension.
-    (Pure arithmetic on the device matrix; ``same_blocks`` compares every rank's block.)"""
-    dm = layout.device_matrix
-    roles: list[Any] = [("rep",)] * len(dm)
-    for d, axes in enumerate(layout.dim_axes):
-        for k, a in enumerate(x for x in axes if dm[x] > 1):  # outer first, size-1 dropped
-            roles[a] = ("dim", d, k)
-    for a in layout.partial_axes:
-        roles[a] = ("partial",)
-    merged: list[list[Any]] = []
-    for size, role in zip(layout.device_matrix, roles):
-        if size == 1:
-            continue
-        if merged:
-            last = merged[-1]
-            same = role[0] == last[1][0] and role[0] in ("rep", "partial")
-            follows = (role[0] == "dim" == last[1][0] and role[1] == last[1][1]
-                       and role[2] == last[1][2] + 1)
-            if same or follows:
-                last[0] *= size
-                last[1] = role
-                continue
-        merged.append([size, role])
-    # Positions within a dimension only order its axes (outer first): after merging, each
-    # merged axis takes its rank among its dimension's.
-    ks: dict[int, list[int]] = {}
-    for _, role in merged:
-        if role[0] == "dim":
-            ks.setdefault(role[1], []).append(role[2])
-    out = []
-    for size, role in merged:
-        if role[0] == "dim":
-            role = ("dim", role[1], sorted(ks[role[1]]).index(role[2]))
-        out.append((size, role))
-    return (layout.shape, tuple(out))
+#: The key equal for layouts that hold the same block and pending sums on every rank
+#: (:func:`simpar.layout.block_key`); moves are priced once per pair of keys.
+canonical = block_key
+
+
+def _prime_power(n: int) -> bool:
+    p = next((f for f in range(2, n + 1) if n % f == 0), n)
+    while n % p == 0 and n > 1:
+        n //= p
+    return n == 1
 
 
 class Pricer:
@@ -244,6 +219,10 @@ class Pricer:
         self.shared = {name: tuple(u) for name, u in uses.items() if len(u) > 1}
         self._priced: dict[tuple[int, Strategy], Priced | None] = {}
         self._moves: dict[tuple[Any, Any, int], float] = {}
+        # Layouts with one block key cost alike to move when the device count is a prime
+        # power (the planner's refinements are then unique); over mixed factors (6, 12) two
+        # writings of one pair of layouts can plan differently, so moves are keyed exactly.
+        self._key: Any = block_key if _prime_power(device_num) else (lambda lay: lay)
 
     def sharding(self, n: int, strategy: Strategy) -> OpSharding | None:
         """Op ``n`` under ``strategy`` (None: the op rejects it, or it cuts a parameter
@@ -283,12 +262,16 @@ class Pricer:
         self._priced[key] = found
         return found
 
+    def layout_key(self, layout: TensorLayout) -> Any:
+        """What moves into or out of ``layout`` cost depends on (memo keys)."""
+        return self._key(layout)
+
     def plan(self, src: TensorLayout, dst: TensorLayout) -> RedistributionPlan:
         return plan(src, dst, self.enable_alltoall)
 
     def move(self, src: TensorLayout, dst: TensorLayout, itemsize: int) -> float:
         """The model's cost of redistributing a value from ``src`` to ``dst``."""
-        key = (canonical(src), canonical(dst), itemsize)
+        key = (self._key(src), self._key(dst), itemsize)
         found = self._moves.get(key)
         if found is None:
             found = self._moves[key] = self.model.edge(self.plan(src, dst), itemsize)
@@ -325,3 +308,145 @@ class Pricer:
             priced = self.price(site.index, sh.strategy)
             total += math.inf if priced is None else priced.memory
         return total
+
+
+def check_memory(pricer: Pricer, shardings: Sequence[OpSharding], search: str) -> float:
+    """The bytes per rank of one sharding per op; :class:`NoAvailableCost` when they exceed
+    the model's memory capacity, naming the op that needs most of them."""
+    mems = []
+    for site, sh in zip(pricer.sites, shardings):
+        priced = pricer.price(site.index, sh.strategy)
+        mems.append(priced.memory if priced is not None else math.inf)
+    memory, capacity = sum(mems), float(pricer.model.memory_capacity)
+    if memory > capacity:
+        worst = max(range(len(mems)), key=mems.__getitem__)
+        raise NoAvailableCost(
+            f"No available cost: {search}'s plan needs {memory:.0f} bytes per rank, over the "
+            f"memory capacity of {capacity:.0f} (Failure: Out of memory!); the op that needs "
+            f"most of it is {pricer.sites[worst].name} ({mems[worst]:.0f} bytes, strategy "
+            f"{[list(c) for c in shardings[worst].strategy]}). dynamic_programming searches "
+            "under the cap; or use more devices")
+    return memory
+
+
+def _around(pricer: Pricer, shardings: Sequence[OpSharding], n: int, priced: Priced) -> float:
+    """Op ``n``'s own cost under ``priced`` plus its edges to every neighbour as it stands."""
+    total = priced.cost
+    for e in pricer.in_edges[n]:
+        total += pricer.edge_cost(e, shardings[pricer.edges[e].producer], priced.sharding)
+    for e in pricer.out_edges[n]:
+        total += pricer.edge_cost(e, priced.sharding, shardings[pricer.edges[e].consumer])
+    return total
+
+
+def one_layout_per_parameter(pricer: Pricer, shardings: list[OpSharding], search: str
+                             ) -> None:
+    """Give every parameter read by several ops one layout (the same block on every rank for
+    every reader), in place, as MindSpore keeps one layout per parameter.
+
+    Readers with a ``.shard()`` strategy decide it; two that disagree raise, naming both. Else
+    each reader may take any of its strategies that reads the parameter in a layout every
+    other reader can also read it in (keeping, where it can, the layouts already settled for
+    the other parameters it reads); the common layout is the one cheapest for the readers
+    together, each at its cheapest strategy for it against its neighbours as they stand.
+    Readers that agree already are left alone. The whole parameter (replicated) is always
+    common; an op reading several shared parameters may take further passes to agree, and if
+    those keep undoing each other, every reader reads every shared parameter whole."""
+    for _ in range(len(pricer.shared) + 1):
+        settled: dict[str, Any] = {}
+        for name, uses in pricer.shared.items():
+            settled[name] = _one_layout(pricer, shardings, search, name, uses, settled)
+        if all(len({canonical(shardings[n].in_layouts[k]) for n, k in uses}) == 1
+               for uses in pricer.shared.values()):
+            return
+    # Readers of several shared parameters kept undoing each other: read them all whole.
+    whole = {name: canonical(TensorLayout((pricer.device_num,), [-1] * len(shape), shape))
+             for name, shape in ((v.name, v.shape) for v in pricer.graph.params)
+             if name in pricer.shared}
+    for n in sorted({n for uses in pricer.shared.values() for n, _ in uses}):
+        site = pricer.sites[n]
+        if site.user:
+            continue
+        found = [p for p in (pricer.price(n, strat) for strat in site.node.op.
+                             candidate_strategies(site.shapes, pricer.device_num,
+                                                  fully_use_devices=False))
+                 if p is not None and _keeps(site, p.sharding, whole)]
+        shardings[n] = min(found, key=lambda p: _around(pricer, shardings, n, p)).sharding
+    if not all(len({canonical(shardings[n].in_layouts[k]) for n, k in uses}) == 1
+               for uses in pricer.shared.values()):
+        raise ValueError(f"{search}: the shared parameters {sorted(pricer.shared)} found no "
+                         "layouts that all their readers can read them in together")
+
+
+def _one_layout(pricer: Pricer, shardings: list[OpSharding], search: str, name: str,
+                uses: Sequence[tuple[int, int]], settled: Mapping[str, Any]) -> Any:
+    """One parameter of :func:`one_layout_per_parameter`; returns its layout's block key."""
+    sites = pricer.sites
+    readers = sorted({n for n, _ in uses})
+    positions = {n: [k for m, k in uses if m == n] for n in readers}
+
+    def key_of(n: int, sh: OpSharding) -> Any:
+        keys = {canonical(sh.in_layouts[k]) for k in positions[n]}
+        return keys.pop() if len(keys) == 1 else None
+
+    current = {key_of(n, shardings[n]) for n in readers}
+    if len(current) == 1 and None not in current:
+        return current.pop()
+    users = [n for n in readers if sites[n].user]
+    for a, b in zip(users, users[1:]):
+        if key_of(a, shardings[a]) != key_of(b, shardings[b]):
+            raise ValueError(
+                f"{search}: {sites[a].name} (.shard({_listed(shardings[a].strategy)})) "
+                f"reads parameter {name} cut {_cuts_of(shardings[a], positions[a])}, and "
+                f"{sites[b].name} (.shard({_listed(shardings[b].strategy)})) reads it "
+                f"cut {_cuts_of(shardings[b], positions[b])}; a shared parameter has one "
+                "layout, so these strategies cannot both hold: make them agree")
+
+    def options(n: int, keep: Mapping[str, Any]) -> dict[Any, tuple[float, OpSharding]]:
+        if sites[n].user:
+            return {key_of(n, shardings[n]): (0.0, shardings[n])}
+        found: dict[Any, tuple[float, OpSharding]] = {}
+        for strat in sites[n].node.op.candidate_strategies(
+                sites[n].shapes, pricer.device_num, fully_use_devices=False):
+            priced = pricer.price(n, strat)
+            if priced is None:
+                continue
+            key = key_of(n, priced.sharding)
+            if key is None or not _keeps(sites[n], priced.sharding, keep):
+                continue
+            cost = _around(pricer, shardings, n, priced)
+            if key not in found or cost < found[key][0]:
+                found[key] = (cost, priced.sharding)
+        return found
+
+    found = {n: options(n, settled) for n in readers}
+    common = set.intersection(*(set(f) for f in found.values()))
+    if not common:  # the layouts settled for other parameters cannot all stay
+        found = {n: options(n, {}) for n in readers}
+        common = set.intersection(*(set(f) for f in found.values()))
+    if not common:
+        raise ValueError(
+            f"{search}: no layout of parameter {name} can be read by all of "
+            f"{[sites[n].name for n in readers]}"
+            + (f" as {sites[users[0]].name}'s .shard() reads it" if users else ""))
+    first = key_of(readers[0], shardings[readers[0]])  # ties keep the first reader's
+    best = min(common, key=lambda key: (sum(found[n][key][0] for n in readers),
+                                        key != first, repr(key)))
+    for n in readers:
+        shardings[n] = found[n][best][1]
+    return best
+
+
+def _keeps(site: Site, sh: OpSharding, settled: Mapping[str, Any]) -> bool:
+    """Whether ``sh`` reads every parameter already given its one layout in that layout."""
+    return all(canonical(lay) == settled[v.name] for v, lay in zip(site.node.inputs,
+                                                                   sh.in_layouts)
+               if v.kind == "param" and v.name in settled)
+
+
+def _listed(strategy: Strategy) -> list[list[int]]:
+    return [list(c) for c in strategy]
+
+
+def _cuts_of(sh: OpSharding, positions: Sequence[int]) -> tuple[int, ...]:
+    return sh.in_layouts[positions[0]].cuts

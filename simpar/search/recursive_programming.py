@@ -4,24 +4,26 @@
 parameter plan imposes are kept). The device count is split into its prime factors
 (``log2(n)`` halvings for a power of two, MindSpore's case); each factor ``p`` is one round. In
 a round the ops are visited in reverse graph order (MindSpore's default ``TopologyOrder``), and
-each multiplies the cut of one of its iteration dimensions by ``p``, or keeps its strategy
-(MindSpore's "no cut" option): whichever minimises its own cost plus the redistribution
-against the neighbours already settled in this round (a neighbour not yet visited will be cut
-too, so, as in MindSpore's ``CostRedis``, it does not count yet). An op that keeps its
-strategy is computed by several ranks alike (MindSpore's repeated calculation). Strategies set
-with ``.shard()`` are kept and count as settled from the start, so their neighbours adapt.
+each multiplies the cut of one of its iteration dimensions by ``p``: the one that minimises its
+own cost plus the redistribution against the neighbours already settled in this round (a
+neighbour not yet visited will be cut too, so, as in MindSpore's ``CostRedis``, it does not
+count yet). An op with no dimension left to cut stays as it is, computed by several ranks
+alike (MindSpore's repeated calculation). Strategies set with ``.shard()`` are kept and count
+as settled from the start, so their neighbours adapt to them.
 
 **Shared parameters.** A parameter read by several ops has one layout (MindSpore keeps one per
-parameter): its first ``.shard()`` reader's, else its first reader in visiting order; every
-other reader takes its cheapest strategy that reads the parameter so. When a ``.shard()``
-reader disagrees, or no strategy of a reader fits, the error names both ops and the parameter.
+parameter): its ``.shard()`` readers', else the layout all its readers can read it in that
+costs them least together (:func:`~simpar.search.pricing.one_layout_per_parameter`). Two
+``.shard()`` readers that disagree raise, naming both ops and the parameter.
 
 **Refinement (simpar's own).** Greedy rounds cannot move two neighbours at once: a Megatron
 pair, or data parallel turning into data x model parallel, takes several ops changing
 together. So the plan is then refined exactly within its neighbourhood: every op may keep its
-strategy, move one prime factor of its cuts from one iteration dimension to another, drop one,
-or add one where devices are left, and dynamic programming picks the best combination of
-those under the memory cap, again until nothing changes (at most ``refine`` times, default 4).
+strategy, move one prime factor of its cuts from one iteration dimension to another, drop one
+(MindSpore's "no cut" option: a cut that costs more than it saves is undone; not under
+``fully_use_devices``, which leaves no device idle that the rounds used), or add one where
+devices are left, and dynamic programming picks the best combination of those under the
+memory cap, again until nothing changes (at most ``refine`` times, default 2).
 Each refinement is a small cost graph (a few candidates per op) solved by the same
 eliminations as ``dynamic_programming``; ``refine=0`` gives MindSpore's rounds alone.
 
@@ -39,15 +41,19 @@ Networks for Parallelization", Euro-Par 2021; MindSpore's ``rec_core``.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from simpar import context
 from simpar.ops._base import IterSpace, OpSharding, Strategy
 from simpar.search.cost_graph import restricted_cost_graph
-from simpar.search.dynamic_programming import NoAvailableCost, solve_dynamic_programming
-from simpar.search.pricing import Pricer, canonical
+from simpar.search.dynamic_programming import solve_dynamic_programming
+from simpar.search.pricing import (
+    Pricer,
+    check_memory,
+    one_layout_per_parameter,
+)
 
 __all__ = ["RecSolution", "prime_factors", "solve_recursive_programming"]
 
@@ -94,6 +100,8 @@ class _Rec:
 
     def __init__(self, pricer: Pricer) -> None:
         self.pr = pricer
+        #: fully_use_devices: the refinement never drops a cut (leaves devices idle).
+        self.fully = bool(context.get_algo_parameters("fully_use_devices"))
         self.state: list[OpSharding] = []
         self.used: list[int] = []
         for site in pricer.sites:
@@ -110,6 +118,7 @@ class _Rec:
             self.used.append(pricer.device_num // priced.sharding.repeat)
         self.settled = [site.user for site in pricer.sites]
         self.decisions = self.remembered = 0
+        self._near: dict[tuple[Any, ...], list[Strategy]] = {}
         self._memo: dict[tuple[Any, ...], Strategy] = {}
 
     def _space(self, n: int) -> tuple[IterSpace, dict[str, int], dict[str, int]]:
@@ -146,11 +155,19 @@ class _Rec:
     def neighbourhood(self, n: int) -> list[Strategy]:
         """The op's strategy and those one step from it: one prime factor of a cut moved to
         another iteration dimension, dropped, or (while devices are left) added."""
+        key = (self.pr.sites[n].kind, self.state[n].strategy, self.used[n])
+        found = self._near.get(key)
+        if found is None:
+            found = self._near[key] = self._neighbourhood(n)
+        return found
+
+    def _neighbourhood(self, n: int) -> list[Strategy]:
         space, sizes, cuts = self._space(n)
         out = [self.state[n].strategy]
         for a in space.order:
             for p in sorted(set(prime_factors(cuts[a]))):
-                out.append(_strategy(space, {**cuts, a: cuts[a] // p}))
+                if not self.fully:
+                    out.append(_strategy(space, {**cuts, a: cuts[a] // p}))
                 for b in space.order:
                     c = cuts[b] * p
                     if b != a and b not in space.unsplittable and sizes.get(b, 1) % c == 0:
@@ -177,10 +194,11 @@ class _Rec:
 
     def _key(self, n: int, p: int) -> tuple[Any, ...]:
         pr, settled = self.pr, self.settled
-        ins = tuple((pr.edges[e].input, canonical(
+        key = pr.layout_key
+        ins = tuple((pr.edges[e].input, key(
             self.state[pr.edges[e].producer].outputs[pr.edges[e].output][1]),
             pr.edges[e].follows) for e in pr.in_edges[n] if settled[pr.edges[e].producer])
-        outs = tuple((pr.edges[e].output, canonical(
+        outs = tuple((pr.edges[e].output, key(
             self.state[pr.edges[e].consumer].in_layouts[pr.edges[e].input]),
             pr.edges[e].follows) for e in pr.out_edges[n] if settled[pr.edges[e].consumer])
         return (pr.sites[n].kind, self.state[n].strategy, p, ins, outs)
@@ -199,10 +217,8 @@ class _Rec:
         if chosen is not None:
             self.remembered += 1
         else:
-            # Not cutting competes too (MindSpore's "no cut" option): a cut that costs more
-            # in communication than it saves in computation leaves the op as it is.
             best: tuple[float, Strategy] | None = None
-            for strat in [*self.successors(n, p), self.state[n].strategy]:
+            for strat in self.successors(n, p):
                 priced = self.pr.price(n, strat)
                 if priced is None:
                     continue
@@ -214,43 +230,10 @@ class _Rec:
         self.set(n, chosen)
         self.settled[n] = True
 
-    def unify_shared(self, order: list[int]) -> None:
-        """One layout per shared parameter: its first ``.shard()`` reader's, else its first
-        reader's in visiting order."""
-        pr = self.pr
-        rank = {n: k for k, n in enumerate(order)}
-        for name, uses in pr.shared.items():
-            readers = sorted(uses, key=lambda u: (not pr.sites[u[0]].user, rank.get(u[0], -1)))
-            lead, lead_k = readers[0]
-            want = self.state[lead].in_layouts[lead_k]
-            for n, k in readers[1:]:
-                if canonical(self.state[n].in_layouts[k]) == canonical(want):
-                    continue
-                if pr.sites[n].user:
-                    raise ValueError(
-                        f"recursive_programming: parameter {name} is read by "
-                        f"{pr.sites[lead].name} cut {want.cuts} and by {pr.sites[n].name} "
-                        f"(.shard({_listed(self.state[n].strategy)})) cut "
-                        f"{self.state[n].in_layouts[k].cuts}; a shared parameter has one "
-                        "layout: make the two strategies agree")
-                self.set(n, self._reader_like(n, k, want, name, lead))
-
-    def _reader_like(self, n: int, k: int, want: Any, name: str, lead: int) -> Strategy:
-        pr, site = self.pr, self.pr.sites[n]
-        best: tuple[float, Strategy] | None = None
-        for strat in site.node.op.candidate_strategies(site.shapes, pr.device_num,
-                                                       fully_use_devices=False):
-            priced = pr.price(n, strat)
-            if priced is None or canonical(priced.sharding.in_layouts[k]) != canonical(want):
-                continue
-            cost = self.local_cost(n, priced.sharding, priced.cost, everyone=True)
-            if best is None or cost < best[0]:
-                best = (cost, strat)
-        if best is None:
-            raise ValueError(f"recursive_programming: parameter {name} is cut {want.cuts} by "
-                             f"{pr.sites[lead].name}, and no strategy of {site.name} "
-                             f"({site.node.op.name}) reads it so")
-        return best[1]
+    def unify_shared(self) -> None:
+        """One layout per shared parameter (:func:`one_layout_per_parameter`)."""
+        one_layout_per_parameter(self.pr, self.state, "recursive_programming")
+        self.used = [self.pr.device_num // sh.repeat for sh in self.state]
 
     def refine(self) -> bool:
         """The best plan within one step of every op's strategy (dynamic programming over
@@ -260,7 +243,7 @@ class _Rec:
             for s in self.pr.sites])
         try:
             choice = solve_dynamic_programming(cg).choice
-        except NoAvailableCost:
+        except ValueError:  # nothing in the neighbourhood fits in memory (NoAvailableCost)
             return False
         changed = False
         for n, (node, c) in enumerate(zip(cg.nodes, choice)):
@@ -270,9 +253,9 @@ class _Rec:
         return changed
 
 
-def solve_recursive_programming(pricer: Pricer, refine: int = 4) -> RecSolution:
-    """Recursive programming over ``pricer``'s graph: MindSpore's bisection rounds, then
-    ``refine`` exact refinements within one swap of the plan (see the module docstring)."""
+def solve_recursive_programming(pricer: Pricer, refine: int = 2) -> RecSolution:
+    """Recursive programming over ``pricer``'s graph: MindSpore's bisection rounds, then up to
+    ``refine`` exact refinements in the plan's neighbourhood (see the module docstring)."""
     started = time.perf_counter()
     rec = _Rec(pricer)
     order = [s.index for s in reversed(pricer.sites) if not s.user]
@@ -285,32 +268,17 @@ def solve_recursive_programming(pricer: Pricer, refine: int = 4) -> RecSolution:
                 rec.cut(n, p)
         log.info("recursive_programming: round %d (cut by %d) in %.2f s", r + 1, p,
                  time.perf_counter() - started)
-    rec.unify_shared(order)
+    rec.unify_shared()
     rounds_cost = pricer.total(rec.state)
     for k in range(refine):
         if not rec.refine():
             break
         log.info("recursive_programming: refinement %d in %.2f s", k + 1,
                  time.perf_counter() - started)
-    memory = pricer.memory(rec.state)
-    capacity = float(pricer.model.memory_capacity)
-    if memory > capacity:
-        mems = [_memory(pricer, sh, n) for n, sh in enumerate(rec.state)]
-        worst = max(range(len(mems)), key=mems.__getitem__)
-        raise NoAvailableCost(
-            f"No available cost: recursive_programming's plan needs {memory:.0f} bytes per "
-            f"rank, over the memory capacity of {capacity:.0f} (Failure: Out of memory!); "
-            f"the op that needs most of it is {pricer.sites[worst].name} ({mems[worst]:.0f} "
-            f"bytes, strategy {_listed(rec.state[worst].strategy)}). dynamic_programming "
-            "searches under the cap; or use more devices")
+    memory = check_memory(pricer, rec.state, "recursive_programming")
     cost = pricer.total(rec.state)
     log.info("recursive_programming: %d decisions (%d remembered), objective %.6g (rounds "
              "alone %.6g) in %.2f s", rec.decisions, rec.remembered, cost, rounds_cost,
              time.perf_counter() - started)
     return RecSolution(tuple(rec.state), cost, memory, rounds_cost, rec.decisions,
                        rec.remembered)
-
-
-def _memory(pricer: Pricer, sh: OpSharding, n: int) -> float:
-    priced = pricer.price(n, sh.strategy)
-    return priced.memory if priced is not None else math.inf

@@ -24,8 +24,11 @@ How it runs (MindSpore's ``sharding_propagation``, pure: no MPI, no data):
   strategy (MindSpore's ``Strategy::Compare``; its first entry is input 0's batch cut).
   A parameter read by several ops keeps the layout its first settled reader gave it: a later
   reader takes a candidate that reads it so when it has one.
-- **Unreached ops** (no path to any seed) take their first candidate, all ones (MindSpore's
-  default).
+- **Unreached ops** (no path to any seed) take their first candidate (MindSpore's default):
+  all ones, unless fully_use_devices drops it.
+- **Parameters** (auto_parallel): a parameter read by several ops ends with one layout
+  (:func:`~simpar.search.pricing.one_layout_per_parameter`), as in every search; the
+  fill-in of semi_auto_parallel lets a reader read it otherwise (the runtime moves it).
 - **Conflicts** (auto_parallel): two user strategies that read one parameter in different
   layouts, or that meet on an identity edge (``elementwise_op_strategy_follow``) with
   different layouts, raise a ValueError naming both ops and what joins them, on every rank.
@@ -43,7 +46,13 @@ from simpar.cost.collective import sample_ranks
 from simpar.layout import TensorLayout
 from simpar.ops._base import OpSharding, Strategy, StrategyError
 from simpar.redistribution import RedistributionPlan
-from simpar.search.pricing import Priced, Pricer, canonical
+from simpar.search.pricing import (
+    Priced,
+    Pricer,
+    canonical,
+    check_memory,
+    one_layout_per_parameter,
+)
 from simpar.search.strategy_map import OpStrategy, Source, StrategyMap
 
 __all__ = ["MovedBytes", "propagate"]
@@ -170,15 +179,18 @@ class _Propagation:
     def _memo_key(self, n: int) -> tuple[Any, ...]:
         pr, chosen = self.pr, self.chosen
         site = pr.sites[n]
+        key = pr.layout_key
         ins, outs = [], []
         for e in pr.in_edges[n]:
             edge = pr.edges[e]
             if (src := chosen[edge.producer]) is not None:
-                ins.append((edge.input, canonical(src.outputs[edge.output][1])))
+                ins.append((edge.input, key(src.outputs[edge.output][1]), edge.follows,
+                            pr.sites[edge.producer].user))
         for e in pr.out_edges[n]:
             edge = pr.edges[e]
             if (dst := chosen[edge.consumer]) is not None:
-                outs.append((edge.output, canonical(dst.in_layouts[edge.input])))
+                outs.append((edge.output, key(dst.in_layouts[edge.input]),
+                             pr.sites[edge.consumer].user))
         params = tuple(canonical(self.param_layout[site.node.inputs[k].name])
                        if site.node.inputs[k].name in self.param_layout else None
                        for k in sorted(site.params))
@@ -240,23 +252,14 @@ def _listed(strategy: Strategy) -> list[list[int]]:
 
 
 def _check_user_conflicts(pricer: Pricer, user: dict[int, OpSharding]) -> None:
-    """Two user strategies that cannot both hold: one parameter read in two layouts, or an
-    identity edge (elementwise_op_strategy_follow) whose two ends disagree."""
+    """Two user strategies that cannot both hold across an identity edge
+    (elementwise_op_strategy_follow: no redistribution allowed) raise, naming both ops; a
+    parameter they read in two layouts is caught by :func:`one_layout_per_parameter`."""
     sites = pricer.sites
 
     def shown(n: int) -> str:
         return f"{sites[n].name} (.shard({_listed(user[n].strategy)}))"
 
-    for name, uses in pricer.shared.items():
-        readers = [(n, k) for n, k in uses if n in user]
-        for (a, ka), (b, kb) in zip(readers, readers[1:]):
-            la, lb = user[a].in_layouts[ka], user[b].in_layouts[kb]
-            if canonical(la) != canonical(lb):
-                raise ValueError(
-                    f"sharding_propagation: {shown(a)} reads parameter {name} cut {la.cuts}, "
-                    f"and {shown(b)} reads it cut {lb.cuts}; a parameter has one layout, so "
-                    "these strategies cannot both hold (MindSpore: Incorrect strategy "
-                    "configuration): make them agree")
     for e, edge in enumerate(pricer.edges):
         p, c = edge.producer, edge.consumer
         if edge.follows and p in user and c in user and math.isinf(
@@ -315,6 +318,11 @@ def propagate(pricer: Pricer, mode: str, input_layouts: Sequence[TensorLayout],
                 raise StrategyError(f"{site.name}: no valid strategy for shapes "
                                     f"{list(site.shapes)} on {pricer.device_num} devices")
             prop.settle(site.index, cands[0].sharding)
+    if mode == "auto_parallel":  # as every search: one layout per parameter, a plan that fits
+        chosen = [sh for sh in prop.chosen if sh is not None]
+        one_layout_per_parameter(pricer, chosen, "sharding_propagation")
+        check_memory(pricer, chosen, "sharding_propagation")
+        prop.chosen = list(chosen)
     if source is None:
         source = Source.DATA_PARALLEL if mode == "data_parallel" else Source.PROPAGATED
     ops: dict[str, OpStrategy] = {}
