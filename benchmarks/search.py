@@ -240,7 +240,8 @@ def depth_fit(args: argparse.Namespace, argv: list[str] | None) -> int:
                 f"sequence 1024, batch {max(args.batch, devices)}, {devices} devices, "
                 f"profile {args.profile}, one process per plan.\n\n{table}\n\n{fit}. "
                 f"{host_line()}.\n")
-        write_section("search-depth", body)
+        write_section("search", body, subheading=f"recursive_programming against depth, "
+                      f"{devices} devices")
     return 0
 
 

@@ -2,14 +2,19 @@
 (brute force, the ILP, dynamic programming) and against MindSpore's unit tests (pure: one
 process, shapes only).
 
-The MindSpore tests reproduced (``mindspore-ai/mindspore``, ``tests/ut/python/parallel/``):
+The MindSpore tests reproduced (``tests/ut/python/parallel/`` of ``mindspore-ai/mindspore``
+and ``mindspore-ai/mindspore_test``, MindSpore 2.x; commit prefixes where the stored copy
+showed them):
 
-- sharding propagation, ``test_auto_parallel_out_strategy_propagation.py`` (MindSpore 2.x,
-  the file's ``test_out_strategy_propagate1..6`` and ``test_sharding_strategy_save_and_load1``),
-  ``test_reshape_shard_propagation.py`` (``test_reshape_auto_8`` and ``_9``, 2.x), and the
-  mint layout test ``test_mint_relu_layout_propagate_back`` (2.x);
-- recursive programming, ``test_auto_parallel_sapp_opt_restrict.py`` (2.x) and
-  ``test_auto_parallel_sapp_gather.py`` (2.x).
+- sharding propagation: ``test_auto_parallel_out_strategy_propagation.py`` @ 23cb3c29
+  (``test_out_strategy_propagate1`` to ``6``, ``test_sharding_strategy_save_and_load1``),
+  ``test_reshape_shard_propagation.py`` @ 384efc05 (``test_reshape_auto_8`` and ``_9``), and the
+  mint layout test ``test_mint_relu_layout_propagate_back``;
+- recursive programming: ``test_auto_parallel_sapp_opt_restrict.py`` @ 87101ed8 and
+  ``test_auto_parallel_sapp_gather.py`` @ 71061200 (``_1``, ``_2``, ``_3``). No MindSpore test
+  asserts a searched strategy for a Gather that shares its table with a MatMul
+  (``test_auto_parallel_share_param.py`` only compiles); ``_Tied`` below checks the one layout
+  both searches give it.
 
 Where MindSpore's answer comes from a cost that simpar prices otherwise (MindSpore's planner
 cannot reduce-scatter a partial sum onto the first dimension, its rec fills Gather by a fixed
@@ -294,6 +299,26 @@ def test_out_strategy_through_a_reshape(reshape: tuple[int, ...], expected: Stra
     got, _ = _propagated(_Chain(reshape=reshape, out_strategy=((8, 1),), add=False),
                          [((64, 32), F32)], 8)
     assert got["ReLU-op2"] == expected
+
+
+class _ReshapeFirst(Cell):
+    """test_out_strategy_propagate3: x [32, 64] -> Reshape(-1, 32) -> MatMul(out ((8, 1),))
+    -> ReLU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(np.ones((8, 32), F32), name="w")
+        self.reshape = ops.Reshape((64, 32))
+        self.matmul = ops.MatMul(transpose_b=True).shard(((4, 2), (1, 2)), ((8, 1),))
+        self.relu = ops.ReLU()
+
+    def construct(self, x: Any) -> Any:
+        return self.relu(self.matmul(self.reshape(x), self.w))
+
+
+def test_out_strategy_after_a_reshape() -> None:
+    got, _ = _propagated(_ReshapeFirst(), [((32, 64), F32)], 8)
+    assert got["ReLU-op2"] == ((8, 1),)
 
 
 def test_out_strategy_then_reshape_then_add() -> None:
