@@ -420,7 +420,6 @@ class NotHonouredWarning(UserWarning):
 # default, with what is missing. Each warns once per process.
 _NOT_HONOURED: dict[str, str] = {
     "search_mode": "no strategy search is registered under this name yet",
-    "strategy_ckpt_config": "strategy files are not written or read yet",
     "gradient_fp32_sync": "simpar has no float16 gradients, so there is nothing to cast",
     "fully_use_devices": "the semi-auto fill-in considers every candidate (auto_parallel's "
                          "searches honour it)",

@@ -7,6 +7,7 @@ every rank holds only its shards, and returns the assembled global result;
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,9 +20,11 @@ from simpar.compare import relative_error
 from simpar.layout import TensorLayout, distribute
 from simpar.ops._base import OpSharding, Primitive
 from simpar.redistribution import execute, plan
-from simpar.search import StrategyMap, parameter_plans, plan_strategies
+from simpar.search import StrategyMap, dataset_layouts, parameter_plans, plan_strategies
+from simpar.strategy_file import load_strategy, save_strategy
 
-__all__ = ["OpCheckError", "OpRun", "get_parallel_info", "run_op", "search_strategies"]
+__all__ = ["OpCheckError", "OpRun", "export_strategy", "get_parallel_info", "import_strategy",
+           "run_op", "search_strategies"]
 
 
 class OpCheckError(AssertionError):
@@ -196,3 +199,34 @@ def search_strategies(cell: Any, input_specs: Sequence[tuple[Sequence[int], Any]
     return plan_strategies(g, device_num, "auto_parallel", dataset_strategy, enable_alltoall,
                            parameter_plans(cell), search_mode=search_mode)
 
+
+def export_strategy(path: str, cell: Any, input_specs: Sequence[tuple[Sequence[int], Any]],
+                    device_num: int, mode: str = "auto_parallel",
+                    search_mode: str = "dynamic_programming",
+                    dataset_strategy: Any = "full_batch", enable_alltoall: bool = False,
+                    input_names: Sequence[str] | None = None) -> StrategyMap:
+    """Plan ``cell`` for these inputs on ``device_num`` devices (a search in auto_parallel,
+    the ``.shard()`` strategies and propagation in semi_auto_parallel) and save the plan to
+    ``path`` as MindSpore's JSON strategy file (:func:`simpar.strategy_file.save_strategy`),
+    without running anything. Returns the saved map."""
+    g = graph.trace(cell, input_specs, input_names)
+    smap = plan_strategies(g, device_num, mode, dataset_strategy, enable_alltoall,
+                           parameter_plans(cell), search_mode=search_mode)
+    save_strategy(path, smap, g, search_mode=search_mode if mode == "auto_parallel" else None)
+    return smap
+
+
+def import_strategy(path: str, cell: Any, input_specs: Sequence[tuple[Sequence[int], Any]],
+                    device_num: int, dataset_strategy: Any = "full_batch",
+                    input_names: Sequence[str] | None = None) -> StrategyMap:
+    """The strategy map of a strategy file, checked against ``cell`` traced for these inputs
+    on ``device_num`` devices (:func:`simpar.strategy_file.load_strategy`: what differs is
+    named). A plain MindSpore file has no input layouts: they come from
+    ``dataset_strategy``. ``simpar.runtime.lower(graph, map)`` runs it, no search."""
+    g = graph.trace(cell, input_specs, input_names)
+    smap = load_strategy(path, g, device_num)
+    if not smap.inputs:
+        layouts = dataset_layouts([v.shape for v in g.inputs], device_num, dataset_strategy)
+        smap = dataclasses.replace(smap, inputs={v.name: lay
+                                                  for v, lay in zip(g.inputs, layouts)})
+    return smap

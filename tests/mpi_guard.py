@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -34,3 +34,15 @@ def shared_dir(tmp_path: Path) -> Path:
         buf[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
     buf = comm.broadcast(buf, root=0)
     return Path(bytes(buf.astype(np.uint8)).rstrip(b"\0").decode())
+
+
+def raised_everywhere(fn: Callable[[], object], error: type[BaseException], match: str) -> None:
+    """``fn`` raises ``error`` (message containing ``match``) on every rank: nobody hangs
+    in a collective waiting for a rank that went on."""
+    try:
+        fn()
+        ok = 0
+    except error as e:
+        ok = int(match in str(e))
+    assert comm.all_gather(np.array([ok], dtype=np.int64)).tolist() == \
+        [1] * comm.get_group_size()

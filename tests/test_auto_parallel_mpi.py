@@ -17,6 +17,7 @@ from simpar.cost import SimparCostModel, load_profile
 from simpar.dataset import random_classification
 from simpar.search import set_search_cost_model
 from simpar.search.dynamic_programming import NoAvailableCost
+from tests.mpi_guard import raised_everywhere
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -110,25 +111,13 @@ class _SharedW(nn.Cell):
         return self.b(self.a(x, self.w), self.w)
 
 
-def _raised_everywhere(fn: Any, error: type[BaseException], match: str) -> None:
-    """``fn`` raises ``error`` (message containing ``match``) on every rank: nobody hangs
-    in a collective waiting for a rank that went on."""
-    try:
-        fn()
-        ok = 0
-    except error as e:
-        ok = int(match in str(e))
-    assert comm.all_gather(np.array([ok], dtype=np.int64)).tolist() == \
-        [1] * comm.get_group_size()
-
-
 def test_bad_searches_fail_on_every_rank() -> None:
     simpar.reset_auto_parallel_context()
     simpar.set_auto_parallel_context(parallel_mode="auto_parallel",
                                      search_mode="dynamic_programming",
                                      dataset_strategy="full_batch")
     try:
-        _raised_everywhere(lambda: simpar.set_auto_parallel_context(search_mode="greedy"),
+        raised_everywhere(lambda: simpar.set_auto_parallel_context(search_mode="greedy"),
                            ValueError, "'greedy'")
 
         def conflict() -> None:
@@ -138,11 +127,11 @@ def test_bad_searches_fail_on_every_rank() -> None:
                                         nn.SGD(net.trainable_params(), 0.1),
                                         parallel_mode="auto_parallel")
             train.build(x, np.zeros((8, 16)))
-        _raised_everywhere(conflict, ValueError, "no plan satisfies every constraint")
+        raised_everywhere(conflict, ValueError, "no plan satisfies every constraint")
         simpar.set_auto_parallel_context(search_mode="sharding_propagation")
-        _raised_everywhere(conflict, ValueError, "reads parameter w cut")
+        raised_everywhere(conflict, ValueError, "reads parameter w cut")
         simpar.set_auto_parallel_context(search_mode="recursive_programming")
-        _raised_everywhere(conflict, ValueError, "a shared parameter has one layout")
+        raised_everywhere(conflict, ValueError, "a shared parameter has one layout")
         simpar.set_auto_parallel_context(search_mode="dynamic_programming")
 
         tiny = dataclasses.replace(load_profile("cpu-local"), memory_capacity=1024)
@@ -151,9 +140,9 @@ def test_bad_searches_fail_on_every_rank() -> None:
         def no_memory() -> None:
             train = _make("auto_parallel")
             train.build(*random_classification(0, 8, 16, 8, 0, np.dtype(np.float64)))
-        _raised_everywhere(no_memory, NoAvailableCost, "The minimum memory cost is")
+        raised_everywhere(no_memory, NoAvailableCost, "The minimum memory cost is")
         simpar.set_auto_parallel_context(search_mode="recursive_programming")
-        _raised_everywhere(no_memory, NoAvailableCost, "recursive_programming's plan needs")
+        raised_everywhere(no_memory, NoAvailableCost, "recursive_programming's plan needs")
     finally:
         set_search_cost_model(None)
         simpar.reset_auto_parallel_context()

@@ -341,8 +341,24 @@ def test_operator_strategy_paths_are_checked_as_mindspore_checks_them(method: st
     assert isinstance(relative.value, KeyError) and isinstance(relative.value, ValueError)
     with pytest.raises(KeyError, match=r"must end in .json \(File type must be .json\)"):
         call(os.path.abspath("strategy.ckpt"))
-    with pytest.raises(NotImplementedError, match=f"AutoParallel.{method}: strategy files"):
+    with pytest.raises(NotImplementedError, match=f"AutoParallel.{method}: operator strategy "
+                       "files .*not supported; save_param_strategy_file"):
         call(os.path.abspath("strategy.json"))
+
+
+def test_param_strategy_files_are_the_wrapper_s_strategy_ckpt_config() -> None:
+    parallel_net = _net("recursive_programming")
+    assert parallel_net.parallel_settings()["strategy_ckpt_config"] == {
+        "load_file": "", "save_file": "", "only_trainable_params": True}
+    parallel_net.save_param_strategy_file("/tmp/out/strategy.json")
+    parallel_net.load_param_strategy_file("/tmp/in/strategy.json")
+    parallel_net.disable_strategy_file_only_for_trainable_params()
+    assert parallel_net.parallel_settings()["strategy_ckpt_config"] == {
+        "load_file": "/tmp/in/strategy.json", "save_file": "/tmp/out/strategy.json",
+        "only_trainable_params": False}
+    with parallel_net.parallel_context() as ctx:
+        assert ctx.strategy_ckpt_config.load_file == "/tmp/in/strategy.json"
+    assert context.auto_parallel_context().strategy_ckpt_config.load_file == ""
 
 
 @pytest.mark.parametrize("method", ["load_param_strategy_file", "save_param_strategy_file",
@@ -369,12 +385,6 @@ def test_bad_comm_fusion_and_transformer_opt() -> None:
     (lambda n: n.hsdp(), "AutoParallel.hsdp: simpar has no optimizer parallelism"),
     (lambda n: n.hsdp(shard_size=2, threshold=0, optimizer_level="level3"),
      "AutoParallel.hsdp"),
-    (lambda n: n.load_param_strategy_file("/tmp/s.ckpt"),
-     "AutoParallel.load_param_strategy_file: strategy files .*the issue \"strategy files\""),
-    (lambda n: n.save_param_strategy_file("/tmp/s.ckpt"),
-     "AutoParallel.save_param_strategy_file: strategy files"),
-    (lambda n: n.disable_strategy_file_only_for_trainable_params(),
-     "AutoParallel.disable_strategy_file_only_for_trainable_params: strategy files"),
     (lambda n: n.no_init_parameters_in_compile(),
      "AutoParallel.no_init_parameters_in_compile: simpar initialises each rank's parameter "
      "blocks"),

@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("simpar.redistribution",),
     ("simpar.ops",),
     ("simpar.graph",),
-    ("simpar.search", "simpar.cost"),
+    ("simpar.search", "simpar.cost", "simpar.strategy_file"),
     ("simpar.runtime",),
     ("simpar.parallel",),
     ("simpar.nn", "simpar.auto_parallel"),

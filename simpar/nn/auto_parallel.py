@@ -57,8 +57,10 @@ _MINDSPORE_MODES: dict[str, tuple[str, str | None]] = {
 }
 _SCHEDULERS = ("1f1b", "gpipe", "seqpipe", "seqvpp", "seqsmartvpp", "zero_bubble_v")
 _OPTIMIZER_LEVELS = ("level1", "level2", "level3")
-_STRATEGY_FILES = ("strategy files (export/import of the strategies, the issue \"strategy "
-                   "files\") are not built yet")
+_OPERATOR_FILES = ("operator strategy files (MindSpore's per-operator layout files) are not "
+                   "supported; save_param_strategy_file and load_param_strategy_file write "
+                   "and read MindSpore's strategy file (strategy_ckpt_config), which holds "
+                   "every operator's strategy")
 
 # The wrappers whose settings are in force, innermost last (see AutoParallel.parallel_context).
 _ACTIVE: list[AutoParallel] = []
@@ -143,6 +145,8 @@ class AutoParallel(Cell):
         self._settings = {"dataset_strategy": "data_parallel", "gradients_mean": False,
                           "gradient_fp32_sync": True, "loss_repeated_mean": True,
                           "pipeline_stages": 1}
+        self._files: dict[str, Any] = {"load_file": "", "save_file": "",
+                                       "only_trainable_params": True}
 
     # ------------------------------------------------------------------ what it applies
     @property
@@ -167,8 +171,7 @@ class AutoParallel(Cell):
                                             ("auto_parallel", self.parallel_mode))
         out: dict[str, Any] = {"parallel_mode": mode, **self._settings,
                                "enable_alltoall": True,
-                               "strategy_ckpt_config": {"load_file": "", "save_file": "",
-                                                        "only_trainable_params": True}}
+                               "strategy_ckpt_config": dict(self._files)}
         if search is not None:
             out["search_mode"] = search
         return out
@@ -335,33 +338,34 @@ class AutoParallel(Cell):
                 f"fusion modes or thresholds to set; got {config!r}")
 
     def load_param_strategy_file(self, file_path: str) -> None:
-        """Load the parameters' strategies from a file: not built yet (``NotImplementedError``,
-        after MindSpore's check of ``file_path``)."""
+        """Plan from a strategy file instead of searching (MindSpore's
+        ``strategy_ckpt_config["load_file"]`` for this network): its strategies, checked
+        against the network when it compiles (:func:`simpar.strategy_file.load_strategy`)."""
         _check_str("load_param_strategy_file", "file_path", file_path)
-        raise NotImplementedError(f"AutoParallel.load_param_strategy_file: {_STRATEGY_FILES}")
+        self._files["load_file"] = file_path
 
     def save_param_strategy_file(self, file_path: str) -> None:
-        """Save the parameters' strategies to a file: not built yet (``NotImplementedError``,
-        after MindSpore's check of ``file_path``)."""
+        """Save the network's strategies when it compiles (``strategy_ckpt_config
+        ["save_file"]``), as MindSpore's JSON strategy file."""
         _check_str("save_param_strategy_file", "file_path", file_path)
-        raise NotImplementedError(f"AutoParallel.save_param_strategy_file: {_STRATEGY_FILES}")
+        self._files["save_file"] = file_path
 
     def disable_strategy_file_only_for_trainable_params(self) -> None:
-        """Strategy files for every parameter, not only trainable ones: not built yet."""
-        raise NotImplementedError("AutoParallel.disable_strategy_file_only_for_trainable_params: "
-                                  f"{_STRATEGY_FILES}")
+        """Saved strategy files lay out every parameter, not only the trainable ones
+        (``strategy_ckpt_config["only_trainable_params"] = False``)."""
+        self._files["only_trainable_params"] = False
 
     def save_operator_strategy_file(self, file_path: str) -> None:
         """Save the searched operator strategies (sharding propagation) to a JSON file: not
         built yet. ``file_path`` must be an absolute path ending in ``.json``."""
         _check_operator_strategy_path("save_operator_strategy_file", file_path)
-        raise NotImplementedError(f"AutoParallel.save_operator_strategy_file: {_STRATEGY_FILES}")
+        raise NotImplementedError(f"AutoParallel.save_operator_strategy_file: {_OPERATOR_FILES}")
 
     def load_operator_strategy_file(self, file_path: str) -> None:
         """Load operator strategies (sharding propagation) from a JSON file: not built yet.
         ``file_path`` must be an absolute path ending in ``.json``."""
         _check_operator_strategy_path("load_operator_strategy_file", file_path)
-        raise NotImplementedError(f"AutoParallel.load_operator_strategy_file: {_STRATEGY_FILES}")
+        raise NotImplementedError(f"AutoParallel.load_operator_strategy_file: {_OPERATOR_FILES}")
 
     def no_init_parameters_in_compile(self) -> None:
         """Leave the parameters uninitialised at compile time: not in simpar."""

@@ -20,6 +20,7 @@ for the settings the wrapper gives nor changed afterwards.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from typing import Any
 
@@ -31,8 +32,11 @@ from simpar.nn.auto_parallel import AutoParallel
 from simpar.nn.cell import Cell
 from simpar.nn.optim import Optimizer
 from simpar.redistribution import execute, plan
-from simpar.runtime.program import ParallelProgram, build_program
+from simpar.runtime.program import ParallelProgram, lower
+from simpar.search import dataset_layouts, parameter_plans, plan_strategies
+from simpar.search.auto import search_cost_model
 from simpar.seed import get_seed
+from simpar.strategy_file import load_strategy, save_strategy
 
 __all__ = ["TrainOneStepCell", "WithLossCell"]
 
@@ -116,6 +120,31 @@ class TrainOneStepCell:
             return contextlib.nullcontext(context.auto_parallel_context())
         return self.auto_parallel.parallel_context()
 
+    def _plan(self, ctx: context.ParallelContext, g: graph.Graph, device_num: int,
+              dataset: Any) -> ParallelProgram:
+        """Plan (or load the strategy file's plan: no search) and lower; save the plan when
+        ``strategy_ckpt_config`` names a save_file. Strategy files apply to
+        semi_auto_parallel and auto_parallel, as in MindSpore; every rank reads (and writes,
+        atomically, the same bytes) the same file, so every rank fails alike."""
+        files = ctx.strategy_ckpt_config if self.mode in (
+            "semi_auto_parallel", "auto_parallel") else context.StrategyCkptConfig()
+        if files.load_file:
+            smap = load_strategy(files.load_file, g, device_num, mode=self.mode)
+            if not smap.inputs:  # a plain MindSpore file: inputs as the dataset lays them
+                smap = dataclasses.replace(smap, inputs={
+                    v.name: lay for v, lay in zip(g.inputs, dataset_layouts(
+                        [v.shape for v in g.inputs], device_num, dataset))})
+        else:
+            smap = plan_strategies(g, device_num, self.mode, dataset, ctx.enable_alltoall,
+                                   parameter_plans(self.network),
+                                   search_mode=ctx.search_mode)
+        if files.save_file:
+            save_strategy(files.save_file, smap, g, search_mode=ctx.search_mode if
+                          self.mode == "auto_parallel" else None,
+                          cost_model=search_cost_model().name,
+                          only_trainable_params=files.only_trainable_params)
+        return lower(g, smap, ctx.enable_alltoall)
+
     def _build(self, ctx: context.ParallelContext, data: np.ndarray, label: np.ndarray
                ) -> ParallelProgram:
         self._ctx = ctx
@@ -126,8 +155,7 @@ class TrainOneStepCell:
         g = graph.trace(self.network, [(data.shape, data.dtype), (label.shape, label.dtype)],
                         ["data", "label"])
         dataset = "full_batch" if ctx.full_batch else ctx.dataset_strategy
-        self.program = build_program(g, device_num, self.mode, dataset, ctx.enable_alltoall,
-                             cell=self.network)
+        self.program = self._plan(ctx, g, device_num, dataset)
         rank = comm.get_rank() if device_num > 1 else 0
         trainable = {p.name for p in self.optimizer.parameters}
         for name, lay in self.program.param_layouts.items():
