@@ -28,14 +28,16 @@ choice made is recorded in
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import os
 import pathlib
+import secrets
 import sys
 from typing import IO, NoReturn
 
-__all__ = ["RANK_VARS", "SETTINGS", "RankZeroParser", "apply", "launcher_rank", "local_ranks",
-           "unwritable_file", "usable_cores"]
+__all__ = ["RANK_VARS", "RankZeroParser", "SETTINGS", "apply", "launcher_rank", "local_ranks",
+           "unwritable_file", "usable_cores", "write_atomically"]
 
 _THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
                 "BLIS_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
@@ -179,3 +181,31 @@ def unwritable_file(path: pathlib.Path) -> str | None:
     if not os.access(parent, os.W_OK | os.X_OK):
         return f"directory {str(parent)!r} is not writable"
     return None
+
+
+def write_atomically(path: str, data: bytes | str) -> None:
+    """Write ``data`` to ``path`` so that a reader sees the old file or the whole new one,
+    never part of it: a temporary name of this process's own beside ``path`` (created
+    exclusively, with the umask's permissions), flushed to disk, renamed over ``path``, and
+    the directory synced so that the rename survives a crash. On any error the temporary file
+    is removed and ``path`` is left as it was."""
+    directory, base = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(directory, f".{base}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
+    # The file is in place already, so a filesystem that cannot sync a directory is no error.
+    with contextlib.suppress(OSError):
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)

@@ -45,16 +45,15 @@ layout from the dataset strategy rather than from the strategy file.
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import hashlib
 import json
 import math
 import os
-import secrets
 from collections.abc import Mapping
 from typing import Any
 
+from simpar._env import write_atomically
 from simpar.graph import Graph, Node, Value
 from simpar.layout import TensorLayout
 from simpar.ops._base import StrategyError
@@ -170,7 +169,7 @@ def save_strategy(path: str | os.PathLike[str], strategy_map: StrategyMap,
     if not os.path.isdir(directory):
         raise ValueError(f"{func}: the directory of {p!r} does not exist; create it first")
     doc = _document(strategy_map, graph, search_mode, cost_model, only_trainable_params)
-    _write_atomically(p, _dumps(doc) + "\n")
+    write_atomically(p, _dumps(doc) + "\n")
 
 
 def _document(smap: StrategyMap, graph: Graph | None, search_mode: str | None,
@@ -286,31 +285,6 @@ def _dumps(value: Any, indent: int = 0) -> str:
         items = [f"{pad}{json.dumps(k)}: {_dumps(v, indent + 1)}" for k, v in value.items()]
         return "{\n" + ",\n".join(items) + "\n" + " " * indent + "}"
     return json.dumps(value)
-
-
-def _write_atomically(path: str, text: str) -> None:
-    directory, base = os.path.split(os.path.abspath(path))
-    # A name of this process's own, created exclusively, with the umask's permissions.
-    tmp = os.path.join(directory, f".{base}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
-        raise
-    # The rename is recorded in the directory: sync it too, or a crash may lose the new name.
-    # The file is in place already, so a filesystem that cannot sync a directory is no error.
-    with contextlib.suppress(OSError):
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
 
 
 # ---------------------------------------------------------------- loading
