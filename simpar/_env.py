@@ -34,10 +34,12 @@ import os
 import pathlib
 import secrets
 import sys
+from collections.abc import Iterator
 from typing import IO, NoReturn
 
-__all__ = ["RANK_VARS", "RankZeroParser", "SETTINGS", "apply", "launcher_rank", "local_ranks",
-           "unwritable_file", "usable_cores", "write_atomically"]
+__all__ = ["RANK_VARS", "RankZeroParser", "SETTINGS", "apply", "atomic_file", "launcher_rank",
+           "local_ranks", "sync_directory", "unwritable_file", "usable_cores",
+           "write_atomically"]
 
 _THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
                 "BLIS_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
@@ -183,18 +185,19 @@ def unwritable_file(path: pathlib.Path) -> str | None:
     return None
 
 
-def write_atomically(path: str, data: bytes | str) -> None:
-    """Write ``data`` to ``path`` so that a reader sees the old file or the whole new one,
-    never part of it: a temporary name of this process's own beside ``path`` (created
-    exclusively, with the umask's permissions), flushed to disk, renamed over ``path``, and
-    the directory synced so that the rename survives a crash. On any error the temporary file
-    is removed and ``path`` is left as it was."""
+@contextlib.contextmanager
+def atomic_file(path: str) -> Iterator[IO[bytes]]:
+    """A binary file that appears at ``path`` complete or not at all: written under a
+    temporary name of this process's own beside it (created exclusively, with the umask's
+    permissions), flushed to disk, then renamed over ``path``. On any error the temporary file
+    is removed and ``path`` is left as it was. (:func:`sync_directory` makes the rename
+    survive a crash.)"""
     directory, base = os.path.split(os.path.abspath(path))
     tmp = os.path.join(directory, f".{base}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -202,10 +205,22 @@ def write_atomically(path: str, data: bytes | str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
         raise
-    # The file is in place already, so a filesystem that cannot sync a directory is no error.
+
+
+def sync_directory(directory: str) -> None:
+    """Record the renames in ``directory`` on disk. The files are in place already, so a
+    filesystem that cannot sync a directory is no error."""
     with contextlib.suppress(OSError):
-        dir_fd = os.open(directory, os.O_RDONLY)
+        fd = os.open(directory, os.O_RDONLY)
         try:
-            os.fsync(dir_fd)
+            os.fsync(fd)
         finally:
-            os.close(dir_fd)
+            os.close(fd)
+
+
+def write_atomically(path: str, data: bytes | str) -> None:
+    """Write ``data`` to ``path`` so that a reader sees the old file or the whole new one,
+    never part of it (:func:`atomic_file`), and sync the directory."""
+    with atomic_file(path) as f:
+        f.write(data.encode("utf-8") if isinstance(data, str) else data)
+    sync_directory(os.path.dirname(os.path.abspath(path)))

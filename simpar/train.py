@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 import simpar
-from simpar import _env, comm, graph, nn
+from simpar import _env, checkpoint, comm, graph, nn
 from simpar.check import CheckReport, check_against_single_device
 from simpar.context import ContextError
 from simpar.cost import CostReport, SimparCostModel, load_profile, profile_names
@@ -94,6 +94,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the check's tolerance follows the dtype and optimizer (README, 'The "
                    "single-device check')")
     p.add_argument("--gradients-mean", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--save-every", type=int, default=0, metavar="N",
+                   help="save a distributed checkpoint every N steps into --ckpt-dir "
+                   "(D/step_000010, ...; 0: never)")
+    p.add_argument("--ckpt-dir", default=None, help="directory for --save-every's checkpoints")
+    p.add_argument("--resume", default=None, metavar="D",
+                   help="resume from checkpoint D, or from the latest complete checkpoint under "
+                   "D; another strategy or rank count than the one that saved is fine")
+    p.add_argument("--stop-on-nonfinite", action=argparse.BooleanOptionalAction, default=True,
+                   help="stop with an error naming the step when the loss is NaN or Inf "
+                   "(default on)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-check", action="store_true", help="skip the single-device check")
     p.add_argument("--out", default=None, help="directory for summary.json")
@@ -122,6 +132,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--strategy {args.strategy} sets semi_auto_parallel strategies, but "
                 f"--parallel-mode is {args.parallel_mode}; drop --strategy or use "
                 "--parallel-mode semi_auto_parallel")
+    if args.save_every < 0:
+        p.error(f"--save-every must be >= 0, got {args.save_every}")
+    if args.save_every and not args.ckpt_dir:
+        p.error(f"--save-every {args.save_every} needs --ckpt-dir, the directory to save into")
+    if args.ckpt_dir is not None:
+        problem = _unwritable_dir(args.ckpt_dir)
+        if problem:
+            p.error(f"--ckpt-dir {args.ckpt_dir}: {problem}")
+    if args.resume is not None:
+        found = _resume_point(args.resume)
+        if found is None:
+            p.error(f"--resume {args.resume}: no complete checkpoint there (a directory with "
+                    "manifest.json, or one holding such directories)")
+        args.resume = found
     if args.device_num is not None and args.device_num < 1:
         p.error(f"--device-num must be >= 1 (the number of ranks), got {args.device_num}")
     if args.out is not None:
@@ -297,6 +321,25 @@ def print_strategy_table(train: nn.TrainOneStepCell) -> None:
 
 
 # ------------------------------------------------------------------ the job
+def _resume_point(path: str) -> str | None:
+    """``path`` if it is a complete checkpoint, else the latest complete one under it."""
+    if os.path.isfile(os.path.join(path, checkpoint.MANIFEST)):
+        return path
+    return checkpoint.latest_checkpoint(path) if os.path.isdir(path) else None
+
+
+#: Fault injection for the tests of the failure path: "RANK:STEP" makes that rank raise before
+#: that step (1-based); the job must then end on every rank, with this rank's message.
+INJECT_FAILURE = "SIMPAR_INJECT_FAILURE"
+
+
+def _injected_failure(rank: int, step: int) -> None:
+    value = os.environ.get(INJECT_FAILURE, "")
+    if value and value == f"{rank}:{step}":
+        raise RuntimeError(f"{INJECT_FAILURE}={value}: injected failure on rank {rank} before "
+                           f"step {step}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rank, world = comm.get_rank(), comm.get_group_size()
@@ -343,21 +386,42 @@ def main(argv: list[str] | None = None) -> int:
         print(why_it_won(args, train, world))
     say(f"\nplanned in {t_build:.2f} s; training {args.steps} steps of {args.batch_size} x "
         f"{args.seq_length if args.model == 'gpt' else 1} tokens")
-    losses, step_times = [], []
+    losses: list[float] = []
+    step_times: list[float] = []
+    start = 0
+    if args.resume is not None:
+        start = checkpoint.load_training(train, args.resume)
+        losses = [float(x) for x in checkpoint.read_manifest(args.resume).extra.get(
+            "losses", [math.nan] * start)]
+        say(f"resumed from {args.resume} after step {start}")
+        if start >= args.steps:
+            say(f"the checkpoint is after step {start}: nothing left of --steps {args.steps}")
     tokens = args.batch_size * (args.seq_length if args.model == "gpt" else 1)
     rows = my_rows(train, rank)
     with comm.CommTrace() as trace:
-        for k in range(args.steps):
+        for k in range(start, args.steps):
             data, label = (data0, label0) if k == 0 else get_batch(k, rows)  # only its rows
             comm.world().Barrier()  # untraced: only to time steps fairly
             t0 = time.perf_counter()
+            _injected_failure(rank, k + 1)
             loss = train(data, label)
             step_times.append(time.perf_counter() - t0)
             losses.append(loss)
+            if args.stop_on_nonfinite and not math.isfinite(loss):
+                # Every rank computed the same global loss, so every rank stops here alike.
+                if rank == 0:
+                    print(f"python -m simpar.train: error: the loss is {loss} at step {k + 1}; "
+                          "training stopped (--no-stop-on-nonfinite goes on)", file=sys.stderr)
+                return 1
             bar = "#" * int(20 * (k + 1) / args.steps)
             say(f"  step {k + 1:>3}/{args.steps} [{bar:<20}] loss {loss:.4f}  "
                 f"{tokens / step_times[-1]:>8.0f} tok/s", flush=True)
-    steady = step_times[1:] or step_times
+            if args.save_every and (k + 1) % args.save_every == 0:
+                saved = checkpoint.save_training(
+                    train, os.path.join(args.ckpt_dir, f"step_{k + 1:06d}"),
+                    extra={"losses": [_json_float(x) for x in losses]})
+                say(f"  saved {saved}")
+    steady = step_times[1:] or step_times or [math.inf]  # (a resume with no step left)
     tok_s = tokens / float(np.median(steady))
     say(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; {tok_s:.0f} tokens/s (median step "
         f"{1e3 * float(np.median(steady)):.1f} ms)")

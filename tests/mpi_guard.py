@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 import simpar.comm as comm
+from simpar import launch
 
 
 @contextmanager
@@ -46,3 +47,11 @@ def raised_everywhere(fn: Callable[[], object], error: type[BaseException], matc
         ok = int(match in str(e))
     assert comm.all_gather(np.array([ok], dtype=np.int64)).tolist() == \
         [1] * comm.get_group_size()
+
+
+def have_mpirun() -> bool:
+    """Whether an MPI launcher simrun can drive is on this machine (tests that start jobs)."""
+    try:
+        return launch.detect_mpi_flavor(launch.find_mpirun()) != "unknown"
+    except ValueError:
+        return False

@@ -29,19 +29,13 @@ from simpar.launch import (
     read_rank_table,
     write_rank_table,
 )
+from tests.mpi_guard import have_mpirun
 
 ROOT = Path(__file__).resolve().parent.parent
 HANG_GUARD_S = 60
 
 
-def _have_mpirun() -> bool:
-    try:
-        return detect_mpi_flavor(launch.find_mpirun()) != "unknown"
-    except ValueError:
-        return False
-
-
-needs_mpirun = pytest.mark.skipif(not _have_mpirun(), reason="no usable mpirun")
+needs_mpirun = pytest.mark.skipif(not have_mpirun(), reason="no usable mpirun")
 
 
 def _env() -> dict[str, str]:

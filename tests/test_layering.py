@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("simpar.runtime",),
     ("simpar.parallel",),
     ("simpar.nn", "simpar.auto_parallel"),
-    ("simpar.check", "simpar.dataset"),
+    ("simpar.check", "simpar.dataset", "simpar.checkpoint"),
     ("simpar.train", "simpar.launch", "simpar.calibrate", "simpar"),
 ]
 
