@@ -53,6 +53,7 @@ import math
 import os
 import re
 import sys
+import tempfile
 import zipfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -1115,18 +1116,30 @@ def _training_layouts(train: TrainOneStepCell) -> dict[str, TensorLayout]:
     return out
 
 
-def _agree(what: str, problem: str | None) -> None:
+def _training_arrays(train: TrainOneStepCell) -> dict[str, np.ndarray]:
+    arrays = {f"params/{n}": a for n, a in train.params.items()}
+    arrays.update({f"opt/{n}/{slot}": a for n, slots in train.optimizer.state.items()
+                   for slot, a in slots.items()})
+    return arrays
+
+
+def _agree(what: str, problem: str | None, collective: bool) -> None:
     """Raise on every rank if any rank had a problem, with the first such rank's message: a
-    rank that went on alone would wait forever in the next collective."""
-    if comm.get_group_size() == 1:
+    rank that went on alone would wait forever in the next collective. The agreement runs on
+    raw MPI (``comm.world()``), outside simpar's CommTrace: it is no training traffic. A
+    one-device cell (``collective`` False) agrees with nobody."""
+    if not collective or comm.get_group_size() == 1:
         if problem is not None:
-            raise ValueError(problem)
+            raise ValueError(f"{what}: {problem}")
         return
-    raw = (problem or "").encode("utf-8")[:_MESSAGE_BYTES]
-    buf = np.zeros(_MESSAGE_BYTES + 1, dtype=np.int32)
-    buf[0] = len(raw) if problem is not None else -1
-    buf[1:1 + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-    every = comm.all_gather(buf[None, :]).reshape(comm.get_group_size(), -1)
+    raw = (problem or "").encode("utf-8")
+    if len(raw) > _MESSAGE_BYTES:
+        raw = raw[:_MESSAGE_BYTES - 3] + b"..."
+    mine = np.zeros(_MESSAGE_BYTES + 1, dtype=np.int32)
+    mine[0] = len(raw) if problem is not None else -1
+    mine[1:1 + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    every = np.zeros((comm.get_group_size(), _MESSAGE_BYTES + 1), dtype=np.int32)
+    comm.world().Allgather(mine, every)
     for rank, row in enumerate(every):
         if row[0] >= 0:
             text = bytes(row[1:1 + row[0]].astype(np.uint8)).decode("utf-8", "replace")
@@ -1136,74 +1149,83 @@ def _agree(what: str, problem: str | None) -> None:
 _MESSAGE_BYTES = 1024
 
 
+def _failed(e: BaseException) -> str:
+    return str(e) if isinstance(e, (OSError, ValueError)) else f"{type(e).__name__}: {e}"
+
+
 def save_training(train: TrainOneStepCell, directory: str | os.PathLike[str],
                   extra: Mapping[str, Any] | None = None) -> str:
-    """Save a built training cell's state into ``directory`` (collective: every rank calls):
-    each rank its own blocks of the parameters and the optimizer state (one writer per set of
-    replicas), the strategy file beside them, and ``manifest.json`` last, so that a save cut
-    short leaves no checkpoint there and the previous one stays the latest. Returns the
-    directory. ``extra`` (JSON values, e.g. the losses so far) is kept in the manifest.
-    Failures raise on every rank."""
+    """Save a built training cell's state into ``directory`` (collective: every rank of a
+    parallel cell calls): each rank its own blocks of the parameters and the optimizer state
+    (one writer per set of replicas), the strategy file beside them, and ``manifest.json``
+    last, so that a save cut short leaves no checkpoint there and the previous one stays the
+    latest. ``extra`` (JSON values, e.g. the losses so far) is kept in the manifest. Returns
+    the directory. Any failure raises on every rank, with the failing rank's message."""
     layouts = _training_layouts(train)
-    rank = comm.get_rank() if train.program is not None and train.program.device_num > 1 else 0
+    program = train.program
+    assert program is not None
+    parallel = program.device_num > 1
+    rank = comm.get_rank() if parallel else 0
     step = train.step_count
-    arrays = {f"params/{n}": a for n, a in train.params.items()}
-    arrays.update({f"opt/{n}/{slot}": a for n, slots in train.optimizer.state.items()
-                   for slot, a in slots.items()})
-    extra = {**(extra or {}), "optimizer": type(train.optimizer).__name__,
-             "optimizer_t": train.optimizer.t}
+    info = {**(extra or {}), "optimizer": type(train.optimizer).__name__,
+            "optimizer_t": train.optimizer.t}
     root = os.fspath(directory)
     problem = None
     try:
         if rank == 0:
             os.makedirs(root, exist_ok=True)
-    except OSError as e:
-        problem = f"cannot create {root!r}: {e}"
-    _agree("save_training", problem)
+    except Exception as e:  # noqa: BLE001 - agreed below and raised on every rank
+        problem = f"cannot create {root!r}: {_failed(e)}"
+    _agree("save_training", problem, parallel)
     try:
-        save_shards(root, rank, layouts, arrays, step=step, extra=extra)
-    except (OSError, ValueError) as e:
-        problem = str(e)
-    _agree("save_training", problem)
+        save_shards(root, rank, layouts, _training_arrays(train), step=step, extra=info)
+    except Exception as e:  # noqa: BLE001 - agreed below and raised on every rank
+        problem = _failed(e)
+    _agree("save_training", problem, parallel)
     if rank == 0:
         try:
-            assert train.program is not None and train.program.strategy_map is not None
-            strategy = os.path.join(root, "strategy.json")
-            save_strategy(strategy, train.program.strategy_map, train.program.graph,
-                          only_trainable_params=False)
-            finish_checkpoint(root, train.program.device_num, layouts, step=step,
-                              strategy_file=strategy, extra=extra)
-        except (OSError, ValueError) as e:
-            problem = str(e)
-    _agree("save_training", problem)
+            assert program.strategy_map is not None
+            with tempfile.TemporaryDirectory(dir=root) as scratch:
+                strategy = os.path.join(scratch, "strategy.json")
+                save_strategy(strategy, program.strategy_map, program.graph,
+                              only_trainable_params=False)
+                finish_checkpoint(root, program.device_num, layouts, step=step,
+                                  strategy_file=strategy, extra=info)
+        except Exception as e:  # noqa: BLE001 - agreed below and raised on every rank
+            problem = _failed(e)
+    _agree("save_training", problem, parallel)
     return root
 
 
 def load_training(train: TrainOneStepCell, directory: str | os.PathLike[str]) -> int:
-    """Restore a built training cell from the checkpoint in ``directory`` (collective): its
-    parameters, optimizer state and step count. The cell may run another strategy or another
-    number of ranks than the one that saved: each rank reads only the saved blocks that
-    overlap its own. A checkpoint of another network, or a damaged file, raises on every rank,
-    naming what is wrong. Returns the step the checkpoint was taken after."""
+    """Restore a built training cell from the checkpoint in ``directory`` (collective for a
+    parallel cell): its parameters, optimizer state and step count. The cell may run another
+    strategy or another number of ranks than the one that saved: each rank reads only the
+    saved blocks that overlap its own. A checkpoint of another network, another optimizer or
+    another dtype, or a damaged file, raises on every rank, naming what is wrong. Returns the
+    step the checkpoint was taken after."""
     layouts = _training_layouts(train)
     program = train.program
     assert program is not None
-    rank = comm.get_rank() if program.device_num > 1 else 0
+    parallel = program.device_num > 1
+    rank = comm.get_rank() if parallel else 0
+    arrays = _training_arrays(train)
     problem = None
     restored: dict[str, np.ndarray] = {}
     manifest = None
     try:
         manifest = read_manifest(directory)
-        check_against(manifest, layouts)
         kind = manifest.extra.get("optimizer")
         if kind != type(train.optimizer).__name__:
             raise ValueError(f"the checkpoint holds {kind} state, but the cell trains with "
                              f"{type(train.optimizer).__name__}")
+        check_against(manifest, {name: (lay.shape, arrays[name].dtype)
+                                 for name, lay in layouts.items()})
         for name, lay in layouts.items():
             restored[name] = load_shard(directory, name, lay, rank)
-    except (OSError, ValueError) as e:
-        problem = str(e)
-    _agree("load_training", problem)
+    except Exception as e:  # noqa: BLE001 - agreed below and raised on every rank
+        problem = _failed(e)
+    _agree("load_training", problem, parallel)
     assert manifest is not None
     for name in train.params:
         train.params[name] = restored[f"params/{name}"]
@@ -1213,7 +1235,6 @@ def load_training(train: TrainOneStepCell, directory: str | os.PathLike[str]) ->
     train.optimizer.t = int(manifest.extra.get("optimizer_t", manifest.step))
     train.step_count = manifest.step
     return manifest.step
-
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -140,12 +140,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         problem = _unwritable_dir(args.ckpt_dir)
         if problem:
             p.error(f"--ckpt-dir {args.ckpt_dir}: {problem}")
+    start = 0
     if args.resume is not None:
-        found = _resume_point(args.resume)
-        if found is None:
+        try:
+            found = _resume_point(args.resume)
+            manifest = checkpoint.read_manifest(found) if found is not None else None
+        except ValueError as e:
+            p.error(f"--resume {args.resume}: {e}")
+        if found is None or manifest is None:
             p.error(f"--resume {args.resume}: no complete checkpoint there (a directory with "
                     "manifest.json, or one holding such directories)")
-        args.resume = found
+        args.resume, start = found, manifest.step
+        if start > args.steps:
+            p.error(f"--resume {found} is after step {start}, beyond --steps {args.steps}")
+        saved = manifest.extra.get("job")
+        if not isinstance(saved, dict):
+            p.error(f"--resume {found}: the checkpoint does not record the job's settings (it "
+                    "was not saved by python -m simpar.train --save-every)")
+        for key, value in job_settings(args).items():
+            if saved.get(key) != value:
+                p.error(f"--resume {found}: the checkpoint was saved with --"
+                        f"{key.replace('_', '-')} {saved.get(key)}, this job has {value}; a "
+                        "resumed job keeps the model, data and training settings (strategy, "
+                        "parallel mode and rank count may change)")
+    if args.save_every:
+        taken = [f"step_{k:06d}" for k in range(start + 1, args.steps + 1)
+                 if k % args.save_every == 0
+                 and os.path.exists(os.path.join(args.ckpt_dir, f"step_{k:06d}"))]
+        if taken:
+            p.error(f"--ckpt-dir {args.ckpt_dir} already holds {taken[0]}, which this job "
+                    "would save; use another --ckpt-dir, or remove it")
     if args.device_num is not None and args.device_num < 1:
         p.error(f"--device-num must be >= 1 (the number of ranks), got {args.device_num}")
     if args.out is not None:
@@ -321,6 +345,14 @@ def print_strategy_table(train: nn.TrainOneStepCell) -> None:
 
 
 # ------------------------------------------------------------------ the job
+def job_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The options a resumed job must share with the job that saved: model, data, optimizer
+    and seed (the strategy, the parallel mode and the rank count may change)."""
+    keys = ("model", "dtype", "seed", "optimizer", "lr", "batch_size", "seq_length", "d_model",
+            "n_layers", "n_heads", "hidden", "gradients_mean")
+    return {key: getattr(args, key) for key in keys}
+
+
 def _resume_point(path: str) -> str | None:
     """``path`` if it is a complete checkpoint, else the latest complete one under it."""
     if os.path.isfile(os.path.join(path, checkpoint.MANIFEST)):
@@ -390,7 +422,13 @@ def main(argv: list[str] | None = None) -> int:
     step_times: list[float] = []
     start = 0
     if args.resume is not None:
-        start = checkpoint.load_training(train, args.resume)
+        try:
+            start = checkpoint.load_training(train, args.resume)
+        except ValueError as e:  # every rank raises alike (agreed in load_training)
+            if rank == 0:
+                print(f"python -m simpar.train: error: --resume {args.resume}: {e}",
+                      file=sys.stderr)
+            return 2
         losses = [float(x) for x in checkpoint.read_manifest(args.resume).extra.get(
             "losses", [math.nan] * start)]
         say(f"resumed from {args.resume} after step {start}")
@@ -419,7 +457,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.save_every and (k + 1) % args.save_every == 0:
                 saved = checkpoint.save_training(
                     train, os.path.join(args.ckpt_dir, f"step_{k + 1:06d}"),
-                    extra={"losses": [_json_float(x) for x in losses]})
+                    extra={"losses": [_json_float(x) for x in losses],
+                           "job": job_settings(args)})
                 say(f"  saved {saved}")
     steady = step_times[1:] or step_times or [math.inf]  # (a resume with no step left)
     tok_s = tokens / float(np.median(steady))

@@ -38,8 +38,11 @@ def _context() -> Iterator[None]:
     simpar.reset_auto_parallel_context()
 
 
-def _make(mode: str = "auto_parallel", megatron: bool = False) -> nn.TrainOneStepCell:
-    net = nn.MLP(*SIZES, n_hidden=1, dtype=np.float64)
+def _make(mode: str = "semi_auto_parallel", megatron: bool = True,
+          dtype: type = np.float64) -> nn.TrainOneStepCell:
+    """The MLP under Megatron's strategies over every rank (semi_auto_parallel: its weights are
+    cut into one block per rank, so every rank writes and reads its own files), or searched."""
+    net = nn.MLP(*SIZES, n_hidden=1, dtype=dtype)
     if megatron:
         presets.megatron_mlp(net, 1, comm.get_group_size())
     return nn.TrainOneStepCell(nn.WithLossCell(net, nn.SoftmaxCrossEntropyWithLogits()),
@@ -71,10 +74,14 @@ def test_a_resumed_run_is_bit_identical(tmp_path: Path) -> None:
     assert found is not None and found.endswith(f"step_{SAVED_AT:06d}")
     manifest = read_manifest(found)
     assert manifest.step == SAVED_AT and manifest.world_size == comm.get_group_size()
-    # Each block is written once, by one of the ranks holding it, into that rank's folder.
+    # Each block is written once, by one of the ranks holding it, into that rank's folder:
+    # fc1's weight (cut over every rank) by every rank, fc2's bias (replicated) by one.
     for entry in manifest.tensors.values():
         assert len(entry.files) == math.prod(entry.layout.cuts), entry.name
         assert all(f.path.startswith(f"rank_{f.rank}/") for f in entry.files)
+    assert {f.rank for f in manifest.tensors["params/fc1.weight"].files} == \
+        set(range(comm.get_group_size()))
+    assert len(manifest.tensors["params/fc2.bias"].files) == 1
 
     resumed = _make()
     batches = _batches()
@@ -90,14 +97,14 @@ def test_a_resumed_run_is_bit_identical(tmp_path: Path) -> None:
 
 
 def test_a_run_on_another_strategy_resumes_from_the_blocks_it_needs(tmp_path: Path) -> None:
-    """Saved under the searched plan, resumed under Megatron's semi-auto strategies: each rank
-    reads only the saved blocks that overlap its own, and the run matches the uninterrupted
-    one within float64's tolerance."""
+    """Saved under Megatron's strategies, resumed under the searched plan (data parallel for
+    this MLP: every rank needs every block): the run matches the uninterrupted one within
+    float64's tolerance."""
     root = shared_dir(tmp_path)
     with abort_job_on_error("a run that saves"):
         losses, params = _saved_run(root)
-    simpar.set_auto_parallel_context(parallel_mode="semi_auto_parallel")
-    other = _make("semi_auto_parallel", megatron=True)
+    simpar.set_auto_parallel_context(parallel_mode="auto_parallel")
+    other = _make("auto_parallel", megatron=False)
     batches = _batches()
     with abort_job_on_error("a run on another strategy"):
         other.build(*batches[0])
@@ -115,7 +122,10 @@ def test_damaged_and_foreign_checkpoints_fail_on_every_rank(tmp_path: Path) -> N
         _saved_run(root)
     saved = root / f"step_{SAVED_AT:06d}"
     manifest = read_manifest(saved)
-    victim = saved / manifest.tensors["params/fc1.weight"].files[0].path
+    # The block of fc1's weight that rank 1 alone holds and reads: the other ranks find no
+    # fault of their own, and must raise with rank 1's.
+    victim = saved / next(f.path for f in manifest.tensors["params/fc1.weight"].files
+                          if f.rank == 1)
     comm.barrier()
     if comm.get_rank() == 0:
         data = bytearray(victim.read_bytes())
@@ -124,7 +134,12 @@ def test_damaged_and_foreign_checkpoints_fail_on_every_rank(tmp_path: Path) -> N
     comm.barrier()
     fresh = _make()
     fresh.build(*_batches()[0])
+    raised_everywhere(lambda: load_training(fresh, saved), ValueError, "rank 1: ")
     raised_everywhere(lambda: load_training(fresh, saved), ValueError, "checksum")
+    # The same network in float32: a float64 checkpoint is refused, not silently upcast.
+    single = _make(dtype=np.float32)
+    single.build(*_batches()[0])
+    raised_everywhere(lambda: load_training(single, saved), ValueError, "float64")
     # A checkpoint of another network: fc1 is wider.
     wide = nn.MLP(SIZES[0], 64, SIZES[2], n_hidden=1, dtype=np.float64)
     foreign = nn.TrainOneStepCell(nn.WithLossCell(wide, nn.SoftmaxCrossEntropyWithLogits()),

@@ -169,6 +169,32 @@ def test_one_process_run_writes_a_passing_summary(tmp_path: Path) -> None:
     assert not (tmp_path / "summary.json.tmp").exists()
 
 
+def test_checkpoint_options_are_checked_before_any_work(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Resuming beyond --steps, with other settings, or into a --ckpt-dir that holds a step
+    the job would save, exits 2 with one line before anything is planned."""
+    if comm.get_group_size() != 1:
+        pytest.skip("the one-process run")
+    ckpt = tmp_path / "ckpt"
+    job = ["--model", "mlp", "--no-check", "--profile", "none"]
+    assert train.main([*job, "--steps", "2", "--save-every", "2", "--ckpt-dir", str(ckpt)]) == 0
+    capsys.readouterr()
+    for argv, message in [
+            (["--steps", "1", "--resume", str(ckpt)],
+             "is after step 2, beyond --steps 1"),
+            (["--steps", "4", "--seed", "3", "--resume", str(ckpt)],
+             "was saved with --seed 0, this job has 3"),
+            (["--steps", "4", "--save-every", "2", "--ckpt-dir", str(ckpt)],
+             f"--ckpt-dir {ckpt} already holds step_000002, which this job would save"),
+            (["--steps", "4", "--resume", str(tmp_path / "nothing")],
+             "no complete checkpoint there"),
+            (["--steps", "4", "--save-every", "2"], "--save-every 2 needs --ckpt-dir")]:
+        with pytest.raises(SystemExit) as exc:
+            train.main([*job, *argv])
+        assert exc.value.code == 2
+        assert message in capsys.readouterr().err, argv
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--steps", "0"], "--steps must be >= 1, got 0"),
     (["--batch-size", "-2"], "--batch-size must be >= 1, got -2"),
