@@ -29,8 +29,9 @@ functional autodiff); wrapping a ``TrainOneStepCell`` raises and says so.
 MindSpore's two) is accepted as ``parallel_mode`` too, as ``auto_parallel`` with that search.
 
 Methods whose feature simpar has (dataset strategy, gradient mean, loss repeated mean, one
-pipeline stage) set it. Methods whose feature simpar lacks (pipeline stages > 1, optimizer
-sharding, strategy files, local norms, communication fusion settings, Ascend speed-up files)
+pipeline stage, the param strategy files) set it. Methods whose feature simpar lacks (pipeline
+stages > 1, optimizer sharding, operator strategy files, local norms, communication fusion
+settings, Ascend speed-up files)
 validate their arguments with MindSpore's rules and raise ``NotImplementedError`` naming the
 method and what simpar does instead; none of them is silently ignored.
 """
@@ -356,14 +357,16 @@ class AutoParallel(Cell):
         self._files["only_trainable_params"] = False
 
     def save_operator_strategy_file(self, file_path: str) -> None:
-        """Save the searched operator strategies (sharding propagation) to a JSON file: not
-        built yet. ``file_path`` must be an absolute path ending in ``.json``."""
+        """Save the operator strategies in MindSpore's per-operator layout file: not in simpar
+        (``save_param_strategy_file`` writes every operator's strategy). ``file_path`` must be
+        an absolute path ending in ``.json``."""
         _check_operator_strategy_path("save_operator_strategy_file", file_path)
         raise NotImplementedError(f"AutoParallel.save_operator_strategy_file: {_OPERATOR_FILES}")
 
     def load_operator_strategy_file(self, file_path: str) -> None:
-        """Load operator strategies (sharding propagation) from a JSON file: not built yet.
-        ``file_path`` must be an absolute path ending in ``.json``."""
+        """Load MindSpore's per-operator layout file: not in simpar
+        (``load_param_strategy_file`` reads every operator's strategy). ``file_path`` must be an
+        absolute path ending in ``.json``."""
         _check_operator_strategy_path("load_operator_strategy_file", file_path)
         raise NotImplementedError(f"AutoParallel.load_operator_strategy_file: {_OPERATOR_FILES}")
 
