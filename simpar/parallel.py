@@ -7,7 +7,6 @@ every rank holds only its shards, and returns the assembled global result;
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from simpar.compare import relative_error
 from simpar.layout import TensorLayout, distribute
 from simpar.ops._base import OpSharding, Primitive
 from simpar.redistribution import execute, plan
-from simpar.search import StrategyMap, dataset_layouts, parameter_plans, plan_strategies
+from simpar.search import StrategyMap, parameter_plans, plan_strategies
 from simpar.strategy_file import load_strategy, save_strategy
 
 __all__ = ["OpCheckError", "OpRun", "export_strategy", "get_parallel_info", "import_strategy",
@@ -224,9 +223,4 @@ def import_strategy(path: str, cell: Any, input_specs: Sequence[tuple[Sequence[i
     named). A plain MindSpore file has no input layouts: they come from
     ``dataset_strategy``. ``simpar.runtime.lower(graph, map)`` runs it, no search."""
     g = graph.trace(cell, input_specs, input_names)
-    smap = load_strategy(path, g, device_num)
-    if not smap.inputs:
-        layouts = dataset_layouts([v.shape for v in g.inputs], device_num, dataset_strategy)
-        smap = dataclasses.replace(smap, inputs={v.name: lay
-                                                  for v, lay in zip(g.inputs, layouts)})
-    return smap
+    return load_strategy(path, g, device_num, dataset_strategy=dataset_strategy)

@@ -38,13 +38,14 @@ the graph inputs' layouts, and, when the graph is given, :func:`graph_fingerprin
 one-line signature per op, parameter and input, so that loading for another graph can say which
 op differs. A plain MindSpore file lacks them all and still loads: op types then come from the
 graph (or the op key), the device count from ``device_num=`` or the layouts' ``dev_matrix``, and
-the map has no input layouts. ``lower`` holds such inputs whole, so a caller with a dataset
-strategy adds its layouts (``simpar.search.dataset_layouts``), as MindSpore takes the inputs'
-layout from the dataset strategy rather than from the strategy file.
+the map has no input layouts unless ``load_strategy`` is given the ``dataset_strategy`` (as
+MindSpore takes the inputs' layout from the dataset strategy rather than from the strategy
+file); without one, ``lower`` holds such inputs whole.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import hashlib
 import json
@@ -57,7 +58,7 @@ from simpar._env import write_atomically
 from simpar.graph import Graph, Node, Value
 from simpar.layout import TensorLayout
 from simpar.ops._base import StrategyError
-from simpar.search import OpStrategy, Source, StrategyMap
+from simpar.search import OpStrategy, Source, StrategyMap, dataset_layouts
 from simpar.search.strategy_map import MAP_MODES
 
 __all__ = ["FORMAT_VERSION", "graph_fingerprint", "load_strategy", "save_strategy"]
@@ -289,7 +290,8 @@ def _dumps(value: Any, indent: int = 0) -> str:
 
 # ---------------------------------------------------------------- loading
 def load_strategy(path: str | os.PathLike[str], graph: Graph | None = None,
-                  device_num: int | None = None, *, mode: str | None = None) -> StrategyMap:
+                  device_num: int | None = None, *, mode: str | None = None,
+                  dataset_strategy: Any = None) -> StrategyMap:
     """Read the strategy file ``path`` (simpar's or a plain MindSpore one) as a
     :class:`~simpar.search.StrategyMap` whose ops have source ``Source.FILE``.
 
@@ -303,7 +305,8 @@ def load_strategy(path: str | os.PathLike[str], graph: Graph | None = None,
 
     Without ``graph``, op types come from the file (or the op key, "…/MatMul-op0" is a MatMul)
     and parameter shapes from ``tensor_shape``. Graph inputs keep the layouts recorded under
-    ``simpar.inputs``; a plain MindSpore file has none (see the module docstring). MindSpore's
+    ``simpar.inputs``; a plain MindSpore file has none, and with ``graph`` and
+    ``dataset_strategy`` they are the dataset's layouts (see the module docstring). MindSpore's
     optimizer weight sharding (``opt_weight_shard_*``) is read and ignored: it does not change
     the layout the forward reads, and simpar has none.
 
@@ -322,7 +325,14 @@ def load_strategy(path: str | os.PathLike[str], graph: Graph | None = None,
             raise ValueError(f"{func}: device_num must be >= 1, got {device_num}")
     if mode is not None and mode not in MAP_MODES:
         raise ValueError(f"{func}: mode must be one of {list(MAP_MODES)} or None, got {mode!r}")
-    return _Reader(p, _read_json(p)).strategy_map(graph, device_num, mode)
+    smap = _Reader(p, _read_json(p)).strategy_map(graph, device_num, mode)
+    if graph is not None and dataset_strategy is not None and not smap.inputs:
+        # A plain MindSpore file: the inputs are laid out by the dataset strategy, as there.
+        layouts = dataset_layouts([v.shape for v in graph.inputs], smap.device_num,
+                                  dataset_strategy)
+        smap = dataclasses.replace(smap, inputs={v.name: lay
+                                                 for v, lay in zip(graph.inputs, layouts)})
+    return smap
 
 
 def _read_json(path: str) -> dict[str, Any]:

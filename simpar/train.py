@@ -429,8 +429,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"python -m simpar.train: error: --resume {args.resume}: {e}",
                       file=sys.stderr)
             return 2
-        losses = [float(x) for x in checkpoint.read_manifest(args.resume).extra.get(
-            "losses", [math.nan] * start)]
+        # parse_args accepted only a checkpoint the job saved, which keeps its losses.
+        losses = [float(x) for x in checkpoint.read_manifest(args.resume).extra["losses"]]
         say(f"resumed from {args.resume} after step {start}")
         if start >= args.steps:
             say(f"the checkpoint is after step {start}: nothing left of --steps {args.steps}")

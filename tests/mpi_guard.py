@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+import simpar
 import simpar.comm as comm
 from simpar import launch
 
@@ -55,3 +56,17 @@ def have_mpirun() -> bool:
         return launch.detect_mpi_flavor(launch.find_mpirun()) != "unknown"
     except ValueError:
         return False
+
+
+@contextmanager
+def searched_context() -> Iterator[None]:
+    """auto_parallel with recursive programming, the mean of the gradients, the batch split
+    and AllToAll on, for the block; the context reset afterwards."""
+    simpar.reset_auto_parallel_context()
+    simpar.set_auto_parallel_context(parallel_mode="auto_parallel",
+                                     search_mode="recursive_programming", gradients_mean=True,
+                                     dataset_strategy="data_parallel", enable_alltoall=True)
+    try:
+        yield
+    finally:
+        simpar.reset_auto_parallel_context()

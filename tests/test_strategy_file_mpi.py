@@ -21,7 +21,7 @@ import simpar.comm as comm
 from simpar import nn
 from simpar.check import check_against_single_device
 from simpar.dataset import random_classification
-from tests.mpi_guard import abort_job_on_error, raised_everywhere, shared_dir
+from tests.mpi_guard import abort_job_on_error, raised_everywhere, searched_context, shared_dir
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -30,12 +30,8 @@ SIZES, BATCH, STEPS = (16, 32, 8), 8, 3
 
 @pytest.fixture(autouse=True)
 def _context() -> Iterator[None]:
-    simpar.reset_auto_parallel_context()
-    simpar.set_auto_parallel_context(parallel_mode="auto_parallel",
-                                     search_mode="recursive_programming", gradients_mean=True,
-                                     dataset_strategy="data_parallel", enable_alltoall=True)
-    yield
-    simpar.reset_auto_parallel_context()
+    with searched_context():
+        yield
 
 
 def _make(mode: str = "auto_parallel", hidden: int = SIZES[1]) -> nn.TrainOneStepCell:

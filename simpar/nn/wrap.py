@@ -20,7 +20,6 @@ for the settings the wrapper gives nor changed afterwards.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 from typing import Any
 
@@ -33,7 +32,7 @@ from simpar.nn.cell import Cell
 from simpar.nn.optim import Optimizer
 from simpar.redistribution import execute, plan
 from simpar.runtime.program import ParallelProgram, lower
-from simpar.search import dataset_layouts, parameter_plans, plan_strategies
+from simpar.search import parameter_plans, plan_strategies
 from simpar.search.auto import search_cost_model
 from simpar.seed import get_seed
 from simpar.strategy_file import load_strategy, save_strategy
@@ -129,11 +128,8 @@ class TrainOneStepCell:
         files = ctx.strategy_ckpt_config if self.mode in (
             "semi_auto_parallel", "auto_parallel") else context.StrategyCkptConfig()
         if files.load_file:
-            smap = load_strategy(files.load_file, g, device_num, mode=self.mode)
-            if not smap.inputs:  # a plain MindSpore file: inputs as the dataset lays them
-                smap = dataclasses.replace(smap, inputs={
-                    v.name: lay for v, lay in zip(g.inputs, dataset_layouts(
-                        [v.shape for v in g.inputs], device_num, dataset))})
+            smap = load_strategy(files.load_file, g, device_num, mode=self.mode,
+                                 dataset_strategy=dataset)
         else:
             smap = plan_strategies(g, device_num, self.mode, dataset, ctx.enable_alltoall,
                                    parameter_plans(self.network),
