@@ -28,14 +28,18 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+import numpy as np
+
 from simpar.cost import mindspore as ms
 from simpar.cost.collective import traffic
 from simpar.cost.model import OPTIMIZER_STATE, evaluate
 from simpar.cost.profile import DeviceProfile, load_profile
 
 if TYPE_CHECKING:  # types only: simpar.ops imports simpar.cost
+    from simpar.mesh import DeviceMesh
     from simpar.ops._base import CommSpec, OpSharding
     from simpar.redistribution import RedistributionPlan
+    from simpar.search.moves import MoveSteps
 
 __all__ = ["CostModel", "MindSporeCostModel", "SimparCostModel", "compare"]
 
@@ -144,6 +148,28 @@ class SimparCostModel:
                                                      step.src.local_size() * itemsize, recv)
                         + prof.step_collective_seconds(str(step.kind.adjoint), group,
                                                        step.dst.local_size() * itemsize, recv))
+        return seconds
+
+    def edge_prices(self, mesh: DeviceMesh, steps: Sequence[MoveSteps], itemsize: int
+                    ) -> np.ndarray:
+        """:meth:`edge` of many plans at once, bit for bit: ``steps`` are their steps in plan
+        order over the device axes of ``mesh``
+        (:func:`~simpar.search.moves.move_steps`)."""
+        seconds = np.zeros(len(steps[0].present) if steps else 0)
+        prof = self._profile
+        rank = self.rank % mesh.size
+        for step in steps:
+            if step.kind.local or not step.present.any():
+                continue
+            for mask in np.unique(step.axes[step.present]):
+                rows = step.present & (step.axes == mask)
+                axes = tuple(a for a in range(mesh.ndim) if int(mask) >> a & 1)
+                group = mesh.group_of(rank, axes)
+                seconds[rows] += (
+                    prof.step_collective_seconds(str(step.kind), group,
+                                                 step.src_elements[rows] * itemsize, 0)
+                    + prof.step_collective_seconds(str(step.kind.adjoint), group,
+                                                   step.dst_elements[rows] * itemsize, 0))
         return seconds
 
     def program(self, program: Any) -> float:

@@ -202,9 +202,7 @@ def build_cost_graph(graph: Graph, device_num: int, model: CostModel,
         key = (pricer.sites[p].kind, se.output, pricer.sites[c].kind, se.input,
                se.follows)
         if key not in matrices:
-            matrices[key] = tuple(tuple(pricer.edge_cost(e, pc, cc)
-                                        for cc in nodes[c].candidates)
-                                  for pc in nodes[p].candidates)
+            matrices[key] = _edge_matrix(pricer, e, nodes[p].candidates, nodes[c].candidates)
             if approxi and all(math.isinf(x) for row in matrices[key] for x in row):
                 raise StrategyError(
                     f"{nodes[c].name}: with enable_algo_approxi no kept candidate of it "
@@ -215,6 +213,17 @@ def build_cost_graph(graph: Graph, device_num: int, model: CostModel,
              len(edges), len(matrices), pricer.moves_priced, time.perf_counter() - started)
     return CostGraph(tuple(nodes), tuple(edges), pricer.shared, device_num, model.unit,
                      float(model.memory_capacity))
+
+
+def _edge_matrix(pricer: Pricer, e: int, producers: Sequence[OpSharding],
+                 consumers: Sequence[OpSharding]) -> tuple[tuple[float, ...], ...]:
+    """Edge ``e``'s cost for every pair of candidates (all at once unless it is followed)."""
+    se = pricer.edges[e]
+    if se.follows:
+        return tuple(tuple(pricer.edge_cost(e, pc, cc) for cc in consumers) for pc in producers)
+    matrix = pricer.move_matrix([pc.outputs[se.output][1] for pc in producers],
+                                [cc.in_layouts[se.input] for cc in consumers], se.itemsize)
+    return tuple(map(tuple, matrix.tolist()))
 
 
 def restricted_cost_graph(pricer: Pricer, candidates: Sequence[Sequence[Strategy]]
@@ -247,9 +256,7 @@ def restricted_cost_graph(pricer: Pricer, candidates: Sequence[Sequence[Strategy
         pair = (pricer.sites[p].kind, id(nodes[p].candidates), se.output,
                 pricer.sites[c].kind, id(nodes[c].candidates), se.input, se.follows)
         if pair not in matrices:
-            matrices[pair] = tuple(tuple(pricer.edge_cost(e, pc, cc)
-                                         for cc in nodes[c].candidates)
-                                   for pc in nodes[p].candidates)
+            matrices[pair] = _edge_matrix(pricer, e, nodes[p].candidates, nodes[c].candidates)
         edges.append(CostEdge(p, se.output, c, se.input, matrices[pair]))
     return CostGraph(tuple(nodes), tuple(edges), pricer.shared, pricer.device_num,
                      pricer.model.unit, float(pricer.model.memory_capacity))

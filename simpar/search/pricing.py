@@ -24,11 +24,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from simpar.cost.interface import CostModel
 from simpar.graph import Graph, Node
 from simpar.layout import TensorLayout, block_key
+from simpar.mesh import DeviceMesh
 from simpar.ops._base import OpSharding, Strategy, StrategyError
 from simpar.redistribution import RedistributionPlan, plan
+from simpar.search.moves import COLUMNS, decode, move_steps, plan_signatures, signature_of
 
 __all__ = ["ELEMENTWISE_OPS", "NoAvailableCost", "Priced", "Pricer", "Site", "SiteEdge",
            "canonical", "check_memory", "one_layout_per_parameter"]
@@ -141,11 +145,15 @@ def _signature(node: Node, inputs: Mapping[int, TensorLayout],
 canonical = block_key
 
 
-def _prime_power(n: int) -> bool:
-    p = next((f for f in range(2, n + 1) if n % f == 0), n)
+def _prime_power(n: int) -> tuple[int, int] | None:
+    """``(p, k)`` with ``n == p**k`` for a prime ``p``, else None (``(1, 0)`` for one
+    device)."""
+    p = next((f for f in range(2, n + 1) if n % f == 0), 1)
+    k = 0
     while n % p == 0 and n > 1:
         n //= p
-    return n == 1
+        k += 1
+    return (p, k) if n == 1 else None
 
 
 class Pricer:
@@ -222,7 +230,10 @@ class Pricer:
         # Layouts with one block key cost alike to move when the device count is a prime
         # power (the planner's refinements are then unique); over mixed factors (6, 12) two
         # writings of one pair of layouts can plan differently, so moves are keyed exactly.
-        self._key: Any = block_key if _prime_power(device_num) else (lambda lay: lay)
+        self._power = _prime_power(device_num)
+        self._key: Any = block_key if self._power else (lambda lay: lay)
+        self._fine_mesh = DeviceMesh((self._power[0],) * self._power[1]) if self._power and \
+            self._power[1] else None
 
     def sharding(self, n: int, strategy: Strategy) -> OpSharding | None:
         """Op ``n`` under ``strategy`` (None: the op rejects it, or it cuts a parameter
@@ -276,6 +287,53 @@ class Pricer:
         if found is None:
             found = self._moves[key] = self.model.edge(self.plan(src, dst), itemsize)
         return found
+
+    def move_matrix(self, srcs: Sequence[TensorLayout], dsts: Sequence[TensorLayout],
+                    itemsize: int) -> np.ndarray:
+        """``out[i, j]`` = :meth:`move` from ``srcs[i]`` to ``dsts[j]``, for every pair at once.
+
+        On a prime-power device count without AllToAll, and for a model that prices moves in
+        bulk (``edge_prices``), every pair is planned at once in numpy
+        (:func:`~simpar.search.moves.plan_signatures`) and priced by the model in one call;
+        one pair of every kind of plan is then planned by the real planner and priced by the
+        model's ``edge``, and must agree exactly. Otherwise every distinct pair is planned and
+        priced alone."""
+        out = np.empty((len(srcs), len(dsts)))
+        if not srcs or not dsts:
+            return out
+        s_keys = [self._key(s) for s in srcs]
+        d_keys = [self._key(d) for d in dsts]
+        s_first = {key: n for n, key in reversed(list(enumerate(s_keys)))}
+        d_first = {key: n for n, key in reversed(list(enumerate(d_keys)))}
+        us = [srcs[n] for n in s_first.values()]
+        ud = [dsts[n] for n in d_first.values()]
+        if (self._fine_mesh is None or self.enable_alltoall
+                or not hasattr(self.model, "edge_prices")):
+            unique = np.array([[self.move(s, d, itemsize) for d in ud] for s in us])
+        else:
+            unique = self._signature_matrix(us, ud, itemsize)
+        s_at = {key: n for n, key in enumerate(s_first)}
+        d_at = {key: n for n, key in enumerate(d_first)}
+        return unique[np.ix_([s_at[key] for key in s_keys], [d_at[key] for key in d_keys])]
+
+    def _signature_matrix(self, srcs: Sequence[TensorLayout], dsts: Sequence[TensorLayout],
+                          itemsize: int) -> np.ndarray:
+        assert self._power is not None and self._fine_mesh is not None
+        p, k = self._power
+        rows = plan_signatures(srcs, dsts, p, k)
+        prices = self.model.edge_prices(self._fine_mesh, move_steps(rows, srcs[0].shape, p),
+                                        itemsize)
+        # Check the numpy replay against the real planner and the model's own edge price on
+        # one pair of every kind of plan (which steps it has).
+        kinds = ((rows[:, 0::COLUMNS] >= 0) << np.arange(rows.shape[1] // COLUMNS)).sum(axis=1)
+        _, first = np.unique(kinds, return_index=True)
+        ndim = len(srcs[0].shape)
+        for at in first:
+            src, dst = srcs[at // len(dsts)], dsts[at % len(dsts)]
+            planned = signature_of(self.plan(src, dst), p, k)
+            assert planned == decode(rows[at], ndim), (src, dst, planned)
+            assert prices[at] == self.move(src, dst, itemsize), (src, dst, prices[at])
+        return prices.reshape(len(srcs), len(dsts))
 
     @property
     def moves_priced(self) -> int:

@@ -1,0 +1,142 @@
+"""The cost graph's bulk pricing of moves (simpar.search.moves, Pricer.move_matrix) against the
+real planner and the model's own edge price, pair by pair (one process, no MPI)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from simpar import graph, nn
+from simpar.cost import MindSporeCostModel, SimparCostModel
+from simpar.layout import TensorLayout
+from simpar.mesh import DeviceMesh
+from simpar.redistribution import plan
+from simpar.search.moves import decode, move_steps, plan_signatures, signature_of
+from simpar.search.pricing import Pricer
+from simpar.search.propagation import dataset_layouts
+from tests.layout_strategies import factorizations
+
+
+def random_layouts(rng: np.random.Generator, shape: tuple[int, ...], device_num: int,
+                   count: int, partial: bool) -> list[TensorLayout]:
+    """``count`` valid layouts of ``shape`` on ``device_num`` devices: device matrices written
+    in 1 to 3 axes, each axis splitting a dimension (when it divides), pending or replicated."""
+    out: list[TensorLayout] = []
+    while len(out) < count:
+        dm = factorizations(device_num, int(rng.integers(1, 4)))
+        matrix = dm[int(rng.integers(len(dm)))]
+        dims: list[list[int]] = [[] for _ in shape]
+        pending = []
+        cuts = [1] * len(shape)
+        for axis in rng.permutation(len(matrix)):
+            where = int(rng.integers(-2 if partial else -1, len(shape)))
+            if where >= 0 and shape[where] % (cuts[where] * matrix[axis]) == 0:
+                dims[where].append(int(axis))
+                cuts[where] *= matrix[axis]
+            elif where == -2:
+                pending.append(int(axis))
+        out.append(TensorLayout.from_dim_axes(matrix, dims, shape, pending))
+    return out
+
+
+CASES = [  # (p, k, shape): small dimensions make some ReduceScatters fall back to AllReduce
+    (2, 3, (8, 4, 2)),
+    (2, 4, (16, 4)),
+    (2, 5, (64, 8, 4, 2)),
+    (3, 2, (9, 3, 27)),
+    (2, 6, (128, 2, 64)),
+]
+
+
+@pytest.mark.parametrize("p,k,shape", CASES)
+@pytest.mark.parametrize("partial", [False, True])
+def test_signatures_replay_the_planner_on_every_pair(p: int, k: int, shape: tuple[int, ...],
+                                                     partial: bool) -> None:
+    rng = np.random.default_rng(p * 100 + k + partial)
+    srcs = random_layouts(rng, shape, p**k, 40, partial)
+    dsts = random_layouts(rng, shape, p**k, 40, partial)
+    rows = plan_signatures(srcs, dsts, p, k)
+    assert rows.shape[0] == len(srcs) * len(dsts)
+    kinds = set()
+    for n, (s, d) in enumerate((s, d) for s in srcs for d in dsts):
+        expected = signature_of(plan(s, d), p, k)
+        assert decode(rows[n], len(shape)) == expected, (s, d)
+        kinds.add(tuple(step[0] for step in expected))
+    # The pairs exercise every kind of step the planner makes without AllToAll.
+    steps = {kind for seq in kinds for kind in seq}
+    assert {"AllGather", "Slice"} <= steps
+    if partial:
+        assert {"ReduceScatter", "AllReduce", "Zero"} <= steps
+        assert len(kinds) >= 8
+
+
+@pytest.mark.parametrize("p,k,shape", CASES)
+@pytest.mark.parametrize("profile", ["ascend910b", "cpu-local"])
+def test_simpar_model_prices_every_pair_bit_for_bit(p: int, k: int, shape: tuple[int, ...],
+                                                    profile: str) -> None:
+    # ascend910b puts 8 devices in a server: groups inside one and across two price apart.
+    for rank in (0, p**k - 1):
+        model = SimparCostModel(profile, rank=rank)
+        rng = np.random.default_rng(k + rank)
+        srcs = random_layouts(rng, shape, p**k, 30, True)
+        dsts = random_layouts(rng, shape, p**k, 30, True)
+        rows = plan_signatures(srcs, dsts, p, k)
+        for itemsize in (2, 4):
+            bulk = model.edge_prices(DeviceMesh((p,) * k), move_steps(rows, shape, p),
+                                     itemsize)
+            one = [model.edge(plan(s, d), itemsize) for s in srcs for d in dsts]
+            assert bulk.tolist() == one
+
+
+def _gpt_pricer(model: object, device_num: int) -> tuple[Pricer, list[tuple[list, list, int]]]:
+    net = nn.GPT(64, 16, 32, 1, 4)
+    g = graph.trace(net, [((48, 16), np.int32)], ["ids"])
+    pricer = Pricer(g, device_num, model, dataset_layouts([v.shape for v in g.inputs],
+                                                          device_num, "data_parallel"))
+    edges = []
+    for se in pricer.edges[:40]:
+        sides = []
+        for n in (se.producer, se.consumer):
+            site = pricer.sites[n]
+            strategies = site.node.op.candidate_strategies(site.shapes, device_num)
+            sides.append([p.sharding for p in (pricer.price(n, s) for s in strategies)
+                          if p is not None])
+        edges.append(([sh.outputs[se.output][1] for sh in sides[0]],
+                      [sh.in_layouts[se.input] for sh in sides[1]], se.itemsize))
+    return pricer, edges
+
+
+@pytest.mark.parametrize("model", [SimparCostModel("ascend910b"), MindSporeCostModel()],
+                         ids=["simpar", "mindspore"])
+@pytest.mark.parametrize("device_num", [16, 12])
+def test_move_matrix_equals_pair_by_pair(model: object, device_num: int) -> None:
+    # 16 devices in bulk (simpar) or pair by pair (MindSpore's model has no bulk pricing);
+    # 12 is no prime power, so its moves are planned exactly, pair by pair.
+    pricer, edges = _gpt_pricer(model, device_num)
+    reference, _ = _gpt_pricer(model, device_num)
+    checked = 0
+    for srcs, dsts, itemsize in edges:
+        matrix = pricer.move_matrix(srcs, dsts, itemsize)
+        assert matrix.shape == (len(srcs), len(dsts))
+        expected = [[reference.move(s, d, itemsize) for d in dsts] for s in srcs]
+        assert matrix.tolist() == expected
+        checked += matrix.size
+    assert checked > 2000
+    if device_num == 16 and isinstance(model, SimparCostModel):
+        # Only one pair per kind of plan went through the real planner.
+        assert pricer.moves_priced < reference.moves_priced / 5
+
+
+def test_one_device_and_empty_lists() -> None:
+    pricer, _ = _gpt_pricer(SimparCostModel("ascend910b"), 1)
+    lay = TensorLayout((1,), (-1, -1), (4, 4))
+    assert pricer.move_matrix([lay], [lay, lay], 4).tolist() == [[0.0, 0.0]]
+    assert pricer.move_matrix([], [lay], 4).shape == (0, 1)
+    assert plan_signatures([], [lay], 2, 0).shape[0] == 0
+
+
+def test_layouts_of_other_shapes_are_refused() -> None:
+    a = TensorLayout((4,), (0, -1), (8, 4))
+    b = TensorLayout((4,), (0, -1), (8, 8))
+    with pytest.raises(ValueError, match=r"every layout must have shape \(8, 4\)"):
+        plan_signatures([a], [b], 2, 2)
