@@ -132,13 +132,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--exact-up-to", type=int, default=8, metavar="N",
                    help="run exact only on up to N devices (default 8: beyond, HiGHS does "
                    "not finish in minutes)")
-    p.add_argument("--dp-up-to", type=int, default=64, metavar="N",
-                   help="run dynamic_programming only on up to N devices (default 64: on 1024 "
-                   "it takes 11-18 minutes per plan, RESULTS.md)")
+    p.add_argument("--dp-up-to", type=int, default=1024, metavar="N",
+                   help="run dynamic_programming only on up to N devices (default 1024)")
     p.add_argument("--depth", nargs="*", type=int, default=None,
-                   help="instead of the grid: recursive_programming on --models[0]'s widths "
-                   "with these numbers of layers, on --devices[0] devices, and a straight-line "
-                   "fit of planning time against depth")
+                   help="instead of the grid: --depth-mode on --models[0]'s widths with these "
+                   "numbers of layers, on --devices[0] devices, and a straight-line fit of "
+                   "planning time against depth")
+    p.add_argument("--depth-mode", default="recursive_programming",
+                   choices=["recursive_programming", "dynamic_programming"])
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--profile", default="ascend910b")
     p.add_argument("--timeout", type=float, default=300.0,
@@ -201,13 +202,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def depth_fit(args: argparse.Namespace, argv: list[str] | None) -> int:
-    """Planning time of recursive_programming against depth, with a least-squares line."""
+    """Planning time of one search against depth, with a least-squares line."""
     model, devices = args.models[0], args.devices[0]
     depths = args.depth or [6, 12, 24, 48, 96]
     rows, xs, ys = [], [], []
     for layers in depths:
         spec = {"model": model, "layers": layers, "devices": devices,
-                "mode": "recursive_programming", "batch": max(args.batch, devices),
+                "mode": args.depth_mode, "batch": max(args.batch, devices),
                 "profile": args.profile, "timeout": args.timeout,
                 "fully_use_devices": not args.all_devices}
         r = run(spec)
@@ -236,11 +237,11 @@ def depth_fit(args: argparse.Namespace, argv: list[str] | None) -> int:
                                                             else sys.argv[1:])
         width = GPT_SUITE[model]
         body = (f"Command: `{command.strip()}` · date: {today()}\n\n"
-                f"recursive_programming on GPT hidden {width[1]}, {width[2]} heads, "
+                f"{args.depth_mode} on GPT hidden {width[1]}, {width[2]} heads, "
                 f"sequence 1024, batch {max(args.batch, devices)}, {devices} devices, "
                 f"profile {args.profile}, one process per plan.\n\n{table}\n\n{fit}. "
                 f"{host_line()}.\n")
-        write_section("search", body, subheading=f"recursive_programming against depth, "
+        write_section("search", body, subheading=f"{args.depth_mode} against depth, "
                       f"{devices} devices")
     return 0
 

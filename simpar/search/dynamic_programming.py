@@ -40,6 +40,7 @@ infinite elsewhere (MindSpore's ``TmpIdentity``).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -62,6 +63,10 @@ _CHUNK = 1 << 22
 
 #: Table entries the Pareto pass may combine in all before it gives way to the Lagrangian one.
 _BUDGET = 300_000_000
+
+
+#: Keys of tables that equal no other.
+_FRESH = itertools.count()
 
 
 class _TooBig(Exception):
@@ -87,18 +92,21 @@ class _Table:
     (cost, memory) entries, as arrays of shape ``index shape + (entries,)`` padded with
     infinite cost. ``parts``, ``prov`` and ``axes`` say how it was made, for the replay."""
 
-    __slots__ = ("axes", "cost", "extra", "kind", "mem", "node", "parts", "prov")
+    __slots__ = ("axes", "cost", "extra", "key", "kind", "mem", "node", "parts", "prov")
 
     def __init__(self, cost: np.ndarray, mem: np.ndarray, kind: str,
                  parts: tuple[_Table, ...] = (), prov: np.ndarray | None = None,
-                 axes: tuple[int, ...] = (), node: int = -1, extra: Any = None) -> None:
+                 axes: tuple[int, ...] = (), node: int = -1, extra: Any = None,
+                 key: Any = None) -> None:
         self.cost, self.mem, self.kind = cost, mem, kind
         self.parts, self.prov, self.axes, self.node, self.extra = parts, prov, axes, node, extra
+        #: Equal keys, equal contents (cost, mem, prov): what the eliminations memoise on.
+        self.key = key if key is not None else ("unique", next(_FRESH))
 
     def flipped(self) -> _Table:
         """An edge table seen from its other end."""
         return _Table(self.cost.transpose(1, 0, 2), self.mem.transpose(1, 0, 2), "flip",
-                      (self,))
+                      (self,), key=("flip", self.key))
 
 
 def _pareto(cost: np.ndarray, mem: np.ndarray, width: int, cap: float
@@ -152,16 +160,30 @@ class _Eliminator:
         self.counts: Counter[str] = Counter()
         self.tables: dict[int, _Table] = {}
         self.adj: dict[int, dict[int, tuple[int, int, _Table]]] = {}
+        # Identical layers: the cost graph gives nodes (edges) of one signature the same
+        # tuples, so their tables share a key, and so does every elimination made of tables
+        # with equal keys; each is computed once (hits counts the rest).
+        self.memo: dict[Any, tuple[np.ndarray, np.ndarray, np.ndarray, tuple[int, ...]]] = {}
+        self.hits = 0
+        arrays: dict[Any, tuple[np.ndarray, np.ndarray]] = {}
         for k, node in enumerate(cg.nodes):
-            mem = np.asarray(node.memories, dtype=float)[:, None]
-            cost = mem.copy() if memory_as_cost else (
-                np.asarray(node.costs, dtype=float)[:, None] + weight * mem)
-            self._add_node(k, _Table(cost, mem, "node", node=k))
+            key = ("node", id(node.costs), id(node.memories))
+            if key[1:] not in arrays:
+                mem = np.asarray(node.memories, dtype=float)[:, None]
+                cost = mem.copy() if memory_as_cost else (
+                    np.asarray(node.costs, dtype=float)[:, None] + weight * mem)
+                arrays[key[1:]] = (cost, mem)
+            cost, mem = arrays[key[1:]]
+            self._add_node(k, _Table(cost, mem, "node", node=k, key=key))
         for e in cg.edges:
-            matrix = np.asarray(e.costs, dtype=float)[:, :, None]
-            if memory_as_cost:  # only the edge's feasibility matters
-                matrix = np.where(np.isinf(matrix), np.inf, 0.0)
-            self._add_edge(e.producer, e.consumer, _Table(matrix, np.zeros_like(matrix), "edge"))
+            if id(e.costs) not in arrays:
+                matrix = np.asarray(e.costs, dtype=float)[:, :, None]
+                if memory_as_cost:  # only the edge's feasibility matters
+                    matrix = np.where(np.isinf(matrix), np.inf, 0.0)
+                arrays[id(e.costs)] = (matrix, np.zeros_like(matrix))
+            matrix, zeros = arrays[id(e.costs)]
+            self._add_edge(e.producer, e.consumer,
+                           _Table(matrix, zeros, "edge", key=("edge", id(e.costs))))
         self.next_id = len(cg.nodes)
         for name, uses in cg.shared.items():
             self._add_shared(cg, name, uses)
@@ -224,6 +246,17 @@ class _Eliminator:
         log.debug("shared parameter %s: %d layouts, %d readers", name, len(classes), len(uses))
 
     # -- table algebra
+    def _memo(self, key: Any, kind: str, parts: tuple[_Table, ...], node: int,
+              compute: Any) -> _Table:
+        """The elimination ``key`` of ``parts``: computed once per key, then shared."""
+        found = self.memo.get(key)
+        if found is None:
+            found = self.memo[key] = compute()
+        else:
+            self.hits += 1
+        c, m, i, axes = found
+        return _Table(c, m, kind, parts, i, axes, node=node, key=key)
+
     def _reduce(self, total_c: np.ndarray, total_m: np.ndarray, keep_dims: int
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Pareto-reduce every axis after the first ``keep_dims`` of the summed tables."""
@@ -241,45 +274,55 @@ class _Eliminator:
 
     def _sum(self, a: _Table, b: _Table) -> _Table:
         """Two tables of one index shape, entry lists combined pairwise."""
-        tc = a.cost[..., :, None] + b.cost[..., None, :]
-        tm = a.mem[..., :, None] + b.mem[..., None, :]
-        c, m, i = self._reduce(tc, tm, a.cost.ndim - 1)
-        return _Table(c, m, "sum", (a, b), i, (a.cost.shape[-1], b.cost.shape[-1]))
+        def compute() -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[int, ...]]:
+            tc = a.cost[..., :, None] + b.cost[..., None, :]
+            tm = a.mem[..., :, None] + b.mem[..., None, :]
+            c, m, i = self._reduce(tc, tm, a.cost.ndim - 1)
+            return c, m, i, (a.cost.shape[-1], b.cost.shape[-1])
+
+        return self._memo(("sum", a.key, b.key), "sum", (a, b), -1, compute)
 
     def _through(self, a: _Table, mid: _Table, b: _Table) -> _Table:
         """``a`` [u, v] + ``mid`` [v] + ``b`` [v, w], best over v: a table [u, w]."""
-        ku, kv, fa = a.cost.shape
-        _, kw, fb = b.cost.shape
-        fm = mid.cost.shape[1]
-        per_row = kv * kw * fa * fm * fb
-        if self.width > 1 and per_row > 8 * _CHUNK:
-            raise _TooBig
-        step = max(1, _CHUNK // max(per_row, 1))
-        parts_c, parts_m, parts_i = [], [], []
-        for lo in range(0, ku, step):
-            sl = slice(lo, lo + step)
-            tc = (a.cost[sl, :, None, :, None, None] + mid.cost[None, :, None, None, :, None]
-                  + b.cost[None, :, :, None, None, :])
-            tm = (a.mem[sl, :, None, :, None, None] + mid.mem[None, :, None, None, :, None]
-                  + b.mem[None, :, :, None, None, :])
-            # -> [u, w, v, fa, fm, fb]
-            c, m, i = self._reduce(tc.transpose(0, 2, 1, 3, 4, 5),
-                                   tm.transpose(0, 2, 1, 3, 4, 5), 2)
-            parts_c.append(c)
-            parts_m.append(m)
-            parts_i.append(i)
-        c, m, i = _stack(parts_c, parts_m, parts_i)
-        return _Table(c, m, "through", (a, mid, b), i, (kv, fa, fm, fb))
+        def compute() -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[int, ...]]:
+            ku, kv, fa = a.cost.shape
+            _, kw, fb = b.cost.shape
+            fm = mid.cost.shape[1]
+            per_row = kv * kw * fa * fm * fb
+            if self.width > 1 and per_row > 8 * _CHUNK:
+                raise _TooBig
+            step = max(1, _CHUNK // max(per_row, 1))
+            parts_c, parts_m, parts_i = [], [], []
+            for lo in range(0, ku, step):
+                sl = slice(lo, lo + step)
+                tc = (a.cost[sl, :, None, :, None, None]
+                      + mid.cost[None, :, None, None, :, None]
+                      + b.cost[None, :, :, None, None, :])
+                tm = (a.mem[sl, :, None, :, None, None] + mid.mem[None, :, None, None, :, None]
+                      + b.mem[None, :, :, None, None, :])
+                # -> [u, w, v, fa, fm, fb]
+                c, m, i = self._reduce(tc.transpose(0, 2, 1, 3, 4, 5),
+                                       tm.transpose(0, 2, 1, 3, 4, 5), 2)
+                parts_c.append(c)
+                parts_m.append(m)
+                parts_i.append(i)
+            return (*_stack(parts_c, parts_m, parts_i), (kv, fa, fm, fb))
+
+        return self._memo(("through", a.key, mid.key, b.key), "through", (a, mid, b), -1,
+                          compute)
 
     def _fold(self, target: _Table, edge: _Table, leaf: _Table, node: int) -> _Table:
         """``target`` [i] gains the best over j of ``edge`` [i, j] + ``leaf`` [j]."""
-        tc = (target.cost[:, None, :, None, None] + edge.cost[:, :, None, :, None]
-              + leaf.cost[None, :, None, None, :])
-        tm = (target.mem[:, None, :, None, None] + edge.mem[:, :, None, :, None]
-              + leaf.mem[None, :, None, None, :])
-        c, m, i = self._reduce(tc, tm, 1)
-        kl, ft, fe, fl = tc.shape[1:]
-        return _Table(c, m, "fold", (target, edge, leaf), i, (kl, ft, fe, fl), node=node)
+        def compute() -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[int, ...]]:
+            tc = (target.cost[:, None, :, None, None] + edge.cost[:, :, None, :, None]
+                  + leaf.cost[None, :, None, None, :])
+            tm = (target.mem[:, None, :, None, None] + edge.mem[:, :, None, :, None]
+                  + leaf.mem[None, :, None, None, :])
+            c, m, i = self._reduce(tc, tm, 1)
+            return (c, m, i, tuple(tc.shape[1:]))
+
+        return self._memo(("fold", target.key, edge.key, leaf.key), "fold",
+                          (target, edge, leaf), node, compute)
 
     # -- eliminations
     def _direction(self, k: int, n: int) -> str:

@@ -307,22 +307,21 @@ class Pricer:
         d_first = {key: n for n, key in reversed(list(enumerate(d_keys)))}
         us = [srcs[n] for n in s_first.values()]
         ud = [dsts[n] for n in d_first.values()]
-        if (self._fine_mesh is None or self.enable_alltoall
-                or not hasattr(self.model, "edge_prices")):
+        bulk = getattr(self.model, "edge_prices", None)
+        if self._fine_mesh is None or self.enable_alltoall or bulk is None:
             unique = np.array([[self.move(s, d, itemsize) for d in ud] for s in us])
         else:
-            unique = self._signature_matrix(us, ud, itemsize)
+            unique = self._signature_matrix(us, ud, itemsize, bulk)
         s_at = {key: n for n, key in enumerate(s_first)}
         d_at = {key: n for n, key in enumerate(d_first)}
         return unique[np.ix_([s_at[key] for key in s_keys], [d_at[key] for key in d_keys])]
 
     def _signature_matrix(self, srcs: Sequence[TensorLayout], dsts: Sequence[TensorLayout],
-                          itemsize: int) -> np.ndarray:
+                          itemsize: int, bulk: Any) -> np.ndarray:
         assert self._power is not None and self._fine_mesh is not None
         p, k = self._power
         rows = plan_signatures(srcs, dsts, p, k)
-        prices = self.model.edge_prices(self._fine_mesh, move_steps(rows, srcs[0].shape, p),
-                                        itemsize)
+        prices = bulk(self._fine_mesh, move_steps(rows, srcs[0].shape, p), itemsize)
         # Check the numpy replay against the real planner and the model's own edge price on
         # one pair of every kind of plan (which steps it has).
         kinds = ((rows[:, 0::COLUMNS] >= 0) << np.arange(rows.shape[1] // COLUMNS)).sum(axis=1)
