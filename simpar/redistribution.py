@@ -61,6 +61,7 @@ __all__ = [
     "common_refinement",
     "execute",
     "execute_adjoint",
+    "execute_step",
     "min_bytes",
     "plan",
     "refine",
@@ -771,6 +772,21 @@ def execute_adjoint(plan: RedistributionPlan, local_grad: np.ndarray, comm: Comm
         raise ValueError(f"execute_adjoint: rank {rank}'s gradient has shape {local_grad.shape}, "
                          f"but layout {plan.dst} gives shards of {plan.dst.local_shape()}")
     return _run_steps(plan, local_grad, rank, comm, adjoint=True)
+
+
+def execute_step(step: Step, x: np.ndarray, adjoint: bool = False, comm: Comm = None
+                 ) -> np.ndarray:
+    """Run one step of a plan (or its adjoint) on this rank's array: what a planned backward
+    runs step by step. A collective announces itself to the schedule guard."""
+    comm = _default_comm(comm)
+    rank = comm.get_rank()
+    run = _run_adjoint if adjoint else _run_step
+    if step.kind.local:
+        return run(step, x, rank, comm)
+    what = "redistribute-adjoint" if adjoint else "redistribute"
+    with comm.validation_disabled(), comm.label(f"{what}:{step.kind}"), \
+            schedule.issue(step, adjoint):
+        return run(step, x, rank, comm)
 
 
 def _run_adjoint(step: Step, g: np.ndarray, rank: int, c: Comm) -> np.ndarray:

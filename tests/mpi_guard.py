@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import sys
+import os
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -22,8 +22,10 @@ def abort_job_on_error(what: object) -> Iterator[None]:
     try:
         yield
     except BaseException:
-        sys.stderr.write(f"[rank {comm.get_rank()}] {what} raised\n{traceback.format_exc()}")
-        sys.stderr.flush()
+        # Straight to file descriptor 2: pytest captures sys.stderr, and the Abort below
+        # ends the process before pytest would print what it captured.
+        os.write(2, f"[rank {comm.get_rank()}] {what} raised\n{traceback.format_exc()}"
+                 .encode(errors="replace"))
         comm.world().Abort(1)
         raise
 

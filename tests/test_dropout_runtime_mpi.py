@@ -55,11 +55,12 @@ def _megatron_step(p: int, dp: int, mp: int, rank: int
     ranks); the vocabulary-parallel loss's max- and sum-AllReduce over the mp group and the
     scalar loss's AllReduce over every rank (partial over both dp and mp). Dropout, the
     LayerNorms (unsplit normalised axis) and the column-parallel layers communicate nothing.
-    Backward: the adjoint of each forward AllReduce of an output, in reverse order (the loss
-    op's internal reductions have none). Then the Mirrors, in the order their parameters are
-    first used: the dp group (ranks mp apart) for every parameter cut only by mp (embedding,
-    q/k/v/proj/fc1/fc2 weights, the column-parallel biases, the head), when dp > 1; then
-    every rank for the replicated ones (position, LayerNorms, row-parallel biases).
+    Backward (planned with layouts, Megatron's): the loss's cotangent is whole, so no forward
+    AllReduce needs an adjoint; the column-parallel layers leave their inputs' gradients
+    pending over mp, and each is summed once over the mp group, before the LayerNorm that
+    produced the input (the head's before ln_f; fc1's before ln2; q, k, v's before ln1), so
+    the LayerNorms' parameters get whole gradients. Then one Mirror over the dp group (ranks
+    mp apart) for every parameter, when dp > 1: every gradient is pending over dp only.
     """
     world = tuple(range(p))
     mp_group = tuple(range(rank - rank % mp, rank - rank % mp + mp))
@@ -74,17 +75,17 @@ def _megatron_step(p: int, dp: int, mp: int, rank: int
     forward += [(ce, "AllReduce", "max", mp_group, (rows,)),
                 (ce, "AllReduce", "sum", mp_group, (2, rows)),
                 (ce, "AllReduce", "sum", world, ())]
-    backward = [(f"{ce}:backward", "AllReduce", "sum", world, ())]
+    summed = ("AllReduce", "sum", mp_group, (BATCH // dp, SEQ, D))
+    backward = [("ln_f/LayerNorm:backward", *summed)]
     for k in reversed(range(LAYERS)):
-        backward += [(f"block{k}/ffn/fc2/MatMul:backward", *row_parallel),
-                     (f"block{k}/attn/proj/MatMul:backward", *row_parallel)]
-    backward += [("embedding/Gather:backward", *embedding)]
+        backward += [(f"block{k}/ln2/LayerNorm:backward", *summed),
+                     (f"block{k}/ln1/LayerNorm:backward", *summed)]
     # q, k, v, proj weights; q, v biases; fc1, fc2 weights; fc1 bias
     per_block_mp = 4 * D * D + 2 * D + 2 * (4 * D * D) + 4 * D
     mp_params = (2 * VOCAB * D + LAYERS * per_block_mp) // mp      # + embedding table and head
     replicated = SEQ * D + LAYERS * (2 * 2 * D + 2 * D) + 2 * D     # position, LNs, biases, ln_f
-    mirrors = [("Mirror", "AllReduce", "sum", dp_group, (mp_params,))] if dp > 1 else []
-    mirrors += [("Mirror", "AllReduce", "sum", world, (replicated,))]
+    mirrors = ([("Mirror", "AllReduce", "sum", dp_group, (mp_params + replicated,))]
+               if dp > 1 else [])
     return forward + backward + mirrors
 
 

@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
      "simpar.cost.collective"),
     ("simpar.comm",),
     ("simpar.mesh", "simpar.layout", "simpar.parameter", "simpar.schedule"),
-    ("simpar.redistribution",),
+    ("simpar.redistribution", "simpar.cotangent"),
     ("simpar.ops",),
     ("simpar.graph",),
     ("simpar.search", "simpar.cost", "simpar.strategy_file"),

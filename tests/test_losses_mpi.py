@@ -218,17 +218,16 @@ def _sig(e: CommEvent) -> Sig:
 
 def test_data_parallel_mse_collectives_exactly() -> None:
     """Data-parallel MSE over n ranks, one step, in order: the loss's AllReduce(sum) of the
-    partial means (a scalar); its adjoint on the scalar cotangent (each of the n replicas of
-    the loss is seeded 1/n under loss_repeated_mean, so the cotangent is partial); and one
-    fused Mirror AllReduce of every parameter's gradient (all replicated over the n ranks).
-    The backbone communicates nothing, and nothing is gathered. One rank: no collective."""
+    partial means (a scalar), and one fused Mirror AllReduce of every parameter's gradient
+    (all replicated over the n ranks, pending over them). The scalar's cotangent is whole on
+    every rank, so its AllReduce needs no adjoint. The backbone communicates nothing, and
+    nothing is gathered. One rank: no collective."""
     run, n = _run(Case("MSELoss", "mean", "dp")), _n()
     world = tuple(range(n))
     n_params = sum(math.prod(v.shape) for v in run.train.params.values())
     want: list[Sig] = [] if n == 1 else [("AllReduce", "sum", world, (), "forward"),
-                              ("AllReduce", "sum", world, (), "backward"),
-                              ("AllReduce", "sum", world, (n_params,), "mirror")]
-    where = [LOSS_SCOPE + "MSELoss/ReduceMean-"] * 2 + ["Mirror:6 params"]
+                                         ("AllReduce", "sum", world, (n_params,), "mirror")]
+    where = [LOSS_SCOPE + "MSELoss/ReduceMean-", "Mirror:6 params"]
     got = [_sig(e) for e in run.events]
     problems = [] if got == want else [f"collectives {[str(e) for e in run.events]}, want {want}"]
     problems += [f"event {k} is {e.label!r}, want it at {w}" for k, (e, w)
@@ -243,10 +242,12 @@ def test_megatron_collectives_exactly(loss: str) -> None:
     * forward: fc2's AllReduce of its partial output over the mp group, shape
       (batch / dp, hidden); the loss's scalar AllReduce of partial sums over all dp * mp
       ranks (the logits are feature-split and never gathered);
-    * backward: the loss's scalar adjoint AllReduce, then fc2's adjoint over the mp group;
-    * Mirrors: fc1.weight/bias, fc2.weight, fc3.weight/bias are split over mp and replicated
-      over dp: one fused AllReduce over the dp group; fc2.bias is replicated on every rank:
-      one AllReduce over all of them (gradients_mean divides each by its group size).
+    * backward: the loss's cotangent is whole, so neither forward AllReduce needs an
+      adjoint; fc3 (column-parallel) leaves its input's gradient pending over mp, summed once
+      over the mp group before fc2's BiasAdd (Megatron's backward AllReduce), so that
+      fc2.bias's gradient comes out whole;
+    * Mirrors: every gradient is pending over dp only (fc2.bias's too, although it is
+      replicated on every rank): one fused AllReduce over the dp group.
     """
     run, rank, n = _run(Case(loss, "mean", "megatron")), comm.get_rank(), _n()
     dp, mp = _dp_mp()
@@ -259,13 +260,12 @@ def test_megatron_collectives_exactly(loss: str) -> None:
     scalar: tuple[str, str, tuple[int, ...], tuple[int, ...]] = ("AllReduce", "sum", world, ())
     split = h // mp * i + h // mp + h * h // mp + o // mp * h + o // mp
     want: list[Sig] = [block + ("forward",)] * (mp > 1)
-    want += [scalar + ("forward",), scalar + ("backward",)] * (n > 1)
+    want += [scalar + ("forward",)] * (n > 1)
     want += [block + ("backward",)] * (mp > 1)
-    want += [("AllReduce", "sum", dp_group, (split,), "mirror")] * (dp > 1)
-    want += [("AllReduce", "sum", world, (h,), "mirror")] * (n > 1)
-    fc2 = BACKBONE + "fc2-Dense/MatMul"
-    where = [fc2] * (mp > 1) + [LOSS_SCOPE + loss + "/ReduceMean"] * 2 * (n > 1) + [fc2] * (
-        mp > 1) + ["Mirror:5 params"] * (dp > 1) + ["Mirror:1 params"] * (n > 1)
+    want += [("AllReduce", "sum", dp_group, (split + h,), "mirror")] * (dp > 1)
+    fc2 = BACKBONE + "fc2-Dense/"
+    where = [fc2 + "MatMul"] * (mp > 1) + [LOSS_SCOPE + loss + "/ReduceMean"] * (n > 1) + [
+        fc2 + "BiasAdd"] * (mp > 1) + ["Mirror:6 params"] * (dp > 1)
     got = [_sig(e) for e in run.events]
     problems = [] if got == want else [f"collectives {[str(e) for e in run.events]}, want {want}"]
     problems += [f"event {k} is {e.label!r}, want it at {w}" for k, (e, w)

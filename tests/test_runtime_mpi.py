@@ -509,8 +509,10 @@ def _mp_group(kind: str, rank: int) -> tuple[int, ...]:
 @pytest.mark.parametrize("kind", ["mp", "hybrid", "repeated"])
 def test_megatron_mlp_has_one_allreduce_forward_and_one_backward(kind: str) -> None:
     """fc1 column-parallel, fc2 row-parallel: the block's activations need one AllReduce of
-    fc2's partial output forward and its adjoint backward, over the mp group, nothing else;
-    fc3 (column-parallel again) feeds the vocabulary-parallel loss without communicating."""
+    fc2's partial output forward, over the mp group; fc3 (column-parallel again) feeds the
+    vocabulary-parallel loss without communicating. Backward, the loss's cotangent is whole,
+    fc3 leaves its input's gradient pending over the mp group, and it is summed once, before
+    fc2's BiasAdd (Megatron's backward AllReduce): fc2's AllReduce needs no adjoint."""
     run, rank = _run(Case("mlp", kind)), comm.get_rank()
     dp, mp = _dp_mp(kind, _n())
     events = _activation_events(run, "mlp")
@@ -523,7 +525,7 @@ def test_megatron_mlp_has_one_allreduce_forward_and_one_backward(kind: str) -> N
     forward, backward = events
     assert ":backward" not in forward.label and ":backward" in backward.label
     assert forward.shape == backward.shape == (BATCH // dp, MLP_SIZES[1])
-    assert "fc2-Dense/MatMul" in forward.label and "fc2-Dense/MatMul" in backward.label
+    assert "fc2-Dense/MatMul" in forward.label and "fc2-Dense/BiasAdd" in backward.label
     # The parameters' gradients: one fused Mirror AllReduce per group of replicating ranks.
     mirrors = [e for e in run.events if e.label.startswith("Mirror:")]
     groups = {run.program.mirror_group(name, rank) for name in run.program.param_layouts}
@@ -604,7 +606,13 @@ def _redistributing_gpt_step(n: int, rank: int) -> list[tuple[str, str, str | No
     AllReduce; the head (dp 2, mp h) needs rows cut 2 from rows cut n, an AllGather over each
     h-block; the loss (2, h) is vocabulary parallel over each h-block and AllReduces the
     scalar over all n. Backward runs the adjoints in reverse (AllGather -> ReduceScatter of
-    the gathered shape); then the Mirrors, one per group of replicating ranks: all n ranks
+    the gathered shape), except the loss's scalar AllReduce, whose cotangent is whole; a
+    row-parallel MatMul's AllReduce reappears in the backward because the column-parallel
+    MatMul after it left its input's gradient pending over the same ranks (Megatron's
+    backward AllReduce, run where the pending sum meets the forward AllReduce: for this
+    program the backward keeps pending sums until then, since summing them before each
+    LayerNorm, as Megatron's layers do, would add two AllReduces here); then the
+    Mirrors, one per group of replicating ranks: all n ranks
     (position, the LayerNorms, block 0's proj and fc2 biases, block 1's attention, fc2 bias)
     and the pair of ranks h apart (block 0's FFN and the head, cut only by mp h).
     """
@@ -629,8 +637,8 @@ def _redistributing_gpt_step(n: int, rank: int) -> list[tuple[str, str, str | No
     forward += [(ce, "AllReduce", "max", hblock, (tokens // 2,)),
                 (ce, "AllReduce", "sum", hblock, (2, tokens // 2))] * mine
     forward += [(ce, "AllReduce", "sum", world, ())]
-    backward = [(f"{ce}:backward", "AllReduce", "sum", world, ())]
-    backward += [("head/Reshape:input0-adjoint", "ReduceScatter", "sum", hblock,
+    # The loss's cotangent is whole on every rank: its scalar AllReduce needs no adjoint.
+    backward = [("head/Reshape:input0-adjoint", "ReduceScatter", "sum", hblock,
                   (BATCH // 2, seq, d))] * mine
     backward += [("block1/ffn/fc2/MatMul:backward", "AllReduce", "sum", world, (tokens, d)),
                  ("block1/ffn/fc1/Reshape:input0-adjoint", "ReduceScatter", "sum", world,

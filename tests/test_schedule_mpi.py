@@ -11,7 +11,6 @@ output is unused (its cotangent is a zero of the output's dtype).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +19,7 @@ import pytest
 
 from simpar import comm, graph, nn, ops
 from simpar.comm import CommTrace
-from simpar.layout import TensorLayout, distribute
+from simpar.layout import distribute
 from simpar.runtime import ParallelProgram, lower
 from simpar.search import plan_strategies
 from tests.mpi_guard import abort_job_on_error
@@ -70,22 +69,17 @@ CASES = {"int-cast": _int_cast_path, "mixed-precision": _mixed_precision,
          "unused-split-output": _unused_split_output}
 
 
-def _replicas(lay: TensorLayout) -> int:
-    return math.prod(lay.device_matrix[a] for a in lay.replica_axes)
-
-
 def _run(program: ParallelProgram, g: graph.Graph, x: np.ndarray,
          params: dict[str, nn.Parameter], rank: int
          ) -> tuple[dict[str, np.ndarray], list[comm.CommEvent]]:
-    """Forward and backward on this rank's shards, each output seeded with ones (a replicated
-    output's seed split among its replicas, so the contributions sum to ones)."""
+    """Forward and backward on this rank's shards, each output seeded with ones (whole: every
+    rank holds the whole cotangent of its shard)."""
     local_in = [distribute(x, program.layouts[g.inputs[0].id], rank)]
     local_params = {n: distribute(p.data, program.param_layouts[n], rank)
                     for n, p in params.items()}
     with CommTrace() as trace:
         outs, tape = program.forward(local_in, local_params)
-        seeds = [np.ones_like(o) / _replicas(program.layouts[v.id])
-                 for o, v in zip(outs, g.outputs)]
+        seeds = [np.ones_like(o) for o in outs]
         grads = program.backward(tape, seeds)
     return grads, list(trace.events)
 

@@ -5,11 +5,14 @@ context to a :class:`~simpar.runtime.ParallelProgram`, and gives every rank its 
 global initial parameters. Each call then runs forward, backward and the optimizer on this
 rank's shards and returns the global loss.
 
-Gradient seeding (see README, "gradient semantics"): the loss is replicated on ``r`` ranks;
-with ``loss_repeated_mean`` each replica seeds ``1/r`` so that the gradients, once each
-parameter's Mirror sums them, equal the single-device gradient of the global loss exactly.
-With ``gradients_mean=False`` they are instead the sum over the ``D`` data-parallel shards
-(``D`` = the cut of the batch dimension at the loss op), as data parallel training sums them.
+Gradient seeding (see README, "gradient semantics"): the loss is replicated on ``r`` ranks,
+and every replica seeds the whole cotangent (the backward keeps it whole where the replicas
+compute alike, :mod:`simpar.cotangent`). With ``loss_repeated_mean`` the gradients,
+once each parameter's Mirror sums its pending parts, equal the single-device gradient of the
+global loss exactly; without it they are ``r`` times that (MindSpore sums the repeated
+losses' gradients then). With ``gradients_mean=False`` they are instead the sum over the ``D``
+data-parallel shards (``D`` = the cut of the batch dimension at the loss op), as data
+parallel training sums them.
 
 A network wrapped in :class:`~simpar.nn.auto_parallel.AutoParallel` (anywhere in the cell's
 network, at most once) brings its own settings: the cell takes its mode from the wrapper, and
@@ -183,7 +186,7 @@ class TrainOneStepCell:
         replicas = math.prod(lay.device_matrix[a] for a in lay.replica_axes)
         dp = self.program.loss_batch_cut()
         seed = self.sens * (1.0 if ctx.gradients_mean or self.mode == "stand_alone" else dp)
-        return seed / replicas if ctx.loss_repeated_mean else seed
+        return seed if ctx.loss_repeated_mean else seed * replicas
 
     # ------------------------------------------------------------ one step
     def __call__(self, data: np.ndarray, label: np.ndarray) -> float:

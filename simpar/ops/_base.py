@@ -59,6 +59,7 @@ __all__ = [
     "Tape",
     "dim_names",
     "divisors",
+    "gradient_needed",
     "plan_adjoint_comm",
     "plan_comm",
     "recording",
@@ -91,6 +92,18 @@ def registry() -> dict[str, type[Primitive]]:
 def divisors(n: int) -> list[int]:
     """Divisors of ``n`` in increasing order (for a power of two: the powers of two)."""
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# ------------------------------------------------------------------ gradients in use
+_NEEDS: ContextVar[tuple[bool, ...] | None] = ContextVar("simpar_gradients_needed",
+                                                         default=None)
+
+
+def gradient_needed(i: int) -> bool:
+    """Inside :meth:`OpSharding.backward`: whether input ``i``'s gradient is used. A VJP may
+    skip computing the others (the first Dense's data gradient, say) and return None."""
+    needs = _NEEDS.get()
+    return needs is None or (i < len(needs) and needs[i])
 
 
 # ------------------------------------------------------------------ communication specs
@@ -336,10 +349,13 @@ class OpSharding:
                 outs.append(execute(p, r))
         return (tuple(outs) if self.more_outs else outs[0]), saved
 
-    def backward(self, saved: Any, local_dout: Any) -> tuple[np.ndarray | None, ...]:
+    def backward(self, saved: Any, local_dout: Any, needs: Sequence[bool] | None = None
+                 ) -> tuple[np.ndarray | None, ...]:
         """This rank's gradient *contributions* for every input, in the input layouts
         (sum over an input's replica axes to complete them, see :meth:`complete_grad`).
-        For a multi-output op, ``local_dout`` is a tuple (None for an unused output)."""
+        For a multi-output op, ``local_dout`` is a tuple (None for an unused output).
+        ``needs[k]`` False says input k's gradient is not used: the kernels may skip it
+        (:func:`gradient_needed`) and give None."""
         douts = local_dout if self.more_outs else (local_dout,)
         draws: list[np.ndarray] = []
         for k, (d, (_, out, p)) in reversed(list(enumerate(zip(douts, self.outputs)))):
@@ -348,11 +364,23 @@ class OpSharding:
             with comm.label(f"{self.op.name}:output-adjoint" + (f"{k}" if k else "")):
                 draws.append(execute_adjoint(p, d))
         draws.reverse()
-        grads = self.op.local_backward(self, saved, tuple(draws) if self.more_outs else draws[0])
+        grads = self.kernel_backward(saved, draws, needs)
         if self.inner_plan is None or grads[0] is None:
             return grads
         with comm.label(f"{self.op.name}:redistribute-adjoint"):
             return (execute_adjoint(self.inner_plan, grads[0]), *grads[1:])
+
+    def kernel_backward(self, saved: Any, draws: Sequence[np.ndarray],
+                        needs: Sequence[bool] | None = None) -> tuple[np.ndarray | None, ...]:
+        """The local kernel's gradients (with its own collectives, ``internal_backward``) from
+        the raw outputs' cotangents ``draws``, one per output; before :attr:`inner_plan`'s
+        adjoint. ``needs`` as in :meth:`backward`."""
+        token = _NEEDS.set(None if needs is None else tuple(bool(n) for n in needs))
+        try:
+            return self.op.local_backward(self, saved,
+                                          tuple(draws) if self.more_outs else draws[0])
+        finally:
+            _NEEDS.reset(token)
 
     def all_reduce(self, spec: CommSpec, x: np.ndarray, what: str) -> np.ndarray:
         """Run one of the op's own collectives (an entry of ``internal_forward`` or

@@ -339,6 +339,7 @@ class ReLU(_Unary):
 
 
 _GELU_C = math.sqrt(2.0 / math.pi)
+_GELU_A = 0.044715
 
 
 @register
@@ -350,14 +351,39 @@ class GeLU(_Unary):
 
     def kernel(self, *xs: np.ndarray) -> np.ndarray:
         x = xs[0]
-        return 0.5 * x * (1.0 + np.tanh(_GELU_C * (x + 0.044715 * x ** 3)))
+        t = _gelu_tanh(x)
+        t += 1.0
+        t *= x
+        t *= 0.5
+        return t
 
     def vjp(self, xs: Sequence[np.ndarray], y: np.ndarray, dy: np.ndarray
             ) -> tuple[np.ndarray | None, ...]:
+        # d/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3a x^2), in place on few temporaries.
         x = xs[0]
-        t = np.tanh(_GELU_C * (x + 0.044715 * x ** 3))
-        dt = (1.0 - t * t) * _GELU_C * (1.0 + 3 * 0.044715 * x * x)
-        return (dy * (0.5 * (1.0 + t) + 0.5 * x * dt),)
+        t = _gelu_tanh(x)
+        slope = x * x
+        slope *= 3 * _GELU_A
+        slope += 1.0
+        slope *= _GELU_C
+        slope *= x
+        slope *= 1.0 - t * t
+        t += 1.0
+        slope += t
+        slope *= 0.5
+        slope *= dy
+        return (slope,)
+
+
+def _gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """``tanh(c (x + a x^3))``, with the cube as products: numpy's power of a float32 array
+    is about 50 times slower than two multiplications."""
+    inner = x * x
+    inner *= _GELU_A
+    inner += 1.0
+    inner *= x
+    inner *= _GELU_C
+    return np.tanh(inner, out=inner)
 
 
 GELU = GeLU

@@ -15,7 +15,14 @@ from typing import Any
 import numpy as np
 
 from simpar import context
-from simpar.ops._base import IterSpace, Primitive, Strategy, StrategyError, register
+from simpar.ops._base import (
+    IterSpace,
+    Primitive,
+    Strategy,
+    StrategyError,
+    gradient_needed,
+    register,
+)
 
 __all__ = ["BatchMatMul", "MatMul"]
 
@@ -63,14 +70,19 @@ class _MatMulBase(Primitive):
 
     def vjp(self, xs: Sequence[np.ndarray], y: np.ndarray, dy: np.ndarray
             ) -> tuple[np.ndarray | None, ...]:
+        # Each gradient is computed straight in its input's orientation (dB of B stored
+        # (j, k) is dY^T A, not (A^T dY)^T): contiguous, with no copy, for the Mirror and the
+        # optimizer's passes over it. A gradient the backward does not use is not computed.
         a, b = xs
         at, bt = _t(a, self.transpose_a), _t(b, self.transpose_b)
-        da = np.matmul(dy, np.swapaxes(bt, -1, -2))
-        db = np.matmul(np.swapaxes(at, -1, -2), dy)
-        # Contiguous gradients (the same values): a transposed view makes every later pass
-        # over it (the Mirror, the optimizer's updates) strided, several times slower.
-        da = np.ascontiguousarray(_unbroadcast(_t(da, self.transpose_a), a.shape))
-        db = np.ascontiguousarray(_unbroadcast(_t(db, self.transpose_b), b.shape))
+        dyt = np.swapaxes(dy, -1, -2)
+        da = db = None
+        if gradient_needed(0):
+            da = np.matmul(bt, dyt) if self.transpose_a else np.matmul(dy, _t(bt, True))
+            da = np.ascontiguousarray(_unbroadcast(da, a.shape))
+        if gradient_needed(1):
+            db = np.matmul(dyt, at) if self.transpose_b else np.matmul(_t(at, True), dy)
+            db = np.ascontiguousarray(_unbroadcast(db, b.shape))
         return da, db
 
     def flops(self, local_in: tuple[tuple[int, ...], ...], local_out: tuple[int, ...]) -> int:

@@ -20,8 +20,10 @@ raises, and every CommTrace event names the step that ran it. A cost model reads
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
+import math
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -35,15 +37,23 @@ from simpar import comm, schedule
 from simpar.cost.collective import traffic
 from simpar.cost.model import CostReport, evaluate
 from simpar.cost.profile import DeviceProfile
+from simpar.cotangent import (
+    Action,
+    Frame,
+    OpBackward,
+    Pending,
+    cotangent_actions,
+    op_backward,
+)
 from simpar.graph import Graph, Node, Value
 from simpar.layout import TensorLayout
-from simpar.ops._base import CommSpec, OpSharding, plan_adjoint_comm, plan_comm
+from simpar.ops._base import CommSpec, OpSharding, plan_comm
 from simpar.redistribution import (
     LOCAL_KINDS,
     RedistributionPlan,
     StepKind,
     execute,
-    execute_adjoint,
+    execute_step,
     plan,
 )
 from simpar.search import (
@@ -139,6 +149,21 @@ class ParallelProgram:
         default_factory=dict, init=False, compare=False, repr=False)  # a cache, per (rank, seeds)
     _guarded: dict[tuple[int, tuple[bool, ...] | None, bool], tuple[ProgramStep, ...]] = field(
         default_factory=dict, init=False, compare=False, repr=False)
+    _backward_plans: dict[tuple[bool, ...], BackwardPlan] = field(
+        default_factory=dict, init=False, compare=False, repr=False)
+
+    def backward_plan(self, seeded: Sequence[bool] | None = None) -> BackwardPlan:
+        """Where every cotangent is pending and what the backward runs for it
+        (:mod:`simpar.cotangent`), for the outputs ``seeded`` says get a cotangent
+        (default: all), each seeded whole."""
+        key = (tuple(bool(b) for b in seeded) if seeded is not None
+               else (True,) * len(self.graph.outputs))
+        found = self._backward_plans.get(key)
+        if found is None:
+            found = self._backward_plans[key] = min(
+                (_plan_backward(self, key, eager) for eager in (True, False)),
+                key=functools.partial(_backward_traffic, self))
+        return found
 
     # ------------------------------------------------------------ the flat per-rank program
     def schedule(self, rank: int, seeded: Sequence[bool] | None = None
@@ -193,8 +218,11 @@ class ParallelProgram:
         return [self.layouts[v.id] for v in self.graph.outputs]
 
     def mirror_group(self, name: str, rank: int) -> tuple[int, ...]:
-        """The ranks whose gradients of parameter ``name`` are summed (size 1: no Mirror)."""
-        return _replica_group(self.param_layouts[name], rank)
+        """The ranks whose gradients of parameter ``name`` are summed (size 1: no Mirror):
+        its replicas over which the gradient is pending. Replicas that computed the same
+        gradient (a bias after a row-parallel MatMul, over the model-parallel ranks) are not
+        among them."""
+        return _mirror_group(self, self.backward_plan(), name, rank)
 
     def loss_batch_cut(self) -> int:
         """How many ways the batch (dim 0 of its first input) is cut at the op producing the
@@ -236,8 +264,16 @@ class ParallelProgram:
     def comm_table(self, rank: int = 0) -> list[dict[str, Any]]:
         """One row per op: name, strategy, collectives forward and backward (for printing)."""
         rows = []
+        bplan = self.backward_plan()
         for s in self.steps:
             redis = [st.kind for p in s.in_plans for st in p.steps if st.kind not in LOCAL_KINDS]
+            # The planned backward: the outputs' adjoints, the op's own, its inner move's.
+            nb = bplan.nodes.get(s.node.id)
+            backward: list[StepKind] = []
+            if nb is not None:
+                outs = [a for acts in nb.op.out_actions for a in acts]
+                backward = [*_kinds(outs), *(c.kind for c in s.sharding.internal_backward),
+                            *_kinds(nb.op.inner_actions)]
             rows.append({"op": s.node.name, "type": s.node.op.name,
                          "strategy": [list(c) for c in s.sharding.strategy],
                          "chosen": s.chosen, "repeat": s.repeat,
@@ -245,8 +281,7 @@ class ParallelProgram:
                                             for e in s.sharding.out.tensor_map],
                          "redistribution": redis,
                          "forward": [c.kind for c in s.sharding.forward_comm],
-                         "backward": [c.kind for c in s.sharding.backward_comm
-                                      if not c.reason.startswith("gradient of input")]})
+                         "backward": backward})
         return rows
 
     # ------------------------------------------------------------ execution
@@ -306,36 +341,48 @@ class ParallelProgram:
     def _backward(self, tape: dict[int, Any], output_grads: Sequence[np.ndarray | None],
                   rank: int) -> dict[str, np.ndarray]:
         # A value's cotangent has the value's dtype, whatever numpy's promotion made of the
-        # contributions, so every collective moves the bytes the schedule lists.
+        # contributions, so every collective moves the bytes the schedule lists. Seeds are
+        # whole: every rank holds the output's whole cotangent.
+        bplan = self.backward_plan([g is not None for g in output_grads])
         grads: dict[int, np.ndarray] = {}
         for v, g in zip(self.graph.outputs, output_grads):
             if g is not None:
                 grads[v.id] = np.asarray(g).astype(v.dtype, copy=False)
         for s in reversed(self.steps):
             node = s.node
-            if node.id not in tape:
-                continue
+            nb = bplan.nodes.get(node.id)
             douts = [grads.pop(v.id, None) for v in node.outputs]
-            if all(d is None for d in douts):
+            if nb is None:
                 continue
-            d: Any = douts[0]
-            if len(node.outputs) > 1:  # an unused output's cotangent is zero
-                d = tuple(np.zeros(out.local_shape(), v.dtype) if g is None else g
-                          for g, v, (_, out, _) in zip(douts, node.outputs, s.sharding.outputs))
+            sh = s.sharding
+            draws: list[np.ndarray] = [np.empty(0)] * len(douts)
+            for k in reversed(range(len(douts))):   # outputs' adjoints, last output first
+                raw = sh.outputs[k][0]
+                d = douts[k]
+                if d is None:   # an unused output's cotangent is zero
+                    draws[k] = np.zeros(raw.local_shape(), node.outputs[k].dtype)
+                    continue
+                with comm.label(f"{node.name}:backward/{sh.op.name}:output-adjoint"
+                                f"{k if k else ''}"):
+                    draws[k] = _run(nb.op.out_actions[k], d)
             with comm.label(f"{node.name}:backward"):
-                contribs = s.sharding.backward(tape[node.id], d)
+                contribs = list(sh.kernel_backward(tape[node.id], draws, nb.needs))
+                if nb.op.inner_actions and contribs[0] is not None:
+                    with comm.label(f"{sh.op.name}:redistribute-adjoint"):
+                        contribs[0] = _run(nb.op.inner_actions, contribs[0])
             for k, (v, c) in enumerate(zip(node.inputs, contribs)):
                 # The schedule's rule: float inputs of differentiable positions on a path
                 # from a trainable parameter get a gradient (None from a kernel means zero).
-                if v.id not in self.needs_grad or not node.op.gives_gradient(k, v.dtype):
+                if not nb.needs[k]:
                     continue
                 c = (np.zeros(s.sharding.in_layouts[k].local_shape(), v.dtype) if c is None
                      else c.astype(v.dtype, copy=False))
-                p = s.in_plans[k]
-                if p.steps:
-                    with comm.label(f"{node.name}:input{k}-adjoint"):
-                        c = execute_adjoint(p, c)
-                grads[v.id] = grads[v.id] + c if v.id in grads else c
+                with comm.label(f"{node.name}:input{k}-adjoint"):
+                    c = _run(nb.edges[k], c)
+                if v.id in grads:
+                    grads[v.id] = _run(nb.align_sum[k], grads[v.id]) + _run(nb.align_new[k], c)
+                else:
+                    grads[v.id] = c
             _watch(tape, grads)
         out: dict[str, np.ndarray] = {}
         buckets: dict[tuple[tuple[int, ...], str], list[str]] = {}
@@ -346,11 +393,11 @@ class ParallelProgram:
             if g is None:
                 g = np.zeros(self.param_layouts[name].local_shape(), dtype=v.dtype)
             out[name] = g
-            group = self.mirror_group(name, rank)
+            group = _mirror_group(self, bplan, name, rank)
             if len(group) > 1:
                 buckets.setdefault((group, g.dtype.str), []).append(name)
         # Mirror: one AllReduce per group of ranks and dtype, on all its parameters' gradients
-        # at once (MindSpore fuses these AllReduces too); the sum completes every contribution.
+        # at once (MindSpore fuses these AllReduces too); the sum completes every pending one.
         for (group, _), names in buckets.items():
             flat = np.concatenate([out[n].ravel() for n in names])
             with comm.label(f"Mirror:{len(names)} params"), \
@@ -362,6 +409,137 @@ class ParallelProgram:
                 out[n] = flat[offset:offset + size].reshape(out[n].shape)
                 offset += size
         return out
+
+
+def _kinds(actions: Sequence[Action]) -> list[StepKind]:
+    """The collectives planned backward actions run."""
+    return [a.step.kind.adjoint if a.adjoint else a.step.kind for a in actions if not a.local]
+
+
+def _run(actions: Sequence[Action], x: np.ndarray) -> np.ndarray:
+    for act in actions:
+        x = execute_step(act.step, x, act.adjoint)
+    return x
+
+
+def _mirror_group(program: ParallelProgram, bplan: BackwardPlan, name: str, rank: int
+                  ) -> tuple[int, ...]:
+    axes = bplan.params.get(name, frozenset())
+    lay = bplan.frame.of(program.param_layouts[name])
+    return lay.mesh.group_of(rank, tuple(sorted(axes))) if axes else (rank,)
+
+
+@dataclass(frozen=True)
+class NodeBackward:
+    """One op's planned backward: its own (:class:`~simpar.cotangent.OpBackward`),
+    which inputs get a gradient, the actions moving each input's gradient back to its
+    producer's layout, and the zeroing that aligns it with what is already accumulated there
+    (``align_sum`` on the running sum, ``align_new`` on this contribution)."""
+
+    op: OpBackward
+    needs: tuple[bool, ...]
+    edges: dict[int, tuple[Action, ...]]
+    align_sum: dict[int, tuple[Action, ...]]
+    align_new: dict[int, tuple[Action, ...]]
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    """The planned backward of a program: per node that runs backward its
+    :class:`NodeBackward`, and per trainable parameter the axes (of its layout) over which its
+    gradient is pending: its Mirror's."""
+
+    nodes: dict[int, NodeBackward]
+    params: dict[str, Pending]
+    frame: Frame
+
+
+def _plan_backward(program: ParallelProgram, seeded: tuple[bool, ...], eager: bool
+                   ) -> BackwardPlan:
+    """Walk the program backwards as :meth:`ParallelProgram.backward` does, deciding every
+    cotangent's pending axes and the actions between them. ``eager`` sums a pending
+    cotangent before an op with trainable parameters whose other inputs need a gradient (a
+    LayerNorm after a column-parallel MatMul: Megatron's backward AllReduce), so that the
+    parameters' gradients come out whole; otherwise it stays pending until it meets a forward
+    AllReduce over its axes, an AllGather's adjoint or a parameter's Mirror (fused with the
+    other gradients). Neither is always cheaper: Megatron's layers favour the first, a
+    program whose blocks split differently the second, and :meth:`ParallelProgram.backward_plan`
+    takes the one that moves fewer bytes."""
+    frame = Frame.for_devices(program.device_num)
+    pending: dict[int, Pending] = {v.id: frozenset()
+                                   for v, seed in zip(program.graph.outputs, seeded) if seed}
+    nodes: dict[int, NodeBackward] = {}
+    for s in reversed(program.steps):
+        node, sh = s.node, s.sharding
+        outs = [pending.pop(v.id, None) for v in node.outputs]
+        if node.id not in program.grad_nodes or all(o is None for o in outs):
+            continue
+        needs = tuple(v.id in program.needs_grad and node.op.gives_gradient(k, v.dtype)
+                      for k, v in enumerate(node.inputs))
+        # Elsewhere a pending cotangent stays pending, and is summed where it meets a forward
+        # AllReduce, by the Mirror of a parameter it reaches, or never if nothing needs it.
+        trains = eager and any(needs[k] and v.kind == "param"
+                               for k, v in enumerate(node.inputs)) and \
+            any(needs[k] and v.kind != "param" for k, v in enumerate(node.inputs))
+        resolve: list[tuple[Action, ...]] = []
+        for k, out in enumerate(outs):
+            if trains and out:
+                resolve.append((frame.summed(sh.outputs[k][1], sorted(out)),))
+                outs[k] = frozenset()
+            else:
+                resolve.append(())
+        ob = op_backward(sh, outs, frame)
+        if any(resolve):
+            ob = dataclasses.replace(ob, out_actions=tuple(
+                r + a for r, a in zip(resolve, ob.out_actions)))
+        edges: dict[int, tuple[Action, ...]] = {}
+        align_sum: dict[int, tuple[Action, ...]] = {}
+        align_new: dict[int, tuple[Action, ...]] = {}
+        for k, v in enumerate(node.inputs):
+            if not needs[k]:
+                continue
+            edges[k], pend = cotangent_actions(s.in_plans[k], ob.in_pending[k], frame)
+            old = pending.get(v.id)
+            if old is None:
+                pending[v.id] = pend
+                continue
+            both = old | pend
+            lay = program.layouts[v.id]
+            align_sum[k] = (frame.zero(lay, sorted(both - old)),) if both - old else ()
+            align_new[k] = (frame.zero(lay, sorted(both - pend)),) if both - pend else ()
+            pending[v.id] = both
+        nodes[node.id] = NodeBackward(ob, needs, edges, align_sum, align_new)
+    params = {name: pending.get(v.id, frozenset()) for name, v in program.param_values.items()
+              if v.param is not None and v.param.requires_grad}
+    return BackwardPlan(nodes, params, frame)
+
+
+def _backward_traffic(program: ParallelProgram, bplan: BackwardPlan) -> tuple[int, int]:
+    """(elements rank 0 sends, collective calls) of a backward plan's reductions and moves,
+    its Mirrors included (one call per group); what both ways of planning share (an op's own
+    backward collectives) is left out."""
+    sent, calls, groups = 0, 0, set()
+    for nb in bplan.nodes.values():
+        acts = [*(a for acts in nb.op.out_actions for a in acts), *nb.op.inner_actions,
+                *(a for acts in nb.edges.values() for a in acts)]
+        for a in acts:
+            if a.local:
+                continue
+            step = a.step
+            kind = str(step.kind.adjoint if a.adjoint else step.kind)
+            size = (step.dst if a.adjoint else step.src).local_size()
+            group = math.prod(step.src.device_matrix[x] for x in step.device_axes) \
+                if step.device_axes else step.src.device_num
+            sent += traffic(kind, group, size) if kind != "AllToAllV" else size
+            calls += 1
+    for name, axes in bplan.params.items():
+        if not axes:
+            continue
+        lay = bplan.frame.of(program.param_layouts[name])
+        group = math.prod(lay.device_matrix[x] for x in axes)
+        sent += traffic("AllReduce", group, lay.local_size())
+        groups.add(tuple(sorted(axes)))
+    return sent, calls + len(groups)
 
 
 class MemoryWatch:
@@ -479,34 +657,36 @@ def _schedule(program: ParallelProgram, rank: int, seeded: tuple[bool, ...]
                           f"{node.name}/{sh.op.name}:output{k if k else ''}",
                           plan_comm(p, "output", True), v.dtype.itemsize)
     b.backward = True
-    has_grad = {v.id for v, seed in zip(program.graph.outputs, seeded) if seed}
+    bplan = program.backward_plan(seeded)
     for s in reversed(program.steps):
         node, sh = s.node, s.sharding
-        if node.id not in program.grad_nodes or not any(v.id in has_grad for v in node.outputs):
+        nb = bplan.nodes.get(node.id)
+        if nb is None:
             continue
         in_size, out_size = node.inputs[0].dtype.itemsize, node.outputs[0].dtype.itemsize
-        b.collectives(Role.OP_COLLECTIVE, node.name,
-                      f"{node.name}:backward/{sh.op.name}:output-adjoint",
-                      sh.output_adjoint_comm(), out_size)
+        for k in reversed(range(len(sh.outputs))):
+            b.collectives(Role.OP_COLLECTIVE, node.name,
+                          f"{node.name}:backward/{sh.op.name}:output-adjoint",
+                          _action_specs(nb.op.out_actions[k], f"adjoint of output {k}", True),
+                          node.outputs[k].dtype.itemsize)
         b.compute(node.name, 2 * sh.local_flops())
         b.collectives(Role.OP_COLLECTIVE, node.name, f"{node.name}:backward/{sh.op.name}",
                       sh.internal_backward, out_size if _on_output(sh.internal_backward)
                       else in_size)
         b.collectives(Role.REDISTRIBUTE, node.name,
                       f"{node.name}:backward/{sh.op.name}:redistribute-adjoint",
-                      sh.inner_adjoint_comm(), in_size)
-        for k, (v, p) in enumerate(zip(node.inputs, s.in_plans)):
-            if v.id not in program.needs_grad or not sh.op.gives_gradient(k, v.dtype):
-                continue
-            has_grad.add(v.id)
-            b.collectives(Role.REDISTRIBUTE, node.name, f"{node.name}:input{k}-adjoint",
-                          plan_adjoint_comm(p, f"adjoint of input {k}", False),
-                          v.dtype.itemsize)
+                      _action_specs(nb.op.inner_actions, "adjoint of redistribution before "
+                                    f"{sh.op.name.lower()}", False), in_size)
+        for k, v in enumerate(node.inputs):
+            if nb.needs[k]:
+                b.collectives(Role.REDISTRIBUTE, node.name, f"{node.name}:input{k}-adjoint",
+                              _action_specs(nb.edges[k], f"adjoint of input {k}", False),
+                              v.dtype.itemsize)
     buckets: dict[tuple[tuple[int, ...], str], list[str]] = {}
     for name, v in program.param_values.items():
         if v.param is None or not v.param.requires_grad:
             continue
-        group = program.mirror_group(name, rank)
+        group = _mirror_group(program, bplan, name, rank)
         if len(group) > 1:
             buckets.setdefault((group, v.dtype.str), []).append(name)
     for (group, dtype), names in buckets.items():
@@ -518,6 +698,13 @@ def _schedule(program: ParallelProgram, rank: int, seeded: tuple[bool, ...]
             nbytes, 0,
             f"gradients of {', '.join(names)} (sum over their replicas)", _mirror(group, names)))
     return tuple(b.steps)
+
+
+def _action_specs(actions: Sequence[Action], reason: str, on_output: bool) -> list[CommSpec]:
+    """The collectives of planned backward actions, as the schedule lists them."""
+    return [CommSpec.adjoint_of(a.step, reason, on_output) if a.adjoint
+            else CommSpec.from_step(a.step, reason, on_output)
+            for a in actions if not a.local]
 
 
 def _mirror(group: tuple[int, ...], names: Sequence[str]) -> tuple[str, tuple[int, ...],
