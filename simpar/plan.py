@@ -123,7 +123,7 @@ class PlanOptions:
     cost_model: str = "simpar"
     optimizer: str = "adam"
     dataset_strategy: str = "full_batch"
-    enable_alltoall: bool = True
+    enable_alltoall: bool = False
     preset: str | None = None
 
     def describe(self) -> str:
@@ -201,8 +201,9 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"MLP: output classes (default {_MLP_DEFAULTS['classes']})")
     p.add_argument("--batch", type=_positive_int, default=1024, help="global batch (default "
                    "1024, Alpa's)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "float64"),
-                   help="parameters and activations (default float32)")
+    p.add_argument("--dtype", default="float32", choices=("float16", "float32", "float64"),
+                   help="parameters and activations (default float32; float16 as "
+                   "benchmarks/search.py plans)")
     p.add_argument("--device-num", type=_device_num, default=8,
                    help="devices to plan for (default 8); no MPI is started")
     p.add_argument("--search-mode", default=None, choices=registered_searches(),
@@ -219,8 +220,10 @@ def _parser() -> argparse.ArgumentParser:
                    choices=("full_batch", "data_parallel"),
                    help="how the batch arrives: whole on every device (default), or split "
                    "over all devices (--batch must then divide among them)")
-    p.add_argument("--enable-alltoall", action=argparse.BooleanOptionalAction, default=True,
-                   help="redistribute with AllToAll (default on, as the main job)")
+    p.add_argument("--enable-alltoall", action=argparse.BooleanOptionalAction, default=False,
+                   help="redistribute with AllToAll (default off, MindSpore's default and "
+                   "benchmarks/search.py's: moves are then priced in bulk, several times "
+                   "faster on large plans)")
     p.add_argument("--out", default=None, help="write the plan as JSON to this file")
     p.add_argument("--quiet", action="store_true",
                    help="no progress on stderr (the plan still prints)")

@@ -33,9 +33,8 @@ def _lowered_total(g: graph.Graph, cg: Any, choice: tuple[int, ...], model: Any,
     total = 0.0
     for s in program.steps:
         params = {k for k, v in enumerate(s.node.inputs) if v.kind == "param"}
-        needs = {k for k, v in enumerate(s.node.inputs) if v.id in program.needs_grad}
         total += model.op(s.sharding, params, s.node.outputs[0].dtype.itemsize,
-                          [v.dtype.itemsize for v in s.node.inputs], needs)
+                          [v.dtype.itemsize for v in s.node.inputs])
         total += sum(model.edge(p, v.dtype.itemsize)
                      for v, p in zip(s.node.inputs, s.in_plans) if p.steps)
     return total

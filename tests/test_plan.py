@@ -44,7 +44,7 @@ def _searched(net: nn.Cell, specs: list[Any], device_num: int, model: Any,
               dataset_strategy: str, search: str = "exact") -> StrategyMap:
     set_search_cost_model(model)
     try:
-        return search_strategies(net, specs, device_num, search, dataset_strategy, True,
+        return search_strategies(net, specs, device_num, search, dataset_strategy, False,
                                  ["data", "label"])
     finally:
         set_search_cost_model(None)

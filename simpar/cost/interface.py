@@ -2,9 +2,8 @@
 
 A :class:`CostModel` prices the three things a strategy search compares:
 
-* ``op(sharding, parameters, itemsize, ...)``: one op under one strategy (its kernels forward
-  and backward, its own collectives, the gradient sync of the parameters it reads; the
-  reduction of its other inputs' pending gradients, for those in ``needs_gradient``);
+* ``op(sharding, parameters, itemsize)``: one op under one strategy (its kernels forward and
+  backward, its own collectives, the gradient sync of the parameters it reads);
 * ``edge(plan, itemsize)``: one redistribution between two ops (forward and backward);
 * ``program(program)``: a whole lowered program;
 * ``memory(sharding, parameters, itemsize, kept_elsewhere, ...)``: the bytes per rank one op
@@ -35,7 +34,6 @@ from simpar.cost import mindspore as ms
 from simpar.cost.collective import traffic
 from simpar.cost.model import OPTIMIZER_STATE, evaluate
 from simpar.cost.profile import DeviceProfile, load_profile
-from simpar.cotangent import Action, Frame, op_backward
 
 if TYPE_CHECKING:  # types only: simpar.ops imports simpar.cost
     from simpar.mesh import DeviceMesh
@@ -57,8 +55,7 @@ class CostModel(Protocol):
     def unit(self) -> str: ...
 
     def op(self, sharding: OpSharding, parameters: Collection[int], itemsize: int,
-           input_itemsizes: Sequence[int] | None = ...,
-           needs_gradient: Collection[int] | None = ...) -> float: ...
+           input_itemsizes: Sequence[int] | None = ...) -> float: ...
 
     def edge(self, plan: RedistributionPlan, itemsize: int) -> float: ...
 
@@ -102,16 +99,10 @@ class SimparCostModel:
             spec.recv_bytes(rank, itemsize))
 
     def op(self, sharding: OpSharding, parameters: Collection[int], itemsize: int,
-           input_itemsizes: Sequence[int] | None = None,
-           needs_gradient: Collection[int] | None = None) -> float:
+           input_itemsizes: Sequence[int] | None = None) -> float:
         """Kernels forward and backward (twice the FLOPs and bytes), the op's own collectives
-        forward, and its backward as the runtime plans it for whole output cotangents
-        (:func:`~simpar.cotangent.op_backward`): a forward AllReduce of an output costs
-        nothing backward, an input gradient pending over some axes is summed once over them
-        (Megatron's backward AllReduce at a column-parallel input, unless the input is not in
-        ``needs_gradient``; default: every input), and a parameter's over its pending axes
-        only, as its share of the fused Mirror. ``itemsize`` is the outputs' bytes per
-        element, and the inputs' unless ``input_itemsizes``."""
+        both ways, and the AllReduce of every replicated parameter's gradient. ``itemsize``
+        is the outputs' bytes per element, and the inputs' unless ``input_itemsizes``."""
         sh, prof = sharding, self._profile
         sizes = input_itemsizes or (itemsize,) * len(sh.in_layouts)
         nbytes = (sum(lay.local_size() * b for lay, b in zip(sh.in_layouts, sizes))
@@ -120,47 +111,25 @@ class SimparCostModel:
         flops = sh.local_flops()
         seconds = (prof.compute_seconds(flops, nbytes, dtype)
                    + prof.compute_seconds(2 * flops, 2 * nbytes, dtype))
-        for spec in [*sh.forward_comm, *sh.internal_backward]:
+        backward = [c for c in sh.backward_comm if not c.reason.startswith("gradient of input")]
+        for spec in [*sh.forward_comm, *backward]:
             seconds += self._spec_seconds(spec, itemsize)
-        frame = Frame.for_devices(math.prod(sh.device_matrix))
-        planned = op_backward(sh, [frozenset()] * len(sh.outputs), frame)
-        for act in [a for acts in planned.out_actions for a in acts]:
-            seconds += self._action_seconds(act, itemsize)
-        for act in planned.inner_actions:
-            seconds += self._action_seconds(act, sizes[0])
-        for k, pending in enumerate(planned.in_pending):
-            if not pending or not sh.op.differentiable(k):
-                continue
-            summed = frame.summed(sh.in_layouts[k], sorted(pending))
-            if k in parameters:
-                seconds += self._mirror_seconds(summed, sizes[k])
-            elif needs_gradient is None or k in needs_gradient:
-                seconds += self._action_seconds(summed, sizes[k])
+        for i in parameters:
+            mirror = sh.input_grad_spec(i)
+            if mirror is not None:  # the Mirror of a replicated parameter
+                seconds += self._mirror_seconds(mirror, itemsize)
         return seconds
 
-    def _action_seconds(self, act: Action, itemsize: int) -> float:
-        """One collective of a planned backward (nothing for a local action)."""
-        if act.local:
-            return 0.0
-        step = act.step
-        kind = step.kind.adjoint if act.adjoint else step.kind
-        size = (step.dst if act.adjoint else step.src).local_size() * itemsize
-        rank = self.rank % step.src.device_num
-        group = (step.src.mesh.group_of(rank, step.device_axes) if step.device_axes
-                 else tuple(range(step.src.device_num)))
-        recv = step.recv_bytes(rank, itemsize) if str(step.kind) == "AllToAllV" else 0
-        return self._profile.step_collective_seconds(str(kind), group, size, recv)
-
-    def _mirror_seconds(self, summed: Action, itemsize: int) -> float:
-        """A parameter's share of the fused gradient AllReduce ``summed``: its bytes at the
-        link's bandwidth. The program fuses every Mirror of a group into one call, so the
-        call's fixed costs belong to no single op."""
-        step = summed.step
-        group = step.src.mesh.group_of(self.rank % step.src.device_num, step.device_axes)
+    def _mirror_seconds(self, spec: CommSpec, itemsize: int) -> float:
+        """A parameter's share of the fused gradient AllReduce: its bytes at the link's
+        bandwidth. The program fuses every Mirror of a group into one call, so the call's
+        fixed costs belong to no single op."""
+        rank = self.rank % math.prod(spec.device_matrix)
+        group = spec.group(rank)
         if len(group) < 2:
             return 0.0
         link = self._profile.link(group)
-        return traffic("AllReduce", len(group), step.src.local_size() * itemsize) / link.bandwidth
+        return traffic("AllReduce", len(group), spec.elements * itemsize) / link.bandwidth
 
     def edge(self, plan: RedistributionPlan, itemsize: int) -> float:
         """Every collective of ``plan`` forward, and its adjoint backward."""
@@ -274,10 +243,7 @@ class MindSporeCostModel:
     unit: str = field(default="MindSpore cost (bytes of slices)", init=False)
 
     def op(self, sharding: OpSharding, parameters: Collection[int], itemsize: int,
-           input_itemsizes: Sequence[int] | None = None,
-           needs_gradient: Collection[int] | None = None) -> float:
-        """MindSpore's objective of the op (its own backward rules: ``needs_gradient`` is
-        not read)."""
+           input_itemsizes: Sequence[int] | None = None) -> float:
         cost = ms.op_cost(sharding, parameters, itemsize, input_itemsizes=input_itemsizes)
         return ms.objective(cost, sharding.strategy, math.prod(sharding.device_matrix), self.ctx)
 
@@ -285,7 +251,7 @@ class MindSporeCostModel:
         return ms.edge_objective(ms.redistribution_cost(plan, itemsize), self.ctx)
 
     def program(self, program: Any) -> float:
-        return sum(_op_total(self, s, program.needs_grad) for s in program.steps)
+        return sum(_op_total(self, s) for s in program.steps)
 
     @property
     def memory_capacity(self) -> float:
@@ -314,15 +280,12 @@ class MindSporeCostModel:
         return ms.keeps_output(op.name, n_inputs, parameters, involved, kept_elsewhere)
 
 
-def _op_total(model: CostModel, step: Any, needs_grad: Collection[int]) -> float:
-    """An op step's own cost plus the redistributions of its inputs; ``needs_grad`` holds
-    the ids of the program's values that get a gradient."""
+def _op_total(model: CostModel, step: Any) -> float:
+    """An op step's own cost plus the redistributions of its inputs."""
     node, sh = step.node, step.sharding
     itemsize = node.outputs[0].dtype.itemsize
     params = {k for k, v in enumerate(node.inputs) if v.kind == "param"}
-    needs = {k for k, v in enumerate(node.inputs) if v.id in needs_grad}
-    return model.op(sh, params, itemsize, [v.dtype.itemsize for v in node.inputs],
-                    needs) + sum(
+    return model.op(sh, params, itemsize, [v.dtype.itemsize for v in node.inputs]) + sum(
         model.edge(p, v.dtype.itemsize) for v, p in zip(node.inputs, step.in_plans) if p.steps)
 
 
@@ -334,7 +297,7 @@ def compare(program: Any, models: Sequence[CostModel]) -> str:
     for s in program.steps:
         name = "/".join(s.node.name.rsplit("/", 2)[-2:])
         rows.append([name, str([list(c) for c in s.sharding.strategy]).replace(" ", "")]
-                    + [f"{_op_total(m, s, program.needs_grad):.6g}" for m in models])
+                    + [f"{_op_total(m, s):.6g}" for m in models])
     rows.append(["whole program", ""] + [f"{m.program(program):.6g}" for m in models])
     widths = [max(len(r[k]) for r in rows) for k in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) if k < 2 else c.rjust(w)

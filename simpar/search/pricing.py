@@ -262,8 +262,7 @@ class Pricer:
             itemsize = node.outputs[0].dtype.itemsize
             in_sizes = tuple(v.dtype.itemsize for v in node.inputs)
             params = site.params
-            needs = {k for k, (_, involved) in enumerate(site.roles) if involved}
-            cost = self.model.op(sh, params, itemsize, in_sizes, needs)
+            cost = self.model.op(sh, params, itemsize, in_sizes)
             for k, lay in site.inputs.items():  # a graph input arrives in the dataset's layout
                 cost += self.move(lay, sh.in_layouts[k], node.inputs[k].dtype.itemsize)
             involved = {k for k, (_, i) in enumerate(site.roles) if i}

@@ -67,8 +67,7 @@ class MovedBytes:
     memory_capacity = math.inf
 
     def op(self, sharding: OpSharding, parameters: Collection[int], itemsize: int,
-           input_itemsizes: Sequence[int] | None = None,
-           needs_gradient: Collection[int] | None = None) -> float:
+           input_itemsizes: Sequence[int] | None = None) -> float:
         return 0.0
 
     def edge(self, plan: RedistributionPlan, itemsize: int) -> float:
