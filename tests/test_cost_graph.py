@@ -100,6 +100,17 @@ def test_the_exact_search_finds_the_brute_force_optimum(device_num: int) -> None
         assert found.cost == pytest.approx(best) and found.gap == 0.0
 
 
+def test_the_exact_search_says_when_its_time_limit_ran_out_before_any_solution() -> None:
+    """A limit of 0 s stops HiGHS before it has any solution: that is a timeout, not "no
+    strategy satisfies every constraint" (which the same graph without a limit disproves)."""
+    from simpar.search.exact import solve_exact
+
+    cg = build_cost_graph(_mlp(), 4, SimparCostModel("ascend910a"), ((4, 1),), True)
+    with pytest.raises(TimeoutError, match="time limit of 0.0 s ran out before HiGHS found"):
+        solve_exact(cg, time_limit=0.0)
+    assert solve_exact(cg).gap == 0.0
+
+
 def test_the_exact_search_keeps_a_shared_parameter_in_one_layout() -> None:
     from simpar.search.exact import solve_exact
 

@@ -8,7 +8,8 @@ A parameter read by several ops forbids pairs of candidates that lay it out diff
 memories sum to at most the graph's memory capacity. The objective is the cost graph's: node
 costs plus edge costs.
 HiGHS solves it through ``scipy.optimize.milp`` (the optional ``exact`` extra); on a time
-limit it returns its best solution and the optimality gap.
+limit it returns its best solution and the optimality gap, or raises ``TimeoutError`` when
+the limit ran out before any solution.
 
 It is the optimality reference of the tests and a mode for small and medium graphs.
 """
@@ -100,6 +101,11 @@ def solve_exact(cg: CostGraph, time_limit: float | None = None) -> ExactSolution
     result = milp(c / scale, integrality=np.ones(n_var),
                   bounds=Bounds(np.zeros(n_var), allowed.astype(float)),
                   constraints=LinearConstraint(matrix.tocsr(), lower, upper), options=options)
+    if result.x is None and result.status == 1:   # a time (or iteration) limit, no solution
+        raise TimeoutError(f"search_mode 'exact': the time limit of {time_limit} s ran out "
+                           "before HiGHS found any strategy that satisfies every constraint; "
+                           "raise the limit, or use search_mode 'dynamic_programming' "
+                           f"({result.message})")
     if result.x is None:
         raise ValueError(f"search_mode 'exact': no strategy satisfies every constraint "
                          f"({result.message})")
