@@ -72,6 +72,11 @@ class Action:
     def local(self) -> bool:
         return self.step.kind.local
 
+    @property
+    def kind(self) -> StepKind:
+        """The collective (or local step) this action runs."""
+        return self.step.kind.adjoint if self.adjoint else self.step.kind
+
     def __str__(self) -> str:
         axes = f"{list(self.step.device_axes)}" if self.step.device_axes else ""
         return f"{'adjoint of ' if self.adjoint else ''}{self.step.kind}{axes}"

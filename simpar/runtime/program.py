@@ -413,7 +413,7 @@ class ParallelProgram:
 
 def _kinds(actions: Sequence[Action]) -> list[StepKind]:
     """The collectives planned backward actions run."""
-    return [a.step.kind.adjoint if a.adjoint else a.step.kind for a in actions if not a.local]
+    return [a.kind for a in actions if not a.local]
 
 
 def _run(actions: Sequence[Action], x: np.ndarray) -> np.ndarray:
@@ -476,8 +476,9 @@ def _plan_backward(program: ParallelProgram, seeded: tuple[bool, ...], eager: bo
             continue
         needs = tuple(v.id in program.needs_grad and node.op.gives_gradient(k, v.dtype)
                       for k, v in enumerate(node.inputs))
-        # Elsewhere a pending cotangent stays pending, and is summed where it meets a forward
-        # AllReduce, by the Mirror of a parameter it reaches, or never if nothing needs it.
+        # Eager: a pending cotangent is summed here, before an op whose parameters and other
+        # inputs both need a gradient. Otherwise it stays pending, and is summed where it
+        # meets a forward AllReduce, by the Mirror of a parameter it reaches, or never.
         trains = eager and any(needs[k] and v.kind == "param"
                                for k, v in enumerate(node.inputs)) and \
             any(needs[k] and v.kind != "param" for k, v in enumerate(node.inputs))
@@ -526,7 +527,7 @@ def _backward_traffic(program: ParallelProgram, bplan: BackwardPlan) -> tuple[in
             if a.local:
                 continue
             step = a.step
-            kind = str(step.kind.adjoint if a.adjoint else step.kind)
+            kind = str(a.kind)
             size = (step.dst if a.adjoint else step.src).local_size()
             group = math.prod(step.src.device_matrix[x] for x in step.device_axes) \
                 if step.device_axes else step.src.device_num
