@@ -19,6 +19,7 @@ from simpar.comm._world import (
 from simpar.comm.collectives import (
     CommMismatchError,
     InputMismatchError,
+    PendingCheck,
     all_gather,
     all_reduce,
     all_to_all,
@@ -32,6 +33,7 @@ from simpar.comm.collectives import (
     reduce_scatter,
     send,
     set_validation,
+    start_check_same_arrays,
     validation,
     validation_disabled,
 )
@@ -43,6 +45,7 @@ __all__ = [
     "CommTrace",
     "Group",
     "InputMismatchError",
+    "PendingCheck",
     "all_gather",
     "all_reduce",
     "all_to_all",
@@ -62,6 +65,7 @@ __all__ = [
     "reduce_scatter",
     "send",
     "set_validation",
+    "start_check_same_arrays",
     "validation",
     "validation_disabled",
     "world",

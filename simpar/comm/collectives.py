@@ -26,6 +26,8 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import re
+import zlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -43,6 +45,7 @@ from simpar.cost.collective import broadcast_traffic, traffic
 __all__ = [
     "CommMismatchError",
     "InputMismatchError",
+    "PendingCheck",
     "all_gather",
     "all_reduce",
     "all_to_all",
@@ -56,6 +59,7 @@ __all__ = [
     "reduce_scatter",
     "send",
     "set_validation",
+    "start_check_same_arrays",
     "validation",
     "validation_disabled",
 ]
@@ -251,7 +255,7 @@ def _explain(comm: Any, g: Group, name: str, desc: str,
             raise CommMismatchError(f"{name}: rank{'s' if len(refused) > 1 else ''} "
                                     f"{','.join(map(str, refused))} of group {list(g.ranks)} "
                                     f"refused {'its' if len(refused) == 1 else 'their'} own "
-                                    f"arguments, so no rank runs the collective ({parts})")
+                                    f"arguments, so no rank runs the collective ({parts})", parts)
         raise CommMismatchError(f"{name}: the ranks of group {list(g.ranks)} passed different "
                                 f"arrays or arguments ({parts}); every rank must pass the same",
                                 parts)
@@ -290,8 +294,8 @@ class InputMismatchError(CommMismatchError):
 def check_same_arrays(name: str, arrays: Sequence[tuple[str, Any]],
                       group: Group | Sequence[int] | None = None) -> None:
     """Raise the same :class:`InputMismatchError` on every rank of ``group`` unless every rank
-    passes equal ``(label, array)`` pairs: same shape, dtype and bytes (a blake2b checksum of
-    each array, then one 8-byte Allreduce; it is not recorded in a CommTrace).
+    passes equal ``(label, array)`` pairs: same shape, dtype and bytes (a CRC-32 of each
+    array, then one 8-byte Allreduce; it is not recorded in a CommTrace).
 
     ``run_op`` and ``TrainOneStepCell`` call it on their global inputs: an unseeded
     ``np.random.rand`` on every rank gives each rank a different "global" array, and the
@@ -299,22 +303,92 @@ def check_same_arrays(name: str, arrays: Sequence[tuple[str, Any]],
     math. ``check_same_arrays("run_op", [("a", a)])`` on ranks holding different ``a`` raises
     "run_op: the global inputs differ across ranks: ranks 0,2: a float64[8, 16] #…".
     """
-    g, _ = resolve(group)
+    start_check_same_arrays(name, arrays, group).wait()
+
+
+@dataclass(eq=False)
+class PendingCheck:
+    """A :func:`start_check_same_arrays` in flight: :meth:`wait` completes it."""
+
+    _finish: Any = None     # () -> None: waits, then explains and raises on a mismatch
+    _drop: Any = None       # () -> None: waits, explaining nothing
+
+    def wait(self) -> None:
+        """Complete the check: raise on every rank when the ranks' arrays differ (or when a
+        rank's own input was refused). Every rank of the group must call it at the same point
+        of its sequence of collectives."""
+        finish, self._finish, self._drop = self._finish, None, None
+        if finish is not None:
+            finish()
+
+    def abandon(self) -> None:
+        """Complete the Allreduce without acting on it: for a rank leaving on an exception of
+        its own, where the other ranks may be inside a collective it will never join."""
+        drop, self._finish, self._drop = self._drop, None, None
+        if drop is not None:
+            drop()
+
+
+def start_check_same_arrays(name: str, arrays: Sequence[tuple[str, Any]],
+                            group: Group | Sequence[int] | None = None,
+                            refused: Exception | None = None) -> PendingCheck:
+    """Start :func:`check_same_arrays` without waiting for it: its 8-byte Allreduce is
+    nonblocking, and MPI moves it along inside the collectives this rank runs before
+    :meth:`PendingCheck.wait`, so a training step's check shares their synchronisation
+    instead of costing one of its own (on oversubscribed cores, several milliseconds).
+    Everything between the start and the wait must be safe to run on inputs that differ
+    across ranks, in shape-agreeing stand-ins: no rank acts on its results before the wait.
+
+    ``refused``: this rank cannot use its input (say, a shape the program does not take);
+    it runs the step on stand-ins, and the wait raises ``refused`` here and an
+    :class:`InputMismatchError` quoting it on the other ranks."""
+    g, comm = resolve(group)
     if g.size == 1:
-        return
-    words = []
-    for label, x in arrays:
-        a = np.ascontiguousarray(x)
-        digest = hashlib.blake2b(a.data.cast("B") if a.ndim and a.size else a.tobytes(),
-                                 digest_size=8).hexdigest()
-        words.append(f"{label} {a.dtype}{list(a.shape)} #{digest}")
-    try:
-        check_agreement(name, ", ".join(words), g)
-    except CommMismatchError as e:
-        raise InputMismatchError(
-            f"{name}: the global inputs differ across ranks ({e.detail or e}); every rank must "
-            "pass the same global arrays: seed the random generator alike on every rank (e.g. "
-            "np.random.default_rng(0)) or load the same data on each") from None
+        def alone() -> None:
+            if refused is not None:
+                raise refused
+        return PendingCheck(alone, lambda: None)
+    me = g.index(int(world().Get_rank()))
+    if refused is not None:
+        description = f"raised {type(refused).__name__}: {refused}"
+        claims = hash((-2, me))
+    else:
+        description = ", ".join(f"{label} {a.dtype}{list(a.shape)} #{_crc(a)}"
+                                for label, a in ((lb, np.ascontiguousarray(x))
+                                                 for lb, x in arrays))
+        digest = hashlib.blake2b(f"{name}\0{description}".encode(), digest_size=8).digest()
+        claims = ring_claims(hash((_KIND_CODE["check_agreement"],
+                                   int.from_bytes(digest, "little"))), me, g.size)
+    mine, total = np.array([claims], dtype=np.int64), np.zeros(1, dtype=np.int64)
+    request = comm.Iallreduce(mine, total, op=_mpi().BXOR)
+
+    def finish() -> None:
+        request.Wait()
+        if not total[0]:
+            return
+        try:
+            _explain(comm, g, name, description, None, refused)
+        except InputMismatchError:
+            raise
+        except CommMismatchError as e:
+            found = re.search(r"(ranks? [\d,]+): raised (.*?)(?=; ranks? [\d,]+: |$)",
+                              e.detail)
+            if found:   # another rank refused its own input: its error, quoted
+                raise InputMismatchError(f"{name}: {found[1]} refused its input with "
+                                         f"{found[2]}; every rank refuses the step",
+                                         e.detail) from None
+            raise InputMismatchError(
+                f"{name}: the global inputs differ across ranks ({e.detail or e}); every rank "
+                "must pass the same global arrays: seed the random generator alike on every "
+                "rank (e.g. np.random.default_rng(0)) or load the same data on each") from None
+
+    return PendingCheck(finish, request.Wait)
+
+
+def _crc(a: np.ndarray) -> str:
+    """CRC-32 of a contiguous array's bytes, as 8 hex digits: a few GB/s where blake2b runs
+    under 1, and any mismatch that is not crafted to collide shows (2**-32 misses)."""
+    return f"{zlib.crc32(a.data.cast('B') if a.ndim and a.size else a.tobytes()):08x}"
 
 
 def _result(out: np.ndarray | None, shape: tuple[int, ...], dtype: np.dtype, name: str

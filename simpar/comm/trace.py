@@ -138,41 +138,55 @@ class CommTrace:
         return "CommTrace(" + ", ".join(f"{k}×{n}" for k, n in counts.items()) + ")"
 
 
-_state = threading.local()
+class _ThreadState(threading.local):
+    """Per thread: its active traces, the label stack, the guard and the program step."""
+
+    def __init__(self) -> None:
+        self.traces: list[CommTrace] = []
+        self.labels: list[str] = []
+        self.guard: str | None = None
+        self.step: tuple[int, str] | None = None
+
+
+_state = _ThreadState()
 _open = 0  # active traces over all threads: record() returns at once while it is 0
 _guards = 0  # guarded regions (simpar.schedule.following) over all threads
 _open_lock = threading.Lock()
 
 
 def _active() -> list[CommTrace]:
-    if not hasattr(_state, "traces"):
-        _state.traces = []
-        _state.labels = []
     return _state.traces
 
 
 def _labels() -> list[str]:
-    _active()
     return _state.labels
 
 
 def _step() -> tuple[int, str] | None:
-    return getattr(_state, "step", None)
+    return _state.step
 
 
 def tracing() -> bool:
     """True when at least one CommTrace is active on this thread."""
-    return bool(_active())
+    return bool(_state.traces)
 
 
-@contextmanager
-def label(text: str) -> Iterator[None]:
-    """Tag the events recorded inside the block, e.g. with the op or plan step that ran them."""
-    _labels().append(text)
-    try:
-        yield
-    finally:
-        _labels().pop()
+class label:  # noqa: N801  (used as a function: ``with comm.label("MatMul"):``)
+    """Tag the events recorded inside the block, e.g. with the op or plan step that ran them.
+
+    A class rather than a generator: the executor enters several per op and step, and this
+    costs a tenth of contextlib's machinery."""
+
+    __slots__ = ("_text",)
+
+    def __init__(self, text: str) -> None:
+        self._text = text
+
+    def __enter__(self) -> None:
+        _state.labels.append(self._text)
+
+    def __exit__(self, *exc: object) -> None:
+        _state.labels.pop()
 
 
 @contextmanager
@@ -180,7 +194,7 @@ def guarded(what: str) -> Iterator[None]:
     """Inside the block every collective must run inside a :func:`program_step`: one that
     does not raises :class:`ScheduleError` on every rank that ran it."""
     global _guards
-    outer = getattr(_state, "guard", None)
+    outer = _state.guard
     _state.guard = what
     with _open_lock:
         _guards += 1
@@ -196,7 +210,7 @@ def guarded(what: str) -> Iterator[None]:
 def program_step(index: int, text: str) -> Iterator[None]:
     """Events recorded inside the block belong to step ``index`` of a per-rank program and
     carry exactly its label ``text`` (the labels around the block are not prefixed)."""
-    outer = getattr(_state, "step", None)
+    outer = _state.step
     _state.step = (index, text)
     try:
         yield
@@ -208,7 +222,7 @@ def record(kind: str, group: tuple[int, ...], bytes_sent: int, bytes_recv: int, 
            dtype: object, shape: tuple[int, ...], op: str | None = None) -> None:
     """Add one event to every active trace (called by simpar.comm only). Costs one lookup
     when no trace is active: naming the dtype is left until an event is really kept."""
-    if _guards and getattr(_state, "guard", None) is not None and _step() is None:
+    if _guards and _state.guard is not None and _state.step is None:
         raise ScheduleError(f"{_state.guard}: {kind} over ranks {list(group)} ran, but the "
                             "program's schedule does not list it (nothing announced it with "
                             "simpar.schedule.issue)")

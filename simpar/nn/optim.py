@@ -45,6 +45,10 @@ class Optimizer:
         self.weight_decay = _check_positive("weight_decay", weight_decay, allow_zero=True)
         self.state: dict[str, dict[str, np.ndarray]] = {}
         self.t = 0
+        # Scratch arrays per dtype, each as large as the largest parameter of that dtype:
+        # an update writes its intermediate products into them rather than into new arrays.
+        self._scratch: dict[str, list[np.ndarray]] = {}
+        self._largest: dict[str, int] = {}
 
     def names(self) -> list[str]:
         return [p.name for p in self.parameters]
@@ -60,9 +64,24 @@ class Optimizer:
         """Update ``params`` (this rank's shards, in place) with ``grads`` (same layouts)."""
         if not self.state:
             self.init_state(params)
+        if not self._largest:
+            for name in self.names():
+                q = params[name]
+                self._largest[q.dtype.str] = max(self._largest.get(q.dtype.str, 0), q.size)
         self.t += 1
         for name in self.names():
             self._update(params[name], grads[name], self.state[name])
+
+    def _temp(self, p: np.ndarray, k: int = 0) -> np.ndarray:
+        """Scratch array ``k`` shaped like ``p`` (its contents are garbage): the same memory
+        from step to step, so an update allocates nothing. Every update computes the same
+        products in the same order as with temporaries, so the results are unchanged."""
+        bufs = self._scratch.setdefault(p.dtype.str, [])
+        while len(bufs) <= k:
+            bufs.append(np.empty(0, p.dtype))
+        if bufs[k].size < p.size:
+            bufs[k] = np.empty(max(p.size, self._largest.get(p.dtype.str, 0)), p.dtype)
+        return bufs[k][:p.size].reshape(p.shape)
 
     def _update(self, p: np.ndarray, g: np.ndarray, s: dict[str, np.ndarray]) -> None:
         raise NotImplementedError
@@ -78,12 +97,13 @@ class SGD(Optimizer):
         self.slots = ("v",) if self.momentum else ()
 
     def _update(self, p: np.ndarray, g: np.ndarray, s: dict[str, np.ndarray]) -> None:
-        d = g + self.weight_decay * p if self.weight_decay else g
+        d = _decayed(self, p, g, 1)
         if self.momentum:
             s["v"] *= self.momentum
             s["v"] += d
             d = s["v"]
-        p -= (self.learning_rate * d).astype(p.dtype, copy=False)
+        step = np.multiply(d, self.learning_rate, out=self._temp(p))
+        p -= step
 
 
 class Momentum(Optimizer):
@@ -97,10 +117,11 @@ class Momentum(Optimizer):
         self.momentum = _check_positive("momentum", momentum, allow_zero=True)
 
     def _update(self, p: np.ndarray, g: np.ndarray, s: dict[str, np.ndarray]) -> None:
-        d = g + self.weight_decay * p if self.weight_decay else g
+        d = _decayed(self, p, g, 1)
         s["v"] *= self.momentum
         s["v"] += d
-        p -= (self.learning_rate * s["v"]).astype(p.dtype, copy=False)
+        step = np.multiply(s["v"], self.learning_rate, out=self._temp(p))
+        p -= step
 
 
 class Adam(Optimizer):
@@ -121,17 +142,26 @@ class Adam(Optimizer):
         self.eps = _check_positive("eps", eps)
 
     def _direction(self, p: np.ndarray, g: np.ndarray, s: dict[str, np.ndarray]) -> np.ndarray:
-        s["m"] *= self.beta1
-        s["m"] += (1.0 - self.beta1) * g
-        s["v"] *= self.beta2
-        s["v"] += (1.0 - self.beta2) * g * g
+        """``corr m / (sqrt(v) + eps)`` after the moments' update, in scratch array 1
+        (scratch 0 is free again when it returns)."""
+        m, v, t = s["m"], s["v"], self._temp(p, 0)
+        m *= self.beta1
+        m += np.multiply(g, 1.0 - self.beta1, out=t)
+        v *= self.beta2
+        np.multiply(g, 1.0 - self.beta2, out=t)
+        t *= g
+        v += t
         corr = math.sqrt(1.0 - self.beta2 ** self.t) / (1.0 - self.beta1 ** self.t)
-        return np.asarray(corr * s["m"] / (np.sqrt(s["v"]) + self.eps))
+        np.sqrt(v, out=t)
+        t += self.eps
+        d = np.multiply(m, corr, out=self._temp(p, 1))
+        d /= t
+        return d
 
     def _update(self, p: np.ndarray, g: np.ndarray, s: dict[str, np.ndarray]) -> None:
-        if self.weight_decay:
-            g = g + self.weight_decay * p
-        p -= (self.learning_rate * self._direction(p, g, s)).astype(p.dtype, copy=False)
+        d = self._direction(p, _decayed(self, p, g, 2), s)
+        d *= self.learning_rate
+        p -= d
 
 
 class AdamW(Adam):
@@ -145,5 +175,16 @@ class AdamW(Adam):
     def _update(self, p: np.ndarray, g: np.ndarray, s: dict[str, np.ndarray]) -> None:
         d = self._direction(p, g, s)
         if self.weight_decay:
-            d = d + self.weight_decay * p
-        p -= (self.learning_rate * d).astype(p.dtype, copy=False)
+            d += np.multiply(p, self.weight_decay, out=self._temp(p, 0))
+        d *= self.learning_rate
+        p -= d
+
+
+def _decayed(opt: Optimizer, p: np.ndarray, g: np.ndarray, k: int) -> np.ndarray:
+    """``g + wd p`` in scratch array ``k`` (``g`` itself without weight decay: the caller's
+    gradient is never written to, ``TrainOneStepCell.last_grads`` shows it)."""
+    if not opt.weight_decay:
+        return g
+    d = np.multiply(p, opt.weight_decay, out=opt._temp(p, k))
+    d += g
+    return d

@@ -208,11 +208,34 @@ class TrainOneStepCell:
         assert prog is not None
         rank = comm.get_rank() if prog.device_num > 1 else 0
         lays = prog.input_layouts()
-        if prog.device_num > 1 and not built_now:
-            comm.check_same_arrays("TrainOneStepCell", [
-                _agreed(what, x, lay) for what, x, lay in zip(("data", "label"), (data, label),
-                                                               lays)])
-        local_in = [self._local(data, lays[0], rank), self._local(label, lays[1], rank)]
+        try:
+            local_in = [self._local(data, lays[0], rank), self._local(label, lays[1], rank)]
+            refused = prog.refused_input(local_in)
+        except ValueError as e:
+            refused = e
+        if prog.device_num == 1:
+            if refused is not None:
+                raise refused
+            return self._step(prog, local_in, step)
+        if refused is not None:  # stand-ins of the right shapes, so that the step can run
+            local_in = [np.zeros(lay.local_shape(), x.dtype)
+                        for x, lay in zip((data, label), lays)]
+        # The check that the ranks passed the same batch (and that none refused its shard)
+        # runs alongside the step: its 8-byte Allreduce completes inside the step's
+        # collectives, and nothing the step computed is used before it has passed.
+        pending = comm.start_check_same_arrays("TrainOneStepCell", [
+            _agreed(what, x, lay) for what, x, lay in zip(("data", "label"), (data, label),
+                                                           lays)], refused=refused)
+        try:
+            result = self._step(prog, local_in, step)
+        except BaseException:
+            pending.abandon()
+            raise
+        pending.wait()
+        return result
+
+    def _step(self, prog: ParallelProgram, local_in: list[np.ndarray], step: int | None
+              ) -> tuple[float, dict[str, np.ndarray]]:
         outs, tape = prog.forward(local_in, self.params,
                                   step=self.step_count if step is None else step)
         loss = outs[0]

@@ -345,6 +345,9 @@ class OpSharding:
         raws = raw if self.more_outs else (raw,)
         outs = []
         for k, (r, (_, _, p)) in enumerate(zip(raws, self.outputs)):
+            if not p.steps:
+                outs.append(r)
+                continue
             with comm.label(f"{self.op.name}:output" + (f"{k}" if k else "")):
                 outs.append(execute(p, r))
         return (tuple(outs) if self.more_outs else outs[0]), saved
@@ -469,6 +472,9 @@ class Primitive:
     #: ``PrepareStrategyBase`` keeps a strategy of product 1 or device_num; MatMul's own
     #: ``MatMulBase::PrepareStrategy`` keeps device_num only).
     fully_used_keeps_unsplit: ClassVar[bool] = True
+    #: Whether every output value is some input value, moved (Reshape, Transpose, Split): an
+    #: input of indices read through such ops is still checked at the program's input.
+    moves_values: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.in_strategy: Strategy | None = None
@@ -503,6 +509,19 @@ class Primitive:
         ``run_op`` calls it on every rank before sharding, so every rank raises the same
         error; a shard-local check inside the per-rank kernel would raise only on the ranks
         holding the bad value and leave the others waiting in a collective."""
+
+    def index_limit(self, i: int, shapes: tuple[tuple[int, ...], ...]) -> int | None:
+        """For an input of indices (ids, labels), the bound its values must stay under
+        (``0 <= value < limit``) for inputs of global ``shapes``; None for other inputs.
+        A training step checks its inputs against these before it runs (every rank, on its
+        own shard), so that a bad id refuses the step on every rank instead of raising in a
+        kernel on the ranks holding it while the others wait in a collective."""
+        return None
+
+    def index_error(self, i: int, value: int, limit: int) -> str:
+        """The message for index ``value`` of input ``i`` outside ``0..limit - 1``."""
+        return (f"{self.name}: input {i} holds {value}, outside the allowed range "
+                f"0..{limit - 1}")
 
     def output_dtype(self, input_dtype: np.dtype) -> np.dtype:
         """The output's dtype for inputs of ``input_dtype`` (Cast changes it)."""

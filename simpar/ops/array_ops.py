@@ -48,6 +48,7 @@ class Transpose(Primitive):
     map is permuted with the dims (``Transpose((1, 0))`` of map [1, 0] gives [0, 1])."""
 
     tape = Tape.NOTHING
+    moves_values = True
 
     n_inputs = 1
 
@@ -215,6 +216,7 @@ class Reshape(Primitive):
     """
 
     tape = Tape.NOTHING
+    moves_values = True
     output_aliases_input = True
 
     n_inputs = 1
@@ -365,6 +367,7 @@ class Split(Primitive):
     ``Split(axis=0, output_num=2)``, rank 5 returns two (2, 4) blocks of its (4, 4) shard."""
 
     tape = Tape.NOTHING
+    moves_values = True
 
     n_inputs = 1
 

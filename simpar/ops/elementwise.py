@@ -9,6 +9,7 @@ bias gradient of a data-parallel Dense is exactly this AllReduce).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
@@ -31,6 +32,7 @@ __all__ = ["GELU", "Abs", "Add", "BiasAdd", "Cast", "FloorDiv", "GeLU", "Identit
            "PReLU", "RealDiv", "ReLU", "Sigmoid", "Square", "Sub", "Tanh"]
 
 
+@functools.lru_cache(maxsize=4096)  # kernels check their shapes on every call
 def _broadcast_space(op: str, *shapes: tuple[int, ...]) -> IterSpace:
     try:
         out = tuple(np.broadcast_shapes(*shapes))

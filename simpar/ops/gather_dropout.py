@@ -83,6 +83,13 @@ class Gather(Primitive):
         idims = tuple(f"i{d}" for d in range(len(i)))
         return IterSpace((pdims, idims), pdims[:a] + idims + pdims[a + 1:], idims + pdims)
 
+    def index_limit(self, i: int, shapes: tuple[tuple[int, ...], ...]) -> int | None:
+        return shapes[0][self._axis(len(shapes[0]))] if i == 1 else None
+
+    def index_error(self, i: int, value: int, limit: int) -> str:
+        return (f"Gather: index {value} is out of range for input_params with {limit} "
+                f"entries along axis {self.axis}; allowed 0..{limit - 1}")
+
     def check_values(self, *global_inputs: np.ndarray) -> None:
         params, indices = global_inputs
         self._check(params, indices, params.shape[self._axis(params.ndim)])

@@ -66,6 +66,9 @@ class _MatMulBase(Primitive):
     def kernel(self, *xs: np.ndarray) -> np.ndarray:
         a, b = xs
         self._ikj(a.shape, b.shape)
+        if _rows(a, b, self.transpose_a):   # (..., k) @ (k, j) as one GEMM over every row
+            out = np.matmul(a.reshape(-1, a.shape[-1]), _t(b, self.transpose_b))
+            return out.reshape(*a.shape[:-1], out.shape[-1])
         return np.matmul(_t(a, self.transpose_a), _t(b, self.transpose_b))
 
     def vjp(self, xs: Sequence[np.ndarray], y: np.ndarray, dy: np.ndarray
@@ -74,6 +77,14 @@ class _MatMulBase(Primitive):
         # (j, k) is dY^T A, not (A^T dY)^T): contiguous, with no copy, for the Mirror and the
         # optimizer's passes over it. A gradient the backward does not use is not computed.
         a, b = xs
+        if _rows(a, b, self.transpose_a):   # a batch of rows times a matrix: 2-D GEMMs
+            a2, dy2 = a.reshape(-1, a.shape[-1]), dy.reshape(-1, dy.shape[-1])
+            da2 = db2 = None
+            if gradient_needed(0):
+                da2 = np.matmul(dy2, b) if self.transpose_b else np.matmul(dy2, b.T)
+            if gradient_needed(1):
+                db2 = np.matmul(dy2.T, a2) if self.transpose_b else np.matmul(a2.T, dy2)
+            return (None if da2 is None else da2.reshape(a.shape)), db2
         at, bt = _t(a, self.transpose_a), _t(b, self.transpose_b)
         dyt = np.swapaxes(dy, -1, -2)
         da = db = None
@@ -117,8 +128,17 @@ def _slice_aligned(strat: Strategy, shapes: tuple[tuple[int, ...], ...]
     return None
 
 
+def _rows(a: np.ndarray, b: np.ndarray, transpose_a: bool) -> bool:
+    """True when ``a`` (not transposed, more than 2-D) meets a 2-D ``b``: every row of ``a``
+    is multiplied by the same matrix, one GEMM over all rows rather than one per batch
+    element (the sum over the batch of the weight gradient is then part of the GEMM)."""
+    return b.ndim == 2 and a.ndim > 2 and not transpose_a
+
+
 def _unbroadcast(g: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """Sum ``g`` down to ``shape`` (the adjoint of numpy broadcasting)."""
+    if g.shape == shape and isinstance(g, np.ndarray):
+        return g
     while g.ndim > len(shape):
         g = g.sum(axis=0)
     axes = tuple(d for d, (n, m) in enumerate(zip(shape, g.shape)) if n == 1 and m != 1)

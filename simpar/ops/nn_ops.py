@@ -85,18 +85,27 @@ def _softmax(x: np.ndarray, axes: tuple[int, ...], log: bool, reduce: _Reduce) -
     # The max is only a shift for stability: the backward treats it as a constant (exactly).
     m = reduce(np.max(x, axis=axes, keepdims=True), "max", "max")
     z = x - m
-    e = np.exp(z)
-    s = reduce(np.sum(e, axis=axes, keepdims=True), "sum", "sum-exp")
-    return np.asarray(z - np.log(s) if log else e / s)
+    if log:
+        s = reduce(np.sum(np.exp(z), axis=axes, keepdims=True), "sum", "sum-exp")
+        z -= np.log(s)
+        return z
+    np.exp(z, out=z)   # in place: one array for the shift, the exponentials and the result
+    z /= reduce(np.sum(z, axis=axes, keepdims=True), "sum", "sum-exp")
+    return z
 
 
 def _softmax_grad(y: np.ndarray, dy: np.ndarray, axes: tuple[int, ...], log: bool,
                   reduce: _Reduce) -> np.ndarray:
     if log:
         t = reduce(np.sum(dy, axis=axes, keepdims=True), "sum", "grad-sum")
-        return np.asarray(dy - np.exp(y) * t)
-    t = reduce(np.sum(y * dy, axis=axes, keepdims=True), "sum", "grad-sum")
-    return np.asarray(y * (dy - t))
+        e = np.exp(y)
+        e *= t
+        return np.subtract(dy, e, out=e)
+    g = y * dy
+    t = reduce(np.sum(g, axis=axes, keepdims=True), "sum", "grad-sum")
+    np.subtract(dy, t, out=g)
+    g *= y
+    return g
 
 
 class _SoftmaxBase(Primitive):
@@ -219,23 +228,30 @@ def _layer_norm(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, axes: tuple[
     # E[x^2] - E[x]^2 loses relative precision ~ eps * mean^2 / var, which float32
     # activations with a large mean cannot afford. Both AllReduces carry one number per row.
     mean = reduce(np.sum(x, axis=axes, keepdims=True), "sum", "sum-x") / count
-    xc = x - mean
-    var = reduce(np.sum(xc * xc, axis=axes, keepdims=True), "sum", "sum-sq-dev") / count
+    xhat = x - mean
+    var = reduce(np.sum(np.square(xhat), axis=axes, keepdims=True), "sum", "sum-sq-dev") / count
     rstd = 1.0 / np.sqrt(var + eps)
-    xhat = xc * rstd
-    return np.asarray(xhat * gamma + beta), xhat, rstd
+    xhat *= rstd        # the centred x becomes x-hat in place
+    y = xhat * gamma
+    y += beta
+    return y, xhat, rstd
 
 
 def _layer_norm_grad(dy: np.ndarray, xhat: np.ndarray, rstd: np.ndarray, gamma: np.ndarray,
                      axes: tuple[int, ...], lead: tuple[int, ...], count: int,
                      reduce: _Reduce) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     g = dy * gamma
+    gx = g * xhat
     sums = reduce(np.stack([np.sum(g, axis=axes, keepdims=True),
-                            np.sum(g * xhat, axis=axes, keepdims=True)]), "sum", "grad-sums")
-    dx = rstd * (g - sums[0] / count - xhat * (sums[1] / count))
-    dgamma = np.sum(dy * xhat, axis=lead)
+                            np.sum(gx, axis=axes, keepdims=True)]), "sum", "grad-sums")
+    np.multiply(dy, xhat, out=gx)
+    dgamma = np.sum(gx, axis=lead)
     dbeta = np.sum(dy, axis=lead)
-    return np.asarray(dx), np.asarray(dgamma), np.asarray(dbeta)
+    # dx = rstd (g - mean(g) - xhat mean(g xhat)), into g and gx in place
+    g -= sums[0] / count
+    g -= np.multiply(xhat, sums[1] / count, out=gx)
+    g *= rstd
+    return g, np.asarray(dgamma), np.asarray(dbeta)
 
 
 @register
@@ -607,6 +623,13 @@ class SparseSoftmaxCrossEntropyWithLogits(Primitive):
     def iter_space(self, *shapes: tuple[int, ...]) -> IterSpace:
         self.infer_shape(*shapes)
         return IterSpace((("n", "c"), ("n",)), (), ("n", "c"))
+
+    def index_limit(self, i: int, shapes: tuple[tuple[int, ...], ...]) -> int | None:
+        return shapes[0][1] if i == 1 else None
+
+    def index_error(self, i: int, value: int, limit: int) -> str:
+        return (f"{self.name}: label {value} is outside [0, {limit}); labels must be class "
+                f"indices 0..{limit - 1}")
 
     def check_values(self, *global_inputs: np.ndarray) -> None:
         logits, labels = global_inputs

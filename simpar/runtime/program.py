@@ -47,7 +47,7 @@ from simpar.cotangent import (
 )
 from simpar.graph import Graph, Node, Value
 from simpar.layout import TensorLayout
-from simpar.ops._base import CommSpec, OpSharding, plan_comm
+from simpar.ops._base import CommSpec, OpSharding, Primitive, plan_comm
 from simpar.redistribution import (
     LOCAL_KINDS,
     RedistributionPlan,
@@ -217,6 +217,41 @@ class ParallelProgram:
     def output_layouts(self) -> list[TensorLayout]:
         return [self.layouts[v.id] for v in self.graph.outputs]
 
+    @functools.cached_property
+    def index_limits(self) -> tuple[tuple[tuple[Primitive, int, int], ...], ...]:
+        """Per graph input, the ops that read it as indices, directly or through ops that
+        only move values (Reshape, Transpose, Split): ``(op, position, limit)``."""
+        readers: dict[int, list[tuple[OpStep, int]]] = {}
+        for s in self.steps:
+            for k, v in enumerate(s.node.inputs):
+                readers.setdefault(v.id, []).append((s, k))
+        out = []
+        for v in self.graph.inputs:
+            found, todo, seen = [], [v.id], set()
+            while todo:
+                vid = todo.pop()
+                seen.add(vid)
+                for s, k in readers.get(vid, []):
+                    limit = s.node.op.index_limit(k, s.sharding.input_shapes)
+                    if limit is not None:
+                        found.append((s.node.op, k, limit))
+                    elif s.node.op.moves_values:
+                        todo += [o.id for o in s.node.outputs if o.id not in seen]
+            out.append(tuple(found))
+        return tuple(out)
+
+    def refused_input(self, local_inputs: Sequence[np.ndarray]) -> ValueError | None:
+        """The error for the first index in this rank's input shards outside the range an
+        op reading it allows (:meth:`index_limits`), else None."""
+        for x, limits in zip(local_inputs, self.index_limits):
+            if not limits or not x.size or x.dtype.kind not in "iu":
+                continue
+            lo, hi = int(x.min()), int(x.max())
+            for op, k, limit in limits:
+                if lo < 0 or hi >= limit:
+                    return ValueError(op.index_error(k, lo if lo < 0 else hi, limit))
+        return None
+
     def mirror_group(self, name: str, rank: int) -> tuple[int, ...]:
         """The ranks whose gradients of parameter ``name`` are summed (size 1: no Mirror):
         its replicas over which the gradient is pending. Replicas that computed the same
@@ -300,6 +335,8 @@ class ParallelProgram:
 
     def _forward(self, local_inputs: Sequence[np.ndarray], local_params: dict[str, np.ndarray]
                  ) -> tuple[list[np.ndarray], dict[int, Any]]:
+        # No comm.label here or in _backward: under schedule.following every collective runs
+        # as a step of the schedule, whose label names it in the trace.
         vals: dict[int, np.ndarray] = {}
         for v, x in zip(self.graph.inputs, local_inputs):
             vals[v.id] = x
@@ -309,23 +346,22 @@ class ParallelProgram:
             assert v.const is not None
             vals[v.id] = v.const
         tape: dict[int, Any] = {}
+        watch = _WATCH.get()
         for s in self.steps:
             node = s.node
-            ins = []
-            for k, (v, p) in enumerate(zip(node.inputs, s.in_plans)):
-                x = vals[v.id]
-                if p.steps:
-                    with comm.label(f"{node.name}:input{k}"):
-                        x = execute(p, x)
-                ins.append(x)
-            with comm.label(node.name):
-                out, saved = s.sharding.forward(*ins)
-            outs = out if len(node.outputs) > 1 else (out,)
-            for v, o in zip(node.outputs, outs):
-                vals[v.id] = o
+            ins = [execute(p, vals[v.id]) if p.steps else vals[v.id]
+                   for v, p in zip(node.inputs, s.in_plans)]
+            out, saved = s.sharding.forward(*ins)
+            if len(node.outputs) > 1:
+                for v, o in zip(node.outputs, out):
+                    vals[v.id] = o
+            else:
+                vals[node.outputs[0].id] = out
             if node.id in self.grad_nodes:
                 tape[node.id] = saved
-            _watch(vals, tape, params=local_params)
+            if watch is not None:
+                watch.params = local_params
+                watch.sample(vals, tape)
         return [vals[v.id] for v in self.graph.outputs], tape
 
     def backward(self, tape: dict[int, Any], output_grads: Sequence[np.ndarray | None]
@@ -348,6 +384,7 @@ class ParallelProgram:
         for v, g in zip(self.graph.outputs, output_grads):
             if g is not None:
                 grads[v.id] = np.asarray(g).astype(v.dtype, copy=False)
+        watch = _WATCH.get()
         for s in reversed(self.steps):
             node = s.node
             nb = bplan.nodes.get(node.id)
@@ -357,33 +394,29 @@ class ParallelProgram:
             sh = s.sharding
             draws: list[np.ndarray] = [np.empty(0)] * len(douts)
             for k in reversed(range(len(douts))):   # outputs' adjoints, last output first
-                raw = sh.outputs[k][0]
                 d = douts[k]
                 if d is None:   # an unused output's cotangent is zero
-                    draws[k] = np.zeros(raw.local_shape(), node.outputs[k].dtype)
+                    draws[k] = np.zeros(sh.outputs[k][0].local_shape(), node.outputs[k].dtype)
                     continue
-                with comm.label(f"{node.name}:backward/{sh.op.name}:output-adjoint"
-                                f"{k if k else ''}"):
-                    draws[k] = _run(nb.op.out_actions[k], d)
-            with comm.label(f"{node.name}:backward"):
-                contribs = list(sh.kernel_backward(tape[node.id], draws, nb.needs))
-                if nb.op.inner_actions and contribs[0] is not None:
-                    with comm.label(f"{sh.op.name}:redistribute-adjoint"):
-                        contribs[0] = _run(nb.op.inner_actions, contribs[0])
+                draws[k] = _run(nb.op.out_actions[k], d)
+            contribs = list(sh.kernel_backward(tape[node.id], draws, nb.needs))
+            if nb.op.inner_actions and contribs[0] is not None:
+                contribs[0] = _run(nb.op.inner_actions, contribs[0])
             for k, (v, c) in enumerate(zip(node.inputs, contribs)):
                 # The schedule's rule: float inputs of differentiable positions on a path
                 # from a trainable parameter get a gradient (None from a kernel means zero).
                 if not nb.needs[k]:
                     continue
-                c = (np.zeros(s.sharding.in_layouts[k].local_shape(), v.dtype) if c is None
-                     else c.astype(v.dtype, copy=False))
-                with comm.label(f"{node.name}:input{k}-adjoint"):
-                    c = _run(nb.edges[k], c)
-                if v.id in grads:
-                    grads[v.id] = _run(nb.align_sum[k], grads[v.id]) + _run(nb.align_new[k], c)
-                else:
-                    grads[v.id] = c
-            _watch(tape, grads)
+                if c is None:
+                    c = np.zeros(sh.in_layouts[k].local_shape(), v.dtype)
+                elif c.dtype != v.dtype:
+                    c = c.astype(v.dtype)
+                c = _run(nb.edges[k], c)
+                before = grads.get(v.id)
+                grads[v.id] = (c if before is None else
+                               _run(nb.align_sum[k], before) + _run(nb.align_new[k], c))
+            if watch is not None:
+                watch.sample(tape, grads)
         out: dict[str, np.ndarray] = {}
         buckets: dict[tuple[tuple[int, ...], str], list[str]] = {}
         for name, v in self.param_values.items():
@@ -400,8 +433,7 @@ class ParallelProgram:
         # at once (MindSpore fuses these AllReduces too); the sum completes every pending one.
         for (group, _), names in buckets.items():
             flat = np.concatenate([out[n].ravel() for n in names])
-            with comm.label(f"Mirror:{len(names)} params"), \
-                    schedule.issue(_mirror(group, names)):
+            with schedule.issue(_mirror(group, names)):
                 flat = comm.all_reduce(flat, group=group)
             offset = 0
             for n in names:
@@ -577,14 +609,6 @@ def watching_memory() -> Iterator[MemoryWatch]:
         yield watch
     finally:
         _WATCH.reset(token)
-
-
-def _watch(*holders: Any, params: Any = None) -> None:
-    watch = _WATCH.get()
-    if watch is not None:
-        if params is not None:
-            watch.params = params
-        watch.sample(*holders)
 
 
 def _arrays(x: Any, seen: dict[int, int]) -> None:
