@@ -10,13 +10,14 @@ import pytest
 
 import simpar
 import simpar.comm as comm
-from simpar import nn, ops
+from simpar import context, nn, ops
 from simpar.check import check_against_single_device
 from simpar.comm import CommTrace
 from simpar.cost import SimparCostModel, load_profile
 from simpar.dataset import random_classification
-from simpar.search import set_search_cost_model
+from simpar.search import Source, set_search_cost_model
 from simpar.search.dynamic_programming import NoAvailableCost
+from simpar.strategy_table import display_names, strategy_table
 from tests.mpi_guard import raised_everywhere
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -145,4 +146,94 @@ def test_bad_searches_fail_on_every_rank() -> None:
         raised_everywhere(no_memory, NoAvailableCost, "recursive_programming's plan needs")
     finally:
         set_search_cost_model(None)
+        simpar.reset_auto_parallel_context()
+
+
+@pytest.mark.parametrize("search", ["dynamic_programming", "exact", "recursive_programming"])
+def test_user_strategies_are_kept_and_labelled_next_to_the_searched_ones(search: str) -> None:
+    """fc1's MatMul cut along k and fc2's BiasAdd along its features by ``.shard()``, every
+    other op searched: the program keeps the two strategies exactly as given and labels them
+    "annotated", and every other op "searched", in its steps, its comm table, its printout
+    and the strategy table; three steps match one device on every rank; the traced
+    collectives are the schedule's, among them the forward AllReduce of fc1's partial sums."""
+    n = comm.get_group_size()
+    simpar.reset_auto_parallel_context()
+    simpar.set_auto_parallel_context(parallel_mode="auto_parallel", search_mode=search,
+                                     gradients_mean=True, dataset_strategy="data_parallel",
+                                     enable_alltoall=True)
+    try:
+        train = _make("auto_parallel")
+        mlp = train.network._backbone
+        mlp.layers[0].matmul.shard(((1, n), (1, n)))
+        mlp.layers[1].bias_add.shard(((1, n), (n,)))
+        given = {"fc1-Dense/MatMul": ((1, n), (1, n)), "fc2-Dense/BiasAdd": ((1, n), (n,))}
+        batches = _batches("mlp", np.float64, 4)
+        report = check_against_single_device(train, lambda: _make("stand_alone"), batches[:3])
+        assert report.passed, str(report)
+        program = train.program
+        assert program is not None
+        # "Default/network-WithLossCell/_backbone-MLP/fc1-Dense/MatMul-op0" -> "fc1-Dense/MatMul"
+        cell_op = {s.node.name: "/".join(s.node.name.split("/")[-2:]).rsplit("-op", 1)[0]
+                   for s in program.steps}
+        kept = {cell_op[s.node.name]: s.sharding.strategy for s in program.steps
+                if cell_op[s.node.name] in given}
+        assert kept == given
+        chosen = {name: Source.USER if op in given else Source.SEARCHED
+                  for name, op in cell_op.items()}
+        assert list(chosen.values()).count(Source.USER) == 2 and len(chosen) == 6
+        assert {s.node.name: s.chosen for s in program.steps} == chosen
+        assert {r["op"]: r["chosen"] for r in program.comm_table()} == chosen
+        printed = str(program).splitlines()
+        for name, source in chosen.items():
+            (line,) = [x for x in printed if x.endswith(f"  {name}")]
+            assert f"({source}" in line, line
+        table = strategy_table(program)
+        assert "the rest searched" in table.splitlines()[1]
+        names = display_names(list(chosen))
+        shown = {row.split()[0] for row in table.splitlines()[3:-1]}
+        assert {names[k] for k, v in chosen.items() if v is Source.USER} <= shown
+        with CommTrace() as trace:
+            train(*batches[3])
+        steps = program.schedule(comm.get_rank())
+        collectives = [s for s in steps if s.collective]
+        assert [e.step for e in trace.events] == [s.index for s in collectives]
+        assert [e.kind for e in trace.events] == [str(s.collective) for s in collectives]
+        fc1 = next(name for name, op in cell_op.items() if op == "fc1-Dense/MatMul")
+        assert any(s.op == fc1 and not s.backward and str(s.collective) == "AllReduce"
+                   for s in collectives)
+    finally:
+        simpar.reset_auto_parallel_context()
+
+
+@pytest.mark.parametrize("search", ["dynamic_programming", "exact"])
+def test_a_device_num_that_no_cut_can_use_fails_on_every_rank(search: str) -> None:
+    """An MLP whose every dimension is odd (3 -> 5 -> 7, batch 3) on 2, 4 or 8 ranks: with
+    fully_use_devices an op must use every device and no cut divides its dimension, so each
+    rank refuses with the op, its shapes, the device count and the setting that rules out
+    repeated calculation; split by the dataset, the batch of 3 is refused the same way."""
+    n = comm.get_group_size()
+    simpar.reset_auto_parallel_context()
+    simpar.set_auto_parallel_context(parallel_mode="auto_parallel", search_mode=search,
+                                     dataset_strategy="full_batch")
+
+    def build() -> None:
+        net = nn.MLP(3, 5, 7, n_hidden=1, dtype=np.float64)
+        train = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()),
+                                    nn.SGD(net.trainable_params(), 0.1),
+                                    parallel_mode="auto_parallel")
+        train.build(np.ones((3, 3)), np.zeros((3, 7)))
+    try:
+        context.set_algo_parameters(fully_use_devices=True)
+        raised_everywhere(build, ValueError,
+                          f"fc1-Dense/MatMul-op0: no strategy of MatMul fits shapes [(3, 3), "
+                          f"(5, 3)] on {n} devices: a cut must divide its dimension, and "
+                          f"fully_use_devices=True keeps only strategies that use all {n} "
+                          "devices")
+        context.set_algo_parameters(fully_use_devices=False)
+        simpar.set_auto_parallel_context(dataset_strategy="data_parallel")
+        raised_everywhere(build, ValueError,
+                          f"dataset_strategy 'data_parallel': input 0 of shape (3, 3) has "
+                          f"batch 3, which does not split over {n} devices")
+    finally:
+        context.reset_algo_parameters()
         simpar.reset_auto_parallel_context()

@@ -88,6 +88,18 @@ def test_a_shared_parameter_gets_one_layout_and_user_strategies_stay() -> None:
     assert cg.nodes[0].candidates[choice[0]].in_layouts[1].cuts == (4, 1)
 
 
+def test_a_user_strategy_that_does_not_fit_is_refused_with_the_op_s_reason() -> None:
+    """A ``.shard()`` strategy is an op's only candidate: when it cannot run, the error gives
+    the op's own reason, not only that no strategy fits."""
+    w = nn.Parameter(np.ones((16, 16)), name="w")
+    odd = ops.MatMul().shard(((3, 1), (1, 1)))
+    g = graph.trace(lambda x: odd(x, w), [((8, 16), np.float64)], ["x"])
+    with pytest.raises(ValueError, match=r"MatMul-op0: no strategy of MatMul fits shapes "
+                       r"\[\(8, 16\), \(16, 16\)\] on 4 devices: its \.shard\(\) strategy is "
+                       r"refused: .*\(3, 1\)"):
+        build_cost_graph(g, 4, SimparCostModel("ascend910a"))
+
+
 @pytest.mark.parametrize("device_num", [2, 4, 8])
 def test_the_exact_search_finds_the_brute_force_optimum(device_num: int) -> None:
     from simpar.search.exact import solve_exact

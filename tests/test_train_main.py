@@ -60,9 +60,11 @@ def _check_summary(summary: dict[str, Any], steps: int, dtype: str = "float64") 
 
 
 @pytest.mark.mpi(min_size=2)
-def test_gpt_auto_parallel_default(tmp_path: Path) -> None:
+def test_gpt_auto_parallel_default(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The default job: auto_parallel, strategies searched by dynamic programming, each rank
-    loading its batch slice; it trains like one device."""
+    loading its batch slice; it trains like one device. Rank 0 prints, in this order, the
+    searched strategy table, why it won, the predicted and the measured step time, and last
+    the check against one device."""
     n = comm.get_group_size()
     code, summary = _main(["--steps", "2"], tmp_path)
     assert code == 0
@@ -72,6 +74,60 @@ def test_gpt_auto_parallel_default(tmp_path: Path) -> None:
     assert summary["strategy"] is None and summary["predicted_step_seconds"] > 0
     assert len(summary["strategies"]) > 50
     assert all(math.prod(c) <= n for s in summary["strategies"].values() for c in s)
+    out = capsys.readouterr().out.splitlines()
+    if comm.get_rank() > 0:
+        assert out == []
+        return
+    _check_default_job_printout(out, summary)
+
+
+def _check_default_job_printout(out: list[str], summary: dict[str, Any]) -> None:
+    """Every line the issue asks of the default job, checked against its summary."""
+    def find(prefix: str) -> int:
+        found = [k for k, line in enumerate(out) if line.startswith(prefix)]
+        assert len(found) == 1, (prefix, out)
+        return found[0]
+
+    find("strategies searched by dynamic_programming on the cpu-local profile")
+    title = find("strategies (")
+    strategies = summary["strategies"]
+    assert re.match(rf"strategies \(\d+ of {len(strategies)} ops shown: .*; the rest searched",
+                    out[title]), out[title]
+    assert out[title + 1].split() == ["op", "strategy", "out", "map", "forward", "backward",
+                                      "repeated"]
+    sync = find("  parameter gradients: ")
+    full = {short: name for name, short in train.display_names(list(strategies)).items()}
+    for row in out[title + 2:sync]:  # each row: the searched strategy of that op
+        op, strategy = row.split()[:2]
+        assert strategy == str(strategies[full[op]]).replace(" ", ""), row
+    won = find("why it won (predicted per step on cpu-local, ms")
+    header = out[won + 1].split()
+    assert header[:3] == ["plan", "step", "ms"] and header[-2:] == ["peak", "MiB"]
+    plans: dict[str, list[str]] = {}
+    for row in out[won + 2:]:
+        if not row.startswith("  "):
+            break
+        label, cells = re.split(r"\s{2,}", row.strip(), maxsplit=1)
+        plans[label] = cells.split()
+    assert list(plans) == ["searched (dynamic_programming)", "preset dp (pure data parallel)",
+                           "preset mp", "preset hybrid"]
+    searched = float(plans.pop("searched (dynamic_programming)")[0])
+    runs = {k: c for k, c in plans.items() if c[:4] != ["does", "not", "run", "here:"]}
+    assert "preset dp (pure data parallel)" in runs
+    assert all(len(c) == 7 for c in runs.values()), runs  # step, 5 parts, peak memory
+    assert f"{searched:.2f}" == f"{summary['predicted_step_seconds'] * 1e3:.2f}"
+    best = min(float(c[0]) for c in runs.values())
+    ratio = re.search(r"the searched plan is predicted ([\d.]+)x as fast as the best preset",
+                      out[won])
+    assert ratio and float(ratio[1]) == pytest.approx(best / searched, abs=0.01), out[won]
+    assert searched <= best + 0.01, "the search lost to a hand-written preset"
+    predicted = find("cost model (cpu-local): predicted step ")
+    median = float(np.median(summary["step_seconds"][1:]))
+    assert (f"predicted step {summary['predicted_step_seconds'] * 1e3:.1f} ms (measured median "
+            f"{median * 1e3:.1f} ms)") in out[predicted]
+    check = find("check against one device (2 steps, every rank's shards): ")
+    assert out[check].endswith(": PASS") and check == len(out) - 1
+    assert title < won < predicted < check
 
 
 @pytest.mark.mpi(min_size=2)

@@ -32,7 +32,7 @@ from simpar.cost.interface import CostModel
 from simpar.graph import Graph, Node
 from simpar.layout import TensorLayout
 from simpar.ops._base import OpSharding, Strategy, StrategyError
-from simpar.search.pricing import ELEMENTWISE_OPS, Pricer, canonical
+from simpar.search.pricing import ELEMENTWISE_OPS, Pricer, Site, canonical
 from simpar.search.propagation import dataset_layouts
 
 __all__ = ["ELEMENTWISE_OPS", "CostEdge", "CostGraph", "CostNode", "brute_force",
@@ -181,8 +181,7 @@ def build_cost_graph(graph: Graph, device_num: int, model: CostModel,
             found = [p for p in (pricer.price(site.index, s) for s in strategies)
                      if p is not None]
             if not found:
-                raise StrategyError(f"{site.name}: no strategy of {site.node.op.name} fits "
-                                    f"shapes {list(site.shapes)} on {device_num} devices")
+                raise StrategyError(_no_candidate(site, strategies, device_num, fully))
             cands = [p.sharding for p in found]
             costs = [p.cost for p in found]
             mems = [p.memory for p in found]
@@ -213,6 +212,35 @@ def build_cost_graph(graph: Graph, device_num: int, model: CostModel,
              len(edges), len(matrices), pricer.moves_priced, time.perf_counter() - started)
     return CostGraph(tuple(nodes), tuple(edges), pricer.shared, device_num, model.unit,
                      float(model.memory_capacity))
+
+
+def _no_candidate(site: Site, strategies: Sequence[Strategy], device_num: int,
+                  fully: bool) -> str:
+    """Why op ``site`` has no candidate on ``device_num`` devices: its own error for a
+    ``.shard()`` strategy, else the algo parameters that left none (every cut must divide its
+    dimension, so shapes that nothing divides leave only the unsplit strategy)."""
+    op = site.node.op
+    head = (f"{site.name}: no strategy of {op.name} fits shapes {list(site.shapes)} on "
+            f"{device_num} devices")
+    if site.user and strategies:
+        try:
+            op.sharding(site.shapes, device_num, strategies[0], op.out_strategy)
+        except ValueError as e:
+            return f"{head}: its .shard() strategy is refused: {e}"
+        return (f"{head}: its .shard() strategy {strategies[0]} cuts a parameter otherwise "
+                "than the parameter plan")
+    rules = []
+    if fully:
+        rules.append(f"fully_use_devices=True keeps only strategies that use all {device_num} "
+                     "devices (False lets an op repeat its calculation instead)")
+    if context.get_algo_parameters("tensor_slice_align_enable"):
+        size = int(context.get_algo_parameters("tensor_slice_align_size"))
+        rules.append(f"tensor_slice_align_enable=True keeps only slices whose dimensions are "
+                     f"multiples of {size}")
+    if not rules:
+        return f"{head}: none of its {len(strategies)} candidate strategies is valid here"
+    return (f"{head}: a cut must divide its dimension, and {'; '.join(rules)}. Use a "
+            "device_num whose factors divide these dimensions, or change set_algo_parameters")
 
 
 def _edge_matrix(pricer: Pricer, e: int, producers: Sequence[OpSharding],
