@@ -24,6 +24,7 @@ from simpar.ops._base import (
     StrategyError,
     Tape,
     dim_names,
+    gradient_needed,
     register,
 )
 from simpar.ops.matmul import _unbroadcast
@@ -63,15 +64,17 @@ class _Binary(Primitive):
         _broadcast_space(self.name, x.shape, y.shape)
         return np.asarray(type(self).fn(x, y))
 
-    def _grads(self, x: np.ndarray, y: np.ndarray, dy: np.ndarray
-               ) -> tuple[np.ndarray, np.ndarray]:
+    def _grads(self, x: np.ndarray, y: np.ndarray, dy: np.ndarray, need: tuple[bool, bool]
+               ) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """Both inputs' gradients, each only when ``need`` says it is used (else None)."""
         raise NotImplementedError
 
     def vjp(self, xs: Sequence[np.ndarray], y: np.ndarray, dy: np.ndarray
             ) -> tuple[np.ndarray | None, ...]:
         a, b = xs
-        ga, gb = self._grads(a, b, dy)
-        return _unbroadcast(ga, a.shape), _unbroadcast(gb, b.shape)
+        ga, gb = self._grads(a, b, dy, (gradient_needed(0), gradient_needed(1)))
+        return (None if ga is None else _unbroadcast(ga, a.shape),
+                None if gb is None else _unbroadcast(gb, b.shape))
 
 
 @register
@@ -80,8 +83,8 @@ class Add(_Binary):
 
     fn = staticmethod(np.add)
 
-    def _grads(self, x: np.ndarray, y: np.ndarray, dy: np.ndarray
-               ) -> tuple[np.ndarray, np.ndarray]:
+    def _grads(self, x: np.ndarray, y: np.ndarray, dy: np.ndarray, need: tuple[bool, bool]
+               ) -> tuple[np.ndarray | None, np.ndarray | None]:
         return dy, dy
 
 
@@ -91,9 +94,9 @@ class Sub(_Binary):
 
     fn = staticmethod(np.subtract)
 
-    def _grads(self, x: np.ndarray, y: np.ndarray, dy: np.ndarray
-               ) -> tuple[np.ndarray, np.ndarray]:
-        return dy, -dy
+    def _grads(self, x: np.ndarray, y: np.ndarray, dy: np.ndarray, need: tuple[bool, bool]
+               ) -> tuple[np.ndarray | None, np.ndarray | None]:
+        return dy, -dy if need[1] else None
 
 
 @register
@@ -102,9 +105,9 @@ class Mul(_Binary):
 
     fn = staticmethod(np.multiply)
 
-    def _grads(self, x: np.ndarray, y: np.ndarray, dy: np.ndarray
-               ) -> tuple[np.ndarray, np.ndarray]:
-        return dy * y, dy * x
+    def _grads(self, x: np.ndarray, y: np.ndarray, dy: np.ndarray, need: tuple[bool, bool]
+               ) -> tuple[np.ndarray | None, np.ndarray | None]:
+        return dy * y if need[0] else None, dy * x if need[1] else None
 
 
 @register
@@ -113,9 +116,9 @@ class RealDiv(_Binary):
 
     fn = staticmethod(np.divide)
 
-    def _grads(self, x: np.ndarray, y: np.ndarray, dy: np.ndarray
-               ) -> tuple[np.ndarray, np.ndarray]:
-        return dy / y, -dy * x / (y * y)
+    def _grads(self, x: np.ndarray, y: np.ndarray, dy: np.ndarray, need: tuple[bool, bool]
+               ) -> tuple[np.ndarray | None, np.ndarray | None]:
+        return dy / y if need[0] else None, -dy * x / (y * y) if need[1] else None
 
     def flops(self, local_in: tuple[tuple[int, ...], ...], local_out: tuple[int, ...]) -> int:
         return math.prod(local_out)
@@ -212,7 +215,8 @@ class BiasAdd(Primitive):
             ) -> tuple[np.ndarray | None, ...]:
         x = xs[0]
         c = self._channel(x.shape)
-        return dy, dy.sum(axis=tuple(d for d in range(dy.ndim) if d != c))
+        return dy, (dy.sum(axis=tuple(d for d in range(dy.ndim) if d != c))
+                    if gradient_needed(1) else None)
 
 
 @register
@@ -402,7 +406,10 @@ class Tanh(_Unary):
 
     def vjp(self, xs: Sequence[np.ndarray], y: np.ndarray, dy: np.ndarray
             ) -> tuple[np.ndarray | None, ...]:
-        return (dy * (1.0 - y * y),)
+        g = y * y                       # dy (1 - y^2), in one array
+        np.subtract(1.0, g, out=g)
+        g *= dy
+        return (g,)
 
 
 @register
@@ -413,11 +420,17 @@ class Sigmoid(_Unary):
 
     def kernel(self, *xs: np.ndarray) -> np.ndarray:
         x = xs[0]
-        return np.asarray(0.5 * (1.0 + np.tanh(0.5 * x)), dtype=x.dtype)
+        y = np.multiply(x, 0.5, dtype=x.dtype)   # 0.5 (1 + tanh(x / 2)), in one array
+        np.tanh(y, out=y)
+        y += 1.0
+        y *= 0.5
+        return y
 
     def vjp(self, xs: Sequence[np.ndarray], y: np.ndarray, dy: np.ndarray
             ) -> tuple[np.ndarray | None, ...]:
-        return (dy * y * (1.0 - y),)
+        g = dy * y
+        g *= np.subtract(1.0, y)
+        return (g,)
 
 
 @register
@@ -441,7 +454,9 @@ class Square(_Unary):
 
     def vjp(self, xs: Sequence[np.ndarray], y: np.ndarray, dy: np.ndarray
             ) -> tuple[np.ndarray | None, ...]:
-        return (2 * xs[0] * dy,)
+        g = xs[0] * 2
+        g *= dy
+        return (g,)
 
 
 _CASTS = ("float32", "float64", "int32", "int64")

@@ -251,7 +251,9 @@ class Dropout(Primitive):
 
     def _apply(self, x: np.ndarray, keep: np.ndarray) -> np.ndarray:
         scale = x.dtype.type(1.0 / self.keep_prob)
-        return np.where(keep, x * scale, x.dtype.type(0))
+        out = np.zeros_like(x)      # one array: the kept elements scaled into it
+        np.multiply(x, scale, out=out, where=keep)
+        return out
 
     def kernel(self, *xs: np.ndarray) -> np.ndarray:
         (x,) = xs

@@ -556,7 +556,8 @@ def _cross_entropy(logits: np.ndarray, labels: np.ndarray, class_offset: int,
     softmax and where the target sits locally (for the backward)."""
     rows = np.arange(logits.shape[0])
     m = reduce(np.max(logits, axis=1), "max", "max")
-    e = np.exp(logits - m[:, None])
+    e = logits - m[:, None]
+    np.exp(e, out=e)
     local = labels.astype(np.int64) - class_offset
     own = (local >= 0) & (local < logits.shape[1])
     idx = np.where(own, local, 0)
@@ -564,7 +565,8 @@ def _cross_entropy(logits: np.ndarray, labels: np.ndarray, class_offset: int,
     # Sum of exponentials and the target logit travel together: one AllReduce of (2, rows).
     s, xt = reduce(np.stack([np.sum(e, axis=1), target]), "sum", "sum-exp-and-target")
     loss = np.log(s) + m - xt
-    return loss, e / s[:, None], own, idx
+    e /= s[:, None]     # the softmax, in the exponentials' array
+    return loss, e, own, idx
 
 
 def _cross_entropy_grad(p: np.ndarray, own: np.ndarray, idx: np.ndarray, scale: np.ndarray
@@ -572,7 +574,10 @@ def _cross_entropy_grad(p: np.ndarray, own: np.ndarray, idx: np.ndarray, scale: 
     g = p.copy()
     rows = np.flatnonzero(own)
     g[rows, idx[rows]] -= 1.0
-    return np.asarray(g * scale)
+    if np.result_type(g, scale) != g.dtype:
+        return np.asarray(g * scale)
+    g *= scale
+    return g
 
 
 @register
