@@ -615,13 +615,13 @@ def _run_steps(plan: RedistributionPlan, x: np.ndarray, rank: int, comm: Comm, a
     """Every step of ``plan`` in order (or every step's adjoint in reverse order)."""
     _verify_once(plan, x.dtype, comm)
     steps = reversed(plan.steps) if adjoint else iter(plan.steps)
-    run, what = (_run_adjoint, "redistribute-adjoint") if adjoint else (_run_step, "redistribute")
+    run = _run_adjoint if adjoint else _run_step
     with comm.validation_disabled():
         for step in steps:
             if step.kind.local:
                 x = run(step, x, rank, comm)
                 continue
-            with comm.label(f"{what}:{step.kind}"), schedule.issue(step, adjoint):
+            with comm.label(_label(adjoint, step.kind)), schedule.issue(step, adjoint):
                 x = run(step, x, rank, comm)
     return x
 
@@ -783,10 +783,15 @@ def execute_step(step: Step, x: np.ndarray, adjoint: bool = False, comm: Comm = 
     run = _run_adjoint if adjoint else _run_step
     if step.kind.local:
         return run(step, x, rank, comm)
-    what = "redistribute-adjoint" if adjoint else "redistribute"
-    with comm.validation_disabled(), comm.label(f"{what}:{step.kind}"), \
+    with comm.validation_disabled(), comm.label(_label(adjoint, step.kind)), \
             schedule.issue(step, adjoint):
         return run(step, x, rank, comm)
+
+
+@lru_cache(maxsize=64)
+def _label(adjoint: bool, kind: StepKind) -> str:
+    """A step's CommTrace label (formatting an enum costs more than the lookup)."""
+    return f"{'redistribute-adjoint' if adjoint else 'redistribute'}:{kind}"
 
 
 def _run_adjoint(step: Step, g: np.ndarray, rank: int, c: Comm) -> np.ndarray:

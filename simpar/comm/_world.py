@@ -51,6 +51,7 @@ class Group:
 _WORLD: MPI.Intracomm | None = None
 _WORLD_PAIR: tuple[Group, Any] | None = None  # what resolve(None) returns, once MPI is up
 _COMMS: dict[tuple[int, ...], Any] = {}
+_RESOLVED: dict[tuple[int, ...], tuple[Group, Any]] = {}  # resolve() of a tuple of ranks
 
 
 def init() -> None:
@@ -134,6 +135,12 @@ def resolve(group: Group | Sequence[int] | None) -> tuple[Group, Any]:
     """(Group, communicator) for a group given as ``None`` (world), a Group or world ranks."""
     if group is None and _WORLD_PAIR is not None:  # the common case, on every collective call
         return _WORLD_PAIR
+    if type(group) is tuple:          # a program's groups: the same tuples, call after call
+        found = _RESOLVED.get(group)
+        if found is not None:
+            return found
+        found = _RESOLVED[group] = resolve(Group(tuple(int(r) for r in group)))
+        return found
     comm = world()
     size, me = comm.Get_size(), comm.Get_rank()
     if group is None:

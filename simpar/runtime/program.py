@@ -418,7 +418,6 @@ class ParallelProgram:
             if watch is not None:
                 watch.sample(tape, grads)
         out: dict[str, np.ndarray] = {}
-        buckets: dict[tuple[tuple[int, ...], str], list[str]] = {}
         for name, v in self.param_values.items():
             if v.param is None or not v.param.requires_grad:
                 continue
@@ -426,12 +425,9 @@ class ParallelProgram:
             if g is None:
                 g = np.zeros(self.param_layouts[name].local_shape(), dtype=v.dtype)
             out[name] = g
-            group = _mirror_group(self, bplan, name, rank)
-            if len(group) > 1:
-                buckets.setdefault((group, g.dtype.str), []).append(name)
         # Mirror: one AllReduce per group of ranks and dtype, on all its parameters' gradients
         # at once (MindSpore fuses these AllReduces too); the sum completes every pending one.
-        for (group, _), names in buckets.items():
+        for group, _, names in bplan.mirror_buckets(self, rank):
             flat = np.concatenate([out[n].ravel() for n in names])
             with schedule.issue(_mirror(group, names)):
                 flat = comm.all_reduce(flat, group=group)
@@ -484,6 +480,25 @@ class BackwardPlan:
     nodes: dict[int, NodeBackward]
     params: dict[str, Pending]
     frame: Frame
+    _buckets: dict[int, tuple[tuple[tuple[int, ...], str, tuple[str, ...]], ...]] = field(
+        default_factory=dict, compare=False, repr=False)  # a cache, per rank
+
+    def mirror_buckets(self, program: ParallelProgram, rank: int
+                       ) -> tuple[tuple[tuple[int, ...], str, tuple[str, ...]], ...]:
+        """``rank``'s Mirrors: per group of ranks and dtype, the trainable parameters whose
+        gradients one AllReduce sums over that group, in the program's parameter order."""
+        found = self._buckets.get(rank)
+        if found is None:
+            buckets: dict[tuple[tuple[int, ...], str], list[str]] = {}
+            for name, v in program.param_values.items():
+                if v.param is None or not v.param.requires_grad:
+                    continue
+                group = _mirror_group(program, self, name, rank)
+                if len(group) > 1:
+                    buckets.setdefault((group, v.dtype.str), []).append(name)
+            found = self._buckets[rank] = tuple((group, dtype, tuple(names))
+                                                for (group, dtype), names in buckets.items())
+        return found
 
 
 def _plan_backward(program: ParallelProgram, seeded: tuple[bool, ...], eager: bool
@@ -707,14 +722,7 @@ def _schedule(program: ParallelProgram, rank: int, seeded: tuple[bool, ...]
                 b.collectives(Role.REDISTRIBUTE, node.name, f"{node.name}:input{k}-adjoint",
                               _action_specs(nb.edges[k], f"adjoint of input {k}", False),
                               v.dtype.itemsize)
-    buckets: dict[tuple[tuple[int, ...], str], list[str]] = {}
-    for name, v in program.param_values.items():
-        if v.param is None or not v.param.requires_grad:
-            continue
-        group = _mirror_group(program, bplan, name, rank)
-        if len(group) > 1:
-            buckets.setdefault((group, v.dtype.str), []).append(name)
-    for (group, dtype), names in buckets.items():
+    for group, dtype, names in bplan.mirror_buckets(program, rank):
         elements = sum(program.param_layouts[n].local_size() for n in names)
         nbytes = elements * np.dtype(dtype).itemsize
         b.steps.append(ProgramStep(
