@@ -342,6 +342,8 @@ class OpSharding:
             with comm.label(f"{self.op.name}:redistribute"):
                 local_inputs = (execute(self.inner_plan, local_inputs[0]), *local_inputs[1:])
         raw, saved = self.op.local_forward(self, *local_inputs)
+        if not self.more_outs and not self.out_plan.steps:   # most ops: nothing to move
+            return raw, saved
         raws = raw if self.more_outs else (raw,)
         outs = []
         for k, (r, (_, _, p)) in enumerate(zip(raws, self.outputs)):
@@ -378,7 +380,8 @@ class OpSharding:
         """The local kernel's gradients (with its own collectives, ``internal_backward``) from
         the raw outputs' cotangents ``draws``, one per output; before :attr:`inner_plan`'s
         adjoint. ``needs`` as in :meth:`backward`."""
-        token = _NEEDS.set(None if needs is None else tuple(bool(n) for n in needs))
+        token = _NEEDS.set(needs if needs is None or type(needs) is tuple
+                           else tuple(bool(n) for n in needs))
         try:
             return self.op.local_backward(self, saved,
                                           tuple(draws) if self.more_outs else draws[0])

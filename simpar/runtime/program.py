@@ -398,7 +398,8 @@ class ParallelProgram:
                 if d is None:   # an unused output's cotangent is zero
                     draws[k] = np.zeros(sh.outputs[k][0].local_shape(), node.outputs[k].dtype)
                     continue
-                draws[k] = _run(nb.op.out_actions[k], d)
+                acts = nb.op.out_actions[k]
+                draws[k] = _run(acts, d) if acts else d
             contribs = list(sh.kernel_backward(tape[node.id], draws, nb.needs))
             if nb.op.inner_actions and contribs[0] is not None:
                 contribs[0] = _run(nb.op.inner_actions, contribs[0])
@@ -411,7 +412,8 @@ class ParallelProgram:
                     c = np.zeros(sh.in_layouts[k].local_shape(), v.dtype)
                 elif c.dtype != v.dtype:
                     c = c.astype(v.dtype)
-                c = _run(nb.edges[k], c)
+                if nb.edges[k]:
+                    c = _run(nb.edges[k], c)
                 before = grads.get(v.id)
                 grads[v.id] = (c if before is None else
                                _run(nb.align_sum[k], before) + _run(nb.align_new[k], c))
