@@ -1,6 +1,7 @@
 """The strategy table that the main job (``simpar.train``) and the planner (``simpar.plan``)
 print: one row per op that communicates, is annotated or is computed alike on several ranks,
-with its strategy, output tensor map and collectives, then how the parameter gradients sync.
+with its strategy, output tensor map and collectives and where its strategy came from (the
+user's ``.shard()``, the search, propagation), then how the parameter gradients sync.
 
 Pure: it reads a lowered :class:`~simpar.runtime.ParallelProgram` (rank 0's view) and returns
 text. With ``fold_blocks`` the rows of consecutive numbered cells that read alike (a GPT's
@@ -16,6 +17,9 @@ from simpar.runtime import ParallelProgram
 
 __all__ = ["columns", "display_names", "strategy_table"]
 
+#: Where a row's strategy came from, as the table says it (the ``chosen`` of comm_table).
+_SET_BY = {"annotated": "user .shard()", "searched": "search", "propagated": "propagation",
+           "data_parallel": "data parallel", "file": "strategy file"}
 _NUMBERED = re.compile(r"^([A-Za-z_]+?)(\d+)/(.+)$")
 _OP_NUMBER = re.compile(r"-op\d+$")
 
@@ -55,7 +59,8 @@ def strategy_table(program: ParallelProgram, fold_blocks: bool = False) -> str:
               str(r["out_tensor_map"]).replace(" ", ""),
               ", ".join(r["redistribution"] + r["forward"]) or "-",
               ", ".join(r["backward"]) or "-",
-              f"x{r['repeat']}" if r["repeat"] > 1 else "-"] for r in shown]
+              f"x{r['repeat']}" if r["repeat"] > 1 else "-",
+              _SET_BY.get(str(r["chosen"]), str(r["chosen"]))] for r in shown]
     rest = ("searched" if program.mode == "auto_parallel" and any(
         str(r["chosen"]) == "searched" for r in rows) else "propagated")
     rest += ", need no communication and are computed once"
@@ -74,7 +79,7 @@ def strategy_table(program: ParallelProgram, fold_blocks: bool = False) -> str:
     sync = "  parameter gradients: " + ", ".join(
         f"{n} synced over {g} ranks" if g > 1 else f"{n} sharded (no Mirror)"
         for g, n in sorted(mirrors.items()))
-    header = ["op", "strategy", "out map", "forward", "backward", "repeated"]
+    header = ["op", "strategy", "out map", "forward", "backward", "repeated", "set by"]
     return "\n".join([title, *columns([header, *table]), sync])
 
 

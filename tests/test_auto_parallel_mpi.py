@@ -190,8 +190,12 @@ def test_user_strategies_are_kept_and_labelled_next_to_the_searched_ones(search:
         table = strategy_table(program)
         assert "the rest searched" in table.splitlines()[1]
         names = display_names(list(chosen))
-        shown = {row.split()[0] for row in table.splitlines()[3:-1]}
-        assert {names[k] for k, v in chosen.items() if v is Source.USER} <= shown
+        rows = {row.split()[0]: row for row in table.splitlines()[3:-1]}
+        assert {names[k] for k, v in chosen.items() if v is Source.USER} <= set(rows)
+        for name, source in chosen.items():   # the last column says where each came from
+            if names[name] in rows:
+                assert rows[names[name]].endswith(
+                    "user .shard()" if source is Source.USER else "search"), rows[names[name]]
         with CommTrace() as trace:
             train(*batches[3])
         steps = program.schedule(comm.get_rank())

@@ -94,12 +94,13 @@ def _check_default_job_printout(out: list[str], summary: dict[str, Any]) -> None
     assert re.match(rf"strategies \(\d+ of {len(strategies)} ops shown: .*; the rest searched",
                     out[title]), out[title]
     assert out[title + 1].split() == ["op", "strategy", "out", "map", "forward", "backward",
-                                      "repeated"]
+                                      "repeated", "set", "by"]
     sync = find("  parameter gradients: ")
     full = {short: name for name, short in train.display_names(list(strategies)).items()}
     for row in out[title + 2:sync]:  # each row: the searched strategy of that op
         op, strategy = row.split()[:2]
         assert strategy == str(strategies[full[op]]).replace(" ", ""), row
+        assert row.endswith("  search"), row
     won = find("why it won (predicted per step on cpu-local, ms")
     header = out[won + 1].split()
     assert header[:3] == ["plan", "step", "ms"] and header[-2:] == ["peak", "MiB"]
