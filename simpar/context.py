@@ -38,7 +38,11 @@ auto_parallel_search_mode       (search_mode)              old name of search_mo
 
 ``set_algo_parameters``: fully_use_devices=False, elementwise_op_strategy_follow=False,
 enable_algo_approxi=False, algo_approxi_epsilon=0.1 (a float in (0, 1]),
-tensor_slice_align_enable=False, tensor_slice_align_size=16 (an int in [1, 1024]).
+tensor_slice_align_enable=False, tensor_slice_align_size=16 (an int in [1, 1024]), and
+simpar's own ``exact_time_limit=None`` (not a MindSpore key): the seconds that
+``search_mode="exact"`` may take, None for no limit, else a finite number > 0. When it runs
+out, the search returns the best plan it has with its optimality gap and warns
+(``simpar.search.exact.TimeLimitWarning``), or raises ``TimeoutError`` when it has none.
 
 Two defaults moved, and simpar follows the newer value of each. ``search_mode``: MindSpore 2.0
 documents ``"dynamic_programming"`` (and the older C++ ``Reset`` sets it), 2.2 and later
@@ -73,6 +77,7 @@ Where simpar decides differently from MindSpore, on purpose:
 from __future__ import annotations
 
 import difflib
+import math
 import numbers
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -196,6 +201,7 @@ class AlgoParameters:
     algo_approxi_epsilon: float
     tensor_slice_align_enable: bool
     tensor_slice_align_size: int
+    exact_time_limit: float | None  # simpar's own: seconds for search_mode "exact"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -402,6 +408,20 @@ _AUTO_VIEWS: dict[str, _Spec] = {
 
 _AUTO_KEYS: dict[str, _Spec] = {**_AUTO_SPECS, **_AUTO_VIEWS}
 
+_TIME_LIMIT_ALLOWED = "None (no limit) or a finite number of seconds > 0"
+
+
+def _check_time_limit(func: str, key: str, value: object) -> float | None:
+    if value is None:
+        return None
+    if not (_has_kind(value, int) or _has_kind(value, float)):
+        raise _type_error(func, key, _TIME_LIMIT_ALLOWED, value)
+    seconds = float(value)  # type: ignore[arg-type]
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ContextError(f"{func}: {key} must be {_TIME_LIMIT_ALLOWED}, but got {value!r}.")
+    return seconds
+
+
 _ALGO_SPECS: dict[str, _Spec] = {
     "fully_use_devices": _Spec(bool, False),
     "elementwise_op_strategy_follow": _Spec(bool, False),
@@ -409,6 +429,8 @@ _ALGO_SPECS: dict[str, _Spec] = {
     "algo_approxi_epsilon": _Spec(float, 0.1, bounds=_Bounds(0, 1, lo_open=True)),
     "tensor_slice_align_enable": _Spec(bool, False),
     "tensor_slice_align_size": _Spec(int, 16, bounds=_Bounds(1, 1024)),
+    # simpar's own, not MindSpore's: how long search_mode "exact" may take
+    "exact_time_limit": _Spec(None, None, allowed=_TIME_LIMIT_ALLOWED, check=_check_time_limit),
 }
 
 

@@ -4,6 +4,7 @@
         --batch 512 --device-num 64 --search-mode dynamic_programming --profile ascend910b
     python -m simpar.plan --preset 175B --batch 1024 --device-num 1024 --out plan.json
     python -m simpar.plan --model mlp --hidden 8192 --layers 2 --batch 1024 --device-num 8
+    python -m simpar.plan --preset 350M --device-num 64 --search-mode exact --time-limit 60
 
 The model is built from shapes alone (its Parameters stay unmaterialised initializers), traced
 with its loss for a global batch, and every op's strategy is searched by a registered
@@ -13,7 +14,9 @@ program and priced by simpar's cost model on the profile. It prints the strategy
 predicted step time (compute, op collectives, redistribution, gradient sync), each rank's peak
 memory against the device's capacity, and how long planning took; the searches' progress (the
 ``simpar.search`` logger) goes to stderr unless ``--quiet``. ``--out`` saves it all as JSON,
-with the strategy map that ``simpar.search.StrategyMap.from_dict`` reads back.
+with the strategy map that ``simpar.search.StrategyMap.from_dict`` reads back. ``--search-mode
+exact --time-limit S`` stops the ILP after S seconds with the best plan it has: the output
+then gives the optimality gap (how far from proven optimal the plan may be).
 
 Exit codes: 0 planned; 1 no plan (the search or the lowering refused, with its reason);
 2 options refused before any work (one line naming the option, the value and what is allowed).
@@ -39,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from simpar import _env, graph, nn
+from simpar import _env, context, graph, nn
 from simpar.cost import (
     CostModel,
     CostReport,
@@ -59,6 +62,7 @@ from simpar.search import (
     set_search_cost_model,
 )
 from simpar.search.auto import search_cost_model
+from simpar.search.exact import TimeLimitWarning, describe_gap
 from simpar.strategy_table import strategy_table
 
 __all__ = ["GPT_PRESETS", "GPTSize", "Plan", "PlanOptions", "build_network", "main",
@@ -125,6 +129,7 @@ class PlanOptions:
     dataset_strategy: str = "full_batch"
     enable_alltoall: bool = False
     preset: str | None = None
+    time_limit: float | None = None     # search_mode exact: seconds (None: no limit)
 
     def describe(self) -> str:
         if self.model == "gpt":
@@ -170,6 +175,17 @@ def _device_num(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}"
+                                         ) from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text}")
+    return value
+
+
 def _preset(text: str) -> str:
     return text.upper()
 
@@ -208,6 +224,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="devices to plan for (default 8); no MPI is started")
     p.add_argument("--search-mode", default=None, choices=registered_searches(),
                    help=f"a registered auto_parallel search (default {_default_search()})")
+    p.add_argument("--time-limit", type=_seconds, default=None, metavar="SECONDS",
+                   help="--search-mode exact only: stop after this many seconds with the best "
+                   "plan found and its optimality gap (default: no limit, the proven optimum; "
+                   "the algo parameter exact_time_limit)")
     p.add_argument("--cost-model", default="simpar", choices=("simpar", "mindspore"),
                    help="what the search minimises: simpar's step time on --profile "
                    "(default), or MindSpore's cost model; the plan is priced by simpar's")
@@ -246,10 +266,14 @@ def parse_args(argv: Sequence[str] | None) -> tuple[PlanOptions, argparse.Namesp
     except (ValueError, TypeError) as error:
         p.error(f"argument --profile: {str(error).removeprefix('load_profile: ')}")
     search = args.search_mode or _default_search()
+    if args.time_limit is not None and search != "exact":
+        p.error(f"argument --time-limit: only --search-mode exact has a time limit, not "
+                f"{search!r}")
     common: dict[str, Any] = dict(
         batch=args.batch, device_num=args.device_num, search_mode=search, profile=profile,
         dtype=args.dtype, cost_model=args.cost_model, optimizer=args.optimizer,
-        dataset_strategy=args.dataset_strategy, enable_alltoall=args.enable_alltoall)
+        dataset_strategy=args.dataset_strategy, enable_alltoall=args.enable_alltoall,
+        time_limit=args.time_limit)
     if args.model == "gpt":
         base = GPT_PRESETS[args.preset or _DEFAULT_PRESET]
         sizes = {k: getattr(args, k) if getattr(args, k) is not None else getattr(base, k)
@@ -320,14 +344,18 @@ def make_plan(opts: PlanOptions) -> Plan:
     log.info("searching (%s, minimising %s's cost model) for %d devices", opts.search_mode,
              opts.cost_model, opts.device_num)
     t = time.perf_counter()
-    previous = search_cost_model()
+    previous = search_cost_model(), context.get_algo_parameters("exact_time_limit")
     set_search_cost_model(search_model(opts))
+    context.set_algo_parameters(exact_time_limit=opts.time_limit)
     try:
-        smap = plan_strategies(g, opts.device_num, "auto_parallel", opts.dataset_strategy,
-                               opts.enable_alltoall, parameter_plans(net),
-                               search_mode=opts.search_mode)
+        with warnings.catch_warnings():  # the summary gives the gap
+            warnings.simplefilter("ignore", TimeLimitWarning)
+            smap = plan_strategies(g, opts.device_num, "auto_parallel", opts.dataset_strategy,
+                                   opts.enable_alltoall, parameter_plans(net),
+                                   search_mode=opts.search_mode)
     finally:
-        set_search_cost_model(previous)
+        set_search_cost_model(previous[0])
+        context.set_algo_parameters(exact_time_limit=previous[1])
     seconds["search"] = time.perf_counter() - t
     log.info("searched in %.1f s; lowering", seconds["search"])
     t = time.perf_counter()
@@ -404,6 +432,13 @@ def summary(plan: Plan) -> str:
     s = plan.seconds
     lines.append(f"planned in {sum(s.values()):.1f} s (trace {s['trace']:.1f} s, search "
                  f"{s['search']:.1f} s, lower {s['lower']:.1f} s, cost {s['cost']:.1f} s)")
+    gap = plan.strategy_map.optimality_gap
+    if gap:
+        lines.append(f"NOT PROVEN OPTIMAL: search_mode exact stopped at its time limit of "
+                     f"{o.time_limit:g} s with its best plan ({describe_gap(gap)}); raise "
+                     "--time-limit, or drop it, for the proven optimum")
+    elif gap == 0.0:
+        lines.append("the search's objective is the proven optimum (optimality gap 0)")
     return "\n".join(lines)
 
 
@@ -423,7 +458,8 @@ def to_json(plan: Plan, command: str = "") -> dict[str, Any]:
         "command": command, "model": model, "batch": o.batch, "device_num": o.device_num,
         "search_mode": o.search_mode, "cost_model": o.cost_model, "profile": o.profile.name,
         "optimizer": o.optimizer, "dataset_strategy": o.dataset_strategy,
-        "enable_alltoall": o.enable_alltoall,
+        "enable_alltoall": o.enable_alltoall, "time_limit": o.time_limit,
+        "optimality_gap": plan.strategy_map.optimality_gap,
         "strategy_map": plan.strategy_map.to_dict(),
         "cost": {"unit": "s", "step_seconds": r.step_seconds, "slowest_rank": r.slowest_rank,
                  "compute": r.compute, "op_comm": r.op_comm,
@@ -481,14 +517,15 @@ def _progress(shown: bool) -> Iterator[None]:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     opts, args = parse_args(argv)
+    limit = f" within {opts.time_limit:g} s" if opts.time_limit is not None else ""
     print(f"simpar plan: {opts.describe()}, batch {opts.batch}, {opts.device_num} devices, "
-          f"search {opts.search_mode} minimising {opts.cost_model}'s cost model"
+          f"search {opts.search_mode}{limit} minimising {opts.cost_model}'s cost model"
           + (f" on {opts.profile.name}" if opts.cost_model == "simpar" else "")
           + f", dataset {opts.dataset_strategy}", flush=True)
     with _progress(not args.quiet):
         try:
             plan = make_plan(opts)
-        except (ValueError, ImportError) as error:
+        except (ValueError, ImportError, TimeoutError) as error:
             print(f"{PROG}: error: no plan: {error}", file=sys.stderr)
             return 1
     print(f"model: {_count(plan.parameters)} parameters ({_bytes(plan.parameter_bytes)} in "

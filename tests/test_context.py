@@ -92,6 +92,7 @@ ALGO_DEFAULTS: dict[str, Any] = {
     "algo_approxi_epsilon": 0.1,
     "tensor_slice_align_enable": False,
     "tensor_slice_align_size": 16,
+    "exact_time_limit": None,  # simpar's own (search_mode "exact"), not MindSpore's
 }
 
 

@@ -160,8 +160,6 @@ def test_dp_and_exact_equal_brute_force_with_shared_parameters_and_memory_caps(
     assert solved >= 30 and capped_count >= 15 and refused >= 20, (solved, capped_count, refused)
 
 
-@pytest.mark.xfail(strict=True, reason="solve_exact bounds memory by (1 - 1e-6) x the cap, "
-                   "so it refuses a plan that fills the cap exactly (issue 14 audit)")
 def test_a_plan_that_fills_the_memory_cap_exactly_fits_every_search() -> None:
     """One op whose cheaper candidate needs exactly the cap (10 bytes): it fits
     (``CostGraph.fits`` is ``<=``), for brute force, dynamic_programming and exact alike."""
@@ -171,6 +169,18 @@ def test_a_plan_that_fills_the_memory_cap_exactly_fits_every_search() -> None:
     assert brute_force(cg) == ((0,), 1.0)
     assert solve_dynamic_programming(cg).choice == (0,)
     assert solve_exact(cg).choice == (0,)
+
+
+def test_a_plan_over_the_memory_cap_by_a_hair_is_refused_by_every_search() -> None:
+    """Over the cap by 1e-10 of it, within HiGHS's feasibility tolerance: the exact search
+    must still not take it (it solves again with a lowered bound), like brute force and DP."""
+    node = CostNode(Node(0, ops.Identity(), ()), (0, 1), (1.0, 2.0), False,  # type: ignore
+                    (10.0 * (1 + 1e-10), 5.0))
+    cg = CostGraph((node,), (), memory_capacity=10.0)
+    assert not cg.fits((0,))
+    assert brute_force(cg) == ((1,), 2.0)
+    assert solve_dynamic_programming(cg).choice == (1,)
+    assert solve_exact(cg).choice == (1,)
 
 
 @pytest.mark.parametrize("density", [0.3, 0.6, 1.0])

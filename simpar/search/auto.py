@@ -6,6 +6,7 @@ user set ``.shard()``). Costs come from simpar's model on the ``cpu-local`` prof
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 from simpar import context
@@ -14,7 +15,7 @@ from simpar.layout import TensorLayout
 from simpar.ops._base import OpSharding
 from simpar.search.cost_graph import CostGraph, build_cost_graph
 from simpar.search.dynamic_programming import solve_dynamic_programming
-from simpar.search.exact import solve_exact
+from simpar.search.exact import TimeLimitWarning, describe_gap, solve_exact
 from simpar.search.planner import PlanRequest
 from simpar.search.pricing import Pricer
 from simpar.search.recursive_programming import solve_recursive_programming
@@ -42,14 +43,18 @@ def search_cost_model() -> CostModel:
     return _MODEL if _MODEL is not None else SimparCostModel("cpu-local")
 
 
-def strategy_map_of(request: PlanRequest, cg: CostGraph, choice: tuple[int, ...]) -> StrategyMap:
+def strategy_map_of(request: PlanRequest, cg: CostGraph, choice: tuple[int, ...],
+                    optimality_gap: float | None = None) -> StrategyMap:
     """The strategy map of one candidate per node of ``cg``."""
-    return strategy_map_from(request, [node.candidates[c] for node, c in zip(cg.nodes, choice)])
+    return strategy_map_from(request, [node.candidates[c] for node, c in zip(cg.nodes, choice)],
+                             optimality_gap)
 
 
-def strategy_map_from(request: PlanRequest, shardings: Sequence[OpSharding]) -> StrategyMap:
+def strategy_map_from(request: PlanRequest, shardings: Sequence[OpSharding],
+                      optimality_gap: float | None = None) -> StrategyMap:
     """The strategy map of one sharding per node of ``request.graph`` (trace order): searched,
-    or the user's where the op has a ``.shard()`` strategy."""
+    or the user's where the op has a ``.shard()`` strategy; ``optimality_gap`` as the search
+    proved it (:class:`StrategyMap`)."""
     ops: dict[str, OpStrategy] = {}
     params: dict[str, TensorLayout] = {}
     for node, sh in zip(request.graph.nodes, shardings):
@@ -61,7 +66,8 @@ def strategy_map_from(request: PlanRequest, shardings: Sequence[OpSharding]) -> 
             if v.kind == "param":
                 params.setdefault(v.name, lay)
     inputs = {v.name: lay for v, lay in zip(request.graph.inputs, request.input_layouts)}
-    return StrategyMap(request.device_num, "auto_parallel", ops, params, inputs)
+    return StrategyMap(request.device_num, "auto_parallel", ops, params, inputs,
+                       optimality_gap)
 
 
 def pricer_of(request: PlanRequest) -> Pricer:
@@ -80,9 +86,20 @@ def cost_graph_of(request: PlanRequest) -> CostGraph:
 
 
 def exact_planner(request: PlanRequest) -> StrategyMap:
-    """search_mode "exact": the ILP optimum of the cost graph (HiGHS)."""
+    """search_mode "exact": the ILP optimum of the cost graph (HiGHS), within the algo
+    parameter ``exact_time_limit`` (simpar's own). When the limit runs out first, the map
+    is the best plan found, its ``optimality_gap`` says how far from proven it is, and a
+    :class:`~simpar.search.exact.TimeLimitWarning` says so."""
     cg = cost_graph_of(request)
-    return strategy_map_of(request, cg, solve_exact(cg).choice)
+    limit = context.get_algo_parameters("exact_time_limit")
+    found = solve_exact(cg, limit)
+    if not found.proven:
+        warnings.warn(f"search_mode 'exact': the time limit of {limit:g} s "
+                      f"(exact_time_limit) ran out; the plan is the best found, not proven "
+                      f"optimal ({describe_gap(found.gap)}). Raise exact_time_limit with "
+                      "set_algo_parameters, or set it to None, for the proven optimum",
+                      TimeLimitWarning, stacklevel=2)
+    return strategy_map_of(request, cg, found.choice, found.gap)
 
 
 def dynamic_programming_planner(request: PlanRequest) -> StrategyMap:

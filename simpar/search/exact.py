@@ -1,120 +1,439 @@
 """``search_mode="exact"``: the proven optimum of the cost graph, by integer linear programming.
 
-Variables: ``x[n, i]`` = 1 when node ``n`` takes candidate ``i`` (one per node), and for every
-edge ``y[e, i, j]`` = 1 when its producer takes ``i`` and its consumer ``j`` (linked to ``x``
-by ``sum_j y[e, i, j] = x[p, i]`` and ``sum_i y[e, i, j] = x[c, j]``, exact for 0/1 values).
-A parameter read by several ops forbids pairs of candidates that lay it out differently
-(``x[a, i] + x[b, j] <= 1``), an edge's infinite entries fix their ``y`` at 0, and the nodes'
-memories sum to at most the graph's memory capacity. The objective is the cost graph's: node
+Variables: a 0/1 ``x[n, i]`` = 1 when node ``n`` takes candidate ``i`` (one per node). An edge
+costs ``M[i, j]`` when its producer takes ``i`` and its consumer ``j``; producer candidates
+whose rows of ``M`` are equal form one class (they give one output layout), and so do consumer
+candidates whose columns are equal. Each allowed pair of classes ``(a, b)`` has a continuous
+``z[e, a, b] >= 0``, linked to ``x`` by ``sum_b z[e, a, b] = sum_{i in a} x[p, i]`` and
+``sum_a z[e, a, b] = sum_{j in b} x[c, j]``: once ``x`` is 0/1 these leave ``z`` exactly one
+value (1 on the chosen pair), so the model is the plain product formulation (a 0/1 per
+candidate and per pair) with fewer variables, and fewer of them integral. Three more
+reductions are exact too: edges between the same two nodes are summed into one; an edge whose
+matrix is ``u[i] + v[j]`` (a constant one, or one of a single class) is added to its nodes'
+costs and needs no ``z``; and infinite entries (forbidden pairs) get no ``z``, a candidate
+whose every pair is forbidden being fixed at 0. A parameter read by several ops holds one
+layout: for each class of layouts that give every rank the same block, the readers' ``x`` in
+that class sum equally. The nodes' memories sum to at most the graph's memory capacity (the
+row is left out when even the hungriest choice fits). The objective is the cost graph's: node
 costs plus edge costs.
-HiGHS solves it through ``scipy.optimize.milp`` (the optional ``exact`` extra); on a time
-limit it returns its best solution and the optimality gap, or raises ``TimeoutError`` when
-the limit ran out before any solution.
 
-It is the optimality reference of the tests and a mode for small and medium graphs.
+HiGHS solves it through ``scipy.optimize.milp`` (the optional ``exact`` extra): the LP
+relaxation first, which on transformer graphs already picks one whole candidate per node and
+so proves the optimum, then branch and bound where it does not. With a time limit it returns
+its best solution and the optimality gap (``ExactSolution.gap``, relative: the objective is at
+most ``1 / (1 - gap)`` times the optimum), or raises ``TimeoutError`` when the limit ran out
+before any solution. It is the optimality reference of the tests and a mode for small and
+medium graphs.
+
+>>> sol = solve_exact(cg, time_limit=60.0)                    # doctest: +SKIP
+>>> str(sol)                                                  # doctest: +SKIP
+'exact: optimal, objective 0.0279472, gap 0 (109410 -> 102463 variables, 13311 constraints)'
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import time
+import warnings
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
 
 import numpy as np
 
-from simpar.search.cost_graph import CostGraph, distinct_blocks
+from simpar.layout import TensorLayout
+from simpar.search.cost_graph import CostEdge, CostGraph
 
-__all__ = ["ExactSolution", "solve_exact"]
+__all__ = ["ExactSolution", "TimeLimitWarning", "describe_gap", "product_variables",
+           "solve_exact"]
+
+# Memory in units of the cap. The row's bound is first the cap itself (a plan that fills it
+# exactly fits, as CostGraph.fits says); if HiGHS's feasibility tolerance lets a plan over the
+# cap by a hair through, the ILP is solved again with the bound lowered by this much.
+_MEMORY_SLACK = 1e-6
 
 
-@dataclass(frozen=True)
+class _OverCap(Exception):
+    """The solver's plan exceeds the memory cap within HiGHS's tolerance."""
+
+
+class TimeLimitWarning(UserWarning):
+    """The exact search's time limit ran out: its plan is the best found, not proven optimal."""
+
+
+@dataclass(frozen=True, slots=True)
 class ExactSolution:
-    """A choice of candidate per node, its objective, and how sure: ``gap`` 0 is proven."""
+    """A choice of candidate per node, its objective, and how sure: ``gap`` 0 is proven
+    (status ``"optimal"``); status ``"time limit"`` is the best found in time, whose
+    objective exceeds the optimum by at most ``gap`` of itself. ``variables`` and
+    ``constraints`` are the model's size, and ``product_variables`` the size the plain
+    product formulation (a 0/1 per candidate and per edge pair) would have."""
 
     choice: tuple[int, ...]
     cost: float
     gap: float
     status: str
+    variables: int = 0
+    constraints: int = 0
+    product_variables: int = 0
+
+    @property
+    def proven(self) -> bool:
+        """Whether ``cost`` is the proven optimum."""
+        return self.gap == 0.0
+
+    def __str__(self) -> str:
+        return (f"exact: {self.status}, objective {self.cost:.6g}, gap {self.gap:.3g} "
+                f"({self.product_variables} -> {self.variables} variables, "
+                f"{self.constraints} constraints)")
+
+
+def describe_gap(gap: float) -> str:
+    """What an optimality gap means for a plan, in words (for warnings and printed plans).
+
+    >>> describe_gap(0.25)
+    'optimality gap 25.00%: its objective is at most 1.333 x the optimum'
+    """
+    if gap == 0.0:
+        return "optimality gap 0: the proven optimum"
+    if gap >= 1.0:
+        return "optimality gap 100%: no bound on how far it is from the optimum"
+    return f"optimality gap {gap:.2%}: its objective is at most {1 / (1 - gap):.4g} x the optimum"
 
 
 def solve_exact(cg: CostGraph, time_limit: float | None = None) -> ExactSolution:
-    """The optimum of ``cg`` (or, with ``time_limit`` seconds, the best found and its gap)."""
+    """The optimum of ``cg`` (or, with ``time_limit`` seconds for building the ILP and
+    solving it, the best found and its gap).
+
+    The LP relaxation is solved first: when its optimum picks one whole candidate per node,
+    that choice is the proven optimum (no choice costs less than the relaxation), which is
+    the common case on transformer graphs and several times faster than branch and bound.
+    Otherwise HiGHS branches, within what is left of the limit. Raises ``TimeoutError`` when
+    the limit runs out before any strategy is found, and ``ValueError`` when no choice
+    satisfies every constraint.
+    """
+    started = time.perf_counter()
+    try:
+        return _solve(cg, _Model(cg, 0.0), time_limit, started)
+    except _OverCap:
+        return _solve(cg, _Model(cg, _MEMORY_SLACK), time_limit, started)
+
+
+def _solve(cg: CostGraph, ilp: _Model, time_limit: float | None, started: float
+           ) -> ExactSolution:
+    """:func:`solve_exact` on one model of ``cg``; ``_OverCap`` when its plan is over the cap."""
+    n_var = len(ilp.cost)
+
+    def solution(choice: tuple[int, ...], gap: float, status: str) -> ExactSolution:
+        return ExactSolution(choice, cg.total(choice), gap, status, n_var, ilp.rows.count,
+                             ilp.product_variables)
+
+    relaxed = _highs(ilp, integer=False, time_limit=_left(time_limit, started))
+    if relaxed.x is None:
+        _refuse(relaxed, time_limit, "in the LP relaxation")
+    bound = float(relaxed.fun) * ilp.scale()
+    rounded = ilp.choice(relaxed.x)
+    best: ExactSolution | None = None
+    if rounded is not None and cg.fits(rounded) and math.isfinite(cg.total(rounded)):
+        total = cg.total(rounded)
+        if total - bound <= _ABS_GAP * ilp.scale():  # the relaxation's optimum is whole
+            return solution(rounded, 0.0, "optimal")
+        best = solution(rounded, _gap(total, bound), "time limit")
+    left = _left(time_limit, started)
+    if left is not None and left <= 0:
+        if best is None:
+            raise _timeout(time_limit, "the LP relaxation took it all", str(relaxed.message))
+        return best
+    result = _highs(ilp, integer=True, time_limit=left)
+    if result.x is None:
+        if best is not None and result.status == 1:
+            return best
+        _refuse(result, time_limit, "in branch and bound")
+    choice = ilp.choice(result.x)
+    assert choice is not None, "HiGHS returned a choice that is not one candidate per node"
+    assert not math.isinf(cg.total(choice)), "the solver broke a shared-parameter constraint"
+    if not cg.fits(choice):
+        raise _OverCap
+    if result.status == 0:  # optimal within HiGHS's gaps: 1e-6 of the scale, so proven
+        found = solution(choice, 0.0, "optimal")
+    else:
+        found = solution(choice, min(1.0, float(getattr(result, "mip_gap", 0.0) or 1.0)),
+                         "time limit" if result.status == 1 else str(result.message))
+    if best is None or found.cost <= best.cost:
+        return found
+    dual = getattr(result, "mip_dual_bound", None)  # the branching's bound, if any is better
+    if dual is not None and math.isfinite(dual):
+        bound = max(bound, float(dual) * ilp.scale())
+    return solution(best.choice, _gap(best.cost, bound), "time limit")
+
+
+def _left(time_limit: float | None, started: float) -> float | None:
+    """What is left of ``time_limit`` seconds since ``started`` (None: no limit)."""
+    return None if time_limit is None else time_limit - (time.perf_counter() - started)
+
+
+def product_variables(cg: CostGraph) -> int:
+    """The plain product formulation's size: a 0/1 per candidate and per pair of every edge
+    (the model :func:`solve_exact` builds has at most this many variables; HiGHS needs about
+    1 KiB per variable)."""
+    return (sum(len(n.candidates) for n in cg.nodes)
+            + sum(len(e.costs) * len(e.costs[0]) for e in cg.edges if e.costs))
+
+
+# HiGHS's default absolute MIP gap, in the units of the scaled objective.
+_ABS_GAP = 1e-6
+
+
+def _gap(total: float, bound: float) -> float:
+    """HiGHS's relative gap of an objective ``total`` above a lower ``bound`` (at most 1: no
+    cost is negative, so 0 bounds every objective)."""
+    return min(1.0, max(0.0, (total - bound) / total)) if total > 0 else 0.0
+
+
+def _refuse(result: Any, time_limit: float | None, when: str) -> NoReturn:
+    """Raise for a HiGHS ``result`` without a solution: a timeout or an infeasible model."""
+    if result.status == 1:   # a time (or iteration) limit, no solution
+        raise _timeout(time_limit, when, str(result.message))
+    raise ValueError(f"search_mode 'exact': no strategy satisfies every constraint "
+                     f"({result.message})")
+
+
+def _timeout(time_limit: float | None, when: str, message: str) -> TimeoutError:
+    return TimeoutError(f"search_mode 'exact': the time limit of {time_limit} s ran out before "
+                        f"HiGHS found any strategy that satisfies every constraint ({when}); "
+                        "raise it (the algo parameter exact_time_limit, or simpar.plan's "
+                        "--time-limit), or use search_mode 'dynamic_programming' "
+                        f"({message})")
+
+
+def _highs(ilp: _Model, integer: bool, time_limit: float | None) -> Any:
+    """HiGHS on the model (through ``scipy.optimize.milp``), its ``x`` integral or not."""
     try:
         from scipy.optimize import Bounds, LinearConstraint, milp  # noqa: PLC0415
-        from scipy.sparse import lil_array  # noqa: PLC0415
+        from scipy.sparse import coo_array  # noqa: PLC0415
     except ImportError:  # an optional extra: say how to get it
         raise ImportError("search_mode 'exact' needs scipy (HiGHS): pip install 'simpar[exact]'"
                           ) from None
-    offset: list[int] = []
-    cost: list[float] = []
-    for node in cg.nodes:
-        offset.append(len(cost))
-        cost.extend(node.costs)
-    edge_offset = []
-    for e in cg.edges:
-        edge_offset.append(len(cost))
-        cost.extend(c for row in e.costs for c in row)
-    n_var = len(cost)
-    rows: list[tuple[dict[int, float], float, float]] = []
-    for k, node in enumerate(cg.nodes):                        # one candidate per node
-        rows.append(({offset[k] + i: 1.0 for i in range(len(node.candidates))}, 1.0, 1.0))
-    for e, off in zip(cg.edges, edge_offset):                  # y links the two ends
-        n_p, n_c = len(cg.nodes[e.producer].candidates), len(cg.nodes[e.consumer].candidates)
-        for i in range(n_p):
-            row = {off + i * n_c + j: 1.0 for j in range(n_c)}
-            row[offset[e.producer] + i] = -1.0
-            rows.append((row, 0.0, 0.0))
-        for j in range(n_c):
-            row = {off + i * n_c + j: 1.0 for i in range(n_p)}
-            row[offset[e.consumer] + j] = -1.0
-            rows.append((row, 0.0, 0.0))
-    if math.isfinite(cg.memory_capacity):                      # memory per rank
-        # in units of the cap, less HiGHS's feasibility tolerance: a plan over the cap by
-        # a hair must not pass for one that fits
-        rows.append(({offset[k] + i: m / cg.memory_capacity for k, node in enumerate(cg.nodes)
-                      for i, m in enumerate(node.memories) if m}, -np.inf, 1.0 - 1e-6))
-    for uses in cg.shared.values():                            # one layout per parameter
-        for (a, ka), (b, kb) in zip(uses, uses[1:]):
-            if a == b:  # one op reads it twice: its candidates must agree with themselves
-                for i, ci in enumerate(cg.nodes[a].candidates):
-                    if len(distinct_blocks({ci.in_layouts[ka], ci.in_layouts[kb]})) > 1:
-                        rows.append(({offset[a] + i: 1.0}, -np.inf, 0.0))
-                continue
-            for i, ci in enumerate(cg.nodes[a].candidates):
-                for j, cj in enumerate(cg.nodes[b].candidates):
-                    if len(distinct_blocks({ci.in_layouts[ka], cj.in_layouts[kb]})) > 1:
-                        rows.append(({offset[a] + i: 1.0, offset[b] + j: 1.0}, -np.inf, 1.0))
-    matrix = lil_array((len(rows), n_var))
-    lower, upper = np.empty(len(rows)), np.empty(len(rows))
-    for r, (row, lo, hi) in enumerate(rows):
-        for col, val in row.items():
-            matrix[r, col] = val
-        lower[r], upper[r] = lo, hi
-    options: dict[str, object] = {"disp": False, "mip_rel_gap": 0.0}
+    n_var = len(ilp.cost)
+    matrix = coo_array((ilp.rows.values(), (ilp.rows.row_index(), ilp.rows.col_index())),
+                       shape=(ilp.rows.count, n_var)).tocsr()
+    integrality = np.zeros(n_var)
+    # Presolve removes next to nothing from this model and takes longer than the LP; the
+    # branching keeps it, and HiGHS's first-solution heuristic (feasibility jump) only when
+    # a time limit makes any solution worth having.
+    options: dict[str, Any] = {"disp": False, "presolve": False}
+    if integer:
+        integrality[:ilp.n_x] = 1
+        options.update(mip_rel_gap=0.0, presolve=True,
+                       mip_heuristic_run_feasibility_jump=time_limit is not None)
     if time_limit is not None:
-        options["time_limit"] = float(time_limit)
-    # Costs in seconds are ~1e-5: scaled to ~1, so that HiGHS's absolute tolerances cannot
-    # take a worse choice for an equal one.
-    c = np.asarray(cost, dtype=float)
-    allowed = np.isfinite(c)                                   # inf: a forbidden pair
-    c = np.where(allowed, c, 0.0)
-    scale = float(np.max(np.abs(c))) or 1.0
-    result = milp(c / scale, integrality=np.ones(n_var),
-                  bounds=Bounds(np.zeros(n_var), allowed.astype(float)),
-                  constraints=LinearConstraint(matrix.tocsr(), lower, upper), options=options)
-    if result.x is None and result.status == 1:   # a time (or iteration) limit, no solution
-        raise TimeoutError(f"search_mode 'exact': the time limit of {time_limit} s ran out "
-                           "before HiGHS found any strategy that satisfies every constraint; "
-                           "raise the limit, or use search_mode 'dynamic_programming' "
-                           f"({result.message})")
-    if result.x is None:
-        raise ValueError(f"search_mode 'exact': no strategy satisfies every constraint "
-                         f"({result.message})")
-    x = np.round(result.x).astype(int)
-    choice = tuple(int(np.argmax(x[offset[k]:offset[k] + len(n.candidates)]))
-                   for k, n in enumerate(cg.nodes))
-    gap = float(getattr(result, "mip_gap", 0.0) or 0.0)
-    total = cg.total(choice)
-    assert not math.isinf(total), "the solver broke a shared-parameter constraint"
-    assert cg.fits(choice), "the solver broke the memory constraint"
-    return ExactSolution(choice, total, gap, "optimal" if result.status == 0 else
-                         str(result.message))
+        options["time_limit"] = max(float(time_limit), 0.0)
+    with warnings.catch_warnings():  # milp's note that it passes an option on verbatim
+        warnings.filterwarnings("ignore", message="Unrecognized options")
+        return milp(ilp.cost / ilp.scale(), integrality=integrality,
+                    bounds=Bounds(np.zeros(n_var), ilp.upper),
+                    constraints=LinearConstraint(matrix, ilp.rows.lower(), ilp.rows.upper()),
+                    options=options)
+
+
+@dataclass
+class _Rows:
+    """Constraint rows as COO blocks, appended a block at a time."""
+
+    count: int = 0
+    _rows: list[np.ndarray] = field(default_factory=list)
+    _cols: list[np.ndarray] = field(default_factory=list)
+    _vals: list[np.ndarray] = field(default_factory=list)
+    _lo: list[np.ndarray] = field(default_factory=list)
+    _hi: list[np.ndarray] = field(default_factory=list)
+
+    def add(self, n_rows: int, rows: np.ndarray, cols: np.ndarray, vals: np.ndarray | float,
+            lo: float, hi: float) -> None:
+        """``n_rows`` new rows; entry k of the block is ``vals[k]`` at (``rows[k]``,
+        ``cols[k]``), ``rows`` counted from the block's first row."""
+        self._rows.append(np.asarray(rows, dtype=np.int64) + self.count)
+        self._cols.append(np.asarray(cols, dtype=np.int64))
+        self._vals.append(np.broadcast_to(np.asarray(vals, dtype=float), len(self._cols[-1])))
+        self._lo.append(np.full(n_rows, lo))
+        self._hi.append(np.full(n_rows, hi))
+        self.count += n_rows
+
+    def row_index(self) -> np.ndarray:
+        return _cat(self._rows, np.int64)
+
+    def col_index(self) -> np.ndarray:
+        return _cat(self._cols, np.int64)
+
+    def values(self) -> np.ndarray:
+        return _cat(self._vals, float)
+
+    def lower(self) -> np.ndarray:
+        return _cat(self._lo, float)
+
+    def upper(self) -> np.ndarray:
+        return _cat(self._hi, float)
+
+
+def _cat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
+    return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype=dtype)
+
+
+@dataclass(frozen=True)
+class _Edge:
+    """One edge's matrix reduced to classes: ``row_class[i]`` of each producer candidate,
+    ``col_class[j]`` of each consumer candidate, the matrix of classes, and what it needs."""
+
+    row_class: np.ndarray
+    col_class: np.ndarray
+    matrix: np.ndarray           # classes x classes; inf: forbidden
+    # separable: M[i, j] = row_fold[a(i)] + col_fold[b(j)] wherever allowed (0 elsewhere)
+    row_fold: np.ndarray | None
+    col_fold: np.ndarray | None
+
+
+class _Model:
+    """The ILP of a cost graph: objective, upper bounds and rows; ``x`` first (node ``k``'s
+    candidates at ``offset[k]:offset[k + 1]``), then the edges' ``z``."""
+
+    def __init__(self, cg: CostGraph, slack: float) -> None:
+        self.slack = slack
+        counts = np.array([len(n.candidates) for n in cg.nodes], dtype=np.int64)
+        self.offset = np.concatenate(([0], np.cumsum(counts)))
+        self.n_x = int(self.offset[-1])
+        node_cost = (np.concatenate([np.asarray(n.costs, dtype=float) for n in cg.nodes])
+                     if cg.nodes else np.zeros(0))
+        self.product_variables = product_variables(cg)
+        upper = np.isfinite(node_cost).astype(float)
+        node_cost = np.where(upper > 0, node_cost, 0.0)
+        self.rows = _Rows()
+        # one candidate per node
+        self.rows.add(len(cg.nodes), np.repeat(np.arange(len(cg.nodes)), counts),
+                      np.arange(self.n_x), 1.0, 1.0, 1.0)
+        z_cost: list[np.ndarray] = []
+        n_var = self.n_x
+        reduced: dict[tuple[int, ...], _Edge] = {}
+        for (p, c), edges in _by_pair(cg.edges).items():
+            key = tuple(id(e.costs) for e in edges)  # identical layers share their matrices
+            if key not in reduced:
+                reduced[key] = _reduce(np.sum([np.asarray(e.costs, dtype=float)
+                                               for e in edges], axis=0))
+            r = reduced[key]
+            xp = self.offset[p] + np.arange(counts[p])
+            xc = self.offset[c] + np.arange(counts[c])
+            allowed = np.isfinite(r.matrix)
+            upper[xp[~allowed.any(axis=1)[r.row_class]]] = 0.0  # every pair forbidden
+            upper[xc[~allowed.any(axis=0)[r.col_class]]] = 0.0
+            if r.row_fold is not None and r.col_fold is not None:
+                node_cost[xp] += r.row_fold[r.row_class]
+                node_cost[xc] += r.col_fold[r.col_class]
+                continue
+            a, b = np.nonzero(allowed)
+            z = n_var + np.arange(len(a))
+            n_var += len(a)
+            z_cost.append(r.matrix[a, b])
+            na, nb = r.matrix.shape
+            # rows 0..na-1: the producer's classes; na..na+nb-1: the consumer's
+            self.rows.add(na + nb, np.concatenate((a, na + b, r.row_class, na + r.col_class)),
+                          np.concatenate((z, z, xp, xc)),
+                          np.concatenate((np.ones(2 * len(a)), -np.ones(len(xp) + len(xc)))),
+                          0.0, 0.0)
+        self._shared(cg, upper)
+        self._memory(cg)
+        self.cost = np.concatenate([node_cost, *z_cost])
+        self.upper = np.concatenate([upper, np.ones(n_var - self.n_x)])
+        cheapest = [np.min(node_cost[lo:hi][upper[lo:hi] > 0], initial=np.inf)
+                    for lo, hi in zip(self.offset[:-1], self.offset[1:])]
+        cheapest += [np.min(z) for z in z_cost if len(z)]
+        self._floor = float(sum(cheapest))
+
+    def choice(self, x: np.ndarray) -> tuple[int, ...] | None:
+        """The candidate per node that ``x`` picks, or None unless each node has one whole
+        candidate (within HiGHS's integrality tolerance)."""
+        picks = x[:self.n_x]
+        if np.max(np.abs(picks - np.round(picks)), initial=0.0) > 1e-6:
+            return None
+        starts = self.offset[:-1]
+        if not np.allclose(np.add.reduceat(np.round(picks), starts), 1.0):
+            return None
+        return tuple(int(np.argmax(picks[lo:hi])) for lo, hi in zip(starts, self.offset[1:]))
+
+    def scale(self) -> float:
+        """What the costs are divided by: a lower bound of the optimum (every node's and every
+        edge's cheapest entry), so that HiGHS's absolute tolerances (1e-6) are at most a
+        millionth of the optimum and cannot take a worse choice for a nearly equal one; the
+        largest cost when that bound is 0."""
+        if 0 < self._floor < math.inf:
+            return float(self._floor)
+        return float(np.max(np.abs(self.cost), initial=0.0)) or 1.0
+
+    def _shared(self, cg: CostGraph, upper: np.ndarray) -> None:
+        """One layout per parameter: readers' candidates in each class of layouts sum alike."""
+        for uses in cg.shared.values():
+            for (a, ka), (b, kb) in zip(uses, uses[1:]):
+                if a == b:  # one op reads it twice: its candidates must agree with themselves
+                    ca = _block_classes([c.in_layouts[ka] for c in cg.nodes[a].candidates] +
+                                        [c.in_layouts[kb] for c in cg.nodes[a].candidates])
+                    n = len(cg.nodes[a].candidates)
+                    bad = np.nonzero(ca[:n] != ca[n:])[0]
+                    upper[self.offset[a] + bad] = 0.0
+                    continue
+                n_a = len(cg.nodes[a].candidates)
+                classes = _block_classes([c.in_layouts[ka] for c in cg.nodes[a].candidates] +
+                                         [c.in_layouts[kb] for c in cg.nodes[b].candidates])
+                cols = np.concatenate((self.offset[a] + np.arange(n_a),
+                                       self.offset[b] + np.arange(len(classes) - n_a)))
+                vals = np.where(np.arange(len(classes)) < n_a, 1.0, -1.0)
+                self.rows.add(int(classes.max()) + 1, classes, cols, vals, 0.0, 0.0)
+
+    def _memory(self, cg: CostGraph) -> None:
+        if not math.isfinite(cg.memory_capacity) or not cg.nodes:
+            return
+        mems = np.concatenate([np.asarray(n.memories, dtype=float) for n in cg.nodes])
+        share = mems / cg.memory_capacity
+        hungriest = np.maximum.reduceat(share, self.offset[:-1]).sum()
+        if hungriest <= 1.0 - self.slack:  # every choice fits: the row binds nothing
+            return
+        used = np.nonzero(share)[0]
+        self.rows.add(1, np.zeros(len(used)), used, share[used], -np.inf, 1.0 - self.slack)
+
+
+def _by_pair(edges: Sequence[CostEdge]) -> dict[tuple[int, int], list[CostEdge]]:
+    """Edges grouped by (producer, consumer): several edges between two nodes cost their sum."""
+    out: dict[tuple[int, int], list[CostEdge]] = {}
+    for e in edges:
+        out.setdefault((e.producer, e.consumer), []).append(e)
+    return out
+
+
+def _reduce(m: np.ndarray) -> _Edge:
+    """Classes of equal rows and of equal columns of ``m``, and whether it is separable."""
+    rows, row_class = np.unique(m, axis=0, return_inverse=True)
+    cols, col_class = np.unique(rows, axis=1, return_inverse=True)
+    row_class, col_class = row_class.ravel(), col_class.ravel()
+    allowed = np.isfinite(cols)
+    live_r, live_c = allowed.any(axis=1), allowed.any(axis=0)
+    sub = cols[np.ix_(live_r, live_c)]
+    fold: tuple[np.ndarray | None, np.ndarray | None] = (None, None)
+    if sub.size and np.isfinite(sub).all():
+        if sub.shape[1] == 1:  # one class of consumer candidates: the producer pays it all
+            u, v = sub[:, 0], np.zeros(1)
+        else:
+            u, v = sub[:, 0] - sub[0, 0], sub[0, :]
+        if np.array_equal(u[:, None] + v[None, :], sub):  # exactly, not within rounding
+            row_fold, col_fold = np.zeros(len(live_r)), np.zeros(len(live_c))
+            row_fold[live_r], col_fold[live_c] = u, v
+            fold = (row_fold, col_fold)
+    return _Edge(row_class, col_class, cols, *fold)
+
+
+def _block_classes(layouts: Sequence[TensorLayout]) -> np.ndarray:
+    """A class per layout: equal for layouts that give every rank the same block."""
+    seen: dict[TensorLayout, int] = {}
+    by_blocks: dict[Hashable, int] = {}
+    out = np.empty(len(layouts), dtype=np.int64)
+    for k, lay in enumerate(layouts):
+        if lay not in seen:
+            blocks = (lay.device_num, tuple(lay.slice_of(r) for r in range(lay.device_num)))
+            seen[lay] = by_blocks.setdefault(blocks, len(by_blocks))
+        out[k] = seen[lay]
+    return out

@@ -89,13 +89,19 @@ def _cuts(strategy: Strategy | None) -> str:
 @dataclass(frozen=True)
 class StrategyMap:
     """Every op's :class:`OpStrategy` by op name, every parameter's layout by parameter name,
-    and every graph input's layout by input name, for ``device_num`` devices in ``mode``."""
+    and every graph input's layout by input name, for ``device_num`` devices in ``mode``.
+
+    ``optimality_gap`` says how sure the search that made it is: 0.0 when its objective is the
+    proven optimum, ``g`` in (0, 1] when a time-limited exact search stopped early (the optimum
+    costs at least ``1 - g`` of this plan's objective), None when the planner proves nothing.
+    Two maps that choose the same strategies are equal whatever their gaps."""
 
     device_num: int
     mode: str
     ops: Mapping[str, OpStrategy] = field(default_factory=dict)
     params: Mapping[str, TensorLayout] = field(default_factory=dict)
     inputs: Mapping[str, TensorLayout] = field(default_factory=dict)
+    optimality_gap: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.device_num, bool) or not isinstance(self.device_num,
@@ -115,6 +121,13 @@ class StrategyMap:
                     raise TypeError(f"StrategyMap: {name}[{key!r}] must be a "
                                     f"{what.__name__}, got {type(value).__name__}")
             object.__setattr__(self, name, MappingProxyType(dict(table)))
+        gap = self.optimality_gap
+        if gap is not None:
+            if isinstance(gap, bool) or not isinstance(gap, (int, float, np.floating)) or \
+                    not 0.0 <= gap <= 1.0:
+                raise ValueError(f"StrategyMap: optimality_gap must be None or a float in "
+                                 f"[0, 1], got {gap!r}")
+            object.__setattr__(self, "optimality_gap", float(gap))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, StrategyMap):
@@ -130,19 +143,24 @@ class StrategyMap:
 
     def __str__(self) -> str:
         by_source = ", ".join(f"{self.count(s)} {s}" for s in Source if self.count(s))
+        gap = (f", optimality gap {self.optimality_gap:.2%}" if self.optimality_gap else "")
         lines = [f"StrategyMap: {self.mode}, {self.device_num} devices, {len(self.ops)} ops "
-                 f"({by_source}), {len(self.params)} parameters"]
+                 f"({by_source}), {len(self.params)} parameters{gap}"]
         lines += [f"  {name}: {s}" for name, s in self.ops.items()]
         lines += [f"  param {name}: {lay}" for name, lay in self.params.items()]
         lines += [f"  input {name}: {lay}" for name, lay in self.inputs.items()]
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready. Layouts are MindSpore's dictionaries (plus shape)."""
-        return {"device_num": self.device_num, "mode": self.mode,
-                "ops": {n: s.to_dict() for n, s in self.ops.items()},
-                "params": {n: lay.to_dict() for n, lay in self.params.items()},
-                "inputs": {n: lay.to_dict() for n, lay in self.inputs.items()}}
+        """JSON-ready. Layouts are MindSpore's dictionaries (plus shape); ``optimality_gap``
+        only when the search gave one."""
+        d: dict[str, Any] = {"device_num": self.device_num, "mode": self.mode,
+                             "ops": {n: s.to_dict() for n, s in self.ops.items()},
+                             "params": {n: lay.to_dict() for n, lay in self.params.items()},
+                             "inputs": {n: lay.to_dict() for n, lay in self.inputs.items()}}
+        if self.optimality_gap is not None:
+            d["optimality_gap"] = self.optimality_gap
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> StrategyMap:
@@ -159,4 +177,5 @@ class StrategyMap:
         return cls(int(d["device_num"]), str(d["mode"]),
                    {n: OpStrategy.from_dict(s) for n, s in d.get("ops", {}).items()},
                    {n: TensorLayout.from_dict(v) for n, v in d.get("params", {}).items()},
-                   {n: TensorLayout.from_dict(v) for n, v in d.get("inputs", {}).items()})
+                   {n: TensorLayout.from_dict(v) for n, v in d.get("inputs", {}).items()},
+                   d.get("optimality_gap"))
