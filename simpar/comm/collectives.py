@@ -282,9 +282,14 @@ def check_agreement(name: str, description: str,
     g, comm = resolve(group)
     if g.size == 1:
         return
+    _settle(comm, g, name, _agreement_claims(name, description, g), lambda: description)
+
+
+def _agreement_claims(name: str, description: str, g: Group) -> int:
+    """This rank's ring claims that every rank of ``g`` passes ``description`` to ``name``."""
     digest = hashlib.blake2b(f"{name}\0{description}".encode(), digest_size=8).digest()
     key = hash((_KIND_CODE["check_agreement"], int.from_bytes(digest, "little")))
-    _settle(comm, g, name, _ring_claims(key, g), lambda: description)
+    return _ring_claims(key, g)
 
 
 class InputMismatchError(CommMismatchError):
@@ -357,9 +362,7 @@ def start_check_same_arrays(name: str, arrays: Sequence[tuple[str, Any]],
         description = ", ".join(f"{label} {a.dtype}{list(a.shape)} #{_fingerprint(a)}"
                                 for label, a in ((lb, np.ascontiguousarray(x))
                                                  for lb, x in arrays))
-        digest = hashlib.blake2b(f"{name}\0{description}".encode(), digest_size=8).digest()
-        claims = ring_claims(hash((_KIND_CODE["check_agreement"],
-                                   int.from_bytes(digest, "little"))), me, g.size)
+        claims = _agreement_claims(name, description, g)
     mine, total = np.array([claims], dtype=np.int64), np.zeros(1, dtype=np.int64)
     request = comm.Iallreduce(mine, total, op=_mpi().BXOR)
     buffers = [mine, total]

@@ -94,8 +94,9 @@ def exact_planner(request: PlanRequest) -> StrategyMap:
     limit = context.get_algo_parameters("exact_time_limit")
     found = solve_exact(cg, limit)
     if not found.proven:
-        warnings.warn(f"search_mode 'exact': the time limit of {limit:g} s "
-                      f"(exact_time_limit) ran out; the plan is the best found, not proven "
+        why = ("HiGHS stopped before proving it" if limit is None else
+               f"the time limit of {limit:g} s (exact_time_limit) ran out")
+        warnings.warn(f"search_mode 'exact': {why}; the plan is the best found, not proven "
                       f"optimal ({describe_gap(found.gap)}). Raise exact_time_limit with "
                       "set_algo_parameters, or set it to None, for the proven optimum",
                       TimeLimitWarning, stacklevel=2)
