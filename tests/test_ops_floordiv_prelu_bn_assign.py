@@ -272,8 +272,10 @@ def test_bad_values_are_refused_by_the_kernels() -> None:
         ops.PReLU().kernel(_r(2, 3), np.ones(3, dtype=np.int32))
     with pytest.raises(TypeError, match="BatchNorm: scale must be a floating-point array"):
         ops.BatchNorm(True).kernel(_r(4, 2), np.ones(2, dtype=np.int64), *(_r(2),) * 3)
+    # Shapes are checked where arrays come in (op(...) eagerly, tracing in a program), not by
+    # the kernel on every step.
     with pytest.raises(ValueError, match="FloorDiv: input shapes .* do not broadcast"):
-        ops.FloorDiv().kernel(_r(2, 3), _r(2, 4))
+        ops.FloorDiv()(_r(2, 3), _r(2, 4))
     with pytest.raises(ValueError, match=r"Assign: value has shape \(3, 2\) but must have the "
                                          r"variable's shape \(2, 3\)"):
         ops.Assign().kernel(_r(2, 3), _r(3, 2))

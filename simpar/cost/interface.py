@@ -204,7 +204,7 @@ class SimparCostModel:
                                                          if k not in skip]))
         if tape in ("inputs+output", "output"):
             total += outs
-        elif tape == "new-like-input":
+        elif tape in ("new-like-input", "input+new"):
             total += ins[0]
         elif tape == "mask":
             total += sh.in_layouts[0].local_size()
@@ -230,6 +230,8 @@ def _tape_inputs(tape: str, free: list[int]) -> list[int]:
     """Which of the ``free`` input positions a tape of kind ``tape`` keeps as they are."""
     if tape == "inputs+output":
         return free
+    if tape == "input+new":
+        return [0] if 0 in free else []
     return [1] if tape == "indices" and 1 in free else []
 
 

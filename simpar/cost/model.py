@@ -330,6 +330,10 @@ def _kept(tape: str, node: Any, sh: Any, ins: list[tuple[Any, tuple[Any, ...]]],
     if tape == "indices":
         return [ins[1][1]]
     first = sh.in_layouts[0].local_size()
+    if tape == "input+new":
+        sizes[("new", node.id)] = first * node.inputs[0].dtype.itemsize
+        return [key for v, key in ins[:1] if v.kind != "param" or key[0] == "redistributed"
+                ] + [("new", node.id)]
     if tape == "new-like-input":
         sizes[("new", node.id)] = first * node.inputs[0].dtype.itemsize
     elif tape == "mask":

@@ -26,6 +26,7 @@ AllReduce over the input's replica axes (MindSpore's Mirror, for a parameter).
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -388,6 +389,24 @@ class OpSharding:
         finally:
             _NEEDS.reset(token)
 
+    def backward_kernel(self, needs: Sequence[bool]
+                        ) -> Callable[[Any, Any], tuple[np.ndarray | None, ...]]:
+        """:meth:`kernel_backward` bound once for a compiled program: ``f(saved, dout)`` with
+        ``dout`` the raw output's cotangent (a tuple of them for a multi-output op). When
+        every input's gradient is needed it is the op's own ``local_backward``, with nothing
+        in between."""
+        needs = tuple(bool(n) for n in needs)
+        if all(needs):
+            return functools.partial(self.op.local_backward, self)
+
+        def run(saved: Any, dout: Any) -> tuple[np.ndarray | None, ...]:
+            token = _NEEDS.set(needs)
+            try:
+                return self.op.local_backward(self, saved, dout)
+            finally:
+                _NEEDS.reset(token)
+        return run
+
     def all_reduce(self, spec: CommSpec, x: np.ndarray, what: str) -> np.ndarray:
         """Run one of the op's own collectives (an entry of ``internal_forward`` or
         ``internal_backward``) on this rank's partial ``x``: ``what`` tags the trace."""
@@ -429,6 +448,7 @@ class Tape(str, enum.Enum):
     OUTPUT = "output"                    # Softmax: y
     NOTHING = "nothing"                  # Reshape, Transpose, Split, ReduceMean: shapes only
     NEW_LIKE_INPUT = "new-like-input"    # LayerNorm's xhat, the cross entropy's softmax
+    INPUT_AND_NEW = "input+new"          # GeLU: x and the tanh it computed from x
     MASK = "mask"                        # Dropout: one byte per element of input 0
     INDICES = "indices"                  # Gather: input 1 (the ids)
 
@@ -566,7 +586,9 @@ class Primitive:
         tracer = _TRACER.get()
         if tracer is not None:
             return tracer(self, xs)
-        return self.kernel(*[np.asarray(x) for x in xs])
+        arrays = [np.asarray(x) for x in xs]
+        self.infer_shape(*(x.shape for x in arrays))  # kernels trust the shapes they get
+        return self.kernel(*arrays)
 
     # -- sharding (subclasses override iter_space, or sharding() wholesale)
     def iter_space(self, *shapes: tuple[int, ...]) -> IterSpace:

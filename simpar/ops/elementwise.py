@@ -60,9 +60,7 @@ class _Binary(Primitive):
         return _broadcast_space(self.name, *shapes)
 
     def kernel(self, *xs: np.ndarray) -> np.ndarray:
-        x, y = xs
-        _broadcast_space(self.name, x.shape, y.shape)
-        return np.asarray(type(self).fn(x, y))
+        return np.asarray(type(self).fn(*xs))
 
     def _grads(self, x: np.ndarray, y: np.ndarray, dy: np.ndarray, need: tuple[bool, bool]
                ) -> tuple[np.ndarray | None, np.ndarray | None]:
@@ -208,8 +206,7 @@ class BiasAdd(Primitive):
 
     def kernel(self, *xs: np.ndarray) -> np.ndarray:
         x, b = xs
-        self.infer_shape(x.shape, b.shape)
-        return x + self._view(b, x.ndim)
+        return x + (b if self.data_format == "NHWC" or x.ndim == 2 else self._view(b, x.ndim))
 
     def vjp(self, xs: Sequence[np.ndarray], y: np.ndarray, dy: np.ndarray
             ) -> tuple[np.ndarray | None, ...]:
@@ -353,6 +350,9 @@ class GeLU(_Unary):
     """Gaussian error linear unit, tanh form (MindSpore's GeLU primitive):
     ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``."""
 
+    # A program's forward keeps x and the tanh for the backward (not the output, which the
+    # backward does not read): no second tanh, the dearest part of the gradient.
+    tape = Tape.INPUT_AND_NEW
     flops_per_element = 8
 
     def kernel(self, *xs: np.ndarray) -> np.ndarray:
@@ -365,20 +365,35 @@ class GeLU(_Unary):
 
     def vjp(self, xs: Sequence[np.ndarray], y: np.ndarray, dy: np.ndarray
             ) -> tuple[np.ndarray | None, ...]:
-        # d/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3a x^2), in place on few temporaries.
+        return (_gelu_grad(xs[0], _gelu_tanh(xs[0]), dy),)
+
+    def local_forward(self, sh: OpSharding, *xs: np.ndarray) -> tuple[np.ndarray, Any]:
         x = xs[0]
         t = _gelu_tanh(x)
-        slope = x * x
-        slope *= 3 * _GELU_A
-        slope += 1.0
-        slope *= _GELU_C
-        slope *= x
-        slope *= 1.0 - t * t
-        t += 1.0
-        slope += t
-        slope *= 0.5
-        slope *= dy
-        return (slope,)
+        y = t + 1.0
+        y *= x
+        y *= 0.5
+        return y, (x, t)
+
+    def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray
+                       ) -> tuple[np.ndarray | None, ...]:
+        x, t = saved
+        return (_gelu_grad(x, t, dy),)
+
+
+def _gelu_grad(x: np.ndarray, t: np.ndarray, dy: np.ndarray) -> np.ndarray:
+    """d/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3a x^2), times ``dy``, in place on few
+    temporaries (``t`` is left as it is)."""
+    slope = x * x
+    slope *= 3 * _GELU_A
+    slope += 1.0
+    slope *= _GELU_C
+    slope *= x
+    slope *= 1.0 - t * t
+    slope += t + 1.0
+    slope *= 0.5
+    slope *= dy
+    return slope
 
 
 def _gelu_tanh(x: np.ndarray) -> np.ndarray:

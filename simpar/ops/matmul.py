@@ -27,10 +27,6 @@ from simpar.ops._base import (
 __all__ = ["BatchMatMul", "MatMul"]
 
 
-def _t(x: np.ndarray, flag: bool) -> np.ndarray:
-    return np.swapaxes(x, -1, -2) if flag else x
-
-
 class _MatMulBase(Primitive):
     n_inputs = 2
     supports_out_strategy = True
@@ -64,12 +60,16 @@ class _MatMulBase(Primitive):
         return a, b
 
     def kernel(self, *xs: np.ndarray) -> np.ndarray:
+        # Shapes were checked where they came in (tracing, or ``op(a, b)``): a kernel runs
+        # on every step, and its Python is the whole cost of a small shard's product.
         a, b = xs
-        self._ikj(a.shape, b.shape)
-        if _rows(a, b, self.transpose_a):   # (..., k) @ (k, j) as one GEMM over every row
-            out = np.matmul(a.reshape(-1, a.shape[-1]), _t(b, self.transpose_b))
+        if self.transpose_b:
+            b = b.swapaxes(-1, -2)
+        if b.ndim == 2 and a.ndim > 2 and not self.transpose_a:
+            # (..., k) @ (k, j) as one GEMM over every row
+            out = np.matmul(a.reshape(-1, a.shape[-1]), b)
             return out.reshape(*a.shape[:-1], out.shape[-1])
-        return np.matmul(_t(a, self.transpose_a), _t(b, self.transpose_b))
+        return np.matmul(a.swapaxes(-1, -2) if self.transpose_a else a, b)
 
     def vjp(self, xs: Sequence[np.ndarray], y: np.ndarray, dy: np.ndarray
             ) -> tuple[np.ndarray | None, ...]:
@@ -77,23 +77,29 @@ class _MatMulBase(Primitive):
         # (j, k) is dY^T A, not (A^T dY)^T): contiguous, with no copy, for the Mirror and the
         # optimizer's passes over it. A gradient the backward does not use is not computed.
         a, b = xs
-        if _rows(a, b, self.transpose_a):   # a batch of rows times a matrix: 2-D GEMMs
-            a2, dy2 = a.reshape(-1, a.shape[-1]), dy.reshape(-1, dy.shape[-1])
-            da2 = db2 = None
-            if gradient_needed(0):
-                da2 = np.matmul(dy2, b) if self.transpose_b else np.matmul(dy2, b.T)
-            if gradient_needed(1):
-                db2 = np.matmul(dy2.T, a2) if self.transpose_b else np.matmul(a2.T, dy2)
-            return (None if da2 is None else da2.reshape(a.shape)), db2
-        at, bt = _t(a, self.transpose_a), _t(b, self.transpose_b)
-        dyt = np.swapaxes(dy, -1, -2)
+        ta, tb = self.transpose_a, self.transpose_b
         da = db = None
-        if gradient_needed(0):
-            da = np.matmul(bt, dyt) if self.transpose_a else np.matmul(dy, _t(bt, True))
-            da = np.ascontiguousarray(_unbroadcast(da, a.shape))
-        if gradient_needed(1):
-            db = np.matmul(dyt, at) if self.transpose_b else np.matmul(_t(at, True), dy)
-            db = np.ascontiguousarray(_unbroadcast(db, b.shape))
+        if b.ndim == 2 and a.ndim > 2 and not ta:   # a batch of rows times a matrix: 2-D GEMMs
+            dy2 = dy.reshape(-1, dy.shape[-1])
+            if gradient_needed(0):
+                da = np.matmul(dy2, b if tb else b.T).reshape(a.shape)
+            if gradient_needed(1):
+                a2 = a.reshape(-1, a.shape[-1])
+                db = np.matmul(dy2.T, a2) if tb else np.matmul(a2.T, dy2)
+            return da, db
+        dyt = dy.swapaxes(-1, -2)
+        if gradient_needed(0):   # A (i, k): dY B^T; A stored (k, i): B dY^T
+            bt = b.swapaxes(-1, -2) if tb else b
+            da = np.matmul(bt, dyt) if ta else np.matmul(dy, bt.swapaxes(-1, -2))
+            if da.shape != a.shape:
+                da = _unbroadcast(da, a.shape)
+            da = np.ascontiguousarray(da)
+        if gradient_needed(1):   # B (k, j): A^T dY; B stored (j, k): dY^T A
+            at = a.swapaxes(-1, -2) if ta else a
+            db = np.matmul(dyt, at) if tb else np.matmul(at.swapaxes(-1, -2), dy)
+            if db.shape != b.shape:
+                db = _unbroadcast(db, b.shape)
+            db = np.ascontiguousarray(db)
         return da, db
 
     def flops(self, local_in: tuple[tuple[int, ...], ...], local_out: tuple[int, ...]) -> int:
@@ -126,13 +132,6 @@ def _slice_aligned(strat: Strategy, shapes: tuple[tuple[int, ...], ...]
         if any(d % size for d in local[-2:]):
             return local
     return None
-
-
-def _rows(a: np.ndarray, b: np.ndarray, transpose_a: bool) -> bool:
-    """True when ``a`` (not transposed, more than 2-D) meets a 2-D ``b``: every row of ``a``
-    is multiplied by the same matrix, one GEMM over all rows rather than one per batch
-    element (the sum over the batch of the weight gradient is then part of the GEMM)."""
-    return b.ndim == 2 and a.ndim > 2 and not transpose_a
 
 
 def _unbroadcast(g: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:

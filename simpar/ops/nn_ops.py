@@ -18,6 +18,7 @@ so the two can only differ by the order of floating-point summation.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -254,6 +255,15 @@ def _layer_norm_grad(dy: np.ndarray, xhat: np.ndarray, rstd: np.ndarray, gamma: 
     return g, np.asarray(dgamma), np.asarray(dbeta)
 
 
+@functools.lru_cache(maxsize=1024)  # asked on every step, for the same few shapes
+def _ln_geometry(x: tuple[int, ...], begin_norm_axis: int, begin_params_axis: int
+                 ) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """(normalised axes, leading axes of gamma's gradient, elements per normalised row)."""
+    bna = _norm_axis("LayerNorm", "begin_norm_axis", begin_norm_axis, len(x))
+    bpa = _norm_axis("LayerNorm", "begin_params_axis", begin_params_axis, len(x))
+    return tuple(range(bna, len(x))), tuple(range(bpa)), math.prod(x[bna:])
+
+
 @register
 class LayerNorm(Primitive):
     """``(x - mean) / sqrt(var + epsilon) * gamma + beta``; mean and variance over the dims
@@ -317,8 +327,7 @@ class LayerNorm(Primitive):
         return IterSpace((names, names[bpa:], names[bpa:]), names, names)
 
     def _geometry(self, x: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...], int]:
-        bna, bpa = self._axes(x)
-        return tuple(range(bna, len(x))), tuple(range(bpa)), math.prod(x[bna:])
+        return _ln_geometry(x, self.begin_norm_axis, self.begin_params_axis)
 
     def kernel(self, *xs: np.ndarray) -> np.ndarray:
         x, gamma, beta = xs

@@ -52,10 +52,9 @@ from simpar.redistribution import (
     LOCAL_KINDS,
     RedistributionPlan,
     StepKind,
-    execute,
-    execute_step,
     plan,
 )
+from simpar.runtime.executor import Executor, mirror_announcement
 from simpar.search import (
     Source,
     StrategyMap,
@@ -151,6 +150,8 @@ class ParallelProgram:
         default_factory=dict, init=False, compare=False, repr=False)
     _backward_plans: dict[tuple[bool, ...], BackwardPlan] = field(
         default_factory=dict, init=False, compare=False, repr=False)
+    _executors: dict[int, Executor] = field(
+        default_factory=dict, init=False, compare=False, repr=False)  # compiled, per rank
 
     def backward_plan(self, seeded: Sequence[bool] | None = None) -> BackwardPlan:
         """Where every cotangent is pending and what the backward runs for it
@@ -321,8 +322,9 @@ class ParallelProgram:
 
     # ------------------------------------------------------------ execution
     def forward(self, local_inputs: Sequence[np.ndarray], local_params: dict[str, np.ndarray],
-                step: int = 0) -> tuple[list[np.ndarray], dict[int, Any]]:
-        """Run the forward on this rank's shards; returns output shards and the tape.
+                step: int = 0) -> tuple[list[np.ndarray], list[Any]]:
+        """Run the forward on this rank's shards; returns output shards and the tape (what
+        :meth:`backward` takes).
 
         Collectives run without simpar.comm's cross-rank agreement check: every rank runs
         the same plan, so shapes agree by construction (and the check would double the
@@ -331,40 +333,16 @@ class ParallelProgram:
         expected = self._collectives(rank, None, backward=False)
         with comm.validation_disabled(), training_step(step), \
                 schedule.following(expected, "forward"):
-            return self._forward(local_inputs, local_params)
+            return self.executor(rank).forward(local_inputs, local_params, _WATCH.get())
 
-    def _forward(self, local_inputs: Sequence[np.ndarray], local_params: dict[str, np.ndarray]
-                 ) -> tuple[list[np.ndarray], dict[int, Any]]:
-        # No comm.label here or in _backward: under schedule.following every collective runs
-        # as a step of the schedule, whose label names it in the trace.
-        vals: dict[int, np.ndarray] = {}
-        for v, x in zip(self.graph.inputs, local_inputs):
-            vals[v.id] = x
-        for v in self.graph.params:
-            vals[v.id] = local_params[v.name]
-        for v in self.graph.consts:
-            assert v.const is not None
-            vals[v.id] = v.const
-        tape: dict[int, Any] = {}
-        watch = _WATCH.get()
-        for s in self.steps:
-            node = s.node
-            ins = [execute(p, vals[v.id]) if p.steps else vals[v.id]
-                   for v, p in zip(node.inputs, s.in_plans)]
-            out, saved = s.sharding.forward(*ins)
-            if len(node.outputs) > 1:
-                for v, o in zip(node.outputs, out):
-                    vals[v.id] = o
-            else:
-                vals[node.outputs[0].id] = out
-            if node.id in self.grad_nodes:
-                tape[node.id] = saved
-            if watch is not None:
-                watch.params = local_params
-                watch.sample(vals, tape)
-        return [vals[v.id] for v in self.graph.outputs], tape
+    def executor(self, rank: int) -> Executor:
+        """``rank``'s compiled program (:mod:`simpar.runtime.executor`), built once."""
+        found = self._executors.get(rank)
+        if found is None:
+            found = self._executors[rank] = Executor(self, rank)
+        return found
 
-    def backward(self, tape: dict[int, Any], output_grads: Sequence[np.ndarray | None]
+    def backward(self, tape: list[Any], output_grads: Sequence[np.ndarray | None]
                  ) -> dict[str, np.ndarray]:
         """Reverse pass from the outputs' cotangents; returns each trainable parameter's
         gradient shard, completed by its Mirror AllReduce."""
@@ -372,84 +350,13 @@ class ParallelProgram:
         seeded = [g is not None for g in output_grads]
         expected = self._collectives(rank, seeded, backward=True)
         with comm.validation_disabled(), schedule.following(expected, "backward"):
-            return self._backward(tape, output_grads, rank)
-
-    def _backward(self, tape: dict[int, Any], output_grads: Sequence[np.ndarray | None],
-                  rank: int) -> dict[str, np.ndarray]:
-        # A value's cotangent has the value's dtype, whatever numpy's promotion made of the
-        # contributions, so every collective moves the bytes the schedule lists. Seeds are
-        # whole: every rank holds the output's whole cotangent.
-        bplan = self.backward_plan([g is not None for g in output_grads])
-        grads: dict[int, np.ndarray] = {}
-        for v, g in zip(self.graph.outputs, output_grads):
-            if g is not None:
-                grads[v.id] = np.asarray(g).astype(v.dtype, copy=False)
-        watch = _WATCH.get()
-        for s in reversed(self.steps):
-            node = s.node
-            nb = bplan.nodes.get(node.id)
-            douts = [grads.pop(v.id, None) for v in node.outputs]
-            if nb is None:
-                continue
-            sh = s.sharding
-            draws: list[np.ndarray] = [np.empty(0)] * len(douts)
-            for k in reversed(range(len(douts))):   # outputs' adjoints, last output first
-                d = douts[k]
-                if d is None:   # an unused output's cotangent is zero
-                    draws[k] = np.zeros(sh.outputs[k][0].local_shape(), node.outputs[k].dtype)
-                    continue
-                acts = nb.op.out_actions[k]
-                draws[k] = _run(acts, d) if acts else d
-            contribs = list(sh.kernel_backward(tape[node.id], draws, nb.needs))
-            if nb.op.inner_actions and contribs[0] is not None:
-                contribs[0] = _run(nb.op.inner_actions, contribs[0])
-            for k, (v, c) in enumerate(zip(node.inputs, contribs)):
-                # The schedule's rule: float inputs of differentiable positions on a path
-                # from a trainable parameter get a gradient (None from a kernel means zero).
-                if not nb.needs[k]:
-                    continue
-                if c is None:
-                    c = np.zeros(sh.in_layouts[k].local_shape(), v.dtype)
-                elif c.dtype != v.dtype:
-                    c = c.astype(v.dtype)
-                if nb.edges[k]:
-                    c = _run(nb.edges[k], c)
-                before = grads.get(v.id)
-                grads[v.id] = (c if before is None else
-                               _run(nb.align_sum[k], before) + _run(nb.align_new[k], c))
-            if watch is not None:
-                watch.sample(tape, grads)
-        out: dict[str, np.ndarray] = {}
-        for name, v in self.param_values.items():
-            if v.param is None or not v.param.requires_grad:
-                continue
-            g = grads.get(v.id)
-            if g is None:
-                g = np.zeros(self.param_layouts[name].local_shape(), dtype=v.dtype)
-            out[name] = g
-        # Mirror: one AllReduce per group of ranks and dtype, on all its parameters' gradients
-        # at once (MindSpore fuses these AllReduces too); the sum completes every pending one.
-        for group, _, names in bplan.mirror_buckets(self, rank):
-            flat = np.concatenate([out[n].ravel() for n in names])
-            with schedule.issue(_mirror(group, names)):
-                flat = comm.all_reduce(flat, group=group)
-            offset = 0
-            for n in names:
-                size = out[n].size
-                out[n] = flat[offset:offset + size].reshape(out[n].shape)
-                offset += size
-        return out
+            return self.executor(rank).backward(self.backward_plan(seeded), tape,
+                                                output_grads, _WATCH.get())
 
 
 def _kinds(actions: Sequence[Action]) -> list[StepKind]:
     """The collectives planned backward actions run."""
     return [a.kind for a in actions if not a.local]
-
-
-def _run(actions: Sequence[Action], x: np.ndarray) -> np.ndarray:
-    for act in actions:
-        x = execute_step(act.step, x, act.adjoint)
-    return x
 
 
 def _mirror_group(program: ParallelProgram, bplan: BackwardPlan, name: str, rank: int
@@ -730,8 +637,8 @@ def _schedule(program: ParallelProgram, rank: int, seeded: tuple[bool, ...]
         b.steps.append(ProgramStep(
             len(b.steps), True, Role.MIRROR, "", f"Mirror:{len(names)} params",
             StepKind.ALL_REDUCE, group, traffic(StepKind.ALL_REDUCE, len(group), nbytes), nbytes,
-            nbytes, 0,
-            f"gradients of {', '.join(names)} (sum over their replicas)", _mirror(group, names)))
+            nbytes, 0, f"gradients of {', '.join(names)} (sum over their replicas)",
+            mirror_announcement(group, names)))
     return tuple(b.steps)
 
 
@@ -740,13 +647,6 @@ def _action_specs(actions: Sequence[Action], reason: str, on_output: bool) -> li
     return [CommSpec.adjoint_of(a.step, reason, on_output) if a.adjoint
             else CommSpec.from_step(a.step, reason, on_output)
             for a in actions if not a.local]
-
-
-def _mirror(group: tuple[int, ...], names: Sequence[str]) -> tuple[str, tuple[int, ...],
-                                                                    tuple[str, ...]]:
-    """What a Mirror announces to the schedule guard (compared by value): its group and its
-    parameters, so a bucket the executor forms differently from the schedule is caught."""
-    return ("Mirror", group, tuple(names))
 
 
 def _on_output(specs: Sequence[CommSpec]) -> bool:
