@@ -718,6 +718,14 @@ class Primitive:
         xs, y = saved
         return self.vjp(xs, y, dy)
 
+    def local_view(self, sh: OpSharding) -> tuple[Callable[[np.ndarray], np.ndarray],
+                                                  Callable[[np.ndarray], np.ndarray]] | None:
+        """For an op whose per-rank forward is one numpy view of its one input with nothing
+        kept (Reshape, Transpose): ``(forward, backward)``, each array -> array, for the
+        compiled executor to call with no Python in between; their ``local_forward`` and
+        ``local_backward`` use the same pair. None for every other op."""
+        return None
+
 
 def _as_strategy(strategy: object, op: str, what: str) -> Strategy:
     if not isinstance(strategy, (tuple, list)):

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+import operator
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -81,12 +82,19 @@ class Transpose(Primitive):
             ) -> tuple[np.ndarray | None, ...]:
         return (np.transpose(dy, np.argsort(self._perm(dy.ndim))),)
 
+    def local_view(self, sh: OpSharding) -> tuple[Callable[[np.ndarray], np.ndarray],
+                                                  Callable[[np.ndarray], np.ndarray]]:
+        # Views both ways: a collective or a kernel that needs contiguous memory makes it.
+        perm = self._perm(len(sh.input_shapes[0]))
+        return (operator.methodcaller("transpose", perm),
+                operator.methodcaller("transpose", tuple(int(p) for p in np.argsort(perm))))
+
     def local_forward(self, sh: OpSharding, *xs: np.ndarray) -> tuple[np.ndarray, Any]:
-        return self.kernel(*xs), None
+        return self.local_view(sh)[0](xs[0]), None
 
     def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray
                        ) -> tuple[np.ndarray | None, ...]:
-        return (self.vjp((), dy, dy)[0],)
+        return (self.local_view(sh)[1](dy),)
 
     def flops(self, local_in: tuple[tuple[int, ...], ...], local_out: tuple[int, ...]) -> int:
         return 0
@@ -290,13 +298,19 @@ class Reshape(Primitive):
         return dataclasses.replace(base, raw_out=out, out=out, out_plan=empty,
                                    inner_plan=None if not pre.steps else pre)
 
+    def local_view(self, sh: OpSharding) -> tuple[Callable[[np.ndarray], np.ndarray],
+                                                  Callable[[np.ndarray], np.ndarray]]:
+        # After inner_plan when there is one: the view is between its layout and the output's.
+        mid = sh.in_layouts[0] if sh.inner_plan is None else sh.inner_plan.dst
+        return (operator.methodcaller("reshape", sh.out.local_shape()),
+                operator.methodcaller("reshape", mid.local_shape()))
+
     def local_forward(self, sh: OpSharding, *xs: np.ndarray) -> tuple[np.ndarray, Any]:
-        return xs[0].reshape(sh.out.local_shape()), None
+        return self.local_view(sh)[0](xs[0]), None
 
     def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray
                        ) -> tuple[np.ndarray | None, ...]:
-        mid = sh.in_layouts[0] if sh.inner_plan is None else sh.inner_plan.dst
-        return (dy.reshape(mid.local_shape()),)
+        return (self.local_view(sh)[1](dy),)
 
 
 # ------------------------------------------------------------------ Concat and Split

@@ -232,8 +232,9 @@ class ReduceMean(_Reduce):
 
     def _grad(self, x_shape: tuple[int, ...], dtype: np.dtype, dy: np.ndarray,
               count: int) -> np.ndarray:
+        # A broadcast view, read-only like every cotangent (kernels never write into theirs).
         g = self._expand(dy, x_shape) / dtype.type(count)
-        return np.broadcast_to(g, x_shape).astype(dtype)
+        return np.broadcast_to(g.astype(dtype, copy=False), x_shape)
 
     def vjp(self, xs: Sequence[np.ndarray], y: np.ndarray, dy: np.ndarray
             ) -> tuple[np.ndarray | None, ...]:

@@ -34,11 +34,12 @@ Actions = tuple[Action, ...]
 
 
 class _Forward(NamedTuple):
-    run: Callable[..., tuple[Any, Any]]   # the op's inputs -> (output or outputs, tape)
-    ins: tuple[int, ...]                  # slots read
-    out: int                              # the output's slot (-1: several, see outs)
-    outs: tuple[int, ...]                 # every output's slot
-    keep: int                             # tape slot (-1: the backward needs nothing)
+    run: Callable[..., Any]       # the op's inputs -> (output or outputs, tape); a view's: y
+    ins: tuple[int, ...]          # slots read
+    out: int                      # the output's slot (-1: several, see outs)
+    outs: tuple[int, ...]         # every output's slot
+    keep: int                     # tape slot (-1: the backward needs nothing)
+    view: bool                    # run is the op's local_view: one input, no tape
 
 
 class _Input(NamedTuple):
@@ -55,8 +56,9 @@ class _Input(NamedTuple):
 
 class _Backward(NamedTuple):
     outs: tuple[tuple[int, Actions, tuple[int, ...], np.dtype], ...]  # last output first
-    kernel: Callable[[Any, Any], tuple[Any, ...]] | None   # None: nothing flows through
+    kernel: Callable[..., Any] | None   # None: nothing flows through
     multi: bool                 # the kernel takes a tuple of cotangents
+    view: bool                  # the kernel is the op's local_view backward: dy -> dx
     keep: int
     inner: Actions
     inputs: tuple[_Input, ...]
@@ -113,13 +115,19 @@ class Executor:
             plans = tuple(p if p.steps else None for p in s.in_plans)
             moves = (any(p is not None for p in plans) or sh.inner_plan is not None
                      or bool(sh.more_outs) or bool(sh.out_plan.steps))
-            run = _moving(sh, plans) if moves else functools.partial(sh.op.local_forward, sh)
+            view = None if moves else sh.op.local_view(sh)
+            run: Callable[..., Any]
+            if view is not None:
+                run = view[0]
+            else:
+                run = _moving(sh, plans) if moves else functools.partial(sh.op.local_forward, sh)
             keep = -1
             if node.id in program.grad_nodes:
                 keep = self._tape_of[node.id] = len(self._tape_of)
             outs = tuple(at(v.id) for v in node.outputs)
             fwd.append(_Forward(run, tuple(at(v.id) for v in node.inputs),
-                                outs[0] if len(outs) == 1 else -1, outs, keep))
+                                outs[0] if len(outs) == 1 else -1, outs, keep,
+                                view is not None))
         self.fwd = tuple(fwd)
         self.outputs = tuple(slot[v.id] for v in g.outputs)
         self.slot = slot
@@ -138,7 +146,13 @@ class Executor:
             vals[s] = c
         tape: list[Any] = [None] * len(self._tape_of)
         get = vals.__getitem__
-        for run, ins, out, outs, keep in self.fwd:
+        for run, ins, out, outs, keep, view in self.fwd:
+            if view:
+                vals[out] = run(vals[ins[0]])
+                if watch is not None:
+                    watch.params = local_params
+                    watch.sample(vals, tape)
+                continue
             y, saved = run(*map(get, ins))
             if out >= 0:
                 vals[out] = y
@@ -162,7 +176,8 @@ class Executor:
             nb = bplan.nodes.get(node.id)
             if nb is None:   # no gradient flows through: its outputs' cotangents are dropped
                 bwd.append(_Backward(tuple((self.slot[v.id], (), (), v.dtype)
-                                           for v in node.outputs), None, False, -1, (), ()))
+                                           for v in node.outputs), None, False, False, -1, (),
+                                     ()))
                 continue
             outs = tuple((self.slot[node.outputs[k].id], nb.op.out_actions[k],
                           raw.local_shape(), node.outputs[k].dtype)
@@ -171,8 +186,10 @@ class Executor:
                 _Input(k, self.slot[v.id], sh.in_layouts[k].local_shape(), v.dtype,
                        nb.edges[k], nb.align_sum.get(k, ()), nb.align_new.get(k, ()))
                 for k, v in enumerate(node.inputs) if nb.needs[k])
-            bwd.append(_Backward(outs, sh.backward_kernel(nb.needs), bool(sh.more_outs),
-                                 self._tape_of[node.id], nb.op.inner_actions, inputs))
+            view = sh.op.local_view(sh) if all(nb.needs) else None
+            bwd.append(_Backward(outs, view[1] if view else sh.backward_kernel(nb.needs),
+                                 bool(sh.more_outs), view is not None, self._tape_of[node.id],
+                                 nb.op.inner_actions, inputs))
         mirrors = tuple(
             _Mirror(group, mirror_announcement(group, names), names,
                     tuple(program.param_layouts[n].local_size() for n in names))
@@ -194,7 +211,7 @@ class Executor:
         for v, s, g in zip(self.program.graph.outputs, self.outputs, output_grads):
             if g is not None:
                 grads[s] = np.asarray(g).astype(v.dtype, copy=False)
-        for outs, kernel, multi, keep, inner, inputs in bwd:
+        for outs, kernel, multi, view, keep, inner, inputs in bwd:
             draws = []
             for s, acts, shape, dtype in outs:
                 d = grads[s]
@@ -208,7 +225,9 @@ class Executor:
                 draws.append(d)
             if kernel is None:
                 continue
-            if multi:
+            if view:
+                contribs = (kernel(draws[0]),)
+            elif multi:
                 draws.reverse()
                 contribs = kernel(tape[keep], tuple(draws))
             else:
