@@ -626,13 +626,13 @@ def _run_steps(plan: RedistributionPlan, x: np.ndarray, rank: int, comm: Comm, a
     return x
 
 
-_VERIFIED: set[tuple[RedistributionPlan, str]] = set()
+_VERIFIED: set[tuple[RedistributionPlan, np.dtype]] = set()
 
 
 def _verify_once(plan: RedistributionPlan, dtype: np.dtype, comm: Comm) -> None:
     """The first time a (plan, dtype) runs, check that every rank runs the same one; its
     collectives then skip their own per-call agreement check (they agree by construction)."""
-    key = (plan, dtype.str)
+    key = (plan, dtype)
     if key in _VERIFIED or not comm.validation():
         return
     comm.check_agreement("redistribution", f"{plan.src} -> {plan.dst} {dtype}")

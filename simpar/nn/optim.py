@@ -41,6 +41,7 @@ class Optimizer:
             raise TypeError("optimizer: params must be a non-empty list of Parameters "
                             f"(cell.trainable_params()), got {given}")
         self.parameters = params
+        self._names = tuple(p.name for p in params)
         self.learning_rate = _check_positive("learning_rate", learning_rate)
         self.weight_decay = _check_positive("weight_decay", weight_decay, allow_zero=True)
         self.state: dict[str, dict[str, np.ndarray]] = {}
@@ -49,6 +50,7 @@ class Optimizer:
         # an update writes its intermediate products into them rather than into new arrays.
         self._scratch: dict[str, list[np.ndarray]] = {}
         self._largest: dict[str, int] = {}
+        self._views: dict[tuple[int, tuple[int, ...], int], np.ndarray] = {}  # into _scratch
 
     def names(self) -> list[str]:
         return [p.name for p in self.parameters]
@@ -62,26 +64,36 @@ class Optimizer:
 
     def step(self, params: dict[str, np.ndarray], grads: dict[str, np.ndarray]) -> None:
         """Update ``params`` (this rank's shards, in place) with ``grads`` (same layouts)."""
+        self._prepare(params)
+        update, state = self._update, self.state
+        for name in self._names:
+            update(params[name], grads[name], state[name])
+
+    def _prepare(self, params: dict[str, np.ndarray]) -> None:
+        """What every step does before its updates: the state on the first, then the count."""
         if not self.state:
             self.init_state(params)
         if not self._largest:
-            for name in self.names():
+            for name in self._names:
                 q = params[name]
                 self._largest[q.dtype.str] = max(self._largest.get(q.dtype.str, 0), q.size)
         self.t += 1
-        for name in self.names():
-            self._update(params[name], grads[name], self.state[name])
 
     def _temp(self, p: np.ndarray, k: int = 0) -> np.ndarray:
         """Scratch array ``k`` shaped like ``p`` (its contents are garbage): the same memory
         from step to step, so an update allocates nothing. Every update computes the same
         products in the same order as with temporaries, so the results are unchanged."""
-        bufs = self._scratch.setdefault(p.dtype.str, [])
-        while len(bufs) <= k:
-            bufs.append(np.empty(0, p.dtype))
-        if bufs[k].size < p.size:
-            bufs[k] = np.empty(max(p.size, self._largest.get(p.dtype.str, 0)), p.dtype)
-        return bufs[k][:p.size].reshape(p.shape)
+        key = (p.dtype.num, p.shape, k)   # dtype.str would format a string every call
+        view = self._views.get(key)
+        if view is None:
+            bufs = self._scratch.setdefault(p.dtype.str, [])
+            while len(bufs) <= k:
+                bufs.append(np.empty(0, p.dtype))
+            if bufs[k].size < p.size:
+                bufs[k] = np.empty(max(p.size, self._largest.get(p.dtype.str, 0)), p.dtype)
+                self._views = {}   # views of the buffer this one replaces
+            view = self._views[key] = bufs[k][:p.size].reshape(p.shape)
+        return view
 
     def _update(self, p: np.ndarray, g: np.ndarray, s: dict[str, np.ndarray]) -> None:
         raise NotImplementedError
@@ -96,14 +108,25 @@ class SGD(Optimizer):
         self.momentum = _check_positive("momentum", momentum, allow_zero=True)
         self.slots = ("v",) if self.momentum else ()
 
+    def step(self, params: dict[str, np.ndarray], grads: dict[str, np.ndarray]) -> None:
+        if self.momentum or self.weight_decay:
+            super().step(params, grads)
+            return
+        # Plain SGD, the same products as _update's, with no Python call per parameter
+        # between them: on a model of many small shards that call is most of the update.
+        self._prepare(params)
+        lr, temp = self.learning_rate, self._temp
+        for name in self._names:
+            p = params[name]
+            p -= np.multiply(grads[name], lr, out=temp(p))
+
     def _update(self, p: np.ndarray, g: np.ndarray, s: dict[str, np.ndarray]) -> None:
-        d = _decayed(self, p, g, 1)
+        d = _decayed(self, p, g, 1) if self.weight_decay else g
         if self.momentum:
             s["v"] *= self.momentum
             s["v"] += d
             d = s["v"]
-        step = np.multiply(d, self.learning_rate, out=self._temp(p))
-        p -= step
+        p -= np.multiply(d, self.learning_rate, out=self._temp(p))
 
 
 class Momentum(Optimizer):

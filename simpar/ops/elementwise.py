@@ -212,7 +212,7 @@ class BiasAdd(Primitive):
             ) -> tuple[np.ndarray | None, ...]:
         x = xs[0]
         c = self._channel(x.shape)
-        return dy, (dy.sum(axis=tuple(d for d in range(dy.ndim) if d != c))
+        return dy, (np.add.reduce(dy, axis=tuple(d for d in range(dy.ndim) if d != c))
                     if gradient_needed(1) else None)
 
 

@@ -40,6 +40,11 @@ from simpar.redistribution import ALL_REDUCE
 __all__ = ["BatchNorm", "LayerNorm", "LogSoftmax", "Softmax",
            "SparseSoftmaxCrossEntropyWithLogits"]
 
+# The ufuncs' own reductions: np.sum and np.max are the same C loops behind two Python layers,
+# and the kernels below call them on every step.
+_sum = np.add.reduce
+_max = np.maximum.reduce
+
 #: ``reduce(local_partial, how, what)``: the value over the whole reduced axis ("sum"/"max").
 _Reduce = Callable[[np.ndarray, str, str], np.ndarray]
 
@@ -84,26 +89,26 @@ def _check_float(op: str, what: str, x: np.ndarray) -> None:
 # ------------------------------------------------------------------ Softmax / LogSoftmax
 def _softmax(x: np.ndarray, axes: tuple[int, ...], log: bool, reduce: _Reduce) -> np.ndarray:
     # The max is only a shift for stability: the backward treats it as a constant (exactly).
-    m = reduce(np.max(x, axis=axes, keepdims=True), "max", "max")
+    m = reduce(_max(x, axis=axes, keepdims=True), "max", "max")
     z = x - m
     if log:
-        s = reduce(np.sum(np.exp(z), axis=axes, keepdims=True), "sum", "sum-exp")
+        s = reduce(_sum(np.exp(z), axis=axes, keepdims=True), "sum", "sum-exp")
         z -= np.log(s)
         return z
     np.exp(z, out=z)   # in place: one array for the shift, the exponentials and the result
-    z /= reduce(np.sum(z, axis=axes, keepdims=True), "sum", "sum-exp")
+    z /= reduce(_sum(z, axis=axes, keepdims=True), "sum", "sum-exp")
     return z
 
 
 def _softmax_grad(y: np.ndarray, dy: np.ndarray, axes: tuple[int, ...], log: bool,
                   reduce: _Reduce) -> np.ndarray:
     if log:
-        t = reduce(np.sum(dy, axis=axes, keepdims=True), "sum", "grad-sum")
+        t = reduce(_sum(dy, axis=axes, keepdims=True), "sum", "grad-sum")
         e = np.exp(y)
         e *= t
         return np.subtract(dy, e, out=e)
     g = y * dy
-    t = reduce(np.sum(g, axis=axes, keepdims=True), "sum", "grad-sum")
+    t = reduce(_sum(g, axis=axes, keepdims=True), "sum", "grad-sum")
     np.subtract(dy, t, out=g)
     g *= y
     return g
@@ -228,9 +233,9 @@ def _layer_norm(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, axes: tuple[
     # Two passes (mean, then squared deviations) rather than one fused [sum x, sum x^2]:
     # E[x^2] - E[x]^2 loses relative precision ~ eps * mean^2 / var, which float32
     # activations with a large mean cannot afford. Both AllReduces carry one number per row.
-    mean = reduce(np.sum(x, axis=axes, keepdims=True), "sum", "sum-x") / count
+    mean = reduce(_sum(x, axis=axes, keepdims=True), "sum", "sum-x") / count
     xhat = x - mean
-    var = reduce(np.sum(np.square(xhat), axis=axes, keepdims=True), "sum", "sum-sq-dev") / count
+    var = reduce(_sum(np.square(xhat), axis=axes, keepdims=True), "sum", "sum-sq-dev") / count
     rstd = 1.0 / np.sqrt(var + eps)
     xhat *= rstd        # the centred x becomes x-hat in place
     y = xhat * gamma
@@ -243,11 +248,13 @@ def _layer_norm_grad(dy: np.ndarray, xhat: np.ndarray, rstd: np.ndarray, gamma: 
                      reduce: _Reduce) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     g = dy * gamma
     gx = g * xhat
-    sums = reduce(np.stack([np.sum(g, axis=axes, keepdims=True),
-                            np.sum(gx, axis=axes, keepdims=True)]), "sum", "grad-sums")
+    both = np.empty((2, *g.shape[:axes[0]], *(1,) * len(axes)), g.dtype)
+    _sum(g, axis=axes, keepdims=True, out=both[0])
+    _sum(gx, axis=axes, keepdims=True, out=both[1])
+    sums = reduce(both, "sum", "grad-sums")
     np.multiply(dy, xhat, out=gx)
-    dgamma = np.sum(gx, axis=lead)
-    dbeta = np.sum(dy, axis=lead)
+    dgamma = _sum(gx, axis=lead)
+    dbeta = _sum(dy, axis=lead)
     # dx = rstd (g - mean(g) - xhat mean(g xhat)), into g and gx in place
     g -= sums[0] / count
     g -= np.multiply(xhat, sums[1] / count, out=gx)
@@ -560,28 +567,38 @@ _LABEL_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 
 
 def _cross_entropy(logits: np.ndarray, labels: np.ndarray, class_offset: int,
-                   reduce: _Reduce) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per-row loss of the rows held, for the classes ``class_offset..`` held; also the
-    softmax and where the target sits locally (for the backward)."""
+                   reduce: _Reduce, classes: int
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]:
+    """Per-row loss of the rows held, for the classes ``class_offset..`` held (of
+    ``classes``; labels already checked to lie in ``0..classes-1``); also the softmax and where
+    the target sits locally (for the backward): the rows holding theirs (None: all) and its
+    column."""
     rows = np.arange(logits.shape[0])
-    m = reduce(np.max(logits, axis=1), "max", "max")
+    m = reduce(_max(logits, axis=1), "max", "max")
     e = logits - m[:, None]
     np.exp(e, out=e)
-    local = labels.astype(np.int64) - class_offset
-    own = (local >= 0) & (local < logits.shape[1])
-    idx = np.where(own, local, 0)
-    target = np.where(own, logits[rows, idx], 0.0).astype(logits.dtype)
     # Sum of exponentials and the target logit travel together: one AllReduce of (2, rows).
-    s, xt = reduce(np.stack([np.sum(e, axis=1), target]), "sum", "sum-exp-and-target")
+    both = np.empty((2, logits.shape[0]), logits.dtype)
+    _sum(e, axis=1, out=both[0])
+    own: np.ndarray | None
+    if class_offset == 0 and logits.shape[1] == classes:   # every class here
+        own, idx = None, labels
+        both[1] = logits[rows, idx]
+    else:
+        local = labels.astype(np.int64) - class_offset
+        own = (local >= 0) & (local < logits.shape[1])
+        idx = np.where(own, local, 0)
+        both[1] = np.where(own, logits[rows, idx], 0.0)
+    s, xt = reduce(both, "sum", "sum-exp-and-target")
     loss = np.log(s) + m - xt
     e /= s[:, None]     # the softmax, in the exponentials' array
     return loss, e, own, idx
 
 
-def _cross_entropy_grad(p: np.ndarray, own: np.ndarray, idx: np.ndarray, scale: np.ndarray
-                        ) -> np.ndarray:
+def _cross_entropy_grad(p: np.ndarray, own: np.ndarray | None, idx: np.ndarray,
+                        scale: np.ndarray) -> np.ndarray:
     g = p.copy()
-    rows = np.flatnonzero(own)
+    rows = np.arange(g.shape[0]) if own is None else np.flatnonzero(own)
     g[rows, idx[rows]] -= 1.0
     if np.result_type(g, scale) != g.dtype:
         return np.asarray(g * scale)
@@ -666,13 +683,14 @@ class SparseSoftmaxCrossEntropyWithLogits(Primitive):
         logits, labels = xs
         self.infer_shape(logits.shape, labels.shape)
         self._check(logits, labels, logits.shape[1])
-        loss = _cross_entropy(logits, labels, 0, _identity)[0]
+        loss = _cross_entropy(logits, labels, 0, _identity, logits.shape[1])[0]
         return np.array(np.sum(loss) / logits.shape[0], dtype=logits.dtype)
 
     def vjp(self, xs: Sequence[np.ndarray], y: np.ndarray, dy: np.ndarray
             ) -> tuple[np.ndarray | None, ...]:
         logits, labels = xs
-        _, p, own, idx = _cross_entropy(logits, labels, 0, _identity)
+        self._check(logits, labels, logits.shape[1])
+        _, p, own, idx = _cross_entropy(logits, labels, 0, _identity, logits.shape[1])
         return _cross_entropy_grad(p, own, idx, np.asarray(dy) / logits.shape[0]), None
 
     def flops(self, local_in: tuple[tuple[int, ...], ...], local_out: tuple[int, ...]) -> int:
@@ -705,7 +723,7 @@ class SparseSoftmaxCrossEntropyWithLogits(Primitive):
         # replicated over the class split, so a row block's whole class group raises together.
         self._check(logits, labels, classes, row0)
         loss, p, own, idx = _cross_entropy(logits, labels, class0,
-                                           _group_reduce(sh, sh.internal_forward))
+                                           _group_reduce(sh, sh.internal_forward), classes)
         value = np.sum(loss) / n if class0 == 0 else 0.0
         return np.array(value, dtype=logits.dtype), (p, own, idx, n)
 

@@ -84,6 +84,15 @@ def _run(actions: Actions, x: np.ndarray) -> np.ndarray:
     return x
 
 
+def _arrive(d: np.ndarray | None, acts: Actions, shape: tuple[int, ...], dtype: np.dtype
+            ) -> np.ndarray:
+    """An output's cotangent as the kernel takes it: zeros for an unused output, else after
+    its planned actions (the adjoints of the op's output collectives)."""
+    if d is None:
+        return np.zeros(shape, dtype)
+    return _run(acts, d) if acts else d
+
+
 def _moving(sh: Any, plans: tuple[RedistributionPlan | None, ...]
             ) -> Callable[..., tuple[Any, Any]]:
     """The forward of an op whose inputs are redistributed first."""
@@ -212,26 +221,22 @@ class Executor:
             if g is not None:
                 grads[s] = np.asarray(g).astype(v.dtype, copy=False)
         for outs, kernel, multi, view, keep, inner, inputs in bwd:
-            draws = []
-            for s, acts, shape, dtype in outs:
-                d = grads[s]
-                grads[s] = None
-                if kernel is None:
-                    continue
-                if d is None:   # an unused output's cotangent is zero
-                    d = np.zeros(shape, dtype)
-                elif acts:
-                    d = _run(acts, d)
-                draws.append(d)
             if kernel is None:
+                for o in outs:
+                    grads[o[0]] = None
                 continue
-            if view:
-                contribs = (kernel(draws[0]),)
-            elif multi:
+            if multi:
+                draws = []
+                for s, acts, shape, dtype in outs:
+                    d, grads[s] = grads[s], None
+                    draws.append(_arrive(d, acts, shape, dtype))
                 draws.reverse()
                 contribs = kernel(tape[keep], tuple(draws))
             else:
-                contribs = kernel(tape[keep], draws[0])
+                (s, acts, shape, dtype), = outs
+                d, grads[s] = grads[s], None
+                d = _arrive(d, acts, shape, dtype)
+                contribs = (kernel(d),) if view else kernel(tape[keep], d)
             if inner and contribs[0] is not None:
                 contribs = (_run(inner, contribs[0]), *contribs[1:])
             for k, slot, shape, dtype, edge, align_sum, align_new in inputs:
@@ -243,8 +248,12 @@ class Executor:
                 if edge:
                     c = _run(edge, c)
                 before = grads[slot]
-                grads[slot] = (c if before is None else
-                               _run(align_sum, before) + _run(align_new, c))
+                if before is None:
+                    grads[slot] = c
+                elif align_sum or align_new:
+                    grads[slot] = _run(align_sum, before) + _run(align_new, c)
+                else:
+                    grads[slot] = before + c
             if watch is not None:
                 watch.sample(tape, grads)
         program = self.program

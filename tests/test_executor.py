@@ -1,0 +1,151 @@
+"""The compiled executor (simpar/runtime/executor.py), in one process.
+
+It must compute exactly what the ops' own kernels compute, read its inputs without writing
+them, and run each view op as a view. tests/test_backward_plan_mpi.py and
+tests/test_runtime_mpi.py check the same executor on real ranks, against one device.
+
+    python -m pytest tests/test_executor.py -q
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import simpar
+from simpar import nn, ops
+from simpar.runtime.executor import Executor
+
+
+@pytest.fixture(autouse=True)
+def _clean_context() -> Any:
+    simpar.reset_auto_parallel_context()
+    yield
+    simpar.reset_auto_parallel_context()
+
+
+def _gpt_train(dtype: Any = np.float64) -> tuple[nn.TrainOneStepCell, np.ndarray, np.ndarray]:
+    gpt = nn.GPT(vocab_size=16, seq_length=8, d_model=16, n_layers=2, n_heads=4, dtype=dtype)
+    cell = nn.WithLossCell(gpt, nn.SoftmaxCrossEntropyWithLogits())
+    train = nn.TrainOneStepCell(cell, nn.SGD(cell.trainable_params(), 0.1),
+                                parallel_mode="stand_alone", seed=3)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 16, (4, 8), dtype=np.int32)
+    labels = rng.integers(0, 16, (4, 8), dtype=np.int32)
+    return train, ids, labels
+
+
+def _eager_loss_and_grads(train: nn.TrainOneStepCell, ids: np.ndarray, labels: np.ndarray
+                          ) -> tuple[float, dict[str, np.ndarray]]:
+    """The same step by the ops' own single-device kernels and VJPs, node by node."""
+    prog = train.program
+    assert prog is not None
+    g = prog.graph
+    vals: dict[int, Any] = {g.inputs[0].id: ids, g.inputs[1].id: labels}
+    vals.update((v.id, train.params[v.name]) for v in g.params)
+    vals.update((v.id, v.const) for v in g.consts)
+    for node in g.nodes:
+        vals[node.outputs[0].id] = node.op.kernel(*(vals[v.id] for v in node.inputs))
+    out = g.outputs[0]
+    grads: dict[int, np.ndarray] = {out.id: np.ones_like(vals[out.id])}
+    for node in reversed(g.nodes):
+        dy = grads.pop(node.outputs[0].id, None)
+        if dy is None:
+            continue
+        xs = [vals[v.id] for v in node.inputs]
+        for v, d in zip(node.inputs, node.op.vjp(xs, vals[node.outputs[0].id], dy)):
+            if d is not None and v.dtype.kind == "f":
+                grads[v.id] = grads[v.id] + d if v.id in grads else d
+    return float(vals[out.id]), {v.name: grads[v.id] for v in g.params}
+
+
+def test_the_compiled_step_is_the_ops_own_kernels_node_by_node() -> None:
+    train, ids, labels = _gpt_train()
+    train.build(ids, labels)
+    want_loss, want = _eager_loss_and_grads(train, ids, labels)
+    loss, grads = train.value_and_grad(ids, labels)
+    assert loss == pytest.approx(want_loss, rel=1e-13)
+    assert set(grads) == set(want)
+    for name, g in grads.items():
+        np.testing.assert_allclose(g, want[name], rtol=1e-10, atol=1e-13, err_msg=name)
+
+
+def test_inputs_are_read_not_written_and_may_be_read_only() -> None:
+    train, ids, labels = _gpt_train()
+    ids.setflags(write=False)
+    labels.setflags(write=False)
+    before = ids.copy(), labels.copy()
+    losses = [train(ids, labels) for _ in range(3)]
+    np.testing.assert_array_equal(ids, before[0])
+    np.testing.assert_array_equal(labels, before[1])
+    assert losses[-1] < losses[0]
+
+
+def test_the_same_seed_gives_bitwise_identical_losses() -> None:
+    runs = []
+    for _ in range(2):
+        train, ids, labels = _gpt_train(np.float32)
+        runs.append([train(ids, labels) for _ in range(4)])
+    assert runs[0] == runs[1]
+
+
+def test_the_program_is_compiled_once_per_rank_and_views_run_as_views() -> None:
+    train, ids, labels = _gpt_train()
+    train(ids, labels)
+    prog = train.program
+    assert prog is not None
+    ex = prog.executor(0)
+    assert isinstance(ex, Executor) and prog.executor(0) is ex
+    kinds = {s.node.op.name for s, f in zip(prog.steps, ex.fwd) if f.view}
+    assert kinds == {"Reshape", "Transpose"}
+    # Every view op of the GPT runs as one view call and keeps nothing for the backward.
+    assert all(f.view == (s.node.op.name in kinds) for s, f in zip(prog.steps, ex.fwd))
+    assert len(ex._backwards) == 1                      # one backward per set of seeds
+
+
+@pytest.mark.parametrize("op, shape, strategy", [
+    (ops.Reshape((4, 6, 2)), (4, 12), ((1, 1),)),
+    (ops.Transpose((1, 0, 2)), (2, 3, 4), ((1, 1, 1),)),
+])
+def test_a_view_op_gives_views_both_ways_equal_to_its_kernel(op: ops.Primitive,
+                                                            shape: tuple[int, ...],
+                                                            strategy: Any) -> None:
+    x = np.arange(np.prod(shape), dtype=np.float64).reshape(shape)
+    sh = op.sharding([shape], 1, strategy)
+    view = op.local_view(sh)
+    assert view is not None
+    forward, backward = view
+    y = forward(x)
+    assert np.shares_memory(y, x)
+    np.testing.assert_array_equal(y, op.kernel(x))
+    dy = np.arange(y.size, dtype=np.float64).reshape(y.shape)
+    dx = backward(dy)
+    assert dx.shape == x.shape and np.shares_memory(dx, dy)
+    np.testing.assert_array_equal(dx, op.vjp((x,), y, dy)[0])
+    assert ops.MatMul().local_view(ops.MatMul().sharding([(2, 2), (2, 2)], 1)) is None
+
+
+def test_gelu_keeps_its_tanh_and_gives_the_kernels_values_bitwise() -> None:
+    op = ops.GeLU()
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((6, 5)).astype(np.float32)
+    dy = rng.standard_normal((6, 5)).astype(np.float32)
+    sh = op.sharding([x.shape], 1)
+    y, saved = op.local_forward(sh, x)
+    assert str(op.tape) == "input+new" and saved[0] is x and saved[1].shape == x.shape
+    np.testing.assert_array_equal(y, op.kernel(x))
+    (dx,) = op.local_backward(sh, saved, dy)
+    np.testing.assert_array_equal(dx, op.vjp((x,), y, dy)[0])
+
+
+def test_a_backward_kernel_skips_the_gradients_not_needed() -> None:
+    op = ops.MatMul()
+    a, b = np.ones((3, 4)), np.ones((4, 2))
+    sh = op.sharding([a.shape, b.shape], 1)
+    y, saved = op.local_forward(sh, a, b)
+    both = sh.backward_kernel((True, True))(saved, np.ones_like(y))
+    only_b = sh.backward_kernel((False, True))(saved, np.ones_like(y))
+    assert only_b[0] is None
+    np.testing.assert_array_equal(only_b[1], both[1])
