@@ -31,6 +31,7 @@ replaced by AllGather + slice, as MindSpore does; that costs more bytes.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import itertools
 import math
@@ -616,14 +617,24 @@ def _run_steps(plan: RedistributionPlan, x: np.ndarray, rank: int, comm: Comm, a
     _verify_once(plan, x.dtype, comm)
     steps = reversed(plan.steps) if adjoint else iter(plan.steps)
     run = _run_adjoint if adjoint else _run_step
-    with comm.validation_disabled():
+    named = schedule.active()   # a program's schedule names each step in the trace itself
+    with _unchecked(comm):
         for step in steps:
             if step.kind.local:
                 x = run(step, x, rank, comm)
                 continue
-            with comm.label(_label(adjoint, step.kind)), schedule.issue(step, adjoint):
+            with _NOTHING if named else comm.label(_label(adjoint, step.kind)), \
+                    schedule.issue(step, adjoint):
                 x = run(step, x, rank, comm)
     return x
+
+
+_NOTHING = contextlib.nullcontext()
+
+
+def _unchecked(comm: Comm) -> contextlib.AbstractContextManager[None]:
+    """Collectives without their per-call agreement check (a no-op when already so)."""
+    return comm.validation_disabled() if comm.validation() else _NOTHING
 
 
 _VERIFIED: set[tuple[RedistributionPlan, np.dtype]] = set()
@@ -783,8 +794,8 @@ def execute_step(step: Step, x: np.ndarray, adjoint: bool = False, comm: Comm = 
     run = _run_adjoint if adjoint else _run_step
     if step.kind.local:
         return run(step, x, rank, comm)
-    with comm.validation_disabled(), comm.label(_label(adjoint, step.kind)), \
-            schedule.issue(step, adjoint):
+    with _unchecked(comm), _NOTHING if schedule.active() else comm.label(
+            _label(adjoint, step.kind)), schedule.issue(step, adjoint):
         return run(step, x, rank, comm)
 
 

@@ -27,7 +27,7 @@ from typing import Protocol
 from simpar.comm import trace
 from simpar.comm.trace import ScheduleError
 
-__all__ = ["Scheduled", "ScheduleError", "following", "issue"]
+__all__ = ["Scheduled", "ScheduleError", "active", "following", "issue"]
 
 
 class Scheduled(Protocol):
@@ -89,14 +89,29 @@ def following(steps: Sequence[Scheduled], what: str = "program") -> Iterator[Non
                             f"ran, from step {missing.index} ({missing.label!r})")
 
 
-@contextmanager
-def issue(runs: object, adjoint: bool = False) -> Iterator[None]:
+class issue:  # noqa: N801  (used as a function: ``with schedule.issue(step):``)
     """Announce that the block runs ``runs`` (forwards, or its adjoint): under
-    :func:`following` it must be the next scheduled collective."""
-    cursor = _CURSOR.get()
-    if cursor is None:
-        yield
-        return
-    step = cursor.advance(runs, adjoint)
-    with trace.program_step(step.index, step.label):
-        yield
+    :func:`following` it must be the next scheduled collective. (A class rather than a
+    generator: every collective of a program enters one.)"""
+
+    __slots__ = ("_runs", "_adjoint", "_step")
+
+    def __init__(self, runs: object, adjoint: bool = False) -> None:
+        self._runs, self._adjoint = runs, adjoint
+        self._step: trace.program_step | None = None
+
+    def __enter__(self) -> None:
+        cursor = _CURSOR.get()
+        if cursor is not None:
+            step = cursor.advance(self._runs, self._adjoint)
+            self._step = trace.program_step(step.index, step.label)
+            self._step.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._step is not None:
+            self._step.__exit__(*exc)
+
+
+def active() -> bool:
+    """Whether a schedule is being followed here (collectives are then named by its steps)."""
+    return _CURSOR.get() is not None

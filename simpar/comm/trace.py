@@ -206,16 +206,23 @@ def guarded(what: str) -> Iterator[None]:
             _guards -= 1
 
 
-@contextmanager
-def program_step(index: int, text: str) -> Iterator[None]:
+class program_step:  # noqa: N801  (used as a function, like label)
     """Events recorded inside the block belong to step ``index`` of a per-rank program and
-    carry exactly its label ``text`` (the labels around the block are not prefixed)."""
-    outer = _state.step
-    _state.step = (index, text)
-    try:
-        yield
-    finally:
-        _state.step = outer
+    carry exactly its label ``text`` (the labels around the block are not prefixed). A class,
+    as :class:`label` is: every collective of a program enters one."""
+
+    __slots__ = ("_step", "_outer")
+
+    def __init__(self, index: int, text: str) -> None:
+        self._step = (index, text)
+        self._outer: tuple[int, str] | None = None
+
+    def __enter__(self) -> None:
+        self._outer = _state.step
+        _state.step = self._step
+
+    def __exit__(self, *exc: object) -> None:
+        _state.step = self._outer
 
 
 def record(kind: str, group: tuple[int, ...], bytes_sent: int, bytes_recv: int, seconds: float,

@@ -25,6 +25,7 @@ AllReduce over the input's replica axes (MindSpore's Mirror, for a parameter).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import math
@@ -340,7 +341,8 @@ class OpSharding:
     def forward(self, *local_inputs: np.ndarray) -> tuple[Any, Any]:
         """This rank's output shard (a tuple for multi-output ops) and what backward needs."""
         if self.inner_plan is not None:
-            with comm.label(f"{self.op.name}:redistribute"):
+            with _UNLABELLED if schedule.active() else comm.label(
+                    f"{self.op.name}:redistribute"):
                 local_inputs = (execute(self.inner_plan, local_inputs[0]), *local_inputs[1:])
         raw, saved = self.op.local_forward(self, *local_inputs)
         if not self.more_outs and not self.out_plan.steps:   # most ops: nothing to move
@@ -351,7 +353,8 @@ class OpSharding:
             if not p.steps:
                 outs.append(r)
                 continue
-            with comm.label(f"{self.op.name}:output" + (f"{k}" if k else "")):
+            with _UNLABELLED if schedule.active() else comm.label(
+                    f"{self.op.name}:output" + (f"{k}" if k else "")):
                 outs.append(execute(p, r))
         return (tuple(outs) if self.more_outs else outs[0]), saved
 
@@ -410,7 +413,8 @@ class OpSharding:
     def all_reduce(self, spec: CommSpec, x: np.ndarray, what: str) -> np.ndarray:
         """Run one of the op's own collectives (an entry of ``internal_forward`` or
         ``internal_backward``) on this rank's partial ``x``: ``what`` tags the trace."""
-        with comm.label(f"{self.op.name}:{what}"), schedule.issue(spec):
+        with _UNLABELLED if schedule.active() else comm.label(f"{self.op.name}:{what}"), \
+                schedule.issue(spec):
             y = comm.all_reduce(np.ascontiguousarray(x), op=spec.how,
                                 group=spec.group(self.rank()))
         return y.reshape(np.shape(x))  # all_reduce hands a 0-d array back as shape (1,)
@@ -423,6 +427,11 @@ class OpSharding:
         rank = comm.get_rank()
         with comm.label(f"{self.op.name}:input{i}-grad"):
             return comm.all_reduce(contribution, group=spec.group(rank))
+
+
+# Under a followed schedule every collective is named by its schedule step in the trace, and
+# a label around it would only cost its formatting.
+_UNLABELLED = contextlib.nullcontext()
 
 
 def _float_of(saved: Any) -> Any:
