@@ -102,7 +102,7 @@ def test_the_program_is_compiled_once_per_rank_and_views_run_as_views() -> None:
     assert kinds == {"Reshape", "Transpose"}
     # Every view op of the GPT runs as one view call and keeps nothing for the backward.
     assert all(f.view == (s.node.op.name in kinds) for s, f in zip(prog.steps, ex.fwd))
-    assert len(ex._backwards) == 1                      # one backward per set of seeds
+    assert len(ex.backwards) == 1                      # one backward per set of seeds
 
 
 @pytest.mark.parametrize("op, shape, strategy", [

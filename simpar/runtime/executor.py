@@ -140,8 +140,10 @@ class Executor:
         self.fwd = tuple(fwd)
         self.outputs = tuple(slot[v.id] for v in g.outputs)
         self.slot = slot
-        self._backwards: dict[tuple[bool, ...], tuple[tuple[_Backward, ...],
-                                                      tuple[_Mirror, ...]]] = {}
+        #: The compiled backward per set of seeded outputs (built on first use): its steps,
+        #: last op first, and its Mirror buckets.
+        self.backwards: dict[tuple[bool, ...], tuple[tuple[_Backward, ...],
+                                                     tuple[_Mirror, ...]]] = {}
 
     # ------------------------------------------------------------ forward
     def forward(self, local_inputs: Sequence[np.ndarray], local_params: dict[str, np.ndarray],
@@ -209,9 +211,9 @@ class Executor:
                  output_grads: Sequence[np.ndarray | None], watch: MemoryWatch | None
                  ) -> dict[str, np.ndarray]:
         seeded = tuple(g is not None for g in output_grads)
-        compiled = self._backwards.get(seeded)
+        compiled = self.backwards.get(seeded)
         if compiled is None:
-            compiled = self._backwards[seeded] = self._compile_backward(bplan, seeded)
+            compiled = self.backwards[seeded] = self._compile_backward(bplan, seeded)
         bwd, mirrors = compiled
         grads: list[Any] = [None] * len(self.slot)
         # A value's cotangent has the value's dtype, whatever numpy's promotion made of the
