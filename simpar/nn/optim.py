@@ -107,6 +107,7 @@ class SGD(Optimizer):
         super().__init__(params, learning_rate, weight_decay)
         self.momentum = _check_positive("momentum", momentum, allow_zero=True)
         self.slots = ("v",) if self.momentum else ()
+        self._first_temps: tuple[np.ndarray, ...] | None = None
 
     def step(self, params: dict[str, np.ndarray], grads: dict[str, np.ndarray]) -> None:
         if self.momentum or self.weight_decay:
@@ -115,10 +116,12 @@ class SGD(Optimizer):
         # Plain SGD, the same products as _update's, with no Python call per parameter
         # between them: on a model of many small shards that call is most of the update.
         self._prepare(params)
-        lr, temp = self.learning_rate, self._temp
-        for name in self._names:
+        if self._first_temps is None:   # scratch 0 for each parameter, in order, found once
+            self._first_temps = tuple(self._temp(params[name]) for name in self._names)
+        lr = self.learning_rate
+        for name, temp in zip(self._names, self._first_temps):
             p = params[name]
-            p -= np.multiply(grads[name], lr, out=temp(p))
+            p -= np.multiply(grads[name], lr, out=temp)
 
     def _update(self, p: np.ndarray, g: np.ndarray, s: dict[str, np.ndarray]) -> None:
         d = _decayed(self, p, g, 1) if self.weight_decay else g
