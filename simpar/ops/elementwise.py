@@ -71,8 +71,12 @@ class _Binary(Primitive):
             ) -> tuple[np.ndarray | None, ...]:
         a, b = xs
         ga, gb = self._grads(a, b, dy, (gradient_needed(0), gradient_needed(1)))
-        return (None if ga is None else _unbroadcast(ga, a.shape),
-                None if gb is None else _unbroadcast(gb, b.shape))
+        # _unbroadcast only where it has work: a broadcast input, or a 0-d numpy scalar.
+        if ga is not None and (ga.shape != a.shape or type(ga) is not np.ndarray):
+            ga = _unbroadcast(ga, a.shape)
+        if gb is not None and (gb.shape != b.shape or type(gb) is not np.ndarray):
+            gb = _unbroadcast(gb, b.shape)
+        return ga, gb
 
 
 @register
@@ -166,6 +170,12 @@ class FloorDiv(_Binary):
         return None, None
 
 
+@functools.lru_cache(maxsize=64)
+def _all_but(ndim: int, axis: int) -> tuple[int, ...]:
+    """Every axis of an ``ndim``-array but ``axis``: what a bias's gradient sums over."""
+    return tuple(d for d in range(ndim) if d != axis)
+
+
 @register
 class BiasAdd(Primitive):
     """``x + bias`` along the channel dimension: dim 1 for ``data_format="NCHW"`` (MindSpore's
@@ -210,9 +220,7 @@ class BiasAdd(Primitive):
 
     def vjp(self, xs: Sequence[np.ndarray], y: np.ndarray, dy: np.ndarray
             ) -> tuple[np.ndarray | None, ...]:
-        x = xs[0]
-        c = self._channel(x.shape)
-        return dy, (np.add.reduce(dy, axis=tuple(d for d in range(dy.ndim) if d != c))
+        return dy, (np.add.reduce(dy, axis=_all_but(dy.ndim, self._channel(dy.shape)))
                     if gradient_needed(1) else None)
 
 

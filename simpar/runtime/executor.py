@@ -237,7 +237,8 @@ class Executor:
             else:
                 (s, acts, shape, dtype), = outs
                 d, grads[s] = grads[s], None
-                d = _arrive(d, acts, shape, dtype)
+                if d is None or acts:
+                    d = _arrive(d, acts, shape, dtype)
                 contribs = (kernel(d),) if view else kernel(tape[keep], d)
             if inner and contribs[0] is not None:
                 contribs = (_run(inner, contribs[0]), *contribs[1:])
