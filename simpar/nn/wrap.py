@@ -172,9 +172,9 @@ class TrainOneStepCell:
 
     def _local(self, x: np.ndarray, lay: TensorLayout, rank: int) -> np.ndarray:
         if tuple(x.shape) == lay.shape:
-            # A view of the caller's batch: the program reads its inputs and never writes
-            # them (a copy of a full batch is a pass over it per step for nothing).
-            return x[lay.slices(rank)] if not lay.partial else distribute(x, lay, rank)
+            # A copy, not a view of the caller's array: the rank holds its shard as a device
+            # holds its slice of the dataset, which is what the cost model's memory counts.
+            return distribute(x, lay, rank)
         if tuple(x.shape) == lay.local_shape():
             return x
         raise ValueError(f"TrainOneStepCell: input of shape {x.shape} is neither the global "
