@@ -18,6 +18,12 @@ same batch:
 Then each op's kernel calls are timed three ways: inside the step (wrapped), each call alone
 repeated on the inputs it had in the step, and all of them round-robin on those inputs. The
 table per op type shows the first two.
+
+``--only simpar|hand --steps N`` builds one variant, runs N steps and exits, for a profiler
+outside: the instructions of one step are the difference of two runs, e.g.
+
+    SIMPAR_NUM_THREADS=1 valgrind --tool=callgrind \
+        python benchmarks/executor_overhead.py --only simpar --steps 23     # and --steps 3
 """
 
 # ruff: noqa: E402, I001  (simpar first: simpar/_env.py must run before numpy's BLAS)
@@ -28,6 +34,7 @@ import collections
 import dataclasses
 import sys
 import time
+import timeit
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,7 +42,7 @@ from typing import Any
 import simpar  # chooses threads before numpy's BLAS starts
 import numpy as np
 
-from simpar import nn
+from simpar import nn, ops
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import step as S  # benchmarks/step.py: the GPT's sizes, weights, batches, hand-written step
@@ -76,16 +83,67 @@ def _paired(fns: dict[str, tuple[Callable[[], object], Callable[[], object]]], r
     return times
 
 
+def _kernels_against_hand(batch: int) -> list[tuple[str, float, float]]:
+    """(kernel, simpar's µs, the hand-written µs) for LayerNorm, GeLU and a Dense's MatMul,
+    forward and backward, each call alone on the GPT's shapes at ``batch`` rows."""
+    def best(fn: Callable[[], object]) -> float:
+        return min(timeit.repeat(fn, number=2000, repeat=5)) / 2000 * 1e6
+
+    rng = np.random.default_rng(0)
+    s = S.GPT
+    x = rng.standard_normal((batch, s.seq, s.d_model)).astype(np.float32)
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    gamma, beta = np.ones(s.d_model, np.float32), np.zeros(s.d_model, np.float32)
+    ln = ops.LayerNorm(2, 2)
+    ln_sh = ln.sharding([x.shape, gamma.shape, beta.shape], 1)
+    _, ln_saved = ln.local_forward(ln_sh, x, gamma, beta)
+    _, (xhat, rstd) = S._layer_norm(x, gamma, beta)
+    z = rng.standard_normal((batch * s.seq, s.d_ff)).astype(np.float32)
+    dz = rng.standard_normal(z.shape).astype(np.float32)
+    gelu = ops.GeLU()
+    gelu_sh = gelu.sharding([z.shape], 1)
+    _, gelu_saved = gelu.local_forward(gelu_sh, z)
+    _, t = S._gelu(z)
+    a = x.reshape(-1, s.d_model)
+    w = rng.standard_normal((s.d_model, s.d_model)).astype(np.float32)
+    da = dy.reshape(a.shape)
+    mm = ops.MatMul(transpose_b=True)
+    mm_sh = mm.sharding([a.shape, w.shape], 1)
+    _, mm_saved = mm.local_forward(mm_sh, a, w)
+    return [
+        ("LayerNorm forward", best(lambda: ln.local_forward(ln_sh, x, gamma, beta)),
+         best(lambda: S._layer_norm(x, gamma, beta))),
+        ("LayerNorm backward", best(lambda: ln.local_backward(ln_sh, ln_saved, dy)),
+         best(lambda: S._layer_norm_grad(dy, xhat, rstd, gamma))),
+        ("GeLU forward", best(lambda: gelu.local_forward(gelu_sh, z)),
+         best(lambda: S._gelu(z))),
+        ("GeLU backward", best(lambda: gelu.local_backward(gelu_sh, gelu_saved, dz)),
+         best(lambda: S._gelu_grad(z, t, dz))),
+        ("MatMul x @ W.T forward", best(lambda: mm.local_forward(mm_sh, a, w)),
+         best(lambda: a @ w.T)),
+        ("MatMul backward (dx, dW)", best(lambda: mm.local_backward(mm_sh, mm_saved, da)),
+         best(lambda: (da @ w, da.T @ a))),
+    ]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=1, help="rows of the batch (default 1)")
     ap.add_argument("--reps", type=int, default=1500, help="timed steps per variant")
     ap.add_argument("--no-write", action="store_true", help="print only")
+    ap.add_argument("--only", choices=("simpar", "hand"),
+                    help="run --steps steps of one variant and exit, for an outside profiler")
+    ap.add_argument("--steps", type=int, default=3, help="steps for --only (default 3)")
     args = ap.parse_args()
-    if args.batch < 1 or args.reps < 10:
-        ap.error(f"--batch must be >= 1 and --reps >= 10, got {args.batch} and {args.reps}")
+    if args.batch < 1 or args.reps < 10 or args.steps < 0:
+        ap.error(f"--batch must be >= 1, --reps >= 10 and --steps >= 0, got {args.batch}, "
+                 f"{args.reps} and {args.steps}")
     info = S._blas_threads()
     train, hand, data = _variants(args.batch)
+    if args.only is not None:
+        for _ in range(args.steps):
+            train(*data) if args.only == "simpar" else hand.step(*data)
+        return 0
     for _ in range(5):
         train(*data)
         hand.step(*data)
@@ -178,6 +236,7 @@ def main() -> int:
     ex.fwd = fwd0
     ex.backwards[seeded] = (bwd0, mirrors)
     us = {name: float(np.median(t)) * 1e6 for name, t in times.items()}
+    pairs = _kernels_against_hand(args.batch)
 
     rows = [["simpar step", f"{us['simpar']:.0f}"],
             ["hand-written numpy step (the floor)", f"{us['hand']:.0f}"],
@@ -206,6 +265,12 @@ def main() -> int:
         "",
         markdown_table(["op type", "calls per step", "in the step µs", "alone µs",
                         "ratio"], ops_rows),
+        "",
+        "Single kernels alone against the hand-written lines that compute the same "
+        "(benchmarks/step.py's), on the step's shapes, the best of 5 runs of 2000 calls:",
+        "",
+        markdown_table(["kernel", "simpar µs", "hand-written µs"],
+                       [[name, f"{a:.1f}", f"{b:.1f}"] for name, a, b in pairs]),
         "",
         host_line(),
     ])
