@@ -623,18 +623,15 @@ def _run_steps(plan: RedistributionPlan, x: np.ndarray, rank: int, comm: Comm, a
             if step.kind.local:
                 x = run(step, x, rank, comm)
                 continue
-            with _NOTHING if named else comm.label(_label(adjoint, step.kind)), \
+            with simpar_comm.NO_LABEL if named else comm.label(_label(adjoint, step.kind)), \
                     schedule.issue(step, adjoint):
                 x = run(step, x, rank, comm)
     return x
 
 
-_NOTHING = contextlib.nullcontext()
-
-
 def _unchecked(comm: Comm) -> contextlib.AbstractContextManager[None]:
     """Collectives without their per-call agreement check (a no-op when already so)."""
-    return comm.validation_disabled() if comm.validation() else _NOTHING
+    return comm.validation_disabled() if comm.validation() else contextlib.nullcontext()
 
 
 _VERIFIED: set[tuple[RedistributionPlan, np.dtype]] = set()
@@ -794,7 +791,7 @@ def execute_step(step: Step, x: np.ndarray, adjoint: bool = False, comm: Comm = 
     run = _run_adjoint if adjoint else _run_step
     if step.kind.local:
         return run(step, x, rank, comm)
-    with _unchecked(comm), _NOTHING if schedule.active() else comm.label(
+    with _unchecked(comm), simpar_comm.NO_LABEL if schedule.active() else comm.label(
             _label(adjoint, step.kind)), schedule.issue(step, adjoint):
         return run(step, x, rank, comm)
 

@@ -51,6 +51,7 @@ class Optimizer:
         self._scratch: dict[str, list[np.ndarray]] = {}
         self._largest: dict[str, int] = {}
         self._views: dict[tuple[int, tuple[int, ...], int], np.ndarray] = {}  # into _scratch
+        self._first_temps: tuple[np.ndarray, ...] | None = None  # SGD's, one per parameter
 
     def names(self) -> list[str]:
         return [p.name for p in self.parameters]
@@ -59,6 +60,8 @@ class Optimizer:
         self.state = {name: {k: np.zeros_like(shards[name]) for k in self.slots}
                       for name in self.names()}
         self.t = 0
+        # New shards may have new shapes (a program rebuilt for another layout).
+        self._largest, self._views, self._first_temps = {}, {}, None
 
     slots: tuple[str, ...] = ()
 
@@ -107,7 +110,6 @@ class SGD(Optimizer):
         super().__init__(params, learning_rate, weight_decay)
         self.momentum = _check_positive("momentum", momentum, allow_zero=True)
         self.slots = ("v",) if self.momentum else ()
-        self._first_temps: tuple[np.ndarray, ...] | None = None
 
     def step(self, params: dict[str, np.ndarray], grads: dict[str, np.ndarray]) -> None:
         if self.momentum or self.weight_decay:

@@ -25,7 +25,6 @@ AllReduce over the input's replica axes (MindSpore's Mirror, for a parameter).
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import functools
 import math
@@ -341,7 +340,7 @@ class OpSharding:
     def forward(self, *local_inputs: np.ndarray) -> tuple[Any, Any]:
         """This rank's output shard (a tuple for multi-output ops) and what backward needs."""
         if self.inner_plan is not None:
-            with _UNLABELLED if schedule.active() else comm.label(
+            with comm.NO_LABEL if schedule.active() else comm.label(
                     f"{self.op.name}:redistribute"):
                 local_inputs = (execute(self.inner_plan, local_inputs[0]), *local_inputs[1:])
         raw, saved = self.op.local_forward(self, *local_inputs)
@@ -353,7 +352,7 @@ class OpSharding:
             if not p.steps:
                 outs.append(r)
                 continue
-            with _UNLABELLED if schedule.active() else comm.label(
+            with comm.NO_LABEL if schedule.active() else comm.label(
                     f"{self.op.name}:output" + (f"{k}" if k else "")):
                 outs.append(execute(p, r))
         return (tuple(outs) if self.more_outs else outs[0]), saved
@@ -413,7 +412,7 @@ class OpSharding:
     def all_reduce(self, spec: CommSpec, x: np.ndarray, what: str) -> np.ndarray:
         """Run one of the op's own collectives (an entry of ``internal_forward`` or
         ``internal_backward``) on this rank's partial ``x``: ``what`` tags the trace."""
-        with _UNLABELLED if schedule.active() else comm.label(f"{self.op.name}:{what}"), \
+        with comm.NO_LABEL if schedule.active() else comm.label(f"{self.op.name}:{what}"), \
                 schedule.issue(spec):
             y = comm.all_reduce(np.ascontiguousarray(x), op=spec.how,
                                 group=spec.group(self.rank()))
@@ -427,11 +426,6 @@ class OpSharding:
         rank = comm.get_rank()
         with comm.label(f"{self.op.name}:input{i}-grad"):
             return comm.all_reduce(contribution, group=spec.group(rank))
-
-
-# Under a followed schedule every collective is named by its schedule step in the trace, and
-# a label around it would only cost its formatting.
-_UNLABELLED = contextlib.nullcontext()
 
 
 def _float_of(saved: Any) -> Any:

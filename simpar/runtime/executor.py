@@ -32,6 +32,10 @@ __all__ = ["Executor", "mirror_announcement"]
 
 Actions = tuple[Action, ...]
 
+# The compiled records are NamedTuples rather than frozen dataclasses (STYLE.md's default for
+# values): they are as immutable, and the loops below unpack each one per op per step, which
+# a tuple does in one bytecode.
+
 
 class _Forward(NamedTuple):
     run: Callable[..., Any]       # the op's inputs -> (output or outputs, tape); a view's: y
@@ -66,7 +70,7 @@ class _Backward(NamedTuple):
 
 class _Mirror(NamedTuple):
     group: tuple[int, ...]
-    announce: object
+    announce: tuple[str, tuple[int, ...], tuple[str, ...]]   # what the schedule guard expects
     names: tuple[str, ...]
     sizes: tuple[int, ...]
 
@@ -178,7 +182,7 @@ class Executor:
         return [vals[s] for s in self.outputs], tape
 
     # ------------------------------------------------------------ backward
-    def _compile_backward(self, bplan: BackwardPlan, seeded: tuple[bool, ...]
+    def _compile_backward(self, bplan: BackwardPlan
                           ) -> tuple[tuple[_Backward, ...], tuple[_Mirror, ...]]:
         program = self.program
         bwd: list[_Backward] = []
@@ -213,7 +217,7 @@ class Executor:
         seeded = tuple(g is not None for g in output_grads)
         compiled = self.backwards.get(seeded)
         if compiled is None:
-            compiled = self.backwards[seeded] = self._compile_backward(bplan, seeded)
+            compiled = self.backwards[seeded] = self._compile_backward(bplan)
         bwd, mirrors = compiled
         grads: list[Any] = [None] * len(self.slot)
         # A value's cotangent has the value's dtype, whatever numpy's promotion made of the
@@ -267,6 +271,8 @@ class Executor:
             g = grads[self.slot[v.id]]
             if g is None:
                 g = np.zeros(program.param_layouts[name].local_shape(), dtype=v.dtype)
+            elif not g.flags.writeable:   # a broadcast view (ReduceMean's): the caller's own
+                g = g.copy()
             out[name] = g
         # Mirror: one AllReduce per group of ranks and dtype, on all its parameters' gradients
         # at once (MindSpore fuses these AllReduces too); the sum completes every pending one.
