@@ -98,16 +98,16 @@ def test_the_program_is_compiled_once_per_rank_and_views_run_as_views() -> None:
     assert prog is not None
     ex = prog.executor(0)
     assert isinstance(ex, Executor) and prog.executor(0) is ex
-    # Every Reshape of the GPT runs as one view call and keeps nothing for the backward;
-    # Transpose copies (the cost models count its output as an array of its own).
-    assert all(f.view == (s.node.op.name == "Reshape") for s, f in zip(prog.steps, ex.fwd))
-    assert any(f.view for f in ex.fwd)
+    # Every Reshape and Transpose of the GPT runs as one view call and keeps nothing.
+    kinds = {"Reshape", "Transpose"}
+    assert all(f.view == (s.node.op.name in kinds) for s, f in zip(prog.steps, ex.fwd))
+    assert {s.node.op.name for s, f in zip(prog.steps, ex.fwd) if f.view} == kinds
     assert len(ex.backwards) == 1                      # one backward per set of seeds
 
 
 @pytest.mark.parametrize("op, shape, strategy", [
     (ops.Reshape((4, 6, 2)), (4, 12), ((1, 1),)),
-    (ops.Reshape((6, 4)), (2, 3, 4), ((1, 1, 1),)),
+    (ops.Transpose((1, 0, 2)), (2, 3, 4), ((1, 1, 1),)),
 ])
 def test_a_view_op_gives_views_both_ways_equal_to_its_kernel(op: ops.Primitive,
                                                             shape: tuple[int, ...],
@@ -124,11 +124,7 @@ def test_a_view_op_gives_views_both_ways_equal_to_its_kernel(op: ops.Primitive,
     dx = backward(dy)
     assert dx.shape == x.shape and np.shares_memory(dx, dy)
     np.testing.assert_array_equal(dx, op.vjp((x,), y, dy)[0])
-    for other, shapes in ((ops.MatMul(), [(2, 2), (2, 2)]), (ops.Transpose((1, 0)), [(2, 3)])):
-        assert other.local_view(other.sharding(shapes, 1)) is None
-    t = ops.Transpose((1, 0))
-    y, _ = t.local_forward(t.sharding([(2, 3)], 1), x := np.ones((2, 3)))
-    assert y.flags.c_contiguous and not np.shares_memory(y, x)
+    assert ops.MatMul().local_view(ops.MatMul().sharding([(2, 2), (2, 2)], 1)) is None
 
 
 def test_a_gradient_handed_to_the_caller_is_writeable() -> None:
