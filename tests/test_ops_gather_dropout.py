@@ -151,11 +151,18 @@ def test_gather_vjp_matches_finite_differences(op, pshape, ishape):
 
 def test_gather_shard_looks_up_its_own_rows_and_writes_zeros_elsewhere():
     table, ids = _r(8, 2), np.array([0, 2, 3, 7, 2])
-    local = Gather()._lookup(table[2:4], ids, 2)  # the shard holding rows 2..3
+    local = Gather()._lookup(table[2:4], ids, 2, False)  # the shard holding rows 2..3
     owned = ((ids >= 2) & (ids < 4))[:, None]
     np.testing.assert_array_equal(local, np.where(owned, table[ids], 0.0))
-    g = Gather()._scatter((2, 2), np.dtype(np.float64), ids, np.ones((5, 2)), 2)
+    g = Gather()._scatter((2, 2), np.dtype(np.float64), ids, np.ones((5, 2)), 2, False)
     np.testing.assert_array_equal(g, [[2.0, 2.0], [1.0, 1.0]])  # id 2 twice, id 3 once
+    # The whole table (every id its own): the same values as the masked path, bit for bit.
+    whole = Gather()._lookup(table, ids, 0, True)
+    np.testing.assert_array_equal(whole, Gather()._lookup(table, ids, 0, False))
+    dy = _r(5, 2)
+    np.testing.assert_array_equal(
+        Gather()._scatter((8, 2), np.dtype(np.float64), ids, dy, 0, True),
+        Gather()._scatter((8, 2), np.dtype(np.float64), ids, dy, 0, False))
 
 
 @pytest.mark.parametrize("call,err,words", [

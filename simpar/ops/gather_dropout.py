@@ -109,9 +109,13 @@ class Gather(Primitive):
                 raise ValueError(f"Gather: index {bad} is out of range for input_params with "
                                  f"{rows} entries along axis {self.axis}; allowed 0..{rows - 1}")
 
-    def _lookup(self, params: np.ndarray, ids: np.ndarray, start: int) -> np.ndarray:
-        """``params`` holds entries ``start..start+n-1`` along the axis: ids outside give 0."""
+    def _lookup(self, params: np.ndarray, ids: np.ndarray, start: int, whole: bool
+                ) -> np.ndarray:
+        """``params`` holds entries ``start..start+n-1`` along the axis: ids outside give 0.
+        ``whole``: it holds every entry, and the ids were checked to lie among them."""
         a = self._axis(params.ndim)
+        if whole:
+            return np.take(params, ids, axis=a)
         n = params.shape[a]
         local = ids.astype(np.int64) - start
         mine = (local >= 0) & (local < n)
@@ -122,31 +126,35 @@ class Gather(Primitive):
         return out
 
     def _scatter(self, params_shape: tuple[int, ...], dtype: np.dtype, ids: np.ndarray,
-                 dy: np.ndarray, start: int) -> np.ndarray:
+                 dy: np.ndarray, start: int, whole: bool) -> np.ndarray:
         """The adjoint of :meth:`_lookup`: ``dy`` summed into the rows its ids pick."""
         a = self._axis(len(params_shape))
         n = params_shape[a]
         g = np.zeros(params_shape, dtype=dtype)
-        local = ids.astype(np.int64).reshape(-1) - start
-        mine = (local >= 0) & (local < n)
         k = ids.ndim
         # dy: (pre..., ids..., post...) -> (ids..., pre..., post...) -> (m, pre..., post...)
-        d = np.moveaxis(dy, tuple(range(a, a + k)), tuple(range(k))) if k else dy
+        d = np.moveaxis(dy, tuple(range(a, a + k)), tuple(range(k))) if k and a else dy
         d = d.reshape((-1,) + params_shape[:a] + params_shape[a + 1:])
+        if whole:   # every id is this rank's: the same sums, in the same order, unmasked
+            np.add.at(np.moveaxis(g, a, 0), ids.reshape(-1), d)
+            return g
+        local = ids.astype(np.int64).reshape(-1) - start
+        mine = (local >= 0) & (local < n)
         np.add.at(np.moveaxis(g, a, 0), local[mine], d[mine])
         return g
 
     def kernel(self, *xs: np.ndarray) -> np.ndarray:
         params, indices = xs
         self._check(params, indices, params.shape[self._axis(params.ndim)])
-        return self._lookup(params, indices, 0)
+        return self._lookup(params, indices, 0, True)
 
     def vjp(self, xs: Sequence[np.ndarray], y: np.ndarray, dy: np.ndarray
             ) -> tuple[np.ndarray | None, ...]:
         params, indices = xs
         if params.dtype.kind != "f":
             return None, None
-        return self._scatter(params.shape, params.dtype, indices, dy, 0), None
+        self._check(params, indices, params.shape[self._axis(params.ndim)])
+        return self._scatter(params.shape, params.dtype, indices, dy, 0, True), None
 
     def _start(self, sh: OpSharding) -> int:
         """The first table entry (along the axis) that this rank holds."""
@@ -158,14 +166,16 @@ class Gather(Primitive):
         a = self._axis(params.ndim)
         self._check(params, indices, sh.input_shapes[0][a])
         start = self._start(sh)
-        return self._lookup(params, indices, start), (params.shape, params.dtype, indices, start)
+        whole = params.shape[a] == sh.input_shapes[0][a]   # the table is not split on the axis
+        return (self._lookup(params, indices, start, whole),
+                (params.shape, params.dtype, indices, start, whole))
 
     def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray
                        ) -> tuple[np.ndarray | None, ...]:
-        shape, dtype, indices, start = saved
+        shape, dtype, indices, start, whole = saved
         if dtype.kind != "f":
             return None, None
-        return self._scatter(shape, dtype, indices, dy, start), None
+        return self._scatter(shape, dtype, indices, dy, start, whole), None
 
 
 # ------------------------------------------------------------------ Dropout
