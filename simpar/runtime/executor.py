@@ -9,8 +9,8 @@ unused output or a skipped gradient stands for, the Mirror buckets. A step of th
 forward is one call per op (its local kernel, or the op's own forward when it moves values
 itself); the backward is one kernel call per op plus the actions its plan lists, in the
 order :func:`simpar.runtime.program._schedule` lists their collectives (the schedule guard
-checks that, call by call). On the main job's GPT this halves the executor's Python work per
-step (README, "The executor").
+checks that, call by call). ``benchmarks/executor_overhead.py`` measures what the executor
+costs against the kernels it calls (README, "Performance, measured").
 """
 
 from __future__ import annotations
