@@ -617,14 +617,12 @@ def _run_steps(plan: RedistributionPlan, x: np.ndarray, rank: int, comm: Comm, a
     _verify_once(plan, x.dtype, comm)
     steps = reversed(plan.steps) if adjoint else iter(plan.steps)
     run = _run_adjoint if adjoint else _run_step
-    named = schedule.active()   # a program's schedule names each step in the trace itself
     with _unchecked(comm):
         for step in steps:
             if step.kind.local:
                 x = run(step, x, rank, comm)
                 continue
-            with simpar_comm.NO_LABEL if named else comm.label(_label(adjoint, step.kind)), \
-                    schedule.issue(step, adjoint):
+            with comm.label(_label(adjoint, step.kind)), schedule.issue(step, adjoint):
                 x = run(step, x, rank, comm)
     return x
 
@@ -791,8 +789,8 @@ def execute_step(step: Step, x: np.ndarray, adjoint: bool = False, comm: Comm = 
     run = _run_adjoint if adjoint else _run_step
     if step.kind.local:
         return run(step, x, rank, comm)
-    with _unchecked(comm), simpar_comm.NO_LABEL if schedule.active() else comm.label(
-            _label(adjoint, step.kind)), schedule.issue(step, adjoint):
+    with _unchecked(comm), comm.label(_label(adjoint, step.kind)), \
+            schedule.issue(step, adjoint):
         return run(step, x, rank, comm)
 
 

@@ -27,7 +27,7 @@ from typing import Protocol
 from simpar.comm import trace
 from simpar.comm.trace import ScheduleError
 
-__all__ = ["Scheduled", "ScheduleError", "active", "following", "issue"]
+__all__ = ["Scheduled", "ScheduleError", "following", "issue"]
 
 
 class Scheduled(Protocol):
@@ -111,7 +111,3 @@ class issue:  # noqa: N801  (used as a function: ``with schedule.issue(step):``)
         if self._step is not None:
             self._step.__exit__(*exc)
 
-
-def active() -> bool:
-    """Whether a schedule is being followed here (collectives are then named by its steps)."""
-    return _CURSOR.get() is not None

@@ -37,7 +37,7 @@ from simpar.comm.collectives import (
     validation,
     validation_disabled,
 )
-from simpar.comm.trace import NO_LABEL, CommEvent, CommTrace, label
+from simpar.comm.trace import CommEvent, CommTrace, label
 
 __all__ = [
     "CommEvent",
@@ -60,7 +60,6 @@ __all__ = [
     "get_group_size",
     "get_rank",
     "init",
-    "NO_LABEL",
     "label",
     "recv",
     "reduce_scatter",

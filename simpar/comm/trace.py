@@ -25,11 +25,11 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-__all__ = ["NO_LABEL", "CommEvent", "CommTrace", "ScheduleError", "guarded", "label",
-           "program_step", "record"]
+__all__ = ["CommEvent", "CommTrace", "ScheduleError", "guarded", "label", "program_step",
+           "record"]
 
 
 class ScheduleError(RuntimeError):
@@ -187,11 +187,6 @@ class label:  # noqa: N801  (used as a function: ``with comm.label("MatMul"):``)
 
     def __exit__(self, *exc: object) -> None:
         _state.labels.pop()
-
-
-#: Entered instead of a :class:`label` where the events are named already (under a followed
-#: schedule, each collective's step names it): a no-op that costs no formatting of a text.
-NO_LABEL: AbstractContextManager[None] = nullcontext()
 
 
 @contextmanager

@@ -54,11 +54,11 @@ class Optimizer:
         self._first_temps: tuple[np.ndarray, ...] | None = None  # SGD's, one per parameter
 
     def names(self) -> list[str]:
-        return [p.name for p in self.parameters]
+        return list(self._names)
 
     def init_state(self, shards: dict[str, np.ndarray]) -> None:
         self.state = {name: {k: np.zeros_like(shards[name]) for k in self.slots}
-                      for name in self.names()}
+                      for name in self._names}
         self.t = 0
         # New shards may have new shapes (a program rebuilt for another layout).
         self._largest, self._views, self._first_temps = {}, {}, None

@@ -340,8 +340,7 @@ class OpSharding:
     def forward(self, *local_inputs: np.ndarray) -> tuple[Any, Any]:
         """This rank's output shard (a tuple for multi-output ops) and what backward needs."""
         if self.inner_plan is not None:
-            with comm.NO_LABEL if schedule.active() else comm.label(
-                    f"{self.op.name}:redistribute"):
+            with comm.label(f"{self.op.name}:redistribute"):
                 local_inputs = (execute(self.inner_plan, local_inputs[0]), *local_inputs[1:])
         raw, saved = self.op.local_forward(self, *local_inputs)
         if not self.more_outs and not self.out_plan.steps:   # most ops: nothing to move
@@ -352,8 +351,7 @@ class OpSharding:
             if not p.steps:
                 outs.append(r)
                 continue
-            with comm.NO_LABEL if schedule.active() else comm.label(
-                    f"{self.op.name}:output" + (f"{k}" if k else "")):
+            with comm.label(f"{self.op.name}:output" + (f"{k}" if k else "")):
                 outs.append(execute(p, r))
         return (tuple(outs) if self.more_outs else outs[0]), saved
 
@@ -383,13 +381,8 @@ class OpSharding:
         """The local kernel's gradients (with its own collectives, ``internal_backward``) from
         the raw outputs' cotangents ``draws``, one per output; before :attr:`inner_plan`'s
         adjoint. ``needs`` as in :meth:`backward`."""
-        token = _NEEDS.set(needs if needs is None or type(needs) is tuple
-                           else tuple(bool(n) for n in needs))
-        try:
-            return self.op.local_backward(self, saved,
-                                          tuple(draws) if self.more_outs else draws[0])
-        finally:
-            _NEEDS.reset(token)
+        run = self.backward_kernel((True,) * len(self.in_layouts) if needs is None else needs)
+        return run(saved, tuple(draws) if self.more_outs else draws[0])
 
     def backward_kernel(self, needs: Sequence[bool]
                         ) -> Callable[[Any, Any], tuple[np.ndarray | None, ...]]:
@@ -412,8 +405,7 @@ class OpSharding:
     def all_reduce(self, spec: CommSpec, x: np.ndarray, what: str) -> np.ndarray:
         """Run one of the op's own collectives (an entry of ``internal_forward`` or
         ``internal_backward``) on this rank's partial ``x``: ``what`` tags the trace."""
-        with comm.NO_LABEL if schedule.active() else comm.label(f"{self.op.name}:{what}"), \
-                schedule.issue(spec):
+        with comm.label(f"{self.op.name}:{what}"), schedule.issue(spec):
             y = comm.all_reduce(np.ascontiguousarray(x), op=spec.how,
                                 group=spec.group(self.rank()))
         return y.reshape(np.shape(x))  # all_reduce hands a 0-d array back as shape (1,)

@@ -10,6 +10,7 @@ an unsplit dimension. Assign moves its value to its output, where both are laid 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import operator
 from collections.abc import Callable, Sequence
@@ -40,6 +41,20 @@ def _norm_axis(axis: int, ndim: int, op: str) -> int:
     if not -ndim <= axis < ndim:
         raise ValueError(f"{op}: axis {axis} is out of range for an input of rank {ndim}")
     return int(axis) % ndim
+
+
+# ------------------------------------------------------------------ the two views
+@functools.lru_cache(maxsize=1024)  # a program's views, made once, not per call
+def _transposes(perm: tuple[int, ...]) -> tuple[Callable[[np.ndarray], np.ndarray],
+                                                Callable[[np.ndarray], np.ndarray]]:
+    inverse = tuple(int(p) for p in np.argsort(perm))
+    return operator.methodcaller("transpose", perm), operator.methodcaller("transpose", inverse)
+
+
+@functools.lru_cache(maxsize=1024)
+def _reshapes(out: tuple[int, ...], back: tuple[int, ...]
+              ) -> tuple[Callable[[np.ndarray], np.ndarray], Callable[[np.ndarray], np.ndarray]]:
+    return operator.methodcaller("reshape", out), operator.methodcaller("reshape", back)
 
 
 # ------------------------------------------------------------------ Transpose
@@ -90,9 +105,7 @@ class Transpose(Primitive):
         # Reshape copies after it, that is where the array is; where a view goes straight
         # into a BatchMatMul, it is one array too many (an upper bound, which a memory cap
         # can trust). On the GPT at batch 1 the views take a tenth off the step.
-        perm = self._perm(len(sh.input_shapes[0]))
-        return (operator.methodcaller("transpose", perm),
-                operator.methodcaller("transpose", tuple(int(p) for p in np.argsort(perm))))
+        return _transposes(self._perm(len(sh.input_shapes[0])))
 
     def local_forward(self, sh: OpSharding, *xs: np.ndarray) -> tuple[np.ndarray, Any]:
         return self.local_view(sh)[0](xs[0]), None
@@ -307,8 +320,7 @@ class Reshape(Primitive):
                                                   Callable[[np.ndarray], np.ndarray]]:
         # After inner_plan when there is one: the view is between its layout and the output's.
         mid = sh.in_layouts[0] if sh.inner_plan is None else sh.inner_plan.dst
-        return (operator.methodcaller("reshape", sh.out.local_shape()),
-                operator.methodcaller("reshape", mid.local_shape()))
+        return _reshapes(sh.out.local_shape(), mid.local_shape())
 
     def local_forward(self, sh: OpSharding, *xs: np.ndarray) -> tuple[np.ndarray, Any]:
         return self.local_view(sh)[0](xs[0]), None
