@@ -9,14 +9,17 @@ tests/test_runtime_mpi.py check the same executor on real ranks, against one dev
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
 import pytest
 
 import simpar
-from simpar import nn, ops
+from simpar import graph, nn, ops
+from simpar.runtime import lower
 from simpar.runtime.executor import Executor
+from simpar.search import plan_strategies
 
 
 @pytest.fixture(autouse=True)
@@ -103,6 +106,46 @@ def test_the_program_is_compiled_once_per_rank_and_views_run_as_views() -> None:
     assert all(f.view == (s.node.op.name in kinds) for s, f in zip(prog.steps, ex.fwd))
     assert {s.node.op.name for s, f in zip(prog.steps, ex.fwd) if f.view} == kinds
     assert len(ex.backwards) == 1                      # one backward per set of seeds
+
+
+def test_the_source_is_one_line_per_op_and_plain_ops_call_their_kernels() -> None:
+    """The generated forward calls every op once, in program order; an op on Primitive's own
+    per-rank path (MatMul, BiasAdd, Add) calls its kernel, its tape built inline."""
+    train, ids, labels = _gpt_train()
+    train(ids, labels)
+    prog = train.program
+    assert prog is not None
+    ex = prog.executor(0)
+    text = ex.source()
+    assert text.startswith("def forward(") and "\ndef backward(" in text
+    forward = text.split("\ndef backward(")[0]
+    called = [line for line in forward.splitlines() if re.search(r"= R\d+\(", line)]
+    assert len(called) == len(prog.steps)
+    for s, f, line in zip(prog.steps, ex.fwd, called):
+        assert re.match(rf"v{f.out}\b" if f.out >= 0 else r"\(", line.strip()), line
+        assert f.plain == (s.node.op.name in {"MatMul", "BiasAdd", "Add", "Mul",
+                                              "BatchMatMul"}), s.node.op.name
+    assert sum(f.plain for f in ex.fwd) >= 20
+
+
+def test_a_value_no_tape_keeps_is_dropped_after_its_last_use() -> None:
+    """Dense(32, 16, relu) with frozen parameters, float64: no op keeps anything for a
+    backward, so the MatMul's output is dropped once the BiasAdd has read it, and the
+    BiasAdd's once the ReLU has: the executor never holds more than x, w, b and one (8, 16)
+    array (holding every value to the end, it would peak at three)."""
+    from simpar.runtime import watching_memory
+
+    dense = nn.Dense(32, 16, activation="relu", dtype=np.float64)
+    for p in dense.get_parameters():
+        p.requires_grad = False
+    g = graph.trace(dense, [((8, 32), np.float64)], ["x"])
+    prog = lower(g, plan_strategies(g, 1, "stand_alone"))
+    assert not prog.grad_nodes
+    with watching_memory() as watch:
+        outs, tape = prog.forward([np.ones((8, 32))], {"weight": np.ones((16, 32)),
+                                                        "bias": np.zeros(16)})
+    assert tape == [] and outs[0].shape == (8, 16)
+    assert watch.peak == (8 * 32 + 16 * 32 + 16 + 8 * 16) * 8
 
 
 @pytest.mark.parametrize("op, shape, strategy", [

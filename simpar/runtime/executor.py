@@ -1,16 +1,20 @@
 """The executor: a :class:`~simpar.runtime.ParallelProgram`'s forward and backward, compiled
-once per rank (and, for the backward, per set of seeded outputs) into flat lists of calls.
+once per rank (and, for the backward, per set of seeded outputs) into straight-line Python.
 
 Lowering and backward planning decide everything a step does; what is left per step is to
-call kernels and collectives on arrays. Compiling resolves, once, what the interpreted
-program looked up on every call: each value's slot in a list (not a dict keyed by value id),
-each op's kernel bound to its sharding, the planned actions of every cotangent, the zeros an
-unused output or a skipped gradient stands for, the Mirror buckets. A step of the compiled
-forward is one call per op (its local kernel, or the op's own forward when it moves values
-itself); the backward is one kernel call per op plus the actions its plan lists, in the
-order :func:`simpar.runtime.program._schedule` lists their collectives (the schedule guard
-checks that, call by call). ``benchmarks/executor_overhead.py`` measures what the executor
-costs against the kernels it calls (README, "Performance, measured").
+call kernels and collectives on arrays. Compiling resolves, once, what an interpreter would
+look up on every call: each op's kernel bound to its sharding, the planned actions of every
+cotangent, the zeros an unused output or a skipped gradient stands for, which contribution to
+a gradient is its first (assigned) and which are added, the Mirror buckets. The compiled
+records (:class:`_Forward`, :class:`_Backward`) are then written out as the source of one
+Python function per direction, as torch.fx writes a GraphModule's ``forward``: every value is
+a local variable, dropped after its last use, and an op whose kernel is the plain
+single-device one on shards is called without the wrapper between (its tape is built
+inline). ``Executor.source()`` prints what a rank runs. The backward runs its kernel calls
+and the actions its plan lists in the order :func:`simpar.runtime.program._schedule` lists
+their collectives (the schedule guard checks that, call by call).
+``benchmarks/executor_overhead.py`` measures what the executor costs against the kernels it
+calls (README, "Performance, measured").
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import numpy as np
 
 from simpar import comm, schedule
 from simpar.cotangent import Action
+from simpar.ops._base import Primitive
 from simpar.redistribution import RedistributionPlan, execute, execute_step
 
 if TYPE_CHECKING:
@@ -33,17 +38,18 @@ __all__ = ["Executor", "mirror_announcement"]
 Actions = tuple[Action, ...]
 
 # The compiled records are NamedTuples rather than frozen dataclasses (STYLE.md's default for
-# values): they are as immutable, and the loops below unpack each one per op per step, which
-# a tuple does in one bytecode.
+# values): they are as immutable, and the code generators below unpack them field by field.
 
 
 class _Forward(NamedTuple):
-    run: Callable[..., Any]       # the op's inputs -> (output or outputs, tape); a view's: y
+    run: Callable[..., Any]       # see ``kind``
     ins: tuple[int, ...]          # slots read
     out: int                      # the output's slot (-1: several, see outs)
     outs: tuple[int, ...]         # every output's slot
     keep: int                     # tape slot (-1: the backward needs nothing)
     view: bool                    # run is the op's local_view: one input, no tape
+    plain: bool = False           # run is the op's single-device kernel: inputs -> output,
+    #                               the tape ``(inputs, output)`` (Primitive.local_forward's)
 
 
 class _Input(NamedTuple):
@@ -66,6 +72,7 @@ class _Backward(NamedTuple):
     keep: int
     inner: Actions
     inputs: tuple[_Input, ...]
+    plain: bool = False         # the kernel is the op's vjp: (inputs, output, dy) -> grads
 
 
 class _Mirror(NamedTuple):
@@ -88,21 +95,41 @@ def _run(actions: Actions, x: np.ndarray) -> np.ndarray:
     return x
 
 
-def _arrive(d: np.ndarray | None, acts: Actions, shape: tuple[int, ...], dtype: np.dtype
-            ) -> np.ndarray:
-    """An output's cotangent as the kernel takes it: zeros for an unused output, else after
-    its planned actions (the adjoints of the op's output collectives)."""
-    if d is None:
-        return np.zeros(shape, dtype)
-    return _run(acts, d) if acts else d
-
-
 def _moving(sh: Any, plans: tuple[RedistributionPlan | None, ...]
             ) -> Callable[..., tuple[Any, Any]]:
     """The forward of an op whose inputs are redistributed first."""
     def run(*xs: np.ndarray) -> tuple[Any, Any]:
         return sh.forward(*[x if p is None else execute(p, x) for p, x in zip(plans, xs)])
     return run
+
+
+def _plain(op: Any) -> bool:
+    """The op runs Primitive's own per-rank forward and backward: its kernel and VJP on the
+    shards, the tape ``(inputs, output)``."""
+    return (type(op).local_forward is Primitive.local_forward
+            and type(op).local_backward is Primitive.local_backward)
+
+
+class _Source:
+    """Lines of generated Python and the objects they name (the function's globals)."""
+
+    def __init__(self, header: str) -> None:
+        self.lines = [header]
+        self.names: dict[str, Any] = {"_zeros": np.zeros, "_run": _run}
+
+    def bind(self, prefix: str, obj: Any) -> str:
+        name = f"{prefix}{len(self.names)}"
+        self.names[name] = obj
+        return name
+
+    def add(self, line: str) -> None:
+        self.lines.append("    " + line)
+
+    def build(self, name: str) -> tuple[Callable[..., Any], str]:
+        text = "\n".join(self.lines) + "\n"
+        scope = dict(self.names)
+        exec(compile(text, f"<simpar executor: {name}>", "exec"), scope)  # noqa: S102
+        return scope[name], text
 
 
 class Executor:
@@ -129,9 +156,12 @@ class Executor:
             moves = (any(p is not None for p in plans) or sh.inner_plan is not None
                      or bool(sh.more_outs) or bool(sh.out_plan.steps))
             view = None if moves else sh.op.local_view(sh)
+            plain = view is None and not moves and _plain(sh.op)
             run: Callable[..., Any]
             if view is not None:
                 run = view[0]
+            elif plain:
+                run = sh.op.kernel
             else:
                 run = _moving(sh, plans) if moves else functools.partial(sh.op.local_forward, sh)
             keep = -1
@@ -140,54 +170,99 @@ class Executor:
             outs = tuple(at(v.id) for v in node.outputs)
             fwd.append(_Forward(run, tuple(at(v.id) for v in node.inputs),
                                 outs[0] if len(outs) == 1 else -1, outs, keep,
-                                view is not None))
-        self.fwd = tuple(fwd)
+                                view is not None, plain))
         self.outputs = tuple(slot[v.id] for v in g.outputs)
         self.slot = slot
+        self._fwd = tuple(fwd)
+        self._forward_fns: dict[bool, tuple[Callable[..., Any], str]] = {}
         #: The compiled backward per set of seeded outputs (built on first use): its steps,
         #: last op first, and its Mirror buckets.
         self.backwards: dict[tuple[bool, ...], tuple[tuple[_Backward, ...],
                                                      tuple[_Mirror, ...]]] = {}
+        # The generated backward per (seeded, watched), with the records it was written from.
+        self._backward_fns: dict[tuple[tuple[bool, ...], bool],
+                                 tuple[tuple[_Backward, ...], Callable[..., Any], str]] = {}
+
+    @property
+    def fwd(self) -> tuple[_Forward, ...]:
+        """The forward's records, one per op in program order (replacing them rewrites the
+        generated forward: ``benchmarks/executor_overhead.py`` swaps kernels this way)."""
+        return self._fwd
+
+    @fwd.setter
+    def fwd(self, records: tuple[_Forward, ...]) -> None:
+        self._fwd = tuple(records)
+        self._forward_fns = {}
+
+    def source(self, seeded: Sequence[bool] | None = None) -> str:
+        """The Python this rank runs: the generated forward, then (once a backward with these
+        seeded outputs, default all, has run or been compiled) the generated backward."""
+        seeded = tuple(seeded) if seeded is not None else (True,) * len(self.outputs)
+        text = self._forward_fn(False)[1]
+        if seeded in self.backwards:
+            text += "\n\n" + self._backward_fn(seeded, False)[2]
+        return text
 
     # ------------------------------------------------------------ forward
+    def _forward_fn(self, watched: bool) -> tuple[Callable[..., Any], str]:
+        found = self._forward_fns.get(watched)
+        if found is None:
+            found = self._forward_fns[watched] = self._write_forward(watched)
+        return found
+
+    def _write_forward(self, watched: bool) -> tuple[Callable[..., Any], str]:
+        src = _Source("def forward(inputs, params, watch):")
+        n_tapes = len(self._tape_of)
+        last: dict[int, int] = {}   # slot -> index of the last op reading it
+        for i, r in enumerate(self._fwd):
+            for s in r.ins:
+                last[s] = i
+        kept_to_end = set(self.outputs)
+        for k, s in enumerate(self.inputs):
+            src.add(f"v{s} = inputs[{k}]")
+        for s, name in self.params:
+            src.add(f"v{s} = params[{name!r}]")
+        for s, c in self.consts:
+            src.add(f"v{s} = {src.bind('C', c)}")
+        sample = "watch.params = params; watch.sample(locals())"
+        if watched:
+            src.add(sample)
+        for i, r in enumerate(self._fwd):
+            run = src.bind("R", r.run)
+            args = ", ".join(f"v{s}" for s in r.ins)
+            if r.view:
+                src.add(f"v{r.out} = {run}(v{r.ins[0]})")
+            elif r.plain:
+                src.add(f"v{r.out} = {run}({args})")
+                if r.keep >= 0:
+                    src.add(f"t{r.keep} = (({args},), v{r.out})")
+            else:
+                outs = (f"v{r.out}" if r.out >= 0
+                        else "(" + ", ".join(f"v{s}" for s in r.outs) + ",)")
+                src.add(f"{outs}, {f't{r.keep}' if r.keep >= 0 else '_'} = {run}({args})")
+            dead = sorted({s for s in r.ins if last.get(s) == i} - kept_to_end)
+            dead += [s for s in r.outs if s not in last and s not in kept_to_end]
+            if dead:
+                src.add("del " + ", ".join(f"v{s}" for s in dead))
+            if watched:
+                src.add(sample)
+        untaped = {r.keep for r in self._fwd if r.view}
+        tapes = ", ".join("None" if k in untaped else f"t{k}" for k in range(n_tapes))
+        src.add(f"return [{', '.join(f'v{s}' for s in self.outputs)}], [{tapes}]")
+        return src.build("forward")
+
     def forward(self, local_inputs: Sequence[np.ndarray], local_params: dict[str, np.ndarray],
                 watch: MemoryWatch | None) -> tuple[list[np.ndarray], list[Any]]:
-        vals: list[Any] = [None] * len(self.slot)
-        for s, x in zip(self.inputs, local_inputs):
-            vals[s] = x
-        for s, name in self.params:
-            vals[s] = local_params[name]
-        for s, c in self.consts:
-            vals[s] = c
-        tape: list[Any] = [None] * len(self._tape_of)
-        get = vals.__getitem__
-        for run, ins, out, outs, keep, view in self.fwd:
-            if view:
-                vals[out] = run(vals[ins[0]])
-                if watch is not None:
-                    watch.params = local_params
-                    watch.sample(vals, tape)
-                continue
-            y, saved = run(*map(get, ins))
-            if out >= 0:
-                vals[out] = y
-            else:
-                for s, o in zip(outs, y):
-                    vals[s] = o
-            if keep >= 0:
-                tape[keep] = saved
-            if watch is not None:
-                watch.params = local_params
-                watch.sample(vals, tape)
-        return [vals[s] for s in self.outputs], tape
+        run = self._forward_fn(watch is not None)[0]
+        return run(local_inputs, local_params, watch)
 
     # ------------------------------------------------------------ backward
     def _compile_backward(self, bplan: BackwardPlan
                           ) -> tuple[tuple[_Backward, ...], tuple[_Mirror, ...]]:
         program = self.program
         bwd: list[_Backward] = []
-        for s in reversed(program.steps):
-            node, sh = s.node, s.sharding
+        for i in reversed(range(len(program.steps))):
+            node, sh = program.steps[i].node, program.steps[i].sharding
             nb = bplan.nodes.get(node.id)
             if nb is None:   # no gradient flows through: its outputs' cotangents are dropped
                 bwd.append(_Backward(tuple((self.slot[v.id], (), (), v.dtype)
@@ -202,78 +277,120 @@ class Executor:
                        nb.edges[k], nb.align_sum.get(k, ()), nb.align_new.get(k, ()))
                 for k, v in enumerate(node.inputs) if nb.needs[k])
             view = sh.op.local_view(sh) if all(nb.needs) else None
-            bwd.append(_Backward(outs, view[1] if view else sh.backward_kernel(nb.needs),
-                                 bool(sh.more_outs), view is not None, self._tape_of[node.id],
-                                 nb.op.inner_actions, inputs))
+            plain = view is None and all(nb.needs) and self._fwd[i].plain
+            kernel = (view[1] if view else sh.op.vjp if plain
+                      else sh.backward_kernel(nb.needs))
+            bwd.append(_Backward(outs, kernel, bool(sh.more_outs), view is not None,
+                                 self._tape_of[node.id], nb.op.inner_actions, inputs, plain))
         mirrors = tuple(
             _Mirror(group, mirror_announcement(group, names), names,
                     tuple(program.param_layouts[n].local_size() for n in names))
             for group, _, names in bplan.mirror_buckets(program, self.rank))
         return tuple(bwd), mirrors
 
+    def _backward_fn(self, seeded: tuple[bool, ...], watched: bool
+                     ) -> tuple[tuple[_Backward, ...], Callable[..., Any], str]:
+        records = self.backwards[seeded][0]
+        found = self._backward_fns.get((seeded, watched))
+        if found is None or found[0] is not records:
+            found = self._backward_fns[seeded, watched] = (
+                records, *self._write_backward(records, seeded, watched))
+        return found
+
+    def _write_backward(self, records: tuple[_Backward, ...], seeded: tuple[bool, ...],
+                        watched: bool) -> tuple[Callable[..., Any], str]:
+        src = _Source("def backward(tape, seeds, watch):")
+        held: set[int] = set()   # slots holding a gradient at this point of the code
+        taken: list[int] = []    # the slots the op being written consumes
+
+        def take(s: int, acts: Actions, shape: tuple[int, ...], dtype: np.dtype) -> str:
+            """An output's cotangent as the kernel takes it: zeros for an unused output, else
+            after its planned actions (the adjoints of the op's output collectives)."""
+            if s in held:
+                held.discard(s)
+                taken.append(s)
+                expr = f"g{s}"
+            else:
+                expr = f"_zeros({shape!r}, {src.bind('D', dtype)})"
+            return f"_run({src.bind('A', acts)}, {expr})" if acts else expr
+
+        for k, s in enumerate(self.outputs):
+            if seeded[k]:
+                src.add(f"g{s} = seeds[{k}]")
+                held.add(s)
+        for r in records:
+            if r.kernel is None:
+                dropped = [s for s, _, _, _ in r.outs if s in held]
+                held.difference_update(dropped)
+                if dropped:
+                    src.add("del " + ", ".join(f"g{s}" for s in dropped))
+                continue
+            kernel = src.bind("K", r.kernel)
+            taken.clear()
+            if r.multi:
+                draws = [take(*o) for o in r.outs]
+                draws.reverse()
+                src.add(f"C = {kernel}(tape[{r.keep}], ({', '.join(draws)},))")
+            else:
+                d = take(*r.outs[0])
+                if r.view:
+                    src.add(f"C = ({kernel}({d}),)")
+                elif r.plain:
+                    src.add(f"C = {kernel}(*tape[{r.keep}], {d})")
+                else:
+                    src.add(f"C = {kernel}(tape[{r.keep}], {d})")
+            if taken:
+                src.add("del " + ", ".join(f"g{s}" for s in taken))
+            if r.inner:
+                src.add(f"if C[0] is not None: C = (_run({src.bind('A', r.inner)}, C[0]), "
+                        "*C[1:])")
+            for k, s, shape, dtype, edge, align_sum, align_new in r.inputs:
+                dt = src.bind("D", dtype)
+                src.add(f"c = C[{k}]")
+                src.add(f"if c is None: c = _zeros({shape!r}, {dt})")
+                src.add(f"elif c.dtype != {dt}: c = c.astype({dt})")
+                if edge:
+                    src.add(f"c = _run({src.bind('A', edge)}, c)")
+                if s not in held:
+                    src.add(f"g{s} = c")
+                    held.add(s)
+                elif align_sum or align_new:
+                    before = f"_run({src.bind('A', align_sum)}, g{s})" if align_sum else f"g{s}"
+                    new = f"_run({src.bind('A', align_new)}, c)" if align_new else "c"
+                    src.add(f"g{s} = {before} + {new}")
+                else:
+                    src.add(f"g{s} = g{s} + c")
+            if watched:
+                src.add("watch.sample(tape, locals())")
+        program = self.program
+        src.add("out = {}")
+        for name, v in program.param_values.items():
+            if v.param is None or not v.param.requires_grad:
+                continue
+            s = self.slot[v.id]
+            if s in held:
+                # A broadcast view (ReduceMean's) is read-only: the caller gets its own copy.
+                src.add(f"out[{name!r}] = g{s} if g{s}.flags.writeable else g{s}.copy()")
+            else:
+                shape = program.param_layouts[name].local_shape()
+                src.add(f"out[{name!r}] = _zeros({shape!r}, {src.bind('D', v.dtype)})")
+        src.add("return out")
+        return src.build("backward")
+
     def backward(self, bplan: BackwardPlan, tape: list[Any],
                  output_grads: Sequence[np.ndarray | None], watch: MemoryWatch | None
                  ) -> dict[str, np.ndarray]:
         seeded = tuple(g is not None for g in output_grads)
-        compiled = self.backwards.get(seeded)
-        if compiled is None:
-            compiled = self.backwards[seeded] = self._compile_backward(bplan)
-        bwd, mirrors = compiled
-        grads: list[Any] = [None] * len(self.slot)
+        if seeded not in self.backwards:
+            self.backwards[seeded] = self._compile_backward(bplan)
+        mirrors = self.backwards[seeded][1]
+        run = self._backward_fn(seeded, watch is not None)[1]
         # A value's cotangent has the value's dtype, whatever numpy's promotion made of the
         # contributions, so every collective moves the bytes the schedule lists. Seeds are
         # whole: every rank holds the output's whole cotangent.
-        for v, s, g in zip(self.program.graph.outputs, self.outputs, output_grads):
-            if g is not None:
-                grads[s] = np.asarray(g).astype(v.dtype, copy=False)
-        for outs, kernel, multi, view, keep, inner, inputs in bwd:
-            if kernel is None:
-                for o in outs:
-                    grads[o[0]] = None
-                continue
-            if multi:
-                draws = []
-                for s, acts, shape, dtype in outs:
-                    d, grads[s] = grads[s], None
-                    draws.append(_arrive(d, acts, shape, dtype))
-                draws.reverse()
-                contribs = kernel(tape[keep], tuple(draws))
-            else:
-                (s, acts, shape, dtype), = outs
-                d, grads[s] = grads[s], None
-                if d is None or acts:
-                    d = _arrive(d, acts, shape, dtype)
-                contribs = (kernel(d),) if view else kernel(tape[keep], d)
-            if inner and contribs[0] is not None:
-                contribs = (_run(inner, contribs[0]), *contribs[1:])
-            for k, slot, shape, dtype, edge, align_sum, align_new in inputs:
-                c = contribs[k]
-                if c is None:
-                    c = np.zeros(shape, dtype)
-                elif c.dtype != dtype:
-                    c = c.astype(dtype)
-                if edge:
-                    c = _run(edge, c)
-                before = grads[slot]
-                if before is None:
-                    grads[slot] = c
-                elif align_sum or align_new:
-                    grads[slot] = _run(align_sum, before) + _run(align_new, c)
-                else:
-                    grads[slot] = before + c
-            if watch is not None:
-                watch.sample(tape, grads)
-        program = self.program
-        out: dict[str, np.ndarray] = {}
-        for name, v in program.param_values.items():
-            if v.param is None or not v.param.requires_grad:
-                continue
-            g = grads[self.slot[v.id]]
-            if g is None:
-                g = np.zeros(program.param_layouts[name].local_shape(), dtype=v.dtype)
-            elif not g.flags.writeable:   # a broadcast view (ReduceMean's): the caller's own
-                g = g.copy()
-            out[name] = g
+        seeds = [None if g is None else np.asarray(g).astype(v.dtype, copy=False)
+                 for v, g in zip(self.program.graph.outputs, output_grads)]
+        out: dict[str, np.ndarray] = run(tape, seeds, watch)
         # Mirror: one AllReduce per group of ranks and dtype, on all its parameters' gradients
         # at once (MindSpore fuses these AllReduces too); the sum completes every pending one.
         for group, announce, names, sizes in mirrors:
