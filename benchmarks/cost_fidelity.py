@@ -178,6 +178,8 @@ def measure(s: Strategy, n: int, steps: int) -> tuple[float, float, list[int], A
     before = sum(a.nbytes for a in train.params.values()) + sum(
         a.nbytes for slots in train.optimizer.state.values() for a in slots.values())
     batch = _batch(s.model, 2 + steps)  # the user's global batch: not the program's memory
+    with watching_memory():   # the executor writes its watched step once: not a step's memory
+        train(*_batch(s.model, 1))
     tracemalloc.start()
     tracemalloc.reset_peak()
     with watching_memory() as watch:
