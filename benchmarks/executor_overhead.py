@@ -43,6 +43,7 @@ import simpar  # chooses threads before numpy's BLAS starts
 import numpy as np
 
 from simpar import nn, ops
+from simpar.runtime.executor import Executor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import step as S  # benchmarks/step.py: the GPT's sizes, weights, batches, hand-written step
@@ -213,26 +214,33 @@ def main() -> int:
             call()
     round_robin = (time.perf_counter() - start) / 100
 
-    # The step with every kernel a constant, interleaved with the real steps (swapping the
-    # kernels in and out, and the optimizer, is each call's untimed setup).
+    # The step with every kernel a constant, interleaved with the real steps. Each variant
+    # has an executor of its own, so that each runs its own generated code warm (a freshly
+    # written function runs unspecialised at first); swapping executors and the optimizer is
+    # each call's untimed setup.
     opt = train.optimizer
     real_opt = opt.step
+    built = Executor(prog, 0)
+    constant = Executor(prog, 0)
+    constant.fwd = tuple(r._replace(run=(lambda *a, _out=seen[("f", i)][1]: _out))
+                         for i, r in enumerate(fwd0))
+    constant.backwards[seeded] = (tuple(
+        r._replace(kernel=(lambda *a, _out=seen[("b", i)][1]: _out)) if r.kernel else r
+        for i, r in enumerate(bwd0)), mirrors)
 
-    def as_recorded(optimizer: bool) -> None:
-        install(lambda fn, key: (lambda *a, _out=seen[key][1]: _out))
-        opt.step = (real_opt if optimizer  # type: ignore[method-assign, assignment]
-                    else (lambda p, g: None))
+    def use(executor: Executor, optimizer: bool) -> Callable[[], None]:
+        def setup() -> None:
+            prog._executors[0] = executor
+            opt.step = (real_opt if optimizer  # type: ignore[method-assign, assignment]
+                        else (lambda p, g: None))
+        return setup
 
-    def as_built() -> None:
-        install(lambda fn, key: fn)
-        opt.step = real_opt  # type: ignore[method-assign]
-
-    times = _paired({"simpar": (as_built, lambda: train(*data)),
-                     "hand": (as_built, lambda: hand.step(*data)),
-                     "constant": (lambda: as_recorded(True), lambda: train(*data)),
-                     "constant, no optimizer": (lambda: as_recorded(False),
+    times = _paired({"simpar": (use(built, True), lambda: train(*data)),
+                     "hand": (use(built, True), lambda: hand.step(*data)),
+                     "constant": (use(constant, True), lambda: train(*data)),
+                     "constant, no optimizer": (use(constant, False),
                                                 lambda: train(*data))}, args.reps)
-    as_built()
+    use(ex, True)()
     ex.fwd = fwd0
     ex.backwards[seeded] = (bwd0, mirrors)
     us = {name: float(np.median(t)) * 1e6 for name, t in times.items()}
