@@ -230,6 +230,8 @@ class Executor:
         for i, r in enumerate(self._fwd):
             run = src.bind("R", r.run)
             args = ", ".join(f"v{s}" for s in r.ins)
+            node = self.program.steps[i].node
+            src.add(f"# {node.name}: {node.op.name}")
             if r.view:
                 src.add(f"v{r.out} = {run}(v{r.ins[0]})")
             elif r.plain:
@@ -318,7 +320,8 @@ class Executor:
             if seeded[k]:
                 src.add(f"g{s} = seeds[{k}]")
                 held.add(s)
-        for r in records:
+        steps = self.program.steps
+        for j, r in enumerate(records):
             if r.kernel is None:
                 dropped = [s for s, _, _, _ in r.outs if s in held]
                 held.difference_update(dropped)
@@ -327,6 +330,8 @@ class Executor:
                 continue
             kernel = src.bind("K", r.kernel)
             taken.clear()
+            node = steps[len(steps) - 1 - j].node   # the records run last op first
+            src.add(f"# {node.name}: {node.op.name} backward")
             if r.multi:
                 draws = [take(*o) for o in r.outs]
                 draws.reverse()
