@@ -42,7 +42,7 @@ Actions = tuple[Action, ...]
 
 
 class _Forward(NamedTuple):
-    run: Callable[..., Any]       # see ``kind``
+    run: Callable[..., Any]       # inputs -> (output or outputs, tape); but see view, plain
     ins: tuple[int, ...]          # slots read
     out: int                      # the output's slot (-1: several, see outs)
     outs: tuple[int, ...]         # every output's slot
@@ -116,10 +116,15 @@ class _Source:
     def __init__(self, header: str) -> None:
         self.lines = [header]
         self.names: dict[str, Any] = {"_zeros": np.zeros, "_run": _run}
+        self._bound: dict[int, str] = {}   # id of an object already named -> its name
 
     def bind(self, prefix: str, obj: Any) -> str:
-        name = f"{prefix}{len(self.names)}"
-        self.names[name] = obj
+        """The global name of ``obj`` (named once: a dtype read by every contribution is
+        one ``D`` name, not one per line)."""
+        name = self._bound.get(id(obj))
+        if name is None:
+            name = self._bound[id(obj)] = f"{prefix}{len(self.names)}"
+            self.names[name] = obj
         return name
 
     def add(self, line: str) -> None:
