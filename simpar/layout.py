@@ -609,12 +609,19 @@ def distribute(global_array: np.ndarray, layout: TensorLayout, rank: int) -> np.
     if tuple(global_array.shape) != layout.shape:
         raise ValueError(f"distribute: global array has shape {global_array.shape}, layout "
                          f"{layout} expects {layout.shape}")
-    shard = np.array(global_array[layout.slices(rank)], copy=True)
-    if layout.partial:
-        coord = layout.mesh.coordinate(rank)
-        if any(coord[a] for a in layout.partial_axes):
-            shard[...] = 0
+    where, zero = _shard_of(layout, rank)
+    shard = np.array(global_array[where], copy=True)
+    if zero:
+        shard[...] = 0
     return shard
+
+
+@lru_cache(maxsize=4096)   # a training cell distributes its batch on every step
+def _shard_of(layout: TensorLayout, rank: int) -> tuple[tuple[slice, ...], bool]:
+    """Where ``rank``'s shard sits in the global array, and whether it holds zeros (off
+    coordinate 0 of a partial axis)."""
+    coord = layout.mesh.coordinate(rank) if layout.partial else ()
+    return layout.slices(rank), any(coord[a] for a in layout.partial_axes) if coord else False
 
 
 def assemble(shards_by_rank: Mapping[int, np.ndarray] | Sequence[np.ndarray],

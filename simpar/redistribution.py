@@ -36,7 +36,7 @@ import enum
 import itertools
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cache, lru_cache
 from typing import Any
@@ -59,6 +59,7 @@ __all__ = [
     "RedistributionPlan",
     "Step",
     "StepKind",
+    "bind_step",
     "common_refinement",
     "execute",
     "execute_adjoint",
@@ -792,6 +793,65 @@ def execute_step(step: Step, x: np.ndarray, adjoint: bool = False, comm: Comm = 
     with _unchecked(comm), comm.label(_label(adjoint, step.kind)), \
             schedule.issue(step, adjoint):
         return run(step, x, rank, comm)
+
+
+def bind_step(step: Step, adjoint: bool, dtype: Any, rank: int
+              ) -> Callable[[np.ndarray], np.ndarray]:
+    """``execute_step(step, x, adjoint)`` bound once for ``rank`` (this process's) and for
+    arrays of ``dtype``, for a compiled program that runs the step on every training step:
+    the group, the slice offsets and the collective (:func:`simpar.comm.prepare`) are worked
+    out here, so a call is the numpy or MPI call and the schedule guard's check. A collective
+    announces itself to the guard, as execute_step's does. An array of another shape or dtype
+    takes the general path, checks and all; so do the steps with no prepared form (a gather
+    of several dimensions at once, the direct exchange), through execute_step."""
+    kind = step.kind
+    if kind == SLICE:
+        offsets = _offsets(step.src, step.dst, rank)
+        if not adjoint:
+            return lambda x: np.ascontiguousarray(x[offsets])
+        whole = step.src.local_shape()
+
+        def pad(g: np.ndarray) -> np.ndarray:
+            out = np.zeros(whole, dtype=g.dtype)
+            out[offsets] = g
+            return out
+        return pad
+    if kind == ZERO:
+        coord = DeviceMesh(step.src.device_matrix).coordinate(rank)
+        return np.zeros_like if any(coord[a] for a in step.device_axes) else _unchanged
+    group = _group(step.src.device_matrix, rank, step.device_axes)
+    shape = (step.dst if adjoint else step.src).local_shape()
+    if kind == ALL_REDUCE:
+        prepared = simpar_comm.prepare("all_reduce", shape, dtype, group)
+    elif kind == REDUCE_SCATTER:
+        prepared = simpar_comm.prepare("all_gather" if adjoint else "reduce_scatter", shape,
+                                       dtype, group, axis=step.tensor_dim)
+    elif kind == ALL_TO_ALL:
+        split, concat = ((step.concat_dim, step.tensor_dim) if adjoint
+                         else (step.tensor_dim, step.concat_dim))
+        prepared = simpar_comm.prepare("all_to_all", shape, dtype, group, split_axis=split,
+                                       concat_axis=concat)
+    elif kind == ALL_GATHER and len(step.gather_dims) == 1:
+        prepared = simpar_comm.prepare("reduce_scatter" if adjoint else "all_gather", shape,
+                                       dtype, group, axis=step.gather_dims[0][0])
+    else:
+        return lambda x: execute_step(step, x, adjoint)
+    text = _label(adjoint, kind)
+    scalar = shape == ()   # the general path hands a 0-d array back as shape (1,)
+
+    def run(x: np.ndarray) -> np.ndarray:
+        at = schedule.announce(step, adjoint)
+        if at is None:
+            with simpar_comm.label(text):
+                y = prepared(x)
+        else:
+            y = prepared(x, at)
+        return y.reshape(()) if scalar else y
+    return run
+
+
+def _unchanged(x: np.ndarray) -> np.ndarray:
+    return x
 
 
 @lru_cache(maxsize=64)

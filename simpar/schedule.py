@@ -27,7 +27,7 @@ from typing import Protocol
 from simpar.comm import trace
 from simpar.comm.trace import ScheduleError
 
-__all__ = ["Scheduled", "ScheduleError", "following", "issue"]
+__all__ = ["Scheduled", "ScheduleError", "announce", "following", "issue"]
 
 
 class Scheduled(Protocol):
@@ -111,3 +111,15 @@ class issue:  # noqa: N801  (used as a function: ``with schedule.issue(step):``)
         if self._step is not None:
             self._step.__exit__(*exc)
 
+
+
+def announce(runs: object, adjoint: bool = False) -> tuple[int, str] | None:
+    """What :class:`issue` checks on entering, for a caller that hands the step to the
+    collective itself (a prepared collective, ``simpar.comm.prepare``) rather than entering a
+    block: under :func:`following`, ``runs`` must be the next scheduled collective, and its
+    (index, label) is returned for the CommTrace event; None outside :func:`following`."""
+    cursor = _CURSOR.get()
+    if cursor is None:
+        return None
+    step = cursor.advance(runs, adjoint)
+    return step.index, step.label

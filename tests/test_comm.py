@@ -215,6 +215,85 @@ def test_all_to_all_row_block_to_column_block(world: tuple[int, int]) -> None:
     np.testing.assert_array_equal(out, full[:, 4 * rank:4 * rank + 4])
 
 
+# ---------------------------------------------------------------- prepared collectives
+# (name, the general call, prepare's keyword arguments, a local shape whose split axes hold p)
+PREPARED: list[tuple[str, Callable[..., np.ndarray], dict[str, Any], Callable[[int], tuple]]] = [
+    ("all_reduce", comm.all_reduce, {"op": "sum"}, lambda p: (3, 4)),
+    ("all_reduce", comm.all_reduce, {"op": "max"}, lambda p: (5,)),
+    ("all_reduce", comm.all_reduce, {"op": "mean"}, lambda p: ()),
+    ("all_gather", comm.all_gather, {"axis": 0}, lambda p: (2, 3)),
+    ("all_gather", comm.all_gather, {"axis": -1}, lambda p: (2, 3)),
+    ("reduce_scatter", comm.reduce_scatter, {"axis": 1, "op": "sum"}, lambda p: (2, 2 * p)),
+    ("all_to_all", comm.all_to_all, {"split_axis": 1, "concat_axis": 0}, lambda p: (2, 3 * p)),
+    ("all_to_all", comm.all_to_all, {"split_axis": 0, "concat_axis": 1}, lambda p: (p, 3)),
+]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("case", range(len(PREPARED)))
+def test_a_prepared_collective_is_the_call_it_prepares(world: tuple[int, int], case: int
+                                                       ) -> None:
+    """Bit for bit the general call's result and CommTrace event, on contiguous and
+    non-contiguous inputs; ``at`` becomes the event's program step and label."""
+    rank, p = world
+    name, general, args, shape_of = PREPARED[case]
+    shape = shape_of(p)
+    dtype = np.dtype(np.float64 if args.get("op") == "mean" else np.int32)
+    run = comm.prepare(name, shape, dtype, **args)
+    layouts = LAYOUTS if shape else ["contiguous"]
+    inputs = [_local(rank, shape, dtype, layout, seed=case) for layout in layouts]
+    with CommTrace() as want_trace:
+        want = [general(x, **args) for x in inputs]
+    with CommTrace() as trace:
+        got = [run(x) for x in inputs] + [run(inputs[0], (7, "a program step"))]
+    for w, g in zip(want + want[:1], got, strict=True):
+        np.testing.assert_array_equal(g, w.reshape(g.shape), strict=True)
+        assert g.flags.c_contiguous and not any(np.shares_memory(g, x) for x in inputs)
+    fields = [(e.kind, e.group, e.bytes_sent, e.bytes_recv, e.dtype, e.shape, e.op, e.label,
+               e.step) for e in trace.events]
+    expected = [(e.kind, e.group, e.bytes_sent, e.bytes_recv, e.dtype, e.shape, e.op, e.label,
+                 e.step) for e in want_trace.events]
+    assert fields[:-1] == expected
+    assert fields[-1][:-2] == expected[0][:-2] and fields[-1][-2:] == ("a program step", 7)
+
+
+@pytest.mark.mpi
+def test_a_prepared_collective_takes_the_general_path_for_another_array(
+        world: tuple[int, int]) -> None:
+    """Another shape or dtype than prepared gets the general call's result and checks."""
+    rank, p = world
+    run = comm.prepare("all_reduce", (2, 3), np.float32, op="sum")
+    x = _local(rank, (4,), np.dtype(np.float64))
+    want = sum(_local(r, (4,), np.dtype(np.float64)) for r in range(p))
+    np.testing.assert_array_equal(run(x), want, strict=True)
+    y = _local(rank, (2, 3), np.dtype(np.int64))
+    np.testing.assert_array_equal(run(y), sum(_local(r, (2, 3), np.dtype(np.int64))
+                                              for r in range(p)), strict=True)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(("name", "args", "error", "words"), [
+    ("all_reduce", {"op": "avg"}, ValueError, "op must be one of"),
+    ("all_reduce", {"op": "mean"}, TypeError, "needs a floating dtype"),
+    ("all_gather", {"axis": 2}, ValueError, "axis=2 is out of range"),
+    ("scatter", {}, ValueError, "prepare: name must be one of"),
+])
+def test_prepare_refuses_what_the_call_would(world: tuple[int, int], name: str,
+                                             args: dict[str, Any], error: type,
+                                             words: str) -> None:
+    with pytest.raises(error, match=words):
+        comm.prepare(name, (2, 2), np.int32, **args)
+
+
+@pytest.mark.mpi(min_size=3)
+def test_a_prepared_indivisible_scatter_fails_on_every_rank(world: tuple[int, int]) -> None:
+    """Refused after the ranks agree, as the general call is: every rank raises alike."""
+    rank, p = world
+    run = comm.prepare("reduce_scatter", (p + 1, 2), np.float64, axis=0)
+    with pytest.raises(ValueError, match="does not split into"):
+        run(_local(rank, (p + 1, 2), np.dtype(np.float64)))
+
+
 # ---------------------------------------------------------------- broadcast
 
 

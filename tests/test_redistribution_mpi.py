@@ -20,7 +20,13 @@ import simpar.comm as comm
 from simpar.comm import CommTrace
 from simpar.layout import TensorLayout
 from simpar.mesh import DeviceMesh
-from simpar.redistribution import RedistributionPlan, execute, min_bytes
+from simpar.redistribution import (
+    RedistributionPlan,
+    bind_step,
+    execute,
+    execute_adjoint,
+    min_bytes,
+)
 from simpar.redistribution import plan as _plan
 from tests.layout_strategies import layout_pairs
 from tests.mpi_guard import abort_job_on_error
@@ -174,6 +180,43 @@ def test_without_alltoall(data: st.DataObject, seed: int) -> None:
     p = plan(src, dst, enable_alltoall=False)
     assert not {"AllToAll", "AllToAllV"} & set(p.kinds())
     _check(p, _global(src.shape, np.dtype(np.int64), seed), seed)
+
+
+@pytest.mark.mpi(min_size=2)
+@settings(MPI_SETTINGS, max_examples=20)
+@given(st.data(), st.sampled_from([np.dtype(np.float32), np.dtype(np.int64)]),
+       st.integers(0, 2**20))
+def test_bound_steps_are_execute_step_by_step(data: st.DataObject, dtype: np.dtype,
+                                              seed: int) -> None:
+    """A plan run as its bound steps (what a compiled program calls), forward and adjoint:
+    bit for bit execute's and execute_adjoint's results, with the same CommTrace events."""
+    rank = comm.get_rank()
+    src, dst = data.draw(_pairs(comm.get_group_size(), True, True), label="layouts")
+    p = plan(src, dst)
+    x = _my_input(_global(src.shape, dtype, seed), src, rank, seed)
+    dy = _global(dst.local_shape(), dtype, seed + 1 + rank)
+    with abort_job_on_error(f"bound steps of plan\n{p}\n"):
+        with CommTrace() as want:
+            y, dx = execute(p, x), execute_adjoint(p, dy)
+        with CommTrace() as got:
+            by = x
+            for step in p.steps:
+                by = bind_step(step, False, dtype, rank)(by)
+            bdx = dy
+            for step in reversed(p.steps):
+                bdx = bind_step(step, True, dtype, rank)(bdx)
+    problems = []
+    for what, a, b in (("forward", y, by), ("adjoint", dx, bdx)):
+        if a.shape != b.shape or a.dtype != b.dtype or not np.array_equal(a, b):
+            problems.append(f"{what}: bound steps give {b.dtype}{b.shape}, execute "
+                            f"{a.dtype}{a.shape}{'' if a.shape != b.shape else ', other values'}")
+    fields = [[(e.kind, e.group, e.bytes_sent, e.bytes_recv, e.dtype, e.shape, e.op, e.label)
+               for e in t.events] for t in (want, got)]
+    if fields[0] != fields[1]:
+        problems.append(f"events differ: {fields[0]} vs {fields[1]}")
+    if problems:
+        problems.append(f"plan:\n{p}")
+    _agree_or_fail(problems)
 
 
 # ------------------------------------------------------------------ named transitions

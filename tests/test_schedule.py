@@ -68,3 +68,19 @@ def test_a_collective_nothing_announced_raises_inside_a_program() -> None:
             schedule.following([], "forward"):
         comm.all_reduce(np.ones(1), group=[comm.get_rank()])
     comm.all_reduce(np.ones(1), group=[comm.get_rank()])  # outside a program: fine
+
+
+def test_a_prepared_collective_is_announced_and_checked_like_any_other() -> None:
+    """``announce`` hands the step to a prepared collective (simpar.comm.prepare): the same
+    checks as ``issue``, the step in the event; outside a program it returns None."""
+    run = comm.prepare("all_reduce", (2,), np.float64, group=[comm.get_rank()])
+    with CommTrace() as trace, schedule.following(STEPS):
+        run(np.ones(2), schedule.announce(A))
+        run(np.ones(2), schedule.announce(B, adjoint=True))
+    assert [(e.step, e.label) for e in trace.events] == [(0, "first"), (1, "second")]
+    with pytest.raises(ScheduleError, match="step 0 of the schedule is 'first'"), \
+            schedule.following(STEPS):
+        schedule.announce(B, adjoint=True)
+    with CommTrace() as trace, comm.label("outer"):
+        run(np.ones(2), schedule.announce(A))
+    assert [(e.step, e.label) for e in trace.events] == [(None, "outer")]

@@ -2,7 +2,8 @@
 
 World and groups (``init``, ``get_rank``, ``get_group_size``, ``create_group``), collectives on
 numpy arrays (``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``,
-``all_to_all_v``, ``all_to_all_single``, ``broadcast``, ``send``/``recv``, ``barrier``) and
+``all_to_all_v``, ``all_to_all_single``, ``broadcast``, ``send``/``recv``, ``barrier``; and
+``prepare``, a regular collective worked out once for a call site that repeats it) and
 :class:`CommTrace`.
 Importing this package does not start MPI; the first call does.
 """
@@ -20,6 +21,7 @@ from simpar.comm.collectives import (
     CommMismatchError,
     InputMismatchError,
     PendingCheck,
+    Prepared,
     all_gather,
     all_reduce,
     all_to_all,
@@ -29,6 +31,7 @@ from simpar.comm.collectives import (
     broadcast,
     check_agreement,
     check_same_arrays,
+    prepare,
     recv,
     reduce_scatter,
     send,
@@ -46,6 +49,7 @@ __all__ = [
     "Group",
     "InputMismatchError",
     "PendingCheck",
+    "Prepared",
     "all_gather",
     "all_reduce",
     "all_to_all",
@@ -61,6 +65,7 @@ __all__ = [
     "get_rank",
     "init",
     "label",
+    "prepare",
     "recv",
     "reduce_scatter",
     "send",

@@ -49,6 +49,7 @@ class Group:
 
 
 _WORLD: MPI.Intracomm | None = None
+_RANK = -1  # _WORLD's rank, once MPI is up (asked on every collective of a program)
 _WORLD_PAIR: tuple[Group, Any] | None = None  # what resolve(None) returns, once MPI is up
 _COMMS: dict[tuple[int, ...], Any] = {}
 _RESOLVED: dict[tuple[int, ...], tuple[Group, Any]] = {}  # resolve() of a tuple of ranks
@@ -59,13 +60,14 @@ def init() -> None:
 
     Called lazily by every collective; call it yourself to start MPI early.
     """
-    global _WORLD, _WORLD_PAIR
+    global _WORLD, _WORLD_PAIR, _RANK
     if _WORLD is not None:
         return
     _env.apply()
     from mpi4py import MPI
 
     _WORLD = MPI.COMM_WORLD.Dup()  # simpar's traffic never mixes with the user's COMM_WORLD
+    _RANK = int(_WORLD.Get_rank())
     _COMMS[tuple(range(_WORLD.Get_size()))] = _WORLD
     _WORLD_PAIR = (_world_group(_WORLD.Get_size()), _WORLD)
     if _WORLD.Get_size() > 1:
@@ -104,7 +106,9 @@ def world() -> Any:
 
 def get_rank() -> int:
     """This process's world rank (0 without an MPI launcher)."""
-    return int(world().Get_rank())
+    if _RANK < 0:
+        init()
+    return _RANK
 
 
 def get_group_size(group: Group | Sequence[int] | None = None) -> int:

@@ -28,7 +28,7 @@ import hashlib
 import math
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import accumulate
@@ -46,6 +46,7 @@ __all__ = [
     "CommMismatchError",
     "InputMismatchError",
     "PendingCheck",
+    "Prepared",
     "all_gather",
     "all_reduce",
     "all_to_all",
@@ -55,6 +56,7 @@ __all__ = [
     "broadcast",
     "check_agreement",
     "check_same_arrays",
+    "prepare",
     "recv",
     "reduce_scatter",
     "send",
@@ -588,13 +590,18 @@ def all_reduce(x: np.ndarray, op: str = "sum", group: Group | Sequence[int] | No
     except Exception as error:  # noqa: BLE001 (every error must reach the other ranks)
         _refuse(comm, g, name, error)
     _check(comm, g, name, x, c)
+    return _run_all_reduce(comm, g, c, x, out, in_place, op)
+
+
+def _run_all_reduce(comm: Any, g: Group, c: _Call, x: np.ndarray, out: np.ndarray,
+                    in_place: bool, op: str, at: tuple[int, str] | None = None) -> np.ndarray:
     start = perf_counter()
     send = np.ascontiguousarray(x)
     comm.Allreduce(_mpi().IN_PLACE if in_place else send, out, op=c.mpi_op)
     if op == "mean":
         out /= g.size
     trace.record("AllReduce", g.ranks, c.bytes_sent, c.bytes_recv, perf_counter() - start,
-                 x.dtype, x.shape, op)
+                 x.dtype, x.shape, op, at)
     return out
 
 
@@ -625,9 +632,16 @@ def all_gather(x: np.ndarray, axis: int = 0, group: Group | Sequence[int] | None
     except Exception as error:  # noqa: BLE001 (every error must reach the other ranks)
         _refuse(comm, g, name, error)
     _check(comm, g, name, x, c)
+    return _run_all_gather(comm, g, c, x, out)
+
+
+def _run_all_gather(comm: Any, g: Group, c: _Call, x: np.ndarray, out: np.ndarray | None,
+                    at: tuple[int, str] | None = None) -> np.ndarray:
     start = perf_counter()
     send = np.ascontiguousarray(x)
     if c.axes[0] == 0:  # the gathered blocks are the result: receive straight into it
+        if out is None:
+            out = np.empty(c.out_shape, dtype=x.dtype)
         comm.Allgather(send, out)  # MPI puts block i at the i-th p-th of out
     else:
         blocks = np.empty(c.mpi_shape, dtype=x.dtype)
@@ -638,8 +652,8 @@ def all_gather(x: np.ndarray, axis: int = 0, group: Group | Sequence[int] | None
         else:
             out[...] = joined
     trace.record("AllGather", g.ranks, c.bytes_sent, c.bytes_recv, perf_counter() - start,
-                 x.dtype, x.shape)
-    return cast(np.ndarray, out)
+                 x.dtype, x.shape, None, at)
+    return out
 
 
 def _plan_all_gather(x: np.ndarray, axis: int, g: Group) -> _Call:
@@ -674,13 +688,18 @@ def reduce_scatter(x: np.ndarray, axis: int = 0, op: str = "sum",
         _refuse(comm, g, name, error)
     _check(comm, g, name, x, c)
     out = cast(np.ndarray, out)  # set in the try, unless a late error that _check raised
+    return _run_reduce_scatter(comm, g, c, x, out, op)
+
+
+def _run_reduce_scatter(comm: Any, g: Group, c: _Call, x: np.ndarray, out: np.ndarray, op: str,
+                        at: tuple[int, str] | None = None) -> np.ndarray:
     start = perf_counter()
     send = _split_blocks(x, c.axes[0], g.size)
     comm.Reduce_scatter_block(send, out, op=c.mpi_op)
     if op == "mean":
         out /= g.size
     trace.record("ReduceScatter", g.ranks, c.bytes_sent, c.bytes_recv, perf_counter() - start,
-                 x.dtype, x.shape, op)
+                 x.dtype, x.shape, op, at)
     return out
 
 
@@ -719,9 +738,16 @@ def all_to_all(x: np.ndarray, split_axis: int, concat_axis: int,
     except Exception as error:  # noqa: BLE001 (every error must reach the other ranks)
         _refuse(comm, g, name, error)
     _check(comm, g, name, x, c)
+    return _run_all_to_all(comm, g, c, x, out)
+
+
+def _run_all_to_all(comm: Any, g: Group, c: _Call, x: np.ndarray, out: np.ndarray | None,
+                    at: tuple[int, str] | None = None) -> np.ndarray:
     start = perf_counter()
     send = _split_blocks(x, c.axes[0], g.size)
     if c.axes[1] == 0:  # the received blocks are the result: receive straight into it
+        if out is None:
+            out = np.empty(c.out_shape, dtype=x.dtype)
         comm.Alltoall(send, out)
     else:
         blocks = np.empty(c.mpi_shape, dtype=x.dtype)
@@ -732,8 +758,8 @@ def all_to_all(x: np.ndarray, split_axis: int, concat_axis: int,
         else:
             out[...] = joined
     trace.record("AllToAll", g.ranks, c.bytes_sent, c.bytes_recv, perf_counter() - start,
-                 x.dtype, x.shape)
-    return cast(np.ndarray, out)
+                 x.dtype, x.shape, None, at)
+    return out
 
 
 def _plan_all_to_all(x: np.ndarray, split_axis: int, concat_axis: int, g: Group) -> _Call:
@@ -750,6 +776,83 @@ def _plan_all_to_all(x: np.ndarray, split_axis: int, concat_axis: int, g: Group)
     return _new_call(name, g, x, shape, (p,) + block, (split_axis, concat_axis), None, n,
                      (split_axis, concat_axis), ("split_axis", "concat_axis"),
                      _indivisible(x, split_axis, p, name))
+
+
+#: What :func:`prepare` returns: ``run(x, at=None)``, ``at`` the program step that announced
+#: the call (its CommTrace index and label), None outside a program.
+Prepared = Callable[..., np.ndarray]
+
+
+def prepare(name: str, shape: Sequence[int], dtype: Any,
+            group: Group | Sequence[int] | None = None, **args: Any) -> Prepared:
+    """One collective worked out once for a call site that runs it over and over on arrays of
+    one shape and dtype, as MPI-4's persistent collectives are set up once by
+    ``MPI_Allreduce_init``: a compiled program's AllReduce after a row-parallel MatMul, say.
+
+    ``name`` is ``"all_reduce"``, ``"all_gather"``, ``"reduce_scatter"`` or ``"all_to_all"``
+    and ``args`` its keyword arguments (``op``, ``axis``, ``split_axis``/``concat_axis``);
+    they, the group, the shape and the dtype are checked here, once, raising what the call
+    itself would. The returned ``run(x)`` then does only the MPI call and the CommTrace event:
+    no signature lookup, no group lookup, no argument checks and no agreement check (every
+    rank of the group prepared the same call: a compiled program agrees by construction, as
+    ``validation_disabled`` assumes). An ``x`` of another shape or dtype, or a call that must
+    fail on every rank alike (an indivisible axis), takes the general path with every check.
+
+    >>> run = prepare("all_reduce", (128, 64), np.float32, group=(0, 1, 2, 3))  # doctest: +SKIP
+    >>> y = run(x)  # as all_reduce(x, group=(0, 1, 2, 3))                     # doctest: +SKIP
+    """
+    calls: dict[str, Callable[..., np.ndarray]] = {
+        "all_reduce": all_reduce, "all_gather": all_gather, "reduce_scatter": reduce_scatter,
+        "all_to_all": all_to_all}
+    general = calls.get(name)
+    if general is None:
+        raise ValueError(f"prepare: name must be one of 'all_reduce', 'all_gather', "
+                         f"'reduce_scatter', 'all_to_all', got {name!r}")
+    g, comm = resolve(group)
+    shape = tuple(int(n) for n in shape)
+    dtype = np.dtype(dtype)
+    x = _array(np.empty(shape, dtype), "prepare")
+    op = args.get("op", "sum")
+    if name == "all_reduce":
+        c = _plan_all_reduce(x, op, g)
+    elif name == "all_gather":
+        c = _plan_all_gather(x, args.get("axis", 0), g)
+    elif name == "reduce_scatter":
+        c = _plan_reduce_scatter(x, args.get("axis", 0), op, g)
+    else:
+        c = _plan_all_to_all(x, args["split_axis"], args["concat_axis"], g)
+    slow = functools.partial(general, group=g, **args)
+
+    def other(x: np.ndarray, at: tuple[int, str] | None = None) -> np.ndarray:
+        if at is None:
+            return slow(x)
+        with trace.program_step(*at):
+            return slow(x)
+
+    if c.late_error is not None:
+        return other
+    out_shape = c.out_shape
+    if name == "all_reduce":
+        def run(x: np.ndarray, at: tuple[int, str] | None = None) -> np.ndarray:
+            if type(x) is not np.ndarray or x.shape != shape or x.dtype != dtype:
+                return other(x, at)
+            return _run_all_reduce(comm, g, c, x, np.empty(out_shape, dtype), False, op, at)
+    elif name == "all_gather":
+        def run(x: np.ndarray, at: tuple[int, str] | None = None) -> np.ndarray:
+            if type(x) is not np.ndarray or x.shape != shape or x.dtype != dtype:
+                return other(x, at)
+            return _run_all_gather(comm, g, c, x, None, at)
+    elif name == "reduce_scatter":
+        def run(x: np.ndarray, at: tuple[int, str] | None = None) -> np.ndarray:
+            if type(x) is not np.ndarray or x.shape != shape or x.dtype != dtype:
+                return other(x, at)
+            return _run_reduce_scatter(comm, g, c, x, np.empty(out_shape, dtype), op, at)
+    else:
+        def run(x: np.ndarray, at: tuple[int, str] | None = None) -> np.ndarray:
+            if type(x) is not np.ndarray or x.shape != shape or x.dtype != dtype:
+                return other(x, at)
+            return _run_all_to_all(comm, g, c, x, None, at)
+    return run
 
 
 def all_to_all_v(pieces: Sequence[np.ndarray | None], recv_shapes: Sequence[Sequence[int] | None],

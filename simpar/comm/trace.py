@@ -226,10 +226,13 @@ class program_step:  # noqa: N801  (used as a function, like label)
 
 
 def record(kind: str, group: tuple[int, ...], bytes_sent: int, bytes_recv: int, seconds: float,
-           dtype: object, shape: tuple[int, ...], op: str | None = None) -> None:
+           dtype: object, shape: tuple[int, ...], op: str | None = None,
+           at: tuple[int, str] | None = None) -> None:
     """Add one event to every active trace (called by simpar.comm only). Costs one lookup
-    when no trace is active: naming the dtype is left until an event is really kept."""
-    if _guards and _state.guard is not None and _state.step is None:
+    when no trace is active: naming the dtype is left until an event is really kept. ``at``:
+    the program step that announced the call, passed by the caller (a prepared collective)
+    instead of through :class:`program_step`."""
+    if at is None and _guards and _state.guard is not None and _state.step is None:
         raise ScheduleError(f"{_state.guard}: {kind} over ranks {list(group)} ran, but the "
                             "program's schedule does not list it (nothing announced it with "
                             "simpar.schedule.issue)")
@@ -238,7 +241,7 @@ def record(kind: str, group: tuple[int, ...], bytes_sent: int, bytes_recv: int, 
     traces = _active()
     if not traces:
         return
-    step = _step()
+    step = at if at is not None else _step()
     index, text = step if step is not None else (None, "/".join(_labels()))
     event = CommEvent(kind, group, int(bytes_sent), int(bytes_recv), seconds, str(dtype), shape,
                       op, text, index)

@@ -259,9 +259,17 @@ class OpSharding:
     def rank(self) -> int:
         """This process's device rank in the op's devices: the MPI rank, or 0 when the op runs
         on one device (a stand-alone reference inside a multi-rank job)."""
-        if math.prod(self.device_matrix) == 1:
-            return 0
-        return comm.get_rank()
+        return self._rank
+
+    @functools.cached_property
+    def _rank(self) -> int:
+        return 0 if math.prod(self.device_matrix) == 1 else comm.get_rank()
+
+    @functools.cached_property
+    def in_slices(self) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """Per input, what this rank holds: ``in_layouts[k].slice_of(self.rank())``, worked
+        out once (a kernel that needs its offsets asks on every step)."""
+        return tuple(lay.slice_of(self.rank()) for lay in self.in_layouts)
 
     def device_axes_cutting(self, iter_dims: Sequence[str]) -> tuple[int, ...]:
         """Device axes (from the left) that cut any of ``iter_dims`` into more than one piece: the
@@ -404,11 +412,27 @@ class OpSharding:
 
     def all_reduce(self, spec: CommSpec, x: np.ndarray, what: str) -> np.ndarray:
         """Run one of the op's own collectives (an entry of ``internal_forward`` or
-        ``internal_backward``) on this rank's partial ``x``: ``what`` tags the trace."""
-        with comm.label(f"{self.op.name}:{what}"), schedule.issue(spec):
-            y = comm.all_reduce(np.ascontiguousarray(x), op=spec.how,
-                                group=spec.group(self.rank()))
+        ``internal_backward``) on this rank's partial ``x``: ``what`` tags the trace. The
+        collective is prepared (``simpar.comm.prepare``) the first time a spec runs on an
+        array of a given shape and dtype, and reused after."""
+        key = (id(spec), x.shape, x.dtype)
+        run = self._prepared.get(key)
+        if run is None:
+            run = self._prepared[key] = comm.prepare("all_reduce", x.shape, x.dtype,
+                                                     spec.group(self.rank()), op=spec.how)
+        at = schedule.announce(spec)
+        if at is None:
+            with comm.label(f"{self.op.name}:{what}"):
+                y = run(x)
+        else:
+            y = run(x, at)
         return y.reshape(np.shape(x))  # all_reduce hands a 0-d array back as shape (1,)
+
+    @functools.cached_property
+    def _prepared(self) -> dict[tuple[int, tuple[int, ...], np.dtype], comm.Prepared]:
+        """The op's own collectives, prepared: by (id of the spec, which this sharding
+        keeps alive; shape; dtype)."""
+        return {}
 
     def complete_grad(self, i: int, contribution: np.ndarray) -> np.ndarray:
         """Sum input i's gradient contributions over its replica axes (one AllReduce)."""

@@ -159,7 +159,7 @@ class Gather(Primitive):
     def _start(self, sh: OpSharding) -> int:
         """The first table entry (along the axis) that this rank holds."""
         a = self._axis(len(sh.input_shapes[0]))
-        return sh.in_layouts[0].slice_of(sh.rank())[a][0]
+        return sh.in_slices[0][a][0]
 
     def local_forward(self, sh: OpSharding, *xs: np.ndarray) -> tuple[np.ndarray, Any]:
         params, indices = xs
@@ -278,7 +278,7 @@ class Dropout(Primitive):
     def local_forward(self, sh: OpSharding, *xs: np.ndarray) -> tuple[np.ndarray, Any]:
         (x,) = xs
         self._check(x)
-        keep = self.keep_mask(sh.input_shapes[0], sh.in_layouts[0].slice_of(sh.rank()))
+        keep = self.keep_mask(sh.input_shapes[0], sh.in_slices[0])
         return self._apply(x, keep), keep
 
     def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray

@@ -716,8 +716,7 @@ class SparseSoftmaxCrossEntropyWithLogits(Primitive):
 
     def local_forward(self, sh: OpSharding, *xs: np.ndarray) -> tuple[np.ndarray, Any]:
         logits, labels = xs
-        rank = sh.rank()
-        (row0, _), (class0, _) = sh.in_layouts[0].slice_of(rank)
+        (row0, _), (class0, _) = sh.in_slices[0]
         n, classes = sh.input_shapes[0]
         # Every rank holding a bad label raises before its first collective; labels are
         # replicated over the class split, so a row block's whole class group raises together.

@@ -28,7 +28,7 @@ import numpy as np
 from simpar import comm, schedule
 from simpar.cotangent import Action
 from simpar.ops._base import Primitive
-from simpar.redistribution import RedistributionPlan, execute, execute_step
+from simpar.redistribution import RedistributionPlan, Step, bind_step, execute
 
 if TYPE_CHECKING:
     from simpar.runtime.program import BackwardPlan, MemoryWatch, ParallelProgram
@@ -36,13 +36,14 @@ if TYPE_CHECKING:
 __all__ = ["Executor", "mirror_announcement"]
 
 Actions = tuple[Action, ...]
+Moves = tuple[tuple[Step, np.dtype], ...]   # redistribution steps and the dtype they move
 
 # The compiled records are NamedTuples rather than frozen dataclasses (STYLE.md's default for
 # values): they are as immutable, and the code generators below unpack them field by field.
 
 
 class _Forward(NamedTuple):
-    run: Callable[..., Any]       # inputs -> (output or outputs, tape); but see view, plain
+    run: Callable[..., Any]       # inputs -> (raw output or outputs, tape); see view, plain
     ins: tuple[int, ...]          # slots read
     out: int                      # the output's slot (-1: several, see outs)
     outs: tuple[int, ...]         # every output's slot
@@ -50,6 +51,8 @@ class _Forward(NamedTuple):
     view: bool                    # run is the op's local_view: one input, no tape
     plain: bool = False           # run is the op's single-device kernel: inputs -> output,
     #                               the tape ``(inputs, output)`` (Primitive.local_forward's)
+    pre: tuple[Moves, ...] = ()   # per input: the steps of its redistribution, run first
+    post: tuple[Moves, ...] = ()  # per output: the steps of its output plan, run after
 
 
 class _Input(NamedTuple):
@@ -73,6 +76,7 @@ class _Backward(NamedTuple):
     inner: Actions
     inputs: tuple[_Input, ...]
     plain: bool = False         # the kernel is the op's vjp: (inputs, output, dy) -> grads
+    inner_dtype: np.dtype | None = None   # what the inner actions move (input 0's dtype)
 
 
 class _Mirror(NamedTuple):
@@ -80,6 +84,7 @@ class _Mirror(NamedTuple):
     announce: tuple[str, tuple[int, ...], tuple[str, ...]]   # what the schedule guard expects
     names: tuple[str, ...]
     sizes: tuple[int, ...]
+    run: comm.Prepared          # the bucket's AllReduce, prepared
 
 
 def mirror_announcement(group: tuple[int, ...], names: Sequence[str]
@@ -89,15 +94,10 @@ def mirror_announcement(group: tuple[int, ...], names: Sequence[str]
     return ("Mirror", group, tuple(names))
 
 
-def _run(actions: Actions, x: np.ndarray) -> np.ndarray:
-    for act in actions:
-        x = execute_step(act.step, x, act.adjoint)
-    return x
-
-
 def _moving(sh: Any, plans: tuple[RedistributionPlan | None, ...]
             ) -> Callable[..., tuple[Any, Any]]:
-    """The forward of an op whose inputs are redistributed first."""
+    """The forward of an op that redistributes inside it (its ``inner_plan``): inputs moved,
+    the op's own forward, outputs moved, all in one call."""
     def run(*xs: np.ndarray) -> tuple[Any, Any]:
         return sh.forward(*[x if p is None else execute(p, x) for p, x in zip(plans, xs)])
     return run
@@ -115,7 +115,7 @@ class _Source:
 
     def __init__(self, header: str) -> None:
         self.lines = [header]
-        self.names: dict[str, Any] = {"_zeros": np.zeros, "_run": _run}
+        self.names: dict[str, Any] = {"_zeros": np.zeros}
         self._bound: dict[int, str] = {}   # id of an object already named -> its name
 
     def bind(self, prefix: str, obj: Any) -> str:
@@ -157,27 +157,39 @@ class Executor:
         self._tape_of: dict[int, int] = {}
         for s in program.steps:
             node, sh = s.node, s.sharding
-            plans = tuple(p if p.steps else None for p in s.in_plans)
-            moves = (any(p is not None for p in plans) or sh.inner_plan is not None
-                     or bool(sh.more_outs) or bool(sh.out_plan.steps))
-            view = None if moves else sh.op.local_view(sh)
-            plain = view is None and not moves and _plain(sh.op)
+            pre = tuple(tuple((st, v.dtype) for st in p.steps)
+                        for p, v in zip(s.in_plans, node.inputs))
+            post = tuple(tuple((st, v.dtype) for st in p.steps)
+                         for (_, _, p), v in zip(sh.outputs, node.outputs))
+            inner = sh.inner_plan is not None
+            moves = any(pre) or any(post) or bool(sh.more_outs)
+            view = None if moves or inner else sh.op.local_view(sh)
+            plain = view is None and not inner and not sh.more_outs and _plain(sh.op)
             run: Callable[..., Any]
             if view is not None:
                 run = view[0]
             elif plain:
                 run = sh.op.kernel
+            elif inner:   # the whole forward in one call, its moves included
+                run = _moving(sh, tuple(p if p.steps else None for p in s.in_plans))
+                pre = post = ()
             else:
-                run = _moving(sh, plans) if moves else functools.partial(sh.op.local_forward, sh)
+                run = functools.partial(sh.op.local_forward, sh)
             keep = -1
             if node.id in program.grad_nodes:
                 keep = self._tape_of[node.id] = len(self._tape_of)
             outs = tuple(at(v.id) for v in node.outputs)
             fwd.append(_Forward(run, tuple(at(v.id) for v in node.inputs),
                                 outs[0] if len(outs) == 1 else -1, outs, keep,
-                                view is not None, plain))
+                                view is not None, plain, pre, post))
         self.outputs = tuple(slot[v.id] for v in g.outputs)
         self.slot = slot
+        # Redistribution steps bound for this rank (redistribution.bind_step), made when the
+        # code that calls them is first written: one per (step, direction, dtype), the step by
+        # identity, as the schedule guard compares announcements (equal steps of two plans
+        # are two entries of the schedule).
+        self._bound: dict[tuple[int, bool, np.dtype | None],
+                          Callable[[np.ndarray], np.ndarray]] = {}
         self._fwd = tuple(fwd)
         self._forward_fns: dict[bool, tuple[Callable[..., Any], str]] = {}
         #: The compiled backward per set of seeded outputs (built on first use): its steps,
@@ -198,6 +210,21 @@ class Executor:
     def fwd(self, records: tuple[_Forward, ...]) -> None:
         self._fwd = tuple(records)
         self._forward_fns = {}
+
+    def _moved(self, src: _Source, steps: Sequence[tuple[Step, bool, np.dtype | None]], x: str
+               ) -> str:
+        """The expression that runs ``steps`` (step, adjoint, dtype) on the array ``x``, one
+        bound call each: ``B3(B2(x))``."""
+        for step, adjoint, dtype in steps:
+            key = (id(step), adjoint, dtype)   # the program keeps its steps alive
+            run = self._bound.get(key)
+            if run is None:
+                run = self._bound[key] = bind_step(step, adjoint, dtype, self.rank)
+            x = f"{src.bind('B', run)}({x})"
+        return x
+
+    def _actions(self, src: _Source, actions: Actions, dtype: np.dtype | None, x: str) -> str:
+        return self._moved(src, [(a.step, a.adjoint, dtype) for a in actions], x)
 
     def source(self, seeded: Sequence[bool] | None = None) -> str:
         """The Python this rank runs: the generated forward, then (once a backward with these
@@ -234,19 +261,36 @@ class Executor:
             src.add(sample)
         for i, r in enumerate(self._fwd):
             run = src.bind("R", r.run)
-            args = ", ".join(f"v{s}" for s in r.ins)
             node = self.program.steps[i].node
             src.add(f"# {node.name}: {node.op.name}")
+            names = []   # the kernel's arguments: values, or their redistributed copies
+            for k, s in enumerate(r.ins):
+                if k < len(r.pre) and r.pre[k]:
+                    src.add(f"m{k} = " + self._moved(src, [(st, False, dt) for st, dt in r.pre[k]],
+                                                      f"v{s}"))
+                    names.append(f"m{k}")
+                else:
+                    names.append(f"v{s}")
+            args = ", ".join(names)
+            moved_out = any(r.post)
+            raw = "r" if moved_out or r.out < 0 else f"v{r.out}"
             if r.view:
-                src.add(f"v{r.out} = {run}(v{r.ins[0]})")
+                src.add(f"{raw} = {run}({args})")
             elif r.plain:
-                src.add(f"v{r.out} = {run}({args})")
+                src.add(f"{raw} = {run}({args})")
                 if r.keep >= 0:
-                    src.add(f"t{r.keep} = (({args},), v{r.out})")
+                    src.add(f"t{r.keep} = (({args},), {raw})")
             else:
-                outs = (f"v{r.out}" if r.out >= 0
-                        else "(" + ", ".join(f"v{s}" for s in r.outs) + ",)")
-                src.add(f"{outs}, {f't{r.keep}' if r.keep >= 0 else '_'} = {run}({args})")
+                src.add(f"{raw}, {f't{r.keep}' if r.keep >= 0 else '_'} = {run}({args})")
+            if raw == "r":   # each output after its own plan's steps
+                for k, s in enumerate(r.outs):
+                    part = "r" if r.out >= 0 else f"r[{k}]"
+                    steps = r.post[k] if k < len(r.post) else ()
+                    src.add(f"v{s} = " + self._moved(src, [(st, False, dt) for st, dt in steps],
+                                                     part))
+            temps = [n for n in names if n.startswith("m")] + (["r"] if raw == "r" else [])
+            if temps:
+                src.add("del " + ", ".join(temps))
             dead = sorted({s for s in r.ins if last.get(s) == i} - kept_to_end)
             dead += [s for s in r.outs if s not in last and s not in kept_to_end]
             if dead:
@@ -288,12 +332,14 @@ class Executor:
             kernel = (view[1] if view else sh.op.vjp if plain
                       else sh.backward_kernel(nb.needs))
             bwd.append(_Backward(outs, kernel, bool(sh.more_outs), view is not None,
-                                 self._tape_of[node.id], nb.op.inner_actions, inputs, plain))
-        mirrors = tuple(
-            _Mirror(group, mirror_announcement(group, names), names,
-                    tuple(program.param_layouts[n].local_size() for n in names))
-            for group, _, names in bplan.mirror_buckets(program, self.rank))
-        return tuple(bwd), mirrors
+                                 self._tape_of[node.id], nb.op.inner_actions, inputs, plain,
+                                 node.inputs[0].dtype))
+        mirrors = []
+        for group, dtype, names in bplan.mirror_buckets(program, self.rank):
+            sizes = tuple(program.param_layouts[n].local_size() for n in names)
+            mirrors.append(_Mirror(group, mirror_announcement(group, names), names, sizes,
+                                   comm.prepare("all_reduce", (sum(sizes),), dtype, group)))
+        return tuple(bwd), tuple(mirrors)
 
     def _backward_fn(self, seeded: tuple[bool, ...], watched: bool
                      ) -> tuple[tuple[_Backward, ...], Callable[..., Any], str]:
@@ -319,7 +365,7 @@ class Executor:
                 expr = f"g{s}"
             else:
                 expr = f"_zeros({shape!r}, {src.bind('D', dtype)})"
-            return f"_run({src.bind('A', acts)}, {expr})" if acts else expr
+            return self._actions(src, acts, dtype, expr)
 
         for k, s in enumerate(self.outputs):
             if seeded[k]:
@@ -352,21 +398,21 @@ class Executor:
             if taken:
                 src.add("del " + ", ".join(f"g{s}" for s in taken))
             if r.inner:
-                src.add(f"if C[0] is not None: C = (_run({src.bind('A', r.inner)}, C[0]), "
-                        "*C[1:])")
+                src.add("if C[0] is not None: C = ("
+                        + self._actions(src, r.inner, r.inner_dtype, "C[0]") + ", *C[1:])")
             for k, s, shape, dtype, edge, align_sum, align_new in r.inputs:
                 dt = src.bind("D", dtype)
                 src.add(f"c = C[{k}]")
                 src.add(f"if c is None: c = _zeros({shape!r}, {dt})")
                 src.add(f"elif c.dtype != {dt}: c = c.astype({dt})")
                 if edge:
-                    src.add(f"c = _run({src.bind('A', edge)}, c)")
+                    src.add("c = " + self._actions(src, edge, dtype, "c"))
                 if s not in held:
                     src.add(f"g{s} = c")
                     held.add(s)
                 elif align_sum or align_new:
-                    before = f"_run({src.bind('A', align_sum)}, g{s})" if align_sum else f"g{s}"
-                    new = f"_run({src.bind('A', align_new)}, c)" if align_new else "c"
+                    before = self._actions(src, align_sum, dtype, f"g{s}")
+                    new = self._actions(src, align_new, dtype, "c")
                     src.add(f"g{s} = {before} + {new}")
                 else:
                     src.add(f"g{s} = g{s} + c")
@@ -403,10 +449,9 @@ class Executor:
         out: dict[str, np.ndarray] = run(tape, seeds, watch)
         # Mirror: one AllReduce per group of ranks and dtype, on all its parameters' gradients
         # at once (MindSpore fuses these AllReduces too); the sum completes every pending one.
-        for group, announce, names, sizes in mirrors:
-            flat = np.concatenate([out[n].ravel() for n in names])
-            with schedule.issue(announce):
-                flat = comm.all_reduce(flat, group=group)
+        for _, announce, names, sizes, all_reduce in mirrors:
+            flat = all_reduce(np.concatenate([out[n].ravel() for n in names]),
+                              schedule.announce(announce))
             offset = 0
             for n, size in zip(names, sizes):
                 out[n] = flat[offset:offset + size].reshape(out[n].shape)
