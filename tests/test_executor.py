@@ -108,9 +108,11 @@ def test_the_program_is_compiled_once_per_rank_and_views_run_as_views() -> None:
     assert len(ex.backwards) == 1                      # one backward per set of seeds
 
 
-def test_the_source_is_one_line_per_op_and_plain_ops_call_their_kernels() -> None:
-    """The generated forward calls every op once, in program order; an op on Primitive's own
-    per-rank path (MatMul, BiasAdd, Add) calls its kernel, its tape built inline."""
+def test_the_source_is_one_line_per_op_and_plain_ops_are_written_inline() -> None:
+    """The generated forward runs every op once, in program order, each under its name; an
+    op on Primitive's own per-rank path (MatMul, BiasAdd, Add, Mul) is written into the code
+    as its Inline expression (``v7 = v5 @ v6.T``), its tape built inline, and the backward
+    writes its gradients the same way; every other op is one call."""
     train, ids, labels = _gpt_train()
     train(ids, labels)
     prog = train.program
@@ -118,14 +120,19 @@ def test_the_source_is_one_line_per_op_and_plain_ops_call_their_kernels() -> Non
     ex = prog.executor(0)
     text = ex.source()
     assert text.startswith("def forward(") and "\ndef backward(" in text
-    forward = text.split("\ndef backward(")[0]
-    called = [line for line in forward.splitlines() if re.search(r"= R\d+\(", line)]
-    assert len(called) == len(prog.steps)
-    for s, f, line in zip(prog.steps, ex.fwd, called):
-        assert re.match(rf"v{f.out}\b" if f.out >= 0 else r"\(", line.strip()), line
-        assert f.plain == (s.node.op.name in {"MatMul", "BiasAdd", "Add", "Mul",
-                                              "BatchMatMul"}), s.node.op.name
-    assert sum(f.plain for f in ex.fwd) >= 20
+    forward, backward = text.split("\ndef backward(")
+    lines = [line.strip() for line in forward.splitlines()]
+    heads = [i for i, line in enumerate(lines) if line.startswith("# ")]
+    assert len(heads) == len(prog.steps)
+    for s, f, i in zip(prog.steps, ex.fwd, heads, strict=True):
+        assert lines[i] == f"# {s.node.name}: {s.node.op.name}"
+        line = lines[i + 1]
+        assert re.match(rf"v{f.out}[ ,]" if f.out >= 0 else r"r, ", line), line
+        written = s.node.op.name in {"MatMul", "BiasAdd", "Add", "Mul", "BatchMatMul"}
+        assert (f.inline is not None) == written and f.plain == written, s.node.op.name
+        assert ("R" not in line) == written, line
+    assert sum(f.inline is not None for f in ex.fwd) >= 20
+    assert re.search(r"\n    C = \(d @ T\[0\]\[1\], d\.T @ T\[0\]\[0\],\)\n", backward)
 
 
 def test_a_value_no_tape_keeps_is_dropped_after_its_last_use() -> None:

@@ -527,12 +527,12 @@ def test_megatron_mlp_has_one_allreduce_forward_and_one_backward(kind: str) -> N
     assert ":backward" not in forward.label and ":backward" in backward.label
     assert forward.shape == backward.shape == (BATCH // dp, MLP_SIZES[1])
     assert "fc2-Dense/MatMul" in forward.label and "fc2-Dense/BiasAdd" in backward.label
-    # The compiled forward calls fc2's kernel, then its output's AllReduce as one bound step
-    # (redistribution.bind_step), with nothing generic in between.
+    # The compiled forward runs fc2's kernel (written inline, x @ W.T), then its output's
+    # AllReduce as one bound step (redistribution.bind_step), with nothing generic between.
     lines = run.program.executor(rank).source().splitlines()
     at = next(i for i, line in enumerate(lines) if "fc2-Dense/MatMul" in line)
     assert [re.sub(r"\d+", "#", line.strip()) for line in lines[at + 1:at + 4]] == [
-        "r = R#(v#, v#)", "t# = ((v#, v#,), r)", "v# = B#(r)"], lines[at:at + 5]
+        "r = v# @ v#.T", "t# = ((v#, v#,), r)", "v# = B#(r)"], lines[at:at + 5]
     # The parameters' gradients: one fused Mirror AllReduce per group of replicating ranks.
     mirrors = [e for e in run.events if e.label.startswith("Mirror:")]
     groups = {run.program.mirror_group(name, rank) for name in run.program.param_layouts}

@@ -51,7 +51,9 @@ from simpar.redistribution import (
 )
 
 __all__ = [
+    "INLINE_NAMES",
     "CommSpec",
+    "Inline",
     "IterSpace",
     "OpSharding",
     "Primitive",
@@ -458,6 +460,24 @@ def _float_of(saved: Any) -> Any:
     return find(saved) or np.dtype(np.float64)
 
 
+# ------------------------------------------------------------------ kernels as expressions
+@dataclass(frozen=True, slots=True)
+class Inline:
+    """An op's kernel and VJP as ``str.format`` templates of Python expressions
+    (:meth:`Primitive.inline`): ``{x0}``, ``{x1}``, ... stand for the inputs, ``{y}`` for the
+    output and ``{dy}`` for its cotangent; ``_sum`` is ``np.add.reduce``. ``grads[k]`` is
+    input k's gradient, None where it has no expression (the executor then calls the VJP,
+    unless that gradient is not needed). MatMul with ``transpose_b`` on 2-D shards:
+    ``Inline("{x0} @ {x1}.T", ("{dy} @ {x1}", "{dy}.T @ {x0}"))``."""
+
+    forward: str
+    grads: tuple[str | None, ...]
+
+
+#: What an inline expression may call, besides the arrays' own operators and methods.
+INLINE_NAMES: dict[str, Any] = {"_sum": np.add.reduce}
+
+
 # ------------------------------------------------------------------ what a forward keeps
 class Tape(str, enum.Enum):
     """What an op's forward keeps for its backward (``Primitive.tape``), as its
@@ -736,6 +756,14 @@ class Primitive:
                        ) -> tuple[np.ndarray | None, ...]:
         xs, y = saved
         return self.vjp(xs, y, dy)
+
+    def inline(self, shapes: tuple[tuple[int, ...], ...]) -> Inline | None:
+        """For an op whose per-rank path is its kernel and VJP on shards (Primitive's own
+        ``local_forward``/``local_backward``): both written as Python expressions for shards of
+        these ``shapes``, for the compiled executor to put into the code it generates, with
+        no call to the op in between. They must give the kernel's and the VJP's values bit for
+        bit (tests/test_ops_inline.py checks). None, the default: the executor calls them."""
+        return None
 
     def local_view(self, sh: OpSharding) -> tuple[Callable[[np.ndarray], np.ndarray],
                                                   Callable[[np.ndarray], np.ndarray]] | None:

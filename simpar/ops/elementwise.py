@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from simpar.ops._base import (
+    Inline,
     IterSpace,
     OpSharding,
     Primitive,
@@ -51,6 +52,8 @@ def _broadcast_space(op: str, *shapes: tuple[int, ...]) -> IterSpace:
 class _Binary(Primitive):
     n_inputs = 2
     fn: ClassVar[Callable[..., Any]]
+    #: The kernel and each input's gradient as Inline templates (None: no expression).
+    expressions: ClassVar[tuple[str, tuple[str, str]] | None] = None
 
     def infer_shape(self, *shapes: tuple[int, ...]) -> tuple[int, ...]:
         _broadcast_space(self.name, *shapes)
@@ -61,6 +64,16 @@ class _Binary(Primitive):
 
     def kernel(self, *xs: np.ndarray) -> np.ndarray:
         return np.asarray(type(self).fn(*xs))
+
+    def inline(self, shapes: tuple[tuple[int, ...], ...]) -> Inline | None:
+        """The operator itself; a gradient only for an input of the output's shape (another
+        is summed down by the VJP's ``_unbroadcast``). Not on 0-d shards, where numpy's
+        operators give scalars, not arrays."""
+        out = tuple(np.broadcast_shapes(*shapes))
+        if self.expressions is None or not out:
+            return None
+        forward, grads = self.expressions
+        return Inline(forward, tuple(g if s == out else None for s, g in zip(shapes, grads)))
 
     def _grads(self, x: np.ndarray, y: np.ndarray, dy: np.ndarray, need: tuple[bool, bool]
                ) -> tuple[np.ndarray | None, np.ndarray | None]:
@@ -84,6 +97,7 @@ class Add(_Binary):
     """``x + y``."""
 
     fn = staticmethod(np.add)
+    expressions = ("{x0} + {x1}", ("{dy}", "{dy}"))
 
     def _grads(self, x: np.ndarray, y: np.ndarray, dy: np.ndarray, need: tuple[bool, bool]
                ) -> tuple[np.ndarray | None, np.ndarray | None]:
@@ -95,6 +109,7 @@ class Sub(_Binary):
     """``x - y``."""
 
     fn = staticmethod(np.subtract)
+    expressions = ("{x0} - {x1}", ("{dy}", "-{dy}"))
 
     def _grads(self, x: np.ndarray, y: np.ndarray, dy: np.ndarray, need: tuple[bool, bool]
                ) -> tuple[np.ndarray | None, np.ndarray | None]:
@@ -106,6 +121,7 @@ class Mul(_Binary):
     """``x * y``."""
 
     fn = staticmethod(np.multiply)
+    expressions = ("{x0} * {x1}", ("{dy} * {x1}", "{dy} * {x0}"))
 
     def _grads(self, x: np.ndarray, y: np.ndarray, dy: np.ndarray, need: tuple[bool, bool]
                ) -> tuple[np.ndarray | None, np.ndarray | None]:
@@ -222,6 +238,13 @@ class BiasAdd(Primitive):
             ) -> tuple[np.ndarray | None, ...]:
         return dy, (np.add.reduce(dy, axis=_all_but(dy.ndim, self._channel(dy.shape)))
                     if gradient_needed(1) else None)
+
+    def inline(self, shapes: tuple[tuple[int, ...], ...]) -> Inline | None:
+        x, b = shapes
+        bias = "{x1}" if self.data_format == "NHWC" or len(x) == 2 else \
+            "{x1}.reshape(" + repr(self._view(np.empty(b), len(x)).shape) + ")"
+        return Inline("{x0} + " + bias,
+                      ("{dy}", f"_sum({{dy}}, axis={_all_but(len(x), self._channel(x))!r})"))
 
 
 @register

@@ -16,6 +16,7 @@ import numpy as np
 
 from simpar import context
 from simpar.ops._base import (
+    Inline,
     IterSpace,
     Primitive,
     Strategy,
@@ -70,6 +71,21 @@ class _MatMulBase(Primitive):
             out = np.matmul(a.reshape(-1, a.shape[-1]), b)
             return out.reshape(*a.shape[:-1], out.shape[-1])
         return np.matmul(a.swapaxes(-1, -2) if self.transpose_a else a, b)
+
+    def inline(self, shapes: tuple[tuple[int, ...], ...]) -> Inline | None:
+        """Shards of one rank each with equal batch dims: ``kernel`` and ``vjp``'s products
+        as ``@`` expressions, transposes as views (``.T`` on 2-D shards)."""
+        a, b = shapes
+        if len(a) != len(b) or len(a) < 2 or a[:-2] != b[:-2]:
+            return None   # broadcast batch dims, or (..., k) @ (k, j) as one GEMM: the kernel
+        t = ".T" if len(a) == 2 else ".swapaxes(-1, -2)"
+        ta, tb = self.transpose_a, self.transpose_b
+        forward = "{x0}" + (t if ta else "") + " @ {x1}" + (t if tb else "")
+        da = {(False, False): "{dy} @ {x1}" + t, (False, True): "{dy} @ {x1}",
+              (True, False): "{x1} @ {dy}" + t, (True, True): "{x1}" + t + " @ {dy}" + t}
+        db = {(False, False): "{x0}" + t + " @ {dy}", (False, True): "{dy}" + t + " @ {x0}",
+              (True, False): "{x0} @ {dy}", (True, True): "{dy}" + t + " @ {x0}" + t}
+        return Inline(forward, (da[ta, tb], db[ta, tb]))
 
     def vjp(self, xs: Sequence[np.ndarray], y: np.ndarray, dy: np.ndarray
             ) -> tuple[np.ndarray | None, ...]:

@@ -27,7 +27,7 @@ import numpy as np
 
 from simpar import comm, schedule
 from simpar.cotangent import Action
-from simpar.ops._base import Primitive
+from simpar.ops._base import INLINE_NAMES, Inline, Primitive
 from simpar.redistribution import RedistributionPlan, Step, bind_step, execute
 
 if TYPE_CHECKING:
@@ -53,6 +53,7 @@ class _Forward(NamedTuple):
     #                               the tape ``(inputs, output)`` (Primitive.local_forward's)
     pre: tuple[Moves, ...] = ()   # per input: the steps of its redistribution, run first
     post: tuple[Moves, ...] = ()  # per output: the steps of its output plan, run after
+    inline: Inline | None = None  # plain, and the kernel is written into the code as this
 
 
 class _Input(NamedTuple):
@@ -77,6 +78,8 @@ class _Backward(NamedTuple):
     inputs: tuple[_Input, ...]
     plain: bool = False         # the kernel is the op's vjp: (inputs, output, dy) -> grads
     inner_dtype: np.dtype | None = None   # what the inner actions move (input 0's dtype)
+    inline: Inline | None = None  # the gradients are written into the code as these
+    needs: tuple[bool, ...] = ()  # with inline: which inputs' gradients are used
 
 
 class _Mirror(NamedTuple):
@@ -115,7 +118,7 @@ class _Source:
 
     def __init__(self, header: str) -> None:
         self.lines = [header]
-        self.names: dict[str, Any] = {"_zeros": np.zeros}
+        self.names: dict[str, Any] = {"_zeros": np.zeros, **INLINE_NAMES}
         self._bound: dict[int, str] = {}   # id of an object already named -> its name
 
     def bind(self, prefix: str, obj: Any) -> str:
@@ -166,10 +169,12 @@ class Executor:
             view = None if moves or inner else sh.op.local_view(sh)
             plain = view is None and not inner and not sh.more_outs and _plain(sh.op)
             run: Callable[..., Any]
+            inline = None
             if view is not None:
                 run = view[0]
             elif plain:
                 run = sh.op.kernel
+                inline = sh.op.inline(tuple(lay.local_shape() for lay in sh.in_layouts))
             elif inner:   # the whole forward in one call, its moves included
                 run = _moving(sh, tuple(p if p.steps else None for p in s.in_plans))
                 pre = post = ()
@@ -181,7 +186,7 @@ class Executor:
             outs = tuple(at(v.id) for v in node.outputs)
             fwd.append(_Forward(run, tuple(at(v.id) for v in node.inputs),
                                 outs[0] if len(outs) == 1 else -1, outs, keep,
-                                view is not None, plain, pre, post))
+                                view is not None, plain, pre, post, inline))
         self.outputs = tuple(slot[v.id] for v in g.outputs)
         self.slot = slot
         # Redistribution steps bound for this rank (redistribution.bind_step), made when the
@@ -276,6 +281,11 @@ class Executor:
             raw = "r" if moved_out or r.out < 0 else f"v{r.out}"
             if r.view:
                 src.add(f"{raw} = {run}({args})")
+            elif r.inline is not None:
+                src.add(f"{raw} = " + r.inline.forward.format(
+                    **{f"x{k}": name for k, name in enumerate(names)}))
+                if r.keep >= 0:
+                    src.add(f"t{r.keep} = (({args},), {raw})")
             elif r.plain:
                 src.add(f"{raw} = {run}({args})")
                 if r.keep >= 0:
@@ -331,9 +341,13 @@ class Executor:
             plain = view is None and all(nb.needs) and self._fwd[i].plain
             kernel = (view[1] if view else sh.op.vjp if plain
                       else sh.backward_kernel(nb.needs))
+            inline = self._fwd[i].inline
+            if inline is not None and any(need and g is None
+                                          for need, g in zip(nb.needs, inline.grads)):
+                inline = None   # a gradient the backward needs has no expression: the VJP runs
             bwd.append(_Backward(outs, kernel, bool(sh.more_outs), view is not None,
                                  self._tape_of[node.id], nb.op.inner_actions, inputs, plain,
-                                 node.inputs[0].dtype))
+                                 node.inputs[0].dtype, inline, tuple(nb.needs)))
         mirrors = []
         for group, dtype, names in bplan.mirror_buckets(program, self.rank):
             sizes = tuple(program.param_layouts[n].local_size() for n in names)
@@ -389,7 +403,15 @@ class Executor:
                 src.add(f"C = {kernel}(tape[{r.keep}], ({', '.join(draws)},))")
             else:
                 d = take(*r.outs[0])
-                if r.view:
+                if r.inline is not None:
+                    src.add(f"T = tape[{r.keep}]")
+                    src.add(f"d = {d}")
+                    names = {f"x{k}": f"T[0][{k}]" for k in range(len(r.needs))}
+                    grads = [g.format(**names, y="T[1]", dy="d") if need and g else "None"
+                             for need, g in zip(r.needs, r.inline.grads)]
+                    src.add(f"C = ({', '.join(grads)},)")
+                    src.add("del T, d")
+                elif r.view:
                     src.add(f"C = ({kernel}({d}),)")
                 elif r.plain:
                     src.add(f"C = {kernel}(*tape[{r.keep}], {d})")
