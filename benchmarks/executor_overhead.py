@@ -170,10 +170,13 @@ def main() -> int:
             return out
         return run
 
+    # A kernel the executor writes inline (Primitive.inline) is called instead while it is
+    # measured or replaced: inline=None on its records.
     def install(f: Callable[[Any, tuple[str, int]], Any]) -> None:
-        ex.fwd = tuple(r._replace(run=f(r.run, ("f", i))) for i, r in enumerate(fwd0))
-        ex.backwards[seeded] = (tuple(r._replace(kernel=f(r.kernel, ("b", i))) if r.kernel
-                                      else r for i, r in enumerate(bwd0)), mirrors)
+        ex.fwd = tuple(r._replace(run=f(r.run, ("f", i)), inline=None)
+                       for i, r in enumerate(fwd0))
+        ex.backwards[seeded] = (tuple(r._replace(kernel=f(r.kernel, ("b", i)), inline=None)
+                                      if r.kernel else r for i, r in enumerate(bwd0)), mirrors)
 
     install(wrapped)
     train(*data)
@@ -222,11 +225,11 @@ def main() -> int:
     real_opt = opt.step
     built = Executor(prog, 0)
     constant = Executor(prog, 0)
-    constant.fwd = tuple(r._replace(run=(lambda *a, _out=seen[("f", i)][1]: _out))
+    constant.fwd = tuple(r._replace(run=(lambda *a, _out=seen[("f", i)][1]: _out), inline=None)
                          for i, r in enumerate(fwd0))
     constant.backwards[seeded] = (tuple(
-        r._replace(kernel=(lambda *a, _out=seen[("b", i)][1]: _out)) if r.kernel else r
-        for i, r in enumerate(bwd0)), mirrors)
+        r._replace(kernel=(lambda *a, _out=seen[("b", i)][1]: _out), inline=None) if r.kernel
+        else r for i, r in enumerate(bwd0)), mirrors)
 
     def use(executor: Executor, optimizer: bool) -> Callable[[], None]:
         def setup() -> None:
