@@ -127,8 +127,10 @@ def run_op(op: Primitive, *global_inputs: np.ndarray, grad_output: np.ndarray | 
             if dy.shape != o.shape:
                 raise ValueError(f"run_op: grad_output {k} has shape {dy.shape}, output {k} of "
                                  f"{op.name} has shape {o.shape}")
-            # Σ-semantics: the replicas of an output share its cotangent.
-            reps = math.prod(lay.device_matrix[a] for a in lay.replica_axes)
+            # Σ-semantics: the replicas of an output share its cotangent, except where they
+            # computed it from different input pieces (OpSharding.share_axes).
+            reps = math.prod(lay.device_matrix[a] for a in lay.replica_axes
+                             if a not in sh.share_axes(k))
             local_dys.append(np.asarray(distribute(dy, lay, rank) / reps, dtype=dy.dtype))
         with comm.label("run_op:backward"):
             contribs = sh.backward(saved, tuple(local_dys) if multi else local_dys[0])

@@ -52,8 +52,9 @@ def _megatron_step(p: int, dp: int, mp: int, rank: int
 
     Forward: the vocabulary-parallel embedding's AllReduce and, per block, the row-parallel
     attention projection's and FFN fc2's, each over the rank's mp group (mp consecutive
-    ranks); the vocabulary-parallel loss's max- and sum-AllReduce over the mp group and the
-    scalar loss's AllReduce over every rank (partial over both dp and mp). Dropout, the
+    ranks); the vocabulary-parallel loss's max- and sum-AllReduce over the mp group, after
+    which the mp group's ranks hold the same loss of their rows, and the scalar loss's
+    AllReduce over the dp group (none at dp 1), as Megatron's. Dropout, the
     LayerNorms (unsplit normalised axis) and the column-parallel layers communicate nothing.
     Backward (planned with layouts, Megatron's): the loss's cotangent is whole, so no forward
     AllReduce needs an adjoint; the column-parallel layers leave their inputs' gradients
@@ -62,7 +63,6 @@ def _megatron_step(p: int, dp: int, mp: int, rank: int
     the LayerNorms' parameters get whole gradients. Then one Mirror over the dp group (ranks
     mp apart) for every parameter, when dp > 1: every gradient is pending over dp only.
     """
-    world = tuple(range(p))
     mp_group = tuple(range(rank - rank % mp, rank - rank % mp + mp))
     dp_group = tuple(rank % mp + k * mp for k in range(dp))
     rows, ce = BATCH * SEQ // dp, "SparseSoftmaxCrossEntropyWithLogits"
@@ -73,8 +73,9 @@ def _megatron_step(p: int, dp: int, mp: int, rank: int
         forward += [(f"block{k}/attn/proj/MatMul", *row_parallel),
                     (f"block{k}/ffn/fc2/MatMul", *row_parallel)]
     forward += [(ce, "AllReduce", "max", mp_group, (rows,)),
-                (ce, "AllReduce", "sum", mp_group, (2, rows)),
-                (ce, "AllReduce", "sum", world, ())]
+                (ce, "AllReduce", "sum", mp_group, (2, rows))]
+    # Every rank of an mp group holds the same loss of its rows: summed over dp only.
+    forward += [(ce, "AllReduce", "sum", dp_group, ())] if dp > 1 else []
     summed = ("AllReduce", "sum", mp_group, (BATCH // dp, SEQ, D))
     backward = [("ln_f/LayerNorm:backward", *summed)]
     for k in reversed(range(LAYERS)):

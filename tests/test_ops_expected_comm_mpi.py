@@ -252,15 +252,17 @@ def _layer_norm(n: int, rank: int) -> Any:
 def _cross_entropy(n: int, rank: int) -> Any:
     # Vocabulary parallel: classes cut m ways, rows d ways. Max-AllReduce of the row maxima,
     # then one sum-AllReduce of the stacked (row sums of exp, target logits) over the m-block;
-    # the scalar loss is partial over both axes: one AllReduce over every rank. Backward: its
-    # adjoint only (the logits' gradient is local). Never a gather.
+    # after it every rank of the m-block holds its rows' whole losses, so the scalar loss is
+    # partial over the row cut only: one AllReduce over the d ranks holding the other rows
+    # (none when d = 1), as Megatron's. Backward: that AllReduce's adjoint only (the logits'
+    # gradient is local). Never a gather.
     d, m = _hybrid(n)
     rng = _rng()
     logits = rng.standard_normal((4, 8))
     labels = rng.integers(0, 8, 4).astype(np.int32)
     block, rows = _block(rank, m), 4 // d
     fwd = [_ar(block, (rows,), "max"), _ar(block, (2, rows))] if m > 1 else []
-    loss = [_ar(tuple(range(n)), ())] if n > 1 else []
+    loss = [_ar(_strided(rank, m, d), ())] if d > 1 else []
     op = ops.SparseSoftmaxCrossEntropyWithLogits().shard(((d, m), (d,)))
     return op, [logits, labels], fwd + loss, list(loss)
 

@@ -122,11 +122,14 @@ def test_vocabulary_parallel_cross_entropy_comm():
     inputs = [_r(8, 16), LABELS.astype(np.int32)]
     run, (fwd, bwd) = _run_traced(SSCE().shard(((2, 4), (2,))), inputs)
     group = (0, 1, 2, 3) if rank < 4 else (4, 5, 6, 7)
+    rows = (rank % 4, rank % 4 + 4)   # the two row blocks of this rank's class chunk
+    # After the statistics every rank of a class group holds its rows' whole loss: the
+    # scalar is summed over the row blocks only, as Megatron's (not over all 8 ranks).
     assert [(e.kind, e.op, e.group, e.shape) for e in fwd] == [
         ("AllReduce", "max", group, (4,)), ("AllReduce", "sum", group, (2, 4)),
-        ("AllReduce", "sum", tuple(range(8)), ())]
+        ("AllReduce", "sum", rows, ())]
     # Backward: only the adjoint of the output AllReduce (1 number); the rest is local.
-    assert [(e.kind, e.group) for e in bwd] == [("AllReduce", tuple(range(8)))]
+    assert [(e.kind, e.group) for e in bwd] == [("AllReduce", rows)]
     assert run.local_grads is not None and run.local_grads[1] is None
 
 
@@ -173,12 +176,12 @@ def test_parallel_info_of_cross_entropy():
     assert info["outputs_tensor_map"] == [[]] and info["outputs_slice_shape"] == [[]]
     info = get_parallel_info(SSCE().shard(((2, 4), (2,))), [(8, 16), (8,)], 8, 6, "float64")
     assert info["device_matrix"] == [2, 4]
-    assert [c["group"] for c in info["forward_comm"]] == [[4, 5, 6, 7]] * 2 + [list(range(8))]
-    # 4 row maxima; (2, 4) sums and targets; the 0-d loss (8 bytes: 2*7/8*8 = 14, as traced).
+    assert [c["group"] for c in info["forward_comm"]] == [[4, 5, 6, 7]] * 2 + [[2, 6]]
+    # 4 row maxima; (2, 4) sums and targets; the 0-d loss over the 2 row blocks (8 bytes:
+    # 2*1/2*8 = 8, as traced).
     assert [c["bytes"] for c in info["forward_comm"]] == [2 * 3 * 32 // 4, 2 * 3 * 64 // 4,
-                                                          2 * 7 * 8 // 8]
-    assert [(c["op"], c["group"]) for c in info["backward_comm"]] == [("AllReduce",
-                                                                      list(range(8)))]
+                                                          2 * 1 * 8 // 2]
+    assert [(c["op"], c["group"]) for c in info["backward_comm"]] == [("AllReduce", [2, 6])]
 
 
 def test_repeated_calculation_ranks_share_statistics():

@@ -611,8 +611,9 @@ def _redistributing_gpt_step(n: int, rank: int) -> list[tuple[str, str, str | No
     the (2, 1, 1) activations by a free slice and communicates nothing; its FFN (mp n) needs
     the row-split activations whole, the one AllGather over all n, and ends in fc2's
     AllReduce; the head (dp 2, mp h) needs rows cut 2 from rows cut n, an AllGather over each
-    h-block; the loss (2, h) is vocabulary parallel over each h-block and AllReduces the
-    scalar over all n. Backward runs the adjoints in reverse (AllGather -> ReduceScatter of
+    h-block; the loss (2, h) is vocabulary parallel over each h-block, whose ranks then hold
+    the same loss of their rows, and AllReduces the scalar over the pair of row blocks (ranks
+    h apart). Backward runs the adjoints in reverse (AllGather -> ReduceScatter of
     the gathered shape), except the loss's scalar AllReduce, whose cotangent is whole; a
     row-parallel MatMul's AllReduce reappears in the backward because the column-parallel
     MatMul after it left its input's gradient pending over the same ranks (Megatron's
@@ -643,7 +644,7 @@ def _redistributing_gpt_step(n: int, rank: int) -> list[tuple[str, str, str | No
     forward += [("head/Reshape:input0", "AllGather", None, hblock, (BATCH // n, seq, d))] * mine
     forward += [(ce, "AllReduce", "max", hblock, (tokens // 2,)),
                 (ce, "AllReduce", "sum", hblock, (2, tokens // 2))] * mine
-    forward += [(ce, "AllReduce", "sum", world, ())]
+    forward += [(ce, "AllReduce", "sum", pair, ())]
     # The loss's cotangent is whole on every rank: its scalar AllReduce needs no adjoint.
     backward = [("head/Reshape:input0-adjoint", "ReduceScatter", "sum", hblock,
                   (BATCH // 2, seq, d))] * mine

@@ -328,6 +328,20 @@ class OpSharding:
         return (self.output_adjoint_comm() + list(self.internal_backward)
                 + self.inner_adjoint_comm() + grads)
 
+    def share_axes(self, k: int = 0) -> tuple[int, ...]:
+        """For an op that declares ``whole_over_split_inputs``: the device axes (from the
+        left) over which output ``k``'s raw layout is replicated although an input is split
+        there, ranks that computed the same output from different input pieces (a
+        vocabulary-parallel loss, whole on every rank of the class split after its statistics
+        AllReduces). Its local VJP takes the output's whole cotangent there, so ``run_op``,
+        whose replicas otherwise share an output's cotangent, gives it whole over these axes.
+        Empty for every other op (ReduceMax over a split axis sums the shares itself)."""
+        if not self.op.whole_over_split_inputs:
+            return ()
+        raw = self.outputs[k][0]
+        return tuple(a for a in raw.replica_axes if self.device_matrix[a] > 1
+                     and any(a in lay.split_axes for lay in self.in_layouts))
+
     def input_grad_spec(self, i: int) -> CommSpec | None:
         lay = self.in_layouts[i]
         axes = tuple(a for a in lay.replica_axes if lay.device_matrix[a] > 1)
@@ -537,6 +551,10 @@ class Primitive:
     #: Whether every output value is some input value, moved (Reshape, Transpose, Split): an
     #: input of indices read through such ops is still checked at the program's input.
     moves_values: ClassVar[bool] = False
+    #: Whether the op's own collectives leave its output whole on ranks that hold different
+    #: input pieces, its local VJP then taking the output's whole cotangent there (the
+    #: vocabulary-parallel cross entropy): see :meth:`OpSharding.share_axes`.
+    whole_over_split_inputs: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.in_strategy: Strategy | None = None

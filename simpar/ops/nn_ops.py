@@ -35,7 +35,7 @@ from simpar.ops._base import (
     dim_names,
     register,
 )
-from simpar.redistribution import ALL_REDUCE
+from simpar.redistribution import ALL_REDUCE, plan
 
 __all__ = ["BatchNorm", "LayerNorm", "LogSoftmax", "Softmax",
            "SparseSoftmaxCrossEntropyWithLogits"]
@@ -616,18 +616,23 @@ class SparseSoftmaxCrossEntropyWithLogits(Primitive):
     device matrix [2, 4]; rank 5 holds rows 4..7 and classes 4..7. It AllReduces (max) its 4
     row maxima over ranks [4, 5, 6, 7], then AllReduces (sum) the stacked (2, 4) buffer of
     its row sums of exp and its target logits (the logit of a row's label if rank 5 owns that
-    class, else 0). The ranks whose class chunk is 0 (ranks 0 and 4) hold the sum of their
-    rows' losses / N, the others 0: the raw output is partial over both split axes and the
-    output plan completes it with one AllReduce of 1 number over all 8 ranks. The backward is
-    local: ``(softmax - onehot) / N * dloss``, the adjoint AllReduce of the output plan having
-    made ``dloss`` whole on every rank (so the class-split sum needs no collective of its
-    own). Labels outside ``[0, C)`` raise ValueError naming the label.
+    class, else 0). After that sum every rank of the class group holds its rows' whole
+    losses, and each computes the same sum of them / N, as Megatron's vocabulary-parallel
+    cross entropy does: the raw output is replicated over the class split and partial over
+    the batch split only, and the output plan completes it with one AllReduce of 1 number
+    over ranks [1, 5] (none when the batch is not split). The backward is local:
+    ``(softmax - onehot) / N * dloss`` with ``dloss`` whole (in a program the loss's
+    cotangent is whole on every rank; ``run_op``, whose replicas share an output's
+    cotangent, first sums the shares over the class split, see
+    :attr:`OpSharding.share_axes`). Labels outside ``[0, C)`` raise ValueError naming the
+    label.
     """
 
     tape = Tape.NEW_LIKE_INPUT
 
     n_inputs = 2
     nondiff_inputs = (1,)
+    whole_over_split_inputs = True
 
     def __init__(self, is_grad: bool = False) -> None:
         super().__init__()
@@ -699,9 +704,10 @@ class SparseSoftmaxCrossEntropyWithLogits(Primitive):
     def _sharding(self, shapes: tuple[tuple[int, ...], ...], strat: Strategy,
                   out_strategy: Strategy | None, device_num: int,
                   enable_alltoall: bool = False) -> OpSharding:
-        # The generic rule already makes the raw loss partial over every axis that splits
-        # n or c (neither is an output dim); local_forward puts each row block's loss on the
-        # class-chunk-0 ranks only, so that one output AllReduce sums it exactly once.
+        # The generic rule makes the raw loss partial over every axis that splits n or c
+        # (neither is an output dim). The class split's statistics AllReduces leave every
+        # rank of a class group with its rows' whole losses, so the loss is replicated over
+        # the class split: only the batch split's partial sums are left for the output plan.
         sh = super()._sharding(shapes, strat, out_strategy, device_num, enable_alltoall)
         group = sh.device_axes_cutting(["c"])
         if not group:
@@ -712,7 +718,10 @@ class SparseSoftmaxCrossEntropyWithLogits(Primitive):
                         how="max"),
                CommSpec(ALL_REDUCE, dm, group, 2 * rows,
                         f"{self.name}: row sum of exp and target logit over classes"))
-        return dataclasses.replace(sh, internal_forward=fwd)
+        raw = sh.raw_out.with_partial_axes(
+            tuple(a for a in sh.raw_out.partial_axes if a not in group))
+        return dataclasses.replace(sh, internal_forward=fwd, raw_out=raw,
+                                   out_plan=plan(raw, sh.out))
 
     def local_forward(self, sh: OpSharding, *xs: np.ndarray) -> tuple[np.ndarray, Any]:
         logits, labels = xs
@@ -723,8 +732,7 @@ class SparseSoftmaxCrossEntropyWithLogits(Primitive):
         self._check(logits, labels, classes, row0)
         loss, p, own, idx = _cross_entropy(logits, labels, class0,
                                            _group_reduce(sh, sh.internal_forward), classes)
-        value = np.sum(loss) / n if class0 == 0 else 0.0
-        return np.array(value, dtype=logits.dtype), (p, own, idx, n)
+        return np.array(np.sum(loss) / n, dtype=logits.dtype), (p, own, idx, n)
 
     def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray
                        ) -> tuple[np.ndarray | None, ...]:
