@@ -28,8 +28,7 @@ import hashlib
 import math
 import os
 import re
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 from operator import add, is_
@@ -105,17 +104,21 @@ def validation() -> bool:
     return _validate
 
 
-@contextmanager
-def validation_disabled() -> Iterator[None]:
+class validation_disabled:  # noqa: N801  (used as a function: ``with validation_disabled():``)
     """Skip the agreement check inside the block (for code whose shapes agree by
-    construction, such as a planned program that every rank runs identically)."""
-    global _validate
-    before = _validate
-    _validate = False
-    try:
-        yield
-    finally:
-        _validate = before
+    construction, such as a planned program that every rank runs identically). A class
+    rather than a generator: every redistribution enters one."""
+
+    __slots__ = ("_before",)
+
+    def __enter__(self) -> None:
+        global _validate
+        self._before = _validate
+        _validate = False
+
+    def __exit__(self, *exc: object) -> None:
+        global _validate
+        _validate = self._before
 
 
 _MPI: Any = None
