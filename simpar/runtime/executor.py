@@ -8,9 +8,12 @@ cotangent, the zeros an unused output or a skipped gradient stands for, which co
 a gradient is its first (assigned) and which are added, the Mirror buckets. The compiled
 records (:class:`_Forward`, :class:`_Backward`) are then written out as the source of one
 Python function per direction, as torch.fx writes a GraphModule's ``forward``: every value is
-a local variable, dropped after its last use, and an op whose kernel is the plain
-single-device one on shards is called without the wrapper between (its tape is built
-inline). ``Executor.source()`` prints what a rank runs. The backward runs its kernel calls
+a local variable, dropped after its last use; an op whose kernel is the plain single-device
+one on shards is called without the wrapper between (its tape built inline), or written
+into the code as its expression where it gives one (:meth:`Primitive.inline`); every step of
+a redistribution, an op's input moves and output plan included, is one call of the step
+bound for this rank (:func:`simpar.redistribution.bind_step`, its collective prepared once by
+:func:`simpar.comm.prepare`). ``Executor.source()`` prints what a rank runs. The backward runs its kernel calls
 and the actions its plan lists in the order :func:`simpar.runtime.program._schedule` lists
 their collectives (the schedule guard checks that, call by call).
 ``benchmarks/executor_overhead.py`` measures what the executor costs against the kernels it
