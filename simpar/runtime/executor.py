@@ -13,9 +13,10 @@ one on shards is called without the wrapper between (its tape built inline), or 
 into the code as its expression where it gives one (:meth:`Primitive.inline`); every step of
 a redistribution, an op's input moves and output plan included, is one call of the step
 bound for this rank (:func:`simpar.redistribution.bind_step`, its collective prepared once by
-:func:`simpar.comm.prepare`). ``Executor.source()`` prints what a rank runs. The backward runs its kernel calls
-and the actions its plan lists in the order :func:`simpar.runtime.program._schedule` lists
-their collectives (the schedule guard checks that, call by call).
+:func:`simpar.comm.prepare`). ``Executor.source()`` prints what a rank runs. The backward
+runs its kernel calls and the actions its plan lists in the order
+:func:`simpar.runtime.program._schedule` lists their collectives (the schedule guard checks
+that, call by call).
 ``benchmarks/executor_overhead.py`` measures what the executor costs against the kernels it
 calls (README, "Performance, measured").
 """
