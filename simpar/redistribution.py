@@ -670,10 +670,17 @@ def _offsets(outer: TensorLayout, inner: TensorLayout, rank: int) -> tuple[slice
                  zip(outer.slice_of(rank), inner.slice_of(rank)))
 
 
+@lru_cache(maxsize=65536)
+def _zeroes(device_matrix: tuple[int, ...], device_axes: tuple[int, ...], rank: int) -> bool:
+    """Whether a ZERO step over ``device_axes`` zeros ``rank``'s array (it is off coordinate 0
+    of one of them)."""
+    coord = DeviceMesh(device_matrix).coordinate(rank)
+    return any(coord[a] for a in device_axes)
+
+
 def _zero(step: Step, x: np.ndarray, rank: int) -> np.ndarray:
     """A ZERO step (its own adjoint): zeros on every rank off coordinate 0 of its axes."""
-    coord = DeviceMesh(step.src.device_matrix).coordinate(rank)
-    return np.zeros_like(x) if any(coord[a] for a in step.device_axes) else x
+    return np.zeros_like(x) if _zeroes(step.src.device_matrix, step.device_axes, rank) else x
 
 
 def _run_step(step: Step, x: np.ndarray, rank: int, c: Comm) -> np.ndarray:
@@ -823,8 +830,8 @@ def bind_step(step: Step, adjoint: bool, dtype: Any, rank: int
             return out
         return pad
     if kind == ZERO:
-        coord = DeviceMesh(step.src.device_matrix).coordinate(rank)
-        return np.zeros_like if any(coord[a] for a in step.device_axes) else _unchanged
+        return (np.zeros_like if _zeroes(step.src.device_matrix, step.device_axes, rank)
+                else _unchanged)
     group = _group(step.src.device_matrix, rank, step.device_axes)
     shape = (step.dst if adjoint else step.src).local_shape()
     if kind == ALL_REDUCE:
@@ -867,13 +874,13 @@ def _label(adjoint: bool, kind: StepKind) -> str:
 
 
 def _run_adjoint(step: Step, g: np.ndarray, rank: int, c: Comm) -> np.ndarray:
-    group = _group(step.src.device_matrix, rank, step.device_axes)
     if step.kind == SLICE:
         out = np.zeros(step.src.local_shape(), dtype=g.dtype)
         out[_offsets(step.src, step.dst, rank)] = g
         return out
     if step.kind == ZERO:
         return _zero(step, g, rank)
+    group = _group(step.src.device_matrix, rank, step.device_axes)
     if step.kind == ALL_REDUCE:
         return c.all_reduce(g, group=group).reshape(g.shape)
     if step.kind == REDUCE_SCATTER:

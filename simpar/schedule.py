@@ -101,10 +101,9 @@ class issue:  # noqa: N801  (used as a function: ``with schedule.issue(step):``)
         self._step: trace.program_step | None = None
 
     def __enter__(self) -> None:
-        cursor = _CURSOR.get()
-        if cursor is not None:
-            step = cursor.advance(self._runs, self._adjoint)
-            self._step = trace.program_step(step.index, step.label)
+        at = announce(self._runs, self._adjoint)
+        if at is not None:
+            self._step = trace.program_step(*at)
             self._step.__enter__()
 
     def __exit__(self, *exc: object) -> None:
@@ -112,12 +111,12 @@ class issue:  # noqa: N801  (used as a function: ``with schedule.issue(step):``)
             self._step.__exit__(*exc)
 
 
-
 def announce(runs: object, adjoint: bool = False) -> tuple[int, str] | None:
-    """What :class:`issue` checks on entering, for a caller that hands the step to the
-    collective itself (a prepared collective, ``simpar.comm.prepare``) rather than entering a
-    block: under :func:`following`, ``runs`` must be the next scheduled collective, and its
-    (index, label) is returned for the CommTrace event; None outside :func:`following`."""
+    """The check :class:`issue` makes on entering, also for a caller that hands the step to
+    the collective itself (a prepared collective, ``simpar.comm.prepare``) rather than
+    entering a block: under :func:`following`, ``runs`` must be the next scheduled
+    collective, and its (index, label) is returned for the CommTrace event; None outside
+    :func:`following`."""
     cursor = _CURSOR.get()
     if cursor is None:
         return None

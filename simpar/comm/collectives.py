@@ -850,26 +850,18 @@ def prepare(name: str, shape: Sequence[int], dtype: Any,
     if c.late_error is not None:
         return other
     out_shape = c.out_shape
-    if name == "all_reduce":
-        def run(x: np.ndarray, at: tuple[int, str] | None = None) -> np.ndarray:
-            if type(x) is not np.ndarray or x.shape != shape or x.dtype != dtype:
-                return other(x, at)
-            return _run_all_reduce(comm, g, c, x, np.empty(out_shape, dtype), False, op, at)
-    elif name == "all_gather":
-        def run(x: np.ndarray, at: tuple[int, str] | None = None) -> np.ndarray:
-            if type(x) is not np.ndarray or x.shape != shape or x.dtype != dtype:
-                return other(x, at)
-            return _run_all_gather(comm, g, c, x, None, at)
-    elif name == "reduce_scatter":
-        def run(x: np.ndarray, at: tuple[int, str] | None = None) -> np.ndarray:
-            if type(x) is not np.ndarray or x.shape != shape or x.dtype != dtype:
-                return other(x, at)
-            return _run_reduce_scatter(comm, g, c, x, np.empty(out_shape, dtype), op, at)
-    else:
-        def run(x: np.ndarray, at: tuple[int, str] | None = None) -> np.ndarray:
-            if type(x) is not np.ndarray or x.shape != shape or x.dtype != dtype:
-                return other(x, at)
-            return _run_all_to_all(comm, g, c, x, None, at)
+    body: Callable[[np.ndarray, tuple[int, str] | None], np.ndarray] = {
+        "all_reduce": lambda x, at: _run_all_reduce(comm, g, c, x, np.empty(out_shape, dtype),
+                                                    False, op, at),
+        "all_gather": lambda x, at: _run_all_gather(comm, g, c, x, None, at),
+        "reduce_scatter": lambda x, at: _run_reduce_scatter(
+            comm, g, c, x, np.empty(out_shape, dtype), op, at),
+        "all_to_all": lambda x, at: _run_all_to_all(comm, g, c, x, None, at)}[name]
+
+    def run(x: np.ndarray, at: tuple[int, str] | None = None) -> np.ndarray:
+        if type(x) is not np.ndarray or x.shape != shape or x.dtype != dtype:
+            return other(x, at)
+        return body(x, at)
     return run
 
 

@@ -40,7 +40,8 @@ if TYPE_CHECKING:
 __all__ = ["Executor", "mirror_announcement"]
 
 Actions = tuple[Action, ...]
-Moves = tuple[tuple[Step, np.dtype], ...]   # redistribution steps and the dtype they move
+# Redistribution steps to run: (step, adjoint, the dtype it moves).
+Moves = tuple[tuple[Step, bool, np.dtype | None], ...]
 
 # The compiled records are NamedTuples rather than frozen dataclasses (STYLE.md's default for
 # values): they are as immutable, and the code generators below unpack them field by field.
@@ -164,9 +165,9 @@ class Executor:
         self._tape_of: dict[int, int] = {}
         for s in program.steps:
             node, sh = s.node, s.sharding
-            pre = tuple(tuple((st, v.dtype) for st in p.steps)
+            pre = tuple(tuple((st, False, v.dtype) for st in p.steps)
                         for p, v in zip(s.in_plans, node.inputs))
-            post = tuple(tuple((st, v.dtype) for st in p.steps)
+            post = tuple(tuple((st, False, v.dtype) for st in p.steps)
                          for (_, _, p), v in zip(sh.outputs, node.outputs))
             inner = sh.inner_plan is not None
             moves = any(pre) or any(post) or bool(sh.more_outs)
@@ -220,8 +221,7 @@ class Executor:
         self._fwd = tuple(records)
         self._forward_fns = {}
 
-    def _moved(self, src: _Source, steps: Sequence[tuple[Step, bool, np.dtype | None]], x: str
-               ) -> str:
+    def _moved(self, src: _Source, steps: Moves, x: str) -> str:
         """The expression that runs ``steps`` (step, adjoint, dtype) on the array ``x``, one
         bound call each: ``B3(B2(x))``."""
         for step, adjoint, dtype in steps:
@@ -233,7 +233,7 @@ class Executor:
         return x
 
     def _actions(self, src: _Source, actions: Actions, dtype: np.dtype | None, x: str) -> str:
-        return self._moved(src, [(a.step, a.adjoint, dtype) for a in actions], x)
+        return self._moved(src, tuple((a.step, a.adjoint, dtype) for a in actions), x)
 
     def source(self, seeded: Sequence[bool] | None = None) -> str:
         """The Python this rank runs: the generated forward, then (once a backward with these
@@ -275,8 +275,7 @@ class Executor:
             names = []   # the kernel's arguments: values, or their redistributed copies
             for k, s in enumerate(r.ins):
                 if k < len(r.pre) and r.pre[k]:
-                    src.add(f"m{k} = " + self._moved(src, [(st, False, dt) for st, dt in r.pre[k]],
-                                                      f"v{s}"))
+                    src.add(f"m{k} = " + self._moved(src, r.pre[k], f"v{s}"))
                     names.append(f"m{k}")
                 else:
                     names.append(f"v{s}")
@@ -300,15 +299,12 @@ class Executor:
                 for k, s in enumerate(r.outs):
                     part = "r" if r.out >= 0 else f"r[{k}]"
                     steps = r.post[k] if k < len(r.post) else ()
-                    src.add(f"v{s} = " + self._moved(src, [(st, False, dt) for st, dt in steps],
-                                                     part))
+                    src.add(f"v{s} = " + self._moved(src, steps, part))
             temps = [n for n in names if n.startswith("m")] + (["r"] if raw == "r" else [])
-            if temps:
-                src.add("del " + ", ".join(temps))
             dead = sorted({s for s in r.ins if last.get(s) == i} - kept_to_end)
             dead += [s for s in r.outs if s not in last and s not in kept_to_end]
-            if dead:
-                src.add("del " + ", ".join(f"v{s}" for s in dead))
+            if temps or dead:   # the op's temporaries, and the values it read last
+                src.add("del " + ", ".join([*temps, *(f"v{s}" for s in dead)]))
             if watched:
                 src.add(sample)
         untaped = {r.keep for r in self._fwd if r.view}
