@@ -167,15 +167,16 @@ def test_fixed_costs_per_kernel_call_per_collective_and_per_step() -> None:
 def test_memory_counts_parameters_gradients_state_and_kept_activations() -> None:
     """Dense(32 -> 16) then ReLU, data parallel on 2 ranks, batch 8, float64. By hand:
     parameters w (16, 32) and b (16,) replicated: 528 elements; the kept activations are
-    each op's input and output shards, once per layout: x (4, 32), MatMul's output (4, 16)
-    (BiasAdd's input), BiasAdd's output (4, 16) (ReLU's input), ReLU's output (4, 16)."""
+    what each op's backward reads, once per layout: MatMul's input x (4, 32) (not its product,
+    which BiasAdd reads and keeps nothing of), BiasAdd's output (4, 16) (ReLU's input) and
+    ReLU's output (4, 16)."""
     dense = nn.Dense(32, 16, activation="relu", dtype=np.float64)
     g = graph.trace(dense, [((8, 32), np.float64)], ["x"])
     prog = lower(g, plan_strategies(g, 2, "data_parallel"))
     for optimizer, copies in (("sgd", 0), ("momentum", 1), ("adam", 2)):
         m = evaluate(prog, _profile(), optimizer).memory[0]
         assert (m.parameters, m.gradients, m.optimizer) == (528 * 8, 528 * 8, copies * 528 * 8)
-        assert m.activations == (4 * 32 + 3 * 4 * 16) * 8
+        assert m.activations == (4 * 32 + 2 * 4 * 16) * 8
         assert m.comm_buffer == 2 * 528 * 8                  # the Mirror's input and result
         assert m.backward == (4 * 16 + 4 * 32 + 16 * 32) * 8  # MatMul: dy, dx, dw
         assert m.update == {"sgd": 1, "momentum": 1, "adam": 4}[optimizer] * 16 * 32 * 8
@@ -185,9 +186,9 @@ def test_memory_counts_parameters_gradients_state_and_kept_activations() -> None
 
 def test_activations_follow_what_each_op_keeps_for_the_backward() -> None:
     """x (8, 16) -> Reshape (a view, keeps nothing) -> Transpose (a copy, keeps nothing) ->
-    Softmax (keeps its output) -> MatMul with w (keeps both inputs and its output), on one
-    device, float64. Kept: Softmax's output (16, 8), once though MatMul keeps it too, and
-    MatMul's output (16, 4); x, Reshape's view and Transpose's copy are kept by nobody."""
+    Softmax (keeps its output) -> MatMul with w (keeps both inputs, not its product), on one
+    device, float64. Kept: Softmax's output (16, 8), once though MatMul keeps it too; x,
+    Reshape's view, Transpose's copy and MatMul's output are kept by nobody."""
     w = nn.Parameter(np.ones((8, 4)), name="w")
 
     def f(x: Any) -> Any:
@@ -196,7 +197,7 @@ def test_activations_follow_what_each_op_keeps_for_the_backward() -> None:
 
     g = graph.trace(f, [((16, 8), np.float64)], ["x"])
     m = evaluate(lower(g, plan_strategies(g, 1, "stand_alone")), _profile(), "sgd").memory[0]
-    assert m.activations == (16 * 8 + 16 * 4) * 8
+    assert m.activations == 16 * 8 * 8
 
 
 def test_a_strategy_over_capacity_is_reported_per_rank_with_how_far_over() -> None:
@@ -245,15 +246,16 @@ def test_an_unused_op_type_does_not_break_costing() -> None:
     assert [row.op_type for row in r.ops] == ["MatMul", "Transpose"] and r.grad_sync == 0
 
 
-def test_a_split_k_output_before_and_after_its_allreduce_are_two_arrays() -> None:
-    """ReLU(x @ w) with k split over 2 devices, float64: the tapes keep x's shard (8, 16),
-    MatMul's raw partial output (8, 16), the AllReduced output ReLU reads (8, 16) and ReLU's
-    output (8, 16): four arrays of 1 KiB. The collective holds its input and result: 2 KiB."""
+def test_a_split_k_product_is_not_kept_but_its_allreduced_value_is() -> None:
+    """ReLU(x @ w) with k split over 2 devices, float64: the tapes keep x's shard (8, 16), the
+    AllReduced output ReLU reads (8, 16) and ReLU's output (8, 16): three arrays of 1 KiB, not
+    MatMul's raw partial product (MatMul keeps its inputs only). The collective holds its
+    input and result: 2 KiB."""
     w = nn.Parameter(np.ones((32, 16)), name="w")
     mm = ops.MatMul().shard(((1, 2), (2, 1)))
     g = graph.trace(lambda x: ops.ReLU()(mm(x, w)), [((8, 32), np.float64)], ["x"])
     m = evaluate(lower(g, plan_strategies(g, 2, "semi_auto_parallel")), _profile()).memory[0]
-    assert m.activations == 4 * 8 * 16 * 8
+    assert m.activations == 3 * 8 * 16 * 8
     assert m.comm_buffer == 2 * 8 * 16 * 8
 
 
@@ -268,9 +270,9 @@ def test_a_redistributed_copy_of_a_parameter_is_kept_and_gathers_hold_the_whole(
     prog = lower(g, plan_strategies(g, 4, "semi_auto_parallel"))
     m = evaluate(prog, _profile()).memory[0]
     copy = 16 * 64 * 8
-    # x (8, 64); m1's output (8, 16), which m2 reads as is; m2's raw partial output (8, 64)
-    # (its AllReduced output is the graph's, kept by no tape)
-    assert m.activations == (8 * 64 + 8 * 16 + 8 * 64) * 8 + copy
+    # x (8, 64); m1's output (8, 16), which m2 reads as is (m2's raw partial product and
+    # its AllReduced output, the graph's, are kept by no tape)
+    assert m.activations == (8 * 64 + 8 * 16) * 8 + copy
     assert m.comm_buffer >= 64 * 16 * 8 + 64 * 64 * 8
 
 

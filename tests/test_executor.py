@@ -17,6 +17,7 @@ import pytest
 
 import simpar
 from simpar import graph, nn, ops
+from simpar.ops._base import Tape
 from simpar.runtime import lower
 from simpar.runtime.executor import Executor
 from simpar.search import plan_strategies
@@ -124,14 +125,23 @@ def test_the_source_is_one_line_per_op_and_plain_ops_are_written_inline() -> Non
     lines = [line.strip() for line in forward.splitlines()]
     heads = [i for i, line in enumerate(lines) if line.startswith("# ")]
     assert len(heads) == len(prog.steps)
+    updated = []
     for s, f, i in zip(prog.steps, ex.fwd, heads, strict=True):
         assert lines[i] == f"# {s.node.name}: {s.node.op.name}"
         line = lines[i + 1]
-        assert re.match(rf"v{f.out}[ ,]" if f.out >= 0 else r"r, ", line), line
+        update = re.match(r"(v\d+) [-+*]= ", line)
+        if update:   # written into its input: ``v45 += v7`` then ``v46 = v45``
+            assert lines[i + 2] == f"v{f.out} = {update[1]}", lines[i + 2]
+            updated.append(s.node.op.name)
+        else:
+            assert re.match(rf"v{f.out}[ ,]" if f.out >= 0 else r"r, ", line), line
         written = s.node.op.name in {"MatMul", "BiasAdd", "Add", "Mul", "BatchMatMul"}
         assert (f.inline is not None) == written and f.plain == written, s.node.op.name
         assert ("R" not in line) == written, line
     assert sum(f.inline is not None for f in ex.fwd) >= 20
+    # Every bias is added in place to its MatMul's product, and each attention's mask to its
+    # scaled scores; the residual Adds are not (their x is read by the next LayerNorm too).
+    assert sorted(updated) == ["Add"] * 2 + ["BiasAdd"] * 10, updated
     assert re.search(r"\n    C = \(d @ T\[0\]\[1\], d\.T @ T\[0\]\[0\],\)\n", backward)
 
 
@@ -232,3 +242,93 @@ def test_a_backward_kernel_skips_the_gradients_not_needed() -> None:
     only_b = sh.backward_kernel((False, True))(saved, np.ones_like(y))
     assert only_b[0] is None
     np.testing.assert_array_equal(only_b[1], both[1])
+
+
+@pytest.mark.parametrize("op, shapes, kept", [
+    (ops.MatMul(transpose_b=True), [(3, 4), (2, 4)], "inputs"),
+    (ops.BatchMatMul(), [(2, 3, 4), (2, 4, 5)], "inputs"),
+    (ops.Mul(), [(3, 4), (3, 4)], "inputs"),
+    (ops.Add(), [(3, 4), (4,)], "nothing"),
+    (ops.Sub(), [(3, 4), (3, 4)], "nothing"),
+    (ops.BiasAdd(), [(3, 4), (4,)], "nothing"),
+])
+def test_a_plain_op_keeps_what_its_tape_kind_says_and_its_vjp_reads(
+        op: ops.Primitive, shapes: list[tuple[int, ...]], kept: str) -> None:
+    """Primitive's own per-rank forward keeps what the op's Tape kind names, which the cost
+    model counts: the inputs without the product for MatMul and Mul, and for Add, Sub and
+    BiasAdd only their inputs' shapes (stand-ins holding one element); the backward from
+    that tape is the VJP's from the real arrays, bit for bit."""
+    rng = np.random.default_rng(2)
+    xs = [rng.standard_normal(s) for s in shapes]
+    sh = op.sharding(shapes, 1)
+    y, saved = op.local_forward(sh, *xs)
+    assert str(op.tape) == kept and saved[1] is None
+    if kept == "inputs":
+        assert all(a is x for a, x in zip(saved[0], xs))
+    else:
+        assert [a.shape for a in saved[0]] == shapes
+        assert all(a.base is not None and a.base.nbytes == 8 for a in saved[0])
+    dy = rng.standard_normal(y.shape)
+    got = op.local_backward(sh, saved, dy)
+    for g, want in zip(got, op.vjp(xs, y, dy), strict=True):
+        np.testing.assert_array_equal(g, want)
+
+
+class _KeepingAdd(ops.Add):
+    """Add with a tape that keeps its output too (as an op whose VJP reads y does)."""
+
+    tape = Tape.INPUTS_AND_OUTPUT
+
+
+def _dense_like(case: str) -> tuple[Any, dict[str, np.ndarray]]:
+    rng = np.random.default_rng(4)
+    w = nn.Parameter(rng.standard_normal((6, 5)), name="w")
+    b = nn.Parameter(rng.standard_normal(6), name="b")
+    c = nn.Parameter(rng.standard_normal((4, 6)), name="c")
+
+    def f(x: Any) -> Any:
+        p = ops.MatMul(transpose_b=True)(x, w)
+        if case == "bias":        # the bias goes into the product
+            return ops.BiasAdd()(p, b)
+        if case == "shared":      # the product has a second reader: the bias may not go in
+            return ops.Add()(ops.BiasAdd()(p, b), p)
+        if case == "scaled":      # Mul's tape keeps its input; the Add after it goes into
+            return ops.Add()(ops.Mul()(p, c), c)   # Mul's product
+        if case == "kept":        # ReLU's tape keeps its output: nothing goes in
+            return ops.Add()(ops.ReLU()(p), c)
+        return ops.BiasAdd()(_KeepingAdd()(p, c), b)   # the Add's tape keeps its sum
+
+    return f, {"w": w.initial_value(0, None), "b": b.initial_value(0, None),
+               "c": c.initial_value(0, None)}
+
+
+@pytest.mark.parametrize("case, updated", [
+    ("bias", ["BiasAdd"]), ("shared", ["Add"]), ("scaled", ["Add"]), ("kept", []),
+    ("kept by its maker", [])])
+def test_an_op_writes_into_its_input_only_where_nothing_else_holds_it(
+        case: str, updated: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """An Add or BiasAdd writes its result into its input 0 (``v3 += v4``) where that array
+    has no other reader, no tape keeps it, and an inline expression made it; the step is
+    bit for bit the one with every such write switched off, and it leaves the input and
+    the parameters as they were."""
+    f, params = _dense_like(case)
+    x = np.random.default_rng(5).standard_normal((4, 5))
+    runs = []
+    for allowed in (True, False):
+        if not allowed:
+            monkeypatch.setattr(Executor, "_updates", lambda *args: False)
+        g = graph.trace(f, [(x.shape, x.dtype)], ["x"])
+        prog = lower(g, plan_strategies(g, 1, "stand_alone"))
+        before = {n: a.copy() for n, a in params.items()}
+        outs, tape = prog.forward([x], params)
+        grads = prog.backward(tape, [np.full(outs[0].shape, 0.5)])
+        for n, a in params.items():
+            np.testing.assert_array_equal(a, before[n])
+        lines = [line.strip() for line in prog.executor(0).source().splitlines()]
+        runs.append((outs[0], grads, [lines[i - 1].split(": ")[-1] for i, line in
+                                      enumerate(lines) if re.match(r"v\d+ [-+*]= ", line)]))
+    assert runs[0][2] == updated and runs[1][2] == []
+    np.testing.assert_array_equal(runs[0][0], runs[1][0])
+    assert runs[0][1].keys() == runs[1][1].keys()
+    for n in runs[0][1]:
+        np.testing.assert_array_equal(runs[0][1][n], runs[1][1][n])

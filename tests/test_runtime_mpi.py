@@ -527,12 +527,16 @@ def test_megatron_mlp_has_one_allreduce_forward_and_one_backward(kind: str) -> N
     assert ":backward" not in forward.label and ":backward" in backward.label
     assert forward.shape == backward.shape == (BATCH // dp, MLP_SIZES[1])
     assert "fc2-Dense/MatMul" in forward.label and "fc2-Dense/BiasAdd" in backward.label
-    # The compiled forward runs fc2's kernel (written inline, x @ W.T), then its output's
-    # AllReduce as one bound step (redistribution.bind_step), with nothing generic between.
+    # The compiled forward runs fc2's kernel (written inline, x @ W.T), keeps its inputs
+    # (not the partial product), then runs its output's AllReduce as one bound step
+    # (redistribution.bind_step), with nothing generic between; the bias is added into the
+    # AllReduce's result.
     lines = run.program.executor(rank).source().splitlines()
     at = next(i for i, line in enumerate(lines) if "fc2-Dense/MatMul" in line)
     assert [re.sub(r"\d+", "#", line.strip()) for line in lines[at + 1:at + 4]] == [
-        "r = v# @ v#.T", "t# = ((v#, v#,), r)", "v# = B#(r)"], lines[at:at + 5]
+        "r = v# @ v#.T", "t# = ((v#, v#,), None)", "v# = B#(r)"], lines[at:at + 5]
+    at = next(i for i, line in enumerate(lines) if "fc2-Dense/BiasAdd" in line)
+    assert re.fullmatch(r"v\d+ \+= v\d+", lines[at + 1].strip()), lines[at:at + 4]
     # The parameters' gradients: one fused Mirror AllReduce per group of replicating ranks.
     mirrors = [e for e in run.events if e.label.startswith("Mirror:")]
     groups = {run.program.mirror_group(name, rank) for name in run.program.param_layouts}

@@ -228,7 +228,7 @@ class SimparCostModel:
 
 def _tape_inputs(tape: str, free: list[int]) -> list[int]:
     """Which of the ``free`` input positions a tape of kind ``tape`` keeps as they are."""
-    if tape == "inputs+output":
+    if tape in ("inputs+output", "inputs"):
         return free
     if tape == "input+new":
         return [0] if 0 in free else []

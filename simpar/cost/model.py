@@ -320,9 +320,10 @@ def _kept(tape: str, node: Any, sh: Any, ins: list[tuple[Any, tuple[Any, ...]]],
     """The arrays ``node``'s tape holds (naming new ones in ``sizes``). ``tape`` is the op's
     ``simpar.ops.Tape`` (a str enum: compared by value, as this module sits below the ops'
     package in import order)."""
-    if tape == "inputs+output":
+    if tape in ("inputs+output", "inputs"):
         # A parameter's own shard is counted as a parameter; a redistributed copy is not it.
-        return [key for v, key in ins if v.kind != "param" or key[0] == "redistributed"] + raws
+        kept = [key for v, key in ins if v.kind != "param" or key[0] == "redistributed"]
+        return kept + raws if tape == "inputs+output" else kept
     if tape == "output":
         return raws
     if tape == "nothing":

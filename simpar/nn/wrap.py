@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from simpar import comm, context, graph
-from simpar.layout import TensorLayout, distribute
+from simpar.layout import TensorLayout, shard_index
 from simpar.nn.auto_parallel import AutoParallel
 from simpar.nn.cell import Cell
 from simpar.nn.optim import Optimizer
@@ -105,6 +105,8 @@ class TrainOneStepCell:
         self._ctx: context.ParallelContext | None = None
         self._seed = 1.0
         self.params: dict[str, np.ndarray] = {}
+        # Per graph input, this rank's (layout, where its shard sits, whether it holds zeros).
+        self._feed: tuple[tuple[TensorLayout, tuple[slice, ...], bool], ...] = ()
         self.step_count = 0
         self.last_grads: dict[str, np.ndarray] = {}
         network.name_parameters()
@@ -167,15 +169,22 @@ class TrainOneStepCell:
                 raise ValueError(f"TrainOneStepCell: parameter {name} is trainable but not "
                                  "in the optimizer's params")
         self.optimizer.init_state({n: self.params[n] for n in self.optimizer.names()})
+        self._feed = tuple((lay, *shard_index(lay, rank))
+                           for lay in self.program.input_layouts())
         self._seed = self.loss_seed()
         return self.program
 
-    def _local(self, x: np.ndarray, lay: TensorLayout, rank: int) -> np.ndarray:
-        if tuple(x.shape) == lay.shape:
+    @staticmethod
+    def _local(x: np.ndarray, feed: tuple[TensorLayout, tuple[slice, ...], bool]) -> np.ndarray:
+        lay, where, zero = feed
+        if x.shape == lay.shape:
             # A copy, not a view of the caller's array: the rank holds its shard as a device
             # holds its slice of the dataset, which is what the cost model's memory counts.
-            return distribute(x, lay, rank)
-        if tuple(x.shape) == lay.local_shape():
+            shard = np.array(x[where], copy=True)   # layout.distribute, its index cached
+            if zero:
+                shard[...] = 0
+            return shard
+        if x.shape == lay.local_shape():
             return x
         raise ValueError(f"TrainOneStepCell: input of shape {x.shape} is neither the global "
                          f"batch {lay.shape} nor this rank's slice {lay.local_shape()}")
@@ -209,10 +218,9 @@ class TrainOneStepCell:
             self.build(data, label)  # which checks that the ranks passed the same batch
         prog = self.program
         assert prog is not None
-        rank = comm.get_rank() if prog.device_num > 1 else 0
-        lays = prog.input_layouts()
+        feed = self._feed
         try:
-            local_in = [self._local(data, lays[0], rank), self._local(label, lays[1], rank)]
+            local_in = [self._local(data, feed[0]), self._local(label, feed[1])]
             refused = prog.refused_input(local_in)
         except ValueError as e:
             refused = e
@@ -222,7 +230,7 @@ class TrainOneStepCell:
             return self._step(prog, local_in, step)
         if refused is not None:  # stand-ins of the right shapes, so that the step can run
             local_in = [np.zeros(lay.local_shape(), x.dtype)
-                        for x, lay in zip((data, label), lays)]
+                        for x, (lay, _, _) in zip((data, label), feed)]
         # The check that the ranks passed the same batch (and that none refused its shard)
         # runs alongside the forward: its 8-byte Allreduce completes inside the forward's
         # collectives, and it is waited for right after them, while the ranks are still
@@ -230,8 +238,9 @@ class TrainOneStepCell:
         # ranks that finish their backward at different times: 3-4% of the Megatron MLP's
         # step on 8 ranks sharing 2 cores). Nothing the forward computed is used before.
         pending = comm.start_check_same_arrays("TrainOneStepCell", [
-            _agreed(what, x, lay) for what, x, lay in zip(("data", "label"), (data, label),
-                                                           lays)], refused=refused)
+            _agreed(what, x, lay) for what, x, (lay, _, _) in zip(("data", "label"),
+                                                                   (data, label), feed)],
+            refused=refused)
         try:
             return self._step(prog, local_in, step, pending.wait)
         except BaseException:

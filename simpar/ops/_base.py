@@ -68,6 +68,7 @@ __all__ = [
     "recording",
     "register",
     "registry",
+    "shape_only",
 ]
 
 Strategy = tuple[tuple[int, ...], ...]
@@ -486,6 +487,10 @@ class Inline:
 
     forward: str
     grads: tuple[str | None, ...]
+    #: The forward as a statement that writes its result into ``{x0}`` (``{x0} += {x1}``),
+    #: bit for bit the value ``forward`` gives when the output has x0's shape and dtype; the
+    #: executor uses it where nothing else holds x0. None: the op has no such form.
+    update: str | None = None
 
 
 #: What an inline expression may call, besides the arrays' own operators and methods.
@@ -498,8 +503,9 @@ class Tape(str, enum.Enum):
     ``local_forward`` saves it: the cost model counts activation memory from it."""
 
     INPUTS_AND_OUTPUT = "inputs+output"  # the default local_forward: (xs, y)
+    INPUTS = "inputs"                    # MatMul, Mul: (xs, None); the VJP reads no y
     OUTPUT = "output"                    # Softmax: y
-    NOTHING = "nothing"                  # Reshape, Transpose, Split, ReduceMean: shapes only
+    NOTHING = "nothing"                  # Reshape, Add, BiasAdd, ReduceMean: shapes only
     NEW_LIKE_INPUT = "new-like-input"    # LayerNorm's xhat, the cross entropy's softmax
     INPUT_AND_NEW = "input+new"          # GeLU: x and the tanh it computed from x
     MASK = "mask"                        # Dropout: one byte per element of input 0
@@ -507,6 +513,12 @@ class Tape(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+def shape_only(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """A read-only array of this shape and dtype that holds one element (every element is
+    0): what a tape keeps of an input whose values the VJP never reads."""
+    return np.broadcast_to(np.zeros((), dtype), shape)
 
 
 # ------------------------------------------------------------------ tracing hook
@@ -767,7 +779,15 @@ class Primitive:
 
     # -- per-rank kernels (default: the single-device kernel on shards)
     def local_forward(self, sh: OpSharding, *xs: np.ndarray) -> tuple[np.ndarray, Any]:
+        """The kernel on the shards, and ``(xs, y)`` for :meth:`vjp` as :attr:`tape` says:
+        without ``y`` for ``Tape.INPUTS``; for ``Tape.NOTHING``, each input's
+        :func:`shape_only` stand-in (a VJP that reads only ``dy`` and the shapes)."""
         y = self.kernel(*xs)
+        tape = self.tape
+        if tape is Tape.INPUTS:
+            return y, (xs, None)
+        if tape is Tape.NOTHING:
+            return y, (tuple(shape_only(x.shape, x.dtype) for x in xs), None)
         return y, (xs, y)
 
     def local_backward(self, sh: OpSharding, saved: Any, dy: Any

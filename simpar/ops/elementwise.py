@@ -73,7 +73,9 @@ class _Binary(Primitive):
         if self.expressions is None or not out:
             return None
         forward, grads = self.expressions
-        return Inline(forward, tuple(g if s == out else None for s, g in zip(shapes, grads)))
+        x0, operator, x1 = forward.split(" ")
+        return Inline(forward, tuple(g if s == out else None for s, g in zip(shapes, grads)),
+                      f"{x0} {operator}= {x1}")
 
     def _grads(self, x: np.ndarray, y: np.ndarray, dy: np.ndarray, need: tuple[bool, bool]
                ) -> tuple[np.ndarray | None, np.ndarray | None]:
@@ -96,6 +98,7 @@ class _Binary(Primitive):
 class Add(_Binary):
     """``x + y``."""
 
+    tape = Tape.NOTHING   # dy is both gradients
     fn = staticmethod(np.add)
     expressions = ("{x0} + {x1}", ("{dy}", "{dy}"))
 
@@ -108,6 +111,7 @@ class Add(_Binary):
 class Sub(_Binary):
     """``x - y``."""
 
+    tape = Tape.NOTHING   # dy and -dy
     fn = staticmethod(np.subtract)
     expressions = ("{x0} - {x1}", ("{dy}", "-{dy}"))
 
@@ -120,6 +124,7 @@ class Sub(_Binary):
 class Mul(_Binary):
     """``x * y``."""
 
+    tape = Tape.INPUTS   # dy times the other input
     fn = staticmethod(np.multiply)
     expressions = ("{x0} * {x1}", ("{dy} * {x1}", "{dy} * {x0}"))
 
@@ -132,6 +137,7 @@ class Mul(_Binary):
 class RealDiv(_Binary):
     """``x / y``."""
 
+    tape = Tape.INPUTS   # dy / y and -dy x / y^2
     fn = staticmethod(np.divide)
 
     def _grads(self, x: np.ndarray, y: np.ndarray, dy: np.ndarray, need: tuple[bool, bool]
@@ -197,6 +203,7 @@ class BiasAdd(Primitive):
     """``x + bias`` along the channel dimension: dim 1 for ``data_format="NCHW"`` (MindSpore's
     default, also 2-D inputs), the last dim for ``"NHWC"``."""
 
+    tape = Tape.NOTHING   # dy, and dy summed over all but the channel
     n_inputs = 2
 
     def __init__(self, data_format: str = "NCHW") -> None:
@@ -244,7 +251,8 @@ class BiasAdd(Primitive):
         bias = "{x1}" if self.data_format == "NHWC" or len(x) == 2 else \
             "{x1}.reshape(" + repr(self._view(np.empty(b), len(x)).shape) + ")"
         return Inline("{x0} + " + bias,
-                      ("{dy}", f"_sum({{dy}}, axis={_all_but(len(x), self._channel(x))!r})"))
+                      ("{dy}", f"_sum({{dy}}, axis={_all_but(len(x), self._channel(x))!r})"),
+                      "{x0} += " + bias)
 
 
 @register

@@ -21,6 +21,7 @@ from simpar.ops._base import (
     Primitive,
     Strategy,
     StrategyError,
+    Tape,
     gradient_needed,
     register,
 )
@@ -29,6 +30,7 @@ __all__ = ["BatchMatMul", "MatMul"]
 
 
 class _MatMulBase(Primitive):
+    tape = Tape.INPUTS   # the VJP multiplies dy by the inputs; the product itself is not kept
     n_inputs = 2
     supports_out_strategy = True
     fully_used_keeps_unsplit = False  # MatMulBase::PrepareStrategy: product == device_num

@@ -23,6 +23,7 @@ calls (README, "Performance, measured").
 
 from __future__ import annotations
 
+import collections
 import functools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -31,8 +32,8 @@ import numpy as np
 
 from simpar import comm, schedule
 from simpar.cotangent import Action
-from simpar.ops._base import INLINE_NAMES, Inline, Primitive
-from simpar.redistribution import RedistributionPlan, Step, bind_step, execute
+from simpar.ops._base import INLINE_NAMES, Inline, Primitive, Tape, shape_only
+from simpar.redistribution import ALL_REDUCE, RedistributionPlan, Step, bind_step, execute
 
 if TYPE_CHECKING:
     from simpar.runtime.program import BackwardPlan, MemoryWatch, ParallelProgram
@@ -59,6 +60,7 @@ class _Forward(NamedTuple):
     pre: tuple[Moves, ...] = ()   # per input: the steps of its redistribution, run first
     post: tuple[Moves, ...] = ()  # per output: the steps of its output plan, run after
     inline: Inline | None = None  # plain, and the kernel is written into the code as this
+    tape: Tape = Tape.INPUTS_AND_OUTPUT   # with plain: what the tape keeps (the op's kind)
 
 
 class _Input(NamedTuple):
@@ -191,7 +193,7 @@ class Executor:
             outs = tuple(at(v.id) for v in node.outputs)
             fwd.append(_Forward(run, tuple(at(v.id) for v in node.inputs),
                                 outs[0] if len(outs) == 1 else -1, outs, keep,
-                                view is not None, plain, pre, post, inline))
+                                view is not None, plain, pre, post, inline, sh.op.tape))
         self.outputs = tuple(slot[v.id] for v in g.outputs)
         self.slot = slot
         # Redistribution steps bound for this rank (redistribution.bind_step), made when the
@@ -259,6 +261,8 @@ class Executor:
             for s in r.ins:
                 last[s] = i
         kept_to_end = set(self.outputs)
+        reads = collections.Counter(s for r in self._fwd for s in r.ins)
+        producer = {s: i for i, r in enumerate(self._fwd) for s in r.outs}
         for k, s in enumerate(self.inputs):
             src.add(f"v{s} = inputs[{k}]")
         for s, name in self.params:
@@ -285,14 +289,18 @@ class Executor:
             if r.view:
                 src.add(f"{raw} = {run}({args})")
             elif r.inline is not None:
-                src.add(f"{raw} = " + r.inline.forward.format(
-                    **{f"x{k}": name for k, name in enumerate(names)}))
+                xs = {f"x{k}": name for k, name in enumerate(names)}
+                if r.inline.update is not None and self._updates(i, reads, producer):
+                    src.add(r.inline.update.format(**xs))
+                    src.add(f"{raw} = {names[0]}")
+                else:
+                    src.add(f"{raw} = " + r.inline.forward.format(**xs))
                 if r.keep >= 0:
-                    src.add(f"t{r.keep} = (({args},), {raw})")
+                    src.add(f"t{r.keep} = " + self._tape(src, i, args, raw))
             elif r.plain:
                 src.add(f"{raw} = {run}({args})")
                 if r.keep >= 0:
-                    src.add(f"t{r.keep} = (({args},), {raw})")
+                    src.add(f"t{r.keep} = " + self._tape(src, i, args, raw))
             else:
                 src.add(f"{raw}, {f't{r.keep}' if r.keep >= 0 else '_'} = {run}({args})")
             if raw == "r":   # each output after its own plan's steps
@@ -311,6 +319,49 @@ class Executor:
         tapes = ", ".join("None" if k in untaped else f"t{k}" for k in range(n_tapes))
         src.add(f"return [{', '.join(f'v{s}' for s in self.outputs)}], [{tapes}]")
         return src.build("forward")
+
+    def _tape(self, src: _Source, i: int, args: str, raw: str) -> str:
+        """What plain op ``i``'s tape keeps, as its kind says (Primitive.local_forward's
+        rule): ``(inputs, output)``, ``(inputs, None)``, or for ``Tape.NOTHING`` the inputs'
+        shape-only stand-ins, made once here."""
+        kind = self._fwd[i].tape
+        if kind is Tape.INPUTS:
+            return f"(({args},), None)"
+        if kind is Tape.NOTHING:
+            sh, node = self.program.steps[i].sharding, self.program.steps[i].node
+            return src.bind("S", (tuple(shape_only(lay.local_shape(), v.dtype)
+                                        for lay, v in zip(sh.in_layouts, node.inputs)), None))
+        return f"(({args},), {raw})"
+
+    def _updates(self, i: int, reads: collections.Counter[int], producer: dict[int, int]
+                 ) -> bool:
+        """Whether inline op ``i`` may write its result into its input 0 (Inline.update), as
+        a hand-written step adds a bias in place: nothing else can hold that array. It is
+        read by this op only (once) and is no output of the program; this op's tape does
+        not keep it; it was made by an inline expression (a new array) that its own tape
+        does not keep, or by an AllReduce after one; and the result has its shape and its
+        dtype (so does every input: numpy's in-place and out-of-place results then agree bit
+        for bit)."""
+        r = self._fwd[i]
+        s0 = r.ins[0]
+        if (r.pre and r.pre[0]) or reads[s0] != 1 or s0 in self.outputs or (
+                r.keep >= 0 and r.tape is not Tape.NOTHING) or s0 not in producer:
+            return False
+        p = self._fwd[producer[s0]]
+        if p.inline is None:
+            return False
+        k = p.outs.index(s0)
+        moves = p.post[k] if k < len(p.post) else ()
+        if moves:
+            step, adjoint, _ = moves[-1]
+            if step.kind != ALL_REDUCE or adjoint:
+                return False
+        elif p.keep >= 0 and p.tape not in (Tape.INPUTS, Tape.NOTHING):
+            return False
+        sh, node = self.program.steps[i].sharding, self.program.steps[i].node
+        dtype = node.outputs[0].dtype
+        return (all(v.dtype == dtype for v in node.inputs)
+                and sh.outputs[0][0].local_shape() == sh.in_layouts[0].local_shape())
 
     def forward(self, local_inputs: Sequence[np.ndarray], local_params: dict[str, np.ndarray],
                 watch: MemoryWatch | None) -> tuple[list[np.ndarray], list[Any]]:
