@@ -54,9 +54,12 @@ def test_the_file_loads_on_every_rank_with_every_figure_finite_and_positive(
     p = comm.get_group_size()
     assert prof == result.profile and prof.name == "quick-test"
     figures = [*prof.peak_flops.values(), prof.memory_capacity, prof.memory_bandwidth,
-               prof.intra_server.latency, prof.intra_server.bandwidth,
-               prof.inter_server.latency, prof.inter_server.bandwidth, prof.devices_per_server]
+               prof.intra_server.bandwidth, prof.inter_server.bandwidth, prof.devices_per_server]
     assert all(math.isfinite(x) and x > 0 for x in figures), prof
+    # The fit keeps each term >= 0; on a loaded host the per-call overhead may explain the
+    # small calls alone (latency 0), but a call always costs something.
+    for link in (prof.intra_server, prof.inter_server):
+        assert link.latency >= 0 and link.overhead >= 0 and link.latency + link.overhead > 0
     assert set(prof.peak_flops) == {"float32", "float64"}
     assert prof.devices_per_server == p and prof.server_of(p - 1) == 0
     assert prof.inter_server == prof.intra_server
@@ -66,7 +69,7 @@ def test_the_figures_are_plausible(run: tuple[Calibration, Path, CommTrace]) -> 
     prof = load_profile(run[1])
     link = prof.intra_server
     assert 1e6 < link.bandwidth < 1e12
-    assert 0 < link.latency < 0.1
+    assert 0 <= link.latency < 0.1 and 0 < link.latency + link.overhead < 0.1
     assert 1e7 < prof.peak_flops["float32"] < 1e14 and 1e7 < prof.peak_flops["float64"] < 1e14
     assert 1e6 < prof.memory_bandwidth < 1e13
     assert 2**20 < prof.memory_capacity < 2**50
