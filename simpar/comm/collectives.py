@@ -416,18 +416,27 @@ def _text_code(text: str) -> int:
 
 
 def _fingerprint(a: np.ndarray) -> int:
-    """A 64-bit multilinear hash of a contiguous array's bytes: the sum of
-    its 8-byte words times fixed odd multipliers, mod 2**64. It sees where each byte is (a
-    batch whose rows are shuffled differently differs), and it runs near memory speed: about
-    35 us per 256 KiB on this host, against 80 for zlib's CRC-32 and 300 for blake2b. Two
-    different arrays agree by accident with probability about 2**-64."""
-    raw = np.frombuffer(a.data.cast("B") if a.ndim and a.size else a.tobytes(), np.uint8)
+    """A 64-bit hash of a contiguous array's bytes that sees where each byte is (a batch
+    whose rows are shuffled differently differs). Up to 16 KiB it is blake2b's, one C call:
+    a training step's batch of token ids is 2 KiB, and the multilinear hash's five numpy
+    calls cost it 48 us against blake2b's 20 on a rank of 8 sharing 2 cores. Above, it is
+    a multilinear hash: the sum of the 8-byte words times fixed odd multipliers, mod 2**64,
+    near memory speed (about 35 us per 256 KiB on this host, against 80 for zlib's CRC-32
+    and 300 for blake2b). Two different arrays agree by accident with probability about
+    2**-64."""
+    if a.nbytes <= _SMALL:
+        data = a.data if a.ndim and a.size else a.tobytes()
+        return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+    raw = np.frombuffer(a.data.cast("B"), np.uint8)
     size = raw.size
     if size % 8:
         raw = np.concatenate([raw, np.zeros(8 - size % 8, np.uint8)])
     words = raw.view(np.uint64)
     total = int(np.multiply(words, _multipliers(words.size)).sum(dtype=np.uint64))
     return total ^ size
+
+
+_SMALL = 16 * 1024   # bytes: blake2b's per-call cost beats numpy's up to here
 
 
 @functools.lru_cache(maxsize=8)
