@@ -808,7 +808,7 @@ def execute_step(step: Step, x: np.ndarray, adjoint: bool = False, comm: Comm = 
         return run(step, x, rank, comm)
 
 
-def bind_step(step: Step, adjoint: bool, dtype: Any, rank: int
+def bind_step(step: Step, adjoint: bool, dtype: Any, rank: int, consume: bool = False
               ) -> Callable[[np.ndarray], np.ndarray]:
     """``execute_step(step, x, adjoint)`` bound once for ``rank`` (this process's) and for
     arrays of ``dtype``, for a compiled program that runs the step on every training step:
@@ -816,7 +816,9 @@ def bind_step(step: Step, adjoint: bool, dtype: Any, rank: int
     out here, so a call is the numpy or MPI call and the schedule guard's check. A collective
     announces itself to the guard, as execute_step's does. An array of another shape or dtype
     takes the general path, checks and all; so do the steps with no prepared form (a gather
-    of several dimensions at once, the direct exchange), through execute_step."""
+    of several dimensions at once, the direct exchange), through execute_step. ``consume``:
+    the caller gives its array up, and an AllReduce sums into it
+    (:func:`simpar.comm.prepare`'s ``consume``); other steps ignore it."""
     kind = step.kind
     if kind == SLICE:
         offsets = _offsets(step.src, step.dst, rank)
@@ -835,7 +837,7 @@ def bind_step(step: Step, adjoint: bool, dtype: Any, rank: int
     group = _group(step.src.device_matrix, rank, step.device_axes)
     shape = (step.dst if adjoint else step.src).local_shape()
     if kind == ALL_REDUCE:
-        prepared = simpar_comm.prepare("all_reduce", shape, dtype, group)
+        prepared = simpar_comm.prepare("all_reduce", shape, dtype, group, consume=consume)
     elif kind == REDUCE_SCATTER:
         prepared = simpar_comm.prepare("all_gather" if adjoint else "reduce_scatter", shape,
                                        dtype, group, axis=step.tensor_dim)

@@ -272,11 +272,40 @@ def test_a_prepared_collective_takes_the_general_path_for_another_array(
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_a_consuming_prepared_all_reduce_sums_into_its_input(world: tuple[int, int],
+                                                            op: str) -> None:
+    """``consume=True``: the general call's result and event, written into ``x`` itself
+    (MPI_IN_PLACE) when ``x`` is writeable and C-contiguous, else into a new array with
+    ``x`` left as it was."""
+    rank, p = world
+    dtype = np.dtype(np.float64)
+    run = comm.prepare("all_reduce", (3, 4), dtype, op=op, consume=True)
+    for layout in LAYOUTS:
+        x = _local(rank, (3, 4), dtype, layout, seed=5)
+        before = x.copy()
+        with CommTrace() as want_trace:
+            want = comm.all_reduce(x, op=op)
+        with CommTrace() as trace:
+            got = run(x)
+        np.testing.assert_array_equal(got, want, strict=True)
+        into = layout == "contiguous"
+        assert (got is x) == into and x.flags.c_contiguous == into, layout
+        if not into:
+            np.testing.assert_array_equal(x, before, strict=True)
+        assert [(e.kind, e.group, e.bytes_sent, e.bytes_recv, e.shape, e.op)
+                for e in trace.events] == [(e.kind, e.group, e.bytes_sent, e.bytes_recv,
+                                            e.shape, e.op) for e in want_trace.events]
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize(("name", "args", "error", "words"), [
     ("all_reduce", {"op": "avg"}, ValueError, "op must be one of"),
     ("all_reduce", {"op": "mean"}, TypeError, "needs a floating dtype"),
     ("all_gather", {"axis": 2}, ValueError, "axis=2 is out of range"),
     ("scatter", {}, ValueError, "prepare: name must be one of"),
+    ("all_gather", {"consume": True}, ValueError, "True only for 'all_reduce'"),
+    ("all_reduce", {"consume": 1}, ValueError, "consume must be a bool"),
 ])
 def test_prepare_refuses_what_the_call_would(world: tuple[int, int], name: str,
                                              args: dict[str, Any], error: type,

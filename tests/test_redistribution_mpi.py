@@ -189,7 +189,8 @@ def test_without_alltoall(data: st.DataObject, seed: int) -> None:
 def test_bound_steps_are_execute_step_by_step(data: st.DataObject, dtype: np.dtype,
                                               seed: int) -> None:
     """A plan run as its bound steps (what a compiled program calls), forward and adjoint:
-    bit for bit execute's and execute_adjoint's results, with the same CommTrace events."""
+    bit for bit execute's and execute_adjoint's results, with the same CommTrace events; so
+    is the forward whose first step consumes its input (an AllReduce sums into it)."""
     rank = comm.get_rank()
     src, dst = data.draw(_pairs(comm.get_group_size(), True, True), label="layouts")
     p = plan(src, dst)
@@ -205,8 +206,11 @@ def test_bound_steps_are_execute_step_by_step(data: st.DataObject, dtype: np.dty
             bdx = dy
             for step in reversed(p.steps):
                 bdx = bind_step(step, True, dtype, rank)(bdx)
+        cy = x.copy()
+        for k, step in enumerate(p.steps):
+            cy = bind_step(step, False, dtype, rank, consume=k == 0)(cy)
     problems = []
-    for what, a, b in (("forward", y, by), ("adjoint", dx, bdx)):
+    for what, a, b in (("forward", y, by), ("adjoint", dx, bdx), ("consuming forward", y, cy)):
         if a.shape != b.shape or a.dtype != b.dtype or not np.array_equal(a, b):
             problems.append(f"{what}: bound steps give {b.dtype}{b.shape}, execute "
                             f"{a.dtype}{a.shape}{'' if a.shape != b.shape else ', other values'}")

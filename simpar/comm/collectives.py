@@ -811,7 +811,8 @@ Prepared = Callable[..., np.ndarray]
 
 
 def prepare(name: str, shape: Sequence[int], dtype: Any,
-            group: Group | Sequence[int] | None = None, **args: Any) -> Prepared:
+            group: Group | Sequence[int] | None = None, *, consume: bool = False,
+            **args: Any) -> Prepared:
     """One collective worked out once for a call site that runs it over and over on arrays of
     one shape and dtype, as MPI-4's persistent collectives are set up once by
     ``MPI_Allreduce_init``: a compiled program's AllReduce after a row-parallel MatMul, say.
@@ -825,6 +826,11 @@ def prepare(name: str, shape: Sequence[int], dtype: Any,
     ``validation_disabled`` assumes). An ``x`` of another shape or dtype, or a call that must
     fail on every rank alike (an indivisible axis), takes the general path with every check.
 
+    ``consume=True`` (all_reduce only): the caller gives ``x`` up, and the sum is written into
+    it, as ``all_reduce(x, out=x)`` (MPI_IN_PLACE), whenever ``x`` is a writeable C-contiguous
+    array; the executor reduces a row-parallel MatMul's fresh product so, and a Mirror's
+    freshly packed bucket.
+
     >>> run = prepare("all_reduce", (128, 64), np.float32, group=(0, 1, 2, 3))  # doctest: +SKIP
     >>> y = run(x)  # as all_reduce(x, group=(0, 1, 2, 3))                     # doctest: +SKIP
     """
@@ -835,6 +841,10 @@ def prepare(name: str, shape: Sequence[int], dtype: Any,
     if general is None:
         raise ValueError(f"prepare: name must be one of 'all_reduce', 'all_gather', "
                          f"'reduce_scatter', 'all_to_all', got {name!r}")
+    if consume is not False and (consume is not True or name != "all_reduce"):
+        raise ValueError(f"prepare: consume must be a bool, and True only for 'all_reduce' "
+                         f"(the one collective whose result has its input's shape), got "
+                         f"consume={consume!r} for {name!r}")
     g, comm = resolve(group)
     shape = tuple(int(n) for n in shape)
     dtype = np.dtype(dtype)
@@ -859,9 +869,16 @@ def prepare(name: str, shape: Sequence[int], dtype: Any,
     if c.late_error is not None:
         return other
     out_shape = c.out_shape
+
+    def reduce_into(x: np.ndarray, at: tuple[int, str] | None) -> np.ndarray:
+        flags = x.flags
+        if flags.c_contiguous and flags.writeable:
+            return _run_all_reduce(comm, g, c, x, x, True, op, at)
+        return _run_all_reduce(comm, g, c, x, np.empty(out_shape, dtype), False, op, at)
+
     body: Callable[[np.ndarray, tuple[int, str] | None], np.ndarray] = {
-        "all_reduce": lambda x, at: _run_all_reduce(comm, g, c, x, np.empty(out_shape, dtype),
-                                                    False, op, at),
+        "all_reduce": reduce_into if consume else lambda x, at: _run_all_reduce(
+            comm, g, c, x, np.empty(out_shape, dtype), False, op, at),
         "all_gather": lambda x, at: _run_all_gather(comm, g, c, x, None, at),
         "reduce_scatter": lambda x, at: _run_reduce_scatter(
             comm, g, c, x, np.empty(out_shape, dtype), op, at),

@@ -200,7 +200,7 @@ class Executor:
         # code that calls them is first written: one per (step, direction, dtype), the step by
         # identity, as the schedule guard compares announcements (equal steps of two plans
         # are two entries of the schedule).
-        self._bound: dict[tuple[int, bool, np.dtype | None],
+        self._bound: dict[tuple[int, bool, np.dtype | None, bool],
                           Callable[[np.ndarray], np.ndarray]] = {}
         self._fwd = tuple(fwd)
         self._forward_fns: dict[bool, tuple[Callable[..., Any], str]] = {}
@@ -223,15 +223,17 @@ class Executor:
         self._fwd = tuple(records)
         self._forward_fns = {}
 
-    def _moved(self, src: _Source, steps: Moves, x: str) -> str:
+    def _moved(self, src: _Source, steps: Moves, x: str, consume: bool = False) -> str:
         """The expression that runs ``steps`` (step, adjoint, dtype) on the array ``x``, one
-        bound call each: ``B3(B2(x))``."""
+        bound call each: ``B3(B2(x))``. ``consume``: nothing else holds ``x``, so the first
+        step may write into it (an AllReduce sums in place)."""
         for step, adjoint, dtype in steps:
-            key = (id(step), adjoint, dtype)   # the program keeps its steps alive
+            key = (id(step), adjoint, dtype, consume)   # the program keeps its steps alive
             run = self._bound.get(key)
             if run is None:
-                run = self._bound[key] = bind_step(step, adjoint, dtype, self.rank)
+                run = self._bound[key] = bind_step(step, adjoint, dtype, self.rank, consume)
             x = f"{src.bind('B', run)}({x})"
+            consume = False
         return x
 
     def _actions(self, src: _Source, actions: Actions, dtype: np.dtype | None, x: str) -> str:
@@ -304,10 +306,14 @@ class Executor:
             else:
                 src.add(f"{raw}, {f't{r.keep}' if r.keep >= 0 else '_'} = {run}({args})")
             if raw == "r":   # each output after its own plan's steps
+                # An inline expression's product that its tape does not keep is the step's
+                # to reduce in place (a row-parallel MatMul's, before its AllReduce).
+                fresh = r.inline is not None and r.out >= 0 and (
+                    r.keep < 0 or r.tape in (Tape.INPUTS, Tape.NOTHING))
                 for k, s in enumerate(r.outs):
                     part = "r" if r.out >= 0 else f"r[{k}]"
                     steps = r.post[k] if k < len(r.post) else ()
-                    src.add(f"v{s} = " + self._moved(src, steps, part))
+                    src.add(f"v{s} = " + self._moved(src, steps, part, fresh))
             temps = [n for n in names if n.startswith("m")] + (["r"] if raw == "r" else [])
             dead = sorted({s for s in r.ins if last.get(s) == i} - kept_to_end)
             dead += [s for s in r.outs if s not in last and s not in kept_to_end]
@@ -402,8 +408,10 @@ class Executor:
         mirrors = []
         for group, dtype, names in bplan.mirror_buckets(program, self.rank):
             sizes = tuple(program.param_layouts[n].local_size() for n in names)
+            # The bucket is packed afresh on every step (np.concatenate): summed in place.
             mirrors.append(_Mirror(group, mirror_announcement(group, names), names, sizes,
-                                   comm.prepare("all_reduce", (sum(sizes),), dtype, group)))
+                                   comm.prepare("all_reduce", (sum(sizes),), dtype, group,
+                                                consume=True)))
         return tuple(bwd), tuple(mirrors)
 
     def _backward_fn(self, seeded: tuple[bool, ...], watched: bool
