@@ -295,8 +295,8 @@ def _memory_of(program: _Program, rank: int, optimizer: str, prof: DeviceProfile
             continue
         kept.update(_kept(node.op.tape, node, sh, ins, raws, sizes))
     activations = sum(sizes[key] for key in kept)
-    # A collective holds its input and its result at once (a Mirror's input is the
-    # concatenation of its gradients: a copy).
+    # A collective holds its input and its result at once; a Mirror packs its gradients into
+    # a bucket (a copy) and sums it in place, so it holds the bucket only.
     buffer = max((s.buffer_bytes + s.result_bytes for s in program.schedule(rank)
                   if s.collective is not None), default=0)
     # While an op's backward runs, the tapes are all still alive; beside them it holds its

@@ -38,7 +38,7 @@ from simpar.redistribution import ALL_REDUCE, RedistributionPlan, Step, bind_ste
 if TYPE_CHECKING:
     from simpar.runtime.program import BackwardPlan, MemoryWatch, ParallelProgram
 
-__all__ = ["Executor", "mirror_announcement"]
+__all__ = ["Executor", "mirror_announcement", "sums_output_in_place"]
 
 Actions = tuple[Action, ...]
 # Redistribution steps to run: (step, adjoint, the dtype it moves).
@@ -111,6 +111,18 @@ def _moving(sh: Any, plans: tuple[RedistributionPlan | None, ...]
     def run(*xs: np.ndarray) -> tuple[Any, Any]:
         return sh.forward(*[x if p is None else execute(p, x) for p, x in zip(plans, xs)])
     return run
+
+
+def sums_output_in_place(sh: Any, kept: bool) -> bool:
+    """Whether the compiled program hands this op's raw output to the first step of its
+    output plan to write into (an AllReduce sums in place, ``bind_step``'s ``consume``): the
+    op is written inline (its product is a new array), has one output, and its tape (``kept``:
+    it has one) does not hold that output. The schedule counts no result buffer there."""
+    op = sh.op
+    if sh.inner_plan is not None or sh.more_outs or not _plain(op) or (
+            kept and op.tape not in (Tape.INPUTS, Tape.NOTHING)):
+        return False
+    return op.inline(tuple(lay.local_shape() for lay in sh.in_layouts)) is not None
 
 
 def _plain(op: Any) -> bool:
@@ -308,8 +320,8 @@ class Executor:
             if raw == "r":   # each output after its own plan's steps
                 # An inline expression's product that its tape does not keep is the step's
                 # to reduce in place (a row-parallel MatMul's, before its AllReduce).
-                fresh = r.inline is not None and r.out >= 0 and (
-                    r.keep < 0 or r.tape in (Tape.INPUTS, Tape.NOTHING))
+                fresh = r.inline is not None and sums_output_in_place(
+                    self.program.steps[i].sharding, r.keep >= 0)
                 for k, s in enumerate(r.outs):
                     part = "r" if r.out >= 0 else f"r[{k}]"
                     steps = r.post[k] if k < len(r.post) else ()

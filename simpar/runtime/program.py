@@ -54,7 +54,7 @@ from simpar.redistribution import (
     StepKind,
     plan,
 )
-from simpar.runtime.executor import Executor, mirror_announcement
+from simpar.runtime.executor import Executor, mirror_announcement, sums_output_in_place
 from simpar.search import (
     Source,
     StrategyMap,
@@ -100,7 +100,7 @@ class ProgramStep:
     group: tuple[int, ...] = ()
     recv_bytes: int = 0
     buffer_bytes: int = 0          # the collective's local input buffer
-    result_bytes: int = 0          # and its local result
+    result_bytes: int = 0          # and its local result beside it (0: summed in place)
     flops: int = 0
     reason: str = ""
     runs: object = field(default=None, compare=False, repr=False)
@@ -569,11 +569,15 @@ class _Builder:
                                       flops=flops))
 
     def collectives(self, role: Role, op: str, label: str, specs: Sequence[CommSpec],
-                    itemsize: int) -> None:
-        for spec in specs:
+                    itemsize: int, first_in_place: bool = False) -> None:
+        """``first_in_place``: the first collective writes into its input (an AllReduce the
+        executor hands the op's fresh product to): no result beside it."""
+        for k, spec in enumerate(specs):
             where = f"{label}/{spec.reason}" if spec.step is None else (
                 f"{label}/redistribute{'-adjoint' if spec.adjoint else ''}:{spec.step.kind}")
-            if spec.step is None:   # an op's own AllReduce: the result is the buffer's size
+            if k == 0 and first_in_place and spec.kind == StepKind.ALL_REDUCE:
+                result = 0
+            elif spec.step is None:   # an op's own AllReduce: the result is the buffer's size
                 result = spec.elements
             else:
                 result = (spec.step.src if spec.adjoint else spec.step.dst).local_size()
@@ -601,10 +605,11 @@ def _schedule(program: ParallelProgram, rank: int, seeded: tuple[bool, ...]
         b.collectives(Role.OP_COLLECTIVE, node.name, f"{node.name}/{sh.op.name}",
                       sh.internal_forward, out_size if _on_output(sh.internal_forward)
                       else in_size)
+        in_place = sums_output_in_place(sh, node.id in program.grad_nodes)
         for k, (v, (_, _, p)) in enumerate(zip(node.outputs, sh.outputs)):
             b.collectives(Role.OP_COLLECTIVE, node.name,
                           f"{node.name}/{sh.op.name}:output{k if k else ''}",
-                          plan_comm(p, "output", True), v.dtype.itemsize)
+                          plan_comm(p, "output", True), v.dtype.itemsize, in_place)
     b.backward = True
     bplan = program.backward_plan(seeded)
     for s in reversed(program.steps):
@@ -634,10 +639,11 @@ def _schedule(program: ParallelProgram, rank: int, seeded: tuple[bool, ...]
     for group, dtype, names in bplan.mirror_buckets(program, rank):
         elements = sum(program.param_layouts[n].local_size() for n in names)
         nbytes = elements * np.dtype(dtype).itemsize
+        # The bucket is packed afresh and summed in place: no result beside it.
         b.steps.append(ProgramStep(
             len(b.steps), True, Role.MIRROR, "", f"Mirror:{len(names)} params",
             StepKind.ALL_REDUCE, group, traffic(StepKind.ALL_REDUCE, len(group), nbytes), nbytes,
-            nbytes, 0, f"gradients of {', '.join(names)} (sum over their replicas)",
+            0, 0, f"gradients of {', '.join(names)} (sum over their replicas)",
             mirror_announcement(group, names)))
     return tuple(b.steps)
 
