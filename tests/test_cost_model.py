@@ -178,7 +178,7 @@ def test_memory_counts_parameters_gradients_state_and_kept_activations() -> None
         assert (m.parameters, m.gradients, m.optimizer) == (528 * 8, 528 * 8, copies * 528 * 8)
         assert m.activations == (4 * 32 + 2 * 4 * 16) * 8
         assert m.comm_buffer == 528 * 8          # the Mirror's bucket, summed in place
-        assert m.backward == (4 * 16 + 4 * 32 + 16 * 32) * 8  # MatMul: dy, dx, dw
+        assert m.backward == (4 * 16 + 4 * 32) * 8  # MatMul: dy, dx (dw: a gradient)
         assert m.update == {"sgd": 1, "momentum": 1, "adam": 4}[optimizer] * 16 * 32 * 8
         assert m.peak == m.parameters + m.gradients + m.optimizer + max(
             m.activations + max(528 * 8, m.backward), m.update)

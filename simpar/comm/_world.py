@@ -6,6 +6,7 @@ import contextlib
 import functools
 import os
 import sys
+import time
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -93,6 +94,10 @@ def _install_abort_hook() -> None:
             return
         from mpi4py import MPI
 
+        # mpiexec reads a rank's stderr through a pipe and stops reading once MPI_Abort tears
+        # the job down: a moment for it to forward the message first (once seen lost under a
+        # loaded CI host). The job is ending anyway.
+        time.sleep(0.3)
         MPI.COMM_WORLD.Abort(1)
 
     sys.excepthook = abort_job

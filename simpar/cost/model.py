@@ -300,12 +300,14 @@ def _memory_of(program: _Program, rank: int, optimizer: str, prof: DeviceProfile
     buffer = max((s.buffer_bytes + s.result_bytes for s in program.schedule(rank)
                   if s.collective is not None), default=0)
     # While an op's backward runs, the tapes are all still alive; beside them it holds its
-    # output's cotangent and the gradients it computes for its float inputs.
+    # output's cotangent and the gradients it computes for its float inputs, but for a
+    # parameter's own shard: that gradient is already counted among the gradients.
     backward = max((sum(raw.local_size() * v.dtype.itemsize
                         for v, (raw, _, _) in zip(s.node.outputs, s.sharding.outputs))
                     + sum(lay.local_size() * v.dtype.itemsize
                           for k, (v, lay) in enumerate(zip(s.node.inputs, s.sharding.in_layouts))
-                          if s.node.op.gives_gradient(k, v.dtype))
+                          if s.node.op.gives_gradient(k, v.dtype)
+                          and (v.kind != "param" or s.in_plans[k].steps))
                     for s in program.steps if s.node.id in program.grad_nodes), default=0)
     largest = max((lay.local_size() * program.param_values[n].dtype.itemsize
                    for n, lay in program.param_layouts.items()), default=0)
