@@ -9,11 +9,14 @@ a gradient is its first (assigned) and which are added, the Mirror buckets. The 
 records (:class:`_Forward`, :class:`_Backward`) are then written out as the source of one
 Python function per direction, as torch.fx writes a GraphModule's ``forward``: every value is
 a local variable, dropped after its last use; an op whose kernel is the plain single-device
-one on shards is called without the wrapper between (its tape built inline), or written
-into the code as its expression where it gives one (:meth:`Primitive.inline`); every step of
+one on shards is called without the wrapper between (its tape built inline, keeping what
+its ``Tape`` kind says), or written into the code as its expression where it gives one
+(:meth:`Primitive.inline`), into its input 0 where nothing else can hold that array
+(:meth:`Executor._updates`: ``v45 += v7``); every step of
 a redistribution, an op's input moves and output plan included, is one call of the step
 bound for this rank (:func:`simpar.redistribution.bind_step`, its collective prepared once by
-:func:`simpar.comm.prepare`). ``Executor.source()`` prints what a rank runs. The backward
+:func:`simpar.comm.prepare`; an AllReduce sums an inline op's fresh product in place,
+:func:`sums_output_in_place`). ``Executor.source()`` prints what a rank runs. The backward
 runs its kernel calls and the actions its plan lists in the order
 :func:`simpar.runtime.program._schedule` lists their collectives (the schedule guard checks
 that, call by call).
