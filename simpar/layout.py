@@ -38,7 +38,7 @@ import numpy as np
 from simpar.mesh import DeviceMesh
 
 __all__ = ["IndivisibleError", "Layout", "MapEntry", "TensorLayout", "assemble", "block_key",
-           "distribute", "shard_index"]
+           "distribute", "shard_index", "take_shard"]
 
 MapEntry = Union[int, tuple[int, ...]]  # noqa: UP007 (a runtime alias, Python 3.10 too)
 
@@ -609,7 +609,12 @@ def distribute(global_array: np.ndarray, layout: TensorLayout, rank: int) -> np.
     if tuple(global_array.shape) != layout.shape:
         raise ValueError(f"distribute: global array has shape {global_array.shape}, layout "
                          f"{layout} expects {layout.shape}")
-    where, zero = shard_index(layout, rank)
+    return take_shard(global_array, *shard_index(layout, rank))
+
+
+def take_shard(global_array: np.ndarray, where: tuple[slice, ...], zero: bool) -> np.ndarray:
+    """``global_array[where]``, copied, and zeroed when ``zero``: :func:`distribute` from a
+    :func:`shard_index` found once (a training cell takes its batch's shard on every step)."""
     shard = np.array(global_array[where], copy=True)
     if zero:
         shard[...] = 0
@@ -619,8 +624,7 @@ def distribute(global_array: np.ndarray, layout: TensorLayout, rank: int) -> np.
 @lru_cache(maxsize=4096)   # a training cell distributes its batch on every step
 def shard_index(layout: TensorLayout, rank: int) -> tuple[tuple[slice, ...], bool]:
     """Where ``rank``'s shard sits in the global array, and whether it holds zeros (off
-    coordinate 0 of a partial axis): :func:`distribute` is ``global_array[where]``, copied,
-    and zeroed when it holds zeros."""
+    coordinate 0 of a partial axis): what :func:`take_shard` takes."""
     coord = layout.mesh.coordinate(rank) if layout.partial else ()
     return layout.slices(rank), any(coord[a] for a in layout.partial_axes) if coord else False
 

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from simpar import comm, context, graph
-from simpar.layout import TensorLayout, shard_index
+from simpar.layout import TensorLayout, shard_index, take_shard
 from simpar.nn.auto_parallel import AutoParallel
 from simpar.nn.cell import Cell
 from simpar.nn.optim import Optimizer
@@ -180,10 +180,7 @@ class TrainOneStepCell:
         if x.shape == lay.shape:
             # A copy, not a view of the caller's array: the rank holds its shard as a device
             # holds its slice of the dataset, which is what the cost model's memory counts.
-            shard = np.array(x[where], copy=True)   # layout.distribute, its index cached
-            if zero:
-                shard[...] = 0
-            return shard
+            return take_shard(x, where, zero)
         if x.shape == lay.local_shape():
             return x
         raise ValueError(f"TrainOneStepCell: input of shape {x.shape} is neither the global "

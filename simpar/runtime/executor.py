@@ -116,6 +116,11 @@ def _moving(sh: Any, plans: tuple[RedistributionPlan | None, ...]
     return run
 
 
+#: Tape kinds that do not hold the op's output: with them (or with no tape), an inline op's
+#: product is an array nothing but the code holds.
+_KEEPS_NO_OUTPUT = frozenset({Tape.INPUTS, Tape.NOTHING})
+
+
 def sums_output_in_place(sh: Any, kept: bool) -> bool:
     """Whether the compiled program hands this op's raw output to the first step of its
     output plan to write into (an AllReduce sums in place, ``bind_step``'s ``consume``): the
@@ -123,7 +128,7 @@ def sums_output_in_place(sh: Any, kept: bool) -> bool:
     it has one) does not hold that output. The schedule counts no result buffer there."""
     op = sh.op
     if sh.inner_plan is not None or sh.more_outs or not _plain(op) or (
-            kept and op.tape not in (Tape.INPUTS, Tape.NOTHING)):
+            kept and op.tape not in _KEEPS_NO_OUTPUT):
         return False
     return op.inline(tuple(lay.local_shape() for lay in sh.in_layouts)) is not None
 
@@ -377,7 +382,7 @@ class Executor:
             step, adjoint, _ = moves[-1]
             if step.kind != ALL_REDUCE or adjoint:
                 return False
-        elif p.keep >= 0 and p.tape not in (Tape.INPUTS, Tape.NOTHING):
+        elif p.keep >= 0 and p.tape not in _KEEPS_NO_OUTPUT:
             return False
         sh, node = self.program.steps[i].sharding, self.program.steps[i].node
         dtype = node.outputs[0].dtype
