@@ -35,6 +35,7 @@ from typing import Any, Union
 
 import numpy as np
 
+from simpar._checks import integer, ints
 from simpar.mesh import DeviceMesh
 
 __all__ = ["IndivisibleError", "Layout", "MapEntry", "TensorLayout", "assemble", "block_key",
@@ -47,22 +48,16 @@ class IndivisibleError(ValueError):
     """A tensor dimension does not split evenly into the requested number of parts."""
 
 
-def _int(v: object, what: str) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-        raise TypeError(f"{what} must be an int, got {v!r}")
-    return int(v)
-
-
 def _norm_entry(entry: object, ndev: int, where: str) -> MapEntry:
     if isinstance(entry, (tuple, list)):
-        vals = tuple(_int(v, f"{where} entries") for v in entry)
+        vals = tuple(integer(v, f"{where} entries") for v in entry)
         if not vals:
             return -1
         if any(not 0 <= v < ndev for v in vals):
             raise ValueError(f"{where} {tuple(entry)} has a value outside 0..{ndev - 1} "
                              f"(tuple entries may not be -1)")
         return vals[0] if len(vals) == 1 else vals
-    v = _int(entry, where)
+    v = integer(entry, where)
     if not -1 <= v < ndev:
         raise ValueError(f"{where} value {v} is out of range; allowed -1 (not split) or "
                          f"0..{ndev - 1} for a {ndev}-axis device matrix")
@@ -75,7 +70,7 @@ def _mesh_axes_as_map_values(axes: Sequence[object], n: int, what: str,
     """Device axes counted from the left (mesh axes) as values counted from the right (the
     tensor map's count): on 3 axes, ``(0, 2)`` becomes ``(2, 0)``. Errors speak the caller's
     count; ``split`` lists the (left-counted) axes the tensor map already uses."""
-    vals = tuple(_int(a, f"{what} entries") for a in axes)
+    vals = tuple(integer(a, f"{what} entries") for a in axes)
     bad = [a for a in vals if not 0 <= a < n]
     if bad:
         raise ValueError(f"{what} {vals} names device axis {bad[0]}; allowed 0..{n - 1} (counted "
@@ -153,7 +148,7 @@ class TensorLayout:
                  shape: Sequence[int], partial: Sequence[int] = ()) -> None:
         mesh = DeviceMesh(tuple(device_matrix))
         dm, n = mesh.device_matrix, mesh.ndim
-        shp = tuple(_int(s, "shape entries") for s in shape)
+        shp = tuple(integer(s, "shape entries") for s in shape)
         if any(s < 0 for s in shp):
             raise ValueError(f"shape entries must be >= 0, got {shp}")
         if len(tensor_map) != len(shp):
@@ -167,7 +162,7 @@ class TensorLayout:
         if dup:
             raise ValueError(f"tensor_map {tmap} uses map value(s) {dup} more than once; each "
                              "device axis may split at most one tensor dimension")
-        part = tuple(sorted(_int(k, "partial entries") for k in partial))
+        part = tuple(sorted(integer(k, "partial entries") for k in partial))
         bad = [k for k in part if not 0 <= k < n]
         twice = sorted({k for k in part if part.count(k) > 1})
         if bad or twice:
@@ -234,7 +229,7 @@ class TensorLayout:
         n = len(device_matrix)
         tmap: list[tuple[int, ...]] = []
         for tensor_dim, axes in enumerate(dim_axes):
-            vals = tuple(_int(a, "dim_axes entries") for a in axes)
+            vals = tuple(integer(a, "dim_axes entries") for a in axes)
             bad = [a for a in vals if not 0 <= a < n]
             if bad:
                 raise ValueError(f"dim_axes {[tuple(x) for x in dim_axes]} splits tensor "
@@ -257,7 +252,7 @@ class TensorLayout:
         """
         dm = DeviceMesh(tuple(device_matrix)).device_matrix
         n = len(dm)
-        cuts_t = tuple(_int(c, "cuts entries") for c in cuts)
+        cuts_t = tuple(integer(c, "cuts entries") for c in cuts)
         if any(c < 1 for c in cuts_t):
             raise ValueError(f"cuts must be >= 1, got {cuts_t}")
         dim_axes: list[tuple[int, ...]] = []
@@ -513,9 +508,7 @@ class Layout:
         if len(device_matrix) != len(alias_name):
             raise ValueError(f"Layout: device_matrix {device_matrix} has {len(device_matrix)} "
                              f"axes but alias_name {alias_name} has {len(alias_name)} names")
-        for v in device_matrix:
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"Layout: device_matrix entries must be int, got {v!r}")
+        ints(device_matrix, "Layout: device_matrix", 1)
         for name in alias_name:
             if not isinstance(name, str):
                 raise TypeError(f"Layout: alias_name entries must be str, got {name!r}")

@@ -15,24 +15,9 @@ from functools import lru_cache
 
 import numpy as np
 
+from simpar._checks import integer, ints
+
 __all__ = ["DeviceMesh"]
-
-
-def _positive_ints(values: Iterable[object], what: str) -> tuple[int, ...]:
-    out = []
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-            raise TypeError(f"{what} entries must be ints, got {v!r} in {list(values)!r}")
-        if v < 1:
-            raise ValueError(f"{what} entries must be >= 1, got {v} in {list(values)!r}")
-        out.append(int(v))
-    return tuple(out)
-
-
-def _int(value: object, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{what} must be an int, got {value!r}")
-    return int(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +39,7 @@ class DeviceMesh:
         dm = (device_matrix,) if isinstance(device_matrix, (int, np.integer)) else device_matrix
         if not isinstance(dm, Sequence) and not isinstance(dm, tuple):
             raise TypeError(f"device_matrix must be a sequence of ints, got {device_matrix!r}")
-        values = _positive_ints(list(dm), "device_matrix")
+        values = ints(list(dm), "device_matrix", 1)
         if not values:
             raise ValueError("device_matrix must have at least one axis, got ()")
         object.__setattr__(self, "device_matrix", values)
@@ -74,30 +59,29 @@ class DeviceMesh:
     def axis_of_map(self, map_value: int) -> int:
         """The device axis that tensor-map value ``map_value`` names (MindSpore counts from the
         right): on a 3-axis mesh, map value 0 is device axis 2."""
-        map_value = _int(map_value, "tensor map value")
-        if not 0 <= map_value < self.ndim:
-            raise ValueError(f"tensor map value {map_value} is out of range for device matrix "
-                             f"{list(self.device_matrix)} (allowed 0..{self.ndim - 1}; -1 means "
-                             "not split and names no device axis)")
+        map_value = self._index(map_value, "tensor map value", self.ndim,
+                                f"(allowed 0..{self.ndim - 1}; -1 means not split and names no "
+                                "device axis)")
         return self.ndim - 1 - map_value
 
     def map_of_axis(self, device_axis: int) -> int:
         """Inverse of :meth:`axis_of_map`."""
         return self.ndim - 1 - self._check_axis(device_axis)
 
+    def _index(self, value: object, what: str, stop: int, allowed: str) -> int:
+        """``value`` as an int in ``0..stop-1``; the error ends with ``allowed``."""
+        index = integer(value, what)
+        if not 0 <= index < stop:
+            raise ValueError(f"{what} {index} is out of range for device matrix "
+                             f"{list(self.device_matrix)} {allowed}")
+        return index
+
     def _check_axis(self, device_axis: int) -> int:
-        device_axis = _int(device_axis, "device_axis")
-        if not 0 <= device_axis < self.ndim:
-            raise ValueError(f"device_axis {device_axis} is out of range for device matrix "
-                             f"{list(self.device_matrix)} (allowed 0..{self.ndim - 1})")
-        return device_axis
+        return self._index(device_axis, "device_axis", self.ndim,
+                           f"(allowed 0..{self.ndim - 1})")
 
     def _check_rank(self, rank: int) -> int:
-        rank = _int(rank, "rank")
-        if not 0 <= rank < self.size:
-            raise ValueError(f"rank {rank} is out of range for device matrix "
-                             f"{list(self.device_matrix)} of {self.size} devices")
-        return rank
+        return self._index(rank, "rank", self.size, f"of {self.size} devices")
 
     def coordinate(self, rank: int) -> tuple[int, ...]:
         """Row-major coordinate of ``rank``: on (2, 1, 4), rank 5 is (1, 0, 1)."""
@@ -108,7 +92,7 @@ class DeviceMesh:
         """Rank at ``coordinate``: on (2, 1, 4), (1, 0, 1) is rank 5."""
         if not isinstance(coordinate, Sequence) or isinstance(coordinate, str):
             raise TypeError(f"coordinate must be a sequence of ints, got {coordinate!r}")
-        coordinate = tuple(_int(c, "coordinate entry") for c in coordinate)
+        coordinate = tuple(integer(c, "coordinate entry") for c in coordinate)
         if len(coordinate) != self.ndim or any(
                 not 0 <= c < d for c, d in zip(coordinate, self.device_matrix)):
             raise ValueError(f"coordinate {tuple(coordinate)} is not on device matrix "

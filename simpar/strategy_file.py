@@ -54,6 +54,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from simpar import _checks as checks
 from simpar._env import write_atomically
 from simpar.graph import Graph, Node, Value
 from simpar.layout import TensorLayout
@@ -107,12 +108,7 @@ def graph_fingerprint(graph: Graph) -> str:
 
 # ---------------------------------------------------------------- arguments
 def _path(func: str, path: object) -> str:
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"{func}: path must be a str or os.PathLike, got {type(path).__name__} "
-                        f"{path!r}")
-    p = os.fspath(path)
-    if not isinstance(p, str):
-        raise TypeError(f"{func}: path must name the file as text, got bytes {p!r}")
+    p = checks.path(path, f"{func}: path")
     if not p.endswith(".json"):
         raise ValueError(f"{func}: path {p!r} must end in '.json': MindSpore reads any other "
                          "name as a protobuf strategy file, and simpar reads and writes JSON "
@@ -318,11 +314,7 @@ def load_strategy(path: str | os.PathLike[str], graph: Graph | None = None,
     p = _path(func, path)
     _check_graph(func, graph)
     if device_num is not None:
-        if isinstance(device_num, bool) or not isinstance(device_num, int):
-            raise TypeError(f"{func}: device_num must be an int or None, got "
-                            f"{type(device_num).__name__} {device_num!r}")
-        if device_num < 1:
-            raise ValueError(f"{func}: device_num must be >= 1, got {device_num}")
+        checks.integer(device_num, f"{func}: device_num", 1, expected="an int or None")
     if mode is not None and mode not in MAP_MODES:
         raise ValueError(f"{func}: mode must be one of {list(MAP_MODES)} or None, got {mode!r}")
     smap = _Reader(p, _read_json(p)).strategy_map(graph, device_num, mode)
@@ -394,11 +386,7 @@ class _Reader:
         return value
 
     def _int(self, value: object, key: str, low: int | None = None) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{self._where(key)} must be an int, got {_kind(value)}")
-        if low is not None and value < low:
-            raise ValueError(f"{self._where(key)} must be >= {low}, got {value}")
-        return value
+        return checks.integer(value, self._where(key), low, got=_kind)
 
     def _ints(self, value: object, key: str, what: str, low: int | None = None) -> list[int]:
         if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int)

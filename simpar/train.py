@@ -32,6 +32,7 @@ import numpy as np
 
 import simpar
 from simpar import _env, checkpoint, comm, graph, nn
+from simpar._checks import positive_float_arg
 from simpar.check import CheckReport, check_against_single_device
 from simpar.context import ContextError
 from simpar.cost import CostReport, SimparCostModel, load_profile, profile_names
@@ -48,15 +49,6 @@ MODES = ("stand_alone", "data_parallel", "semi_auto_parallel", "auto_parallel")
 
 class UsageError(ValueError):
     """A contradictory or unusable combination of options; the job prints it and exits 2."""
-
-
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -87,7 +79,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--n-heads", type=int, default=8,
                    help="must divide --d-model, and be divisible by the model-parallel cut")
     p.add_argument("--hidden", type=int, default=64, help="MLP hidden width")
-    p.add_argument("--lr", type=_positive_float, default=None,
+    p.add_argument("--lr", type=positive_float_arg, default=None,
                    help="default 3e-3 (Adam, AdamW) / 0.1 (Momentum, SGD)")
     p.add_argument("--optimizer", default="adam", choices=("adam", "adamw", "momentum", "sgd"))
     p.add_argument("--dtype", default="float64", choices=("float32", "float64"),

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from simpar import _checks as checks
 from simpar.cost.collective import sample_ranks
 from simpar.layout import TensorLayout
 from simpar.ops._base import (
@@ -33,14 +34,6 @@ from simpar.ops._base import (
 from simpar.redistribution import RedistributionPlan, plan
 
 __all__ = ["Assign", "Concat", "Reshape", "Split", "Transpose", "reshape_layout"]
-
-
-def _norm_axis(axis: int, ndim: int, op: str) -> int:
-    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
-        raise TypeError(f"{op}: axis must be an int, got {axis!r}")
-    if not -ndim <= axis < ndim:
-        raise ValueError(f"{op}: axis {axis} is out of range for an input of rank {ndim}")
-    return int(axis) % ndim
 
 
 # ------------------------------------------------------------------ the two views
@@ -362,7 +355,7 @@ class Concat(Primitive):
 
     def infer_shape(self, *shapes: tuple[int, ...]) -> tuple[int, ...]:
         first = shapes[0]
-        axis = _norm_axis(self.axis, len(first), "Concat")
+        axis = checks.axis(self.axis, len(first), "Concat: axis")
         for i, s in enumerate(shapes):
             if len(s) != len(first) or any(a != b for d, (a, b) in enumerate(zip(s, first))
                                            if d != axis):
@@ -372,7 +365,7 @@ class Concat(Primitive):
 
     def iter_space(self, *shapes: tuple[int, ...]) -> IterSpace:
         self.infer_shape(*shapes)
-        axis = _norm_axis(self.axis, len(shapes[0]), "Concat")
+        axis = checks.axis(self.axis, len(shapes[0]), "Concat: axis")
         names = tuple("cat" if d == axis else f"d{d}" for d in range(len(shapes[0])))
         return IterSpace(tuple(names for _ in shapes), names, names,
                          unsplittable=frozenset({"cat"}))
@@ -383,7 +376,7 @@ class Concat(Primitive):
 
     def vjp(self, xs: Sequence[np.ndarray], y: np.ndarray, dy: np.ndarray
             ) -> tuple[np.ndarray | None, ...]:
-        axis = _norm_axis(self.axis, dy.ndim, "Concat")
+        axis = checks.axis(self.axis, dy.ndim, "Concat: axis")
         cuts = np.cumsum([x.shape[axis] for x in xs])[:-1]
         return tuple(np.split(dy, cuts, axis=axis))
 
@@ -414,7 +407,7 @@ class Split(Primitive):
         return {"axis": self.axis, "output_num": self.output_num}
 
     def _out_shape(self, x: tuple[int, ...]) -> tuple[int, ...]:
-        axis = _norm_axis(self.axis, len(x), "Split")
+        axis = checks.axis(self.axis, len(x), "Split: axis")
         if x[axis] % self.output_num:
             raise ValueError(f"Split: dimension {axis} of shape {x} does not split into "
                              f"{self.output_num} equal outputs")
@@ -424,7 +417,7 @@ class Split(Primitive):
         return self._out_shape(shapes[0])
 
     def iter_space(self, *shapes: tuple[int, ...]) -> IterSpace:
-        axis = _norm_axis(self.axis, len(shapes[0]), "Split")
+        axis = checks.axis(self.axis, len(shapes[0]), "Split: axis")
         names = tuple("split" if d == axis else f"d{d}" for d in range(len(shapes[0])))
         return IterSpace((names,), names, names, unsplittable=frozenset({"split"}))
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from simpar import _checks as checks
 from simpar.ops._base import (
     CommSpec,
     IterSpace,
@@ -72,13 +73,6 @@ def _check_int_attr(op: str, name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__} {value!r}")
     return int(value)
-
-
-def _norm_axis(op: str, name: str, axis: int, ndim: int) -> int:
-    if not -ndim <= axis < ndim:
-        raise ValueError(f"{op}: {name}={axis} is out of range for an input of rank {ndim}; "
-                         f"allowed {-ndim}..{ndim - 1}")
-    return axis % ndim
 
 
 def _check_float(op: str, what: str, x: np.ndarray) -> None:
@@ -135,7 +129,7 @@ class _SoftmaxBase(Primitive):
 
     def _axes(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         raw = self.axis if isinstance(self.axis, tuple) else (self.axis,)
-        axes = tuple(_norm_axis(self.name, "axis", a, len(shape)) for a in raw)
+        axes = tuple(checks.axis(a, len(shape), f"{self.name}: axis") for a in raw)
         if len(set(axes)) != len(axes):
             raise ValueError(f"{self.name}: axis {self.axis} names dimension(s) more than once "
                              f"for an input of rank {len(shape)}")
@@ -266,8 +260,8 @@ def _layer_norm_grad(dy: np.ndarray, xhat: np.ndarray, rstd: np.ndarray, gamma: 
 def _ln_geometry(x: tuple[int, ...], begin_norm_axis: int, begin_params_axis: int
                  ) -> tuple[tuple[int, ...], tuple[int, ...], int]:
     """(normalised axes, leading axes of gamma's gradient, elements per normalised row)."""
-    bna = _norm_axis("LayerNorm", "begin_norm_axis", begin_norm_axis, len(x))
-    bpa = _norm_axis("LayerNorm", "begin_params_axis", begin_params_axis, len(x))
+    bna = checks.axis(begin_norm_axis, len(x), "LayerNorm: begin_norm_axis")
+    bpa = checks.axis(begin_params_axis, len(x), "LayerNorm: begin_params_axis")
     return tuple(range(bna, len(x))), tuple(range(bpa)), math.prod(x[bna:])
 
 
@@ -313,8 +307,8 @@ class LayerNorm(Primitive):
     def _axes(self, x: tuple[int, ...]) -> tuple[int, int]:
         if not x:
             raise ValueError(f"{self.name}: the input must have rank >= 1, got shape {x}")
-        return (_norm_axis(self.name, "begin_norm_axis", self.begin_norm_axis, len(x)),
-                _norm_axis(self.name, "begin_params_axis", self.begin_params_axis, len(x)))
+        return (checks.axis(self.begin_norm_axis, len(x), f"{self.name}: begin_norm_axis"),
+                checks.axis(self.begin_params_axis, len(x), f"{self.name}: begin_params_axis"))
 
     def infer_shape(self, *shapes: tuple[int, ...]) -> tuple[int, ...]:
         x, gamma, beta = shapes

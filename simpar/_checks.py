@@ -1,0 +1,117 @@
+"""The small argument checks that many modules share, each written once.
+
+Every check raises a one-sentence ``TypeError`` (wrong type) or ``ValueError`` (right type,
+value not allowed) that names the parameter, the value and what is allowed. ``what`` is the
+parameter as the caller's errors name it, with the function in front where the caller's
+errors carry one::
+
+    >>> integer(-1, "save_shards: rank", low=0)
+    Traceback (most recent call last):
+    ValueError: save_shards: rank must be >= 0, got -1
+    >>> axis(2, 2, "Concat: axis")
+    Traceback (most recent call last):
+    ValueError: Concat: axis=2 is out of range for an input of rank 2; allowed -2..1
+
+This module sits in the bottom layer: it imports numpy and nothing of simpar.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+__all__ = ["axis", "instance", "integer", "ints", "path", "positive_float_arg",
+           "positive_int_arg", "shown"]
+
+
+def shown(value: object) -> str:
+    """A value as an error shows it: its type and its repr (``str '4'``, ``float 2.5``),
+    or ``None``."""
+    return "None" if value is None else f"{type(value).__name__} {value!r}"
+
+
+def instance(value: object, kind: type | tuple[type, ...], what: str, allowed: str) -> None:
+    """Refuse a ``value`` that is not a ``kind``: "``what`` must be ``allowed``, got <type>".
+
+    >>> instance(3, dict, "f: extra", "a mapping")
+    Traceback (most recent call last):
+    TypeError: f: extra must be a mapping, got int
+    """
+    if not isinstance(value, kind):
+        raise TypeError(f"{what} must be {allowed}, got {type(value).__name__}")
+
+
+def integer(value: object, what: str, low: int | None = None, *, expected: str = "an int",
+            got: Callable[[object], str] = shown) -> int:
+    """``value`` as an int (a numpy integer too, never a bool), at least ``low`` if given.
+    ``expected`` says what was wanted ("an int or None" where None is handled before);
+    ``got`` shows a value of the wrong type (a JSON reader shows JSON kinds)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{what} must be {expected}, got {got(value)}")
+    if low is not None and value < low:
+        raise ValueError(f"{what} must be >= {low}, got {value}")
+    return int(value)
+
+
+def ints(values: Sequence[object], what: str, low: int) -> tuple[int, ...]:
+    """Every entry of ``values`` as an int >= ``low``; an error shows the whole sequence.
+
+    >>> ints([2, 0], "device_matrix", 1)
+    Traceback (most recent call last):
+    ValueError: device_matrix entries must be >= 1, got 0 in [2, 0]
+    """
+    out = []
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise TypeError(f"{what} entries must be ints, got {shown(v)} in {values!r}")
+        if v < low:
+            raise ValueError(f"{what} entries must be >= {low}, got {v} in {values!r}")
+        out.append(int(v))
+    return tuple(out)
+
+
+def axis(value: object, ndim: int, what: str) -> int:
+    """A tensor axis of an input of rank ``ndim``, counted from either end, as ``0..ndim-1``."""
+    value = integer(value, what)
+    if not -ndim <= value < ndim:
+        raise ValueError(f"{what}={value} is out of range for an input of rank {ndim}; "
+                         f"allowed {-ndim}..{ndim - 1}")
+    return value % ndim
+
+
+def path(value: object, what: str) -> str:
+    """A file system path given as ``str`` or ``os.PathLike`` (not bytes), as a ``str``."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{what} must be a str or os.PathLike, got {shown(value)}")
+    text = os.fspath(value)
+    if not isinstance(text, str):
+        raise TypeError(f"{what} must be given as text, got bytes {text!r}")
+    return text
+
+
+# ---------------------------------------------------------------- command-line option types
+# argparse prefixes an ArgumentTypeError with "argument --flag: ".
+def positive_int_arg(text: str) -> int:
+    """An option's value as an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {value}")
+    return value
+
+
+def positive_float_arg(text: str) -> float:
+    """An option's value as a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
