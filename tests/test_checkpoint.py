@@ -540,7 +540,9 @@ def test_cli_refuses_an_unfinished_checkpoint(tmp_path: Path,
 
 
 def test_nothing_is_ever_loaded_with_pickle() -> None:
-    tree = ast.parse(Path(checkpoint.__file__).read_text())
+    package = Path(checkpoint.__file__).parent  # every module of simpar.checkpoint
+    tree = ast.Module(body=[node for path in sorted(package.glob("*.py"))
+                            for node in ast.parse(path.read_text()).body], type_ignores=[])
     loads = [node for node in ast.walk(tree) if isinstance(node, ast.Call)
              and isinstance(node.func, ast.Attribute) and node.func.attr == "load"
              and ast.unparse(node.func.value) in ("np", "numpy")]

@@ -28,7 +28,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("simpar.runtime",),
     ("simpar.parallel",),
     ("simpar.nn", "simpar.auto_parallel"),
-    ("simpar.check", "simpar.dataset", "simpar.checkpoint"),
+    ("simpar.check", "simpar.dataset", "simpar.checkpoint", "simpar.checkpoint.manifest",
+     "simpar.checkpoint.save", "simpar.checkpoint.load", "simpar.checkpoint.training",
+     "simpar.checkpoint.cli"),
     ("simpar.train", "simpar.launch", "simpar.calibrate", "simpar"),
 ]
 

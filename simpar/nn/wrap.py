@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from simpar import _checks as checks
 from simpar import comm, context, graph
 from simpar.layout import TensorLayout, shard_index, take_shard
 from simpar.nn.auto_parallel import AutoParallel
@@ -72,12 +73,9 @@ class TrainOneStepCell:
 
     def __init__(self, network: Cell, optimizer: Optimizer, sens: float = 1.0,
                  parallel_mode: str | None = None, seed: int | None = None) -> None:
-        if not isinstance(network, Cell):
-            raise TypeError(f"TrainOneStepCell: network must be a Cell, got "
-                            f"{type(network).__name__}")
-        if not isinstance(optimizer, Optimizer):
-            raise TypeError(f"TrainOneStepCell: optimizer must be a simpar.nn Optimizer, got "
-                            f"{type(optimizer).__name__}")
+        checks.instance(network, Cell, "TrainOneStepCell: network", "a Cell")
+        checks.instance(optimizer, Optimizer, "TrainOneStepCell: optimizer",
+                        "a simpar.nn Optimizer")
         if isinstance(sens, bool) or not isinstance(sens, (int, float)):
             raise TypeError(f"TrainOneStepCell: sens must be a number, got {sens!r}")
         if parallel_mode is not None and parallel_mode not in context.ParallelMode.MODES:
