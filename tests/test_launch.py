@@ -29,6 +29,8 @@ from simpar.launch import (
     read_rank_table,
     write_rank_table,
 )
+from simpar.launch.mpi import with_abort_on_exception
+from simpar.launch.rank_table import _rank_table_from_json
 from tests.mpi_guard import have_mpirun
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -275,7 +277,7 @@ def test_rank_table_accepts_json_numbers() -> None:
         for device in server["device"]:
             device["rank_id"] = int(device["rank_id"])
     data["server_count"] = 2
-    assert launch._rank_table_from_json(data) == build_rank_table(4, [("a", 2), ("b", 2)])
+    assert _rank_table_from_json(data) == build_rank_table(4, [("a", 2), ("b", 2)])
 
 
 def test_server_of_rejects_a_rank_outside_the_table() -> None:
@@ -339,7 +341,7 @@ def test_mpirun_gets_the_hostfile_in_its_own_syntax(
     (["bash", "job.sh"], ["bash", "job.sh"]),
 ])
 def test_python_commands_run_under_mpi4py(command: list[str], expected: list[str]) -> None:
-    assert launch._with_abort_on_exception(command) == expected
+    assert with_abort_on_exception(command) == expected
 
 
 @pytest.fixture

@@ -31,7 +31,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("simpar.check", "simpar.dataset", "simpar.checkpoint", "simpar.checkpoint.manifest",
      "simpar.checkpoint.save", "simpar.checkpoint.load", "simpar.checkpoint.training",
      "simpar.checkpoint.cli"),
-    ("simpar.train", "simpar.launch", "simpar.calibrate", "simpar"),
+    ("simpar.train", "simpar.launch", "simpar.launch.rank_table", "simpar.launch.mpi",
+     "simpar.launch.rank_wrapper", "simpar.launch.supervisor", "simpar.launch.cli",
+     "simpar.calibrate", "simpar"),
 ]
 
 
