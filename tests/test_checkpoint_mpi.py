@@ -17,8 +17,9 @@ import pytest
 
 import simpar
 import simpar.comm as comm
-from simpar import checkpoint, nn
+from simpar import nn
 from simpar.checkpoint import latest_checkpoint, load_training, read_manifest, save_training
+from simpar.checkpoint import training as checkpoint_training
 from simpar.dataset import random_classification
 from simpar.nn import presets
 from tests.mpi_guard import abort_job_on_error, raised_everywhere, searched_context, shared_dir
@@ -157,7 +158,8 @@ def test_a_save_cut_short_leaves_the_previous_checkpoint_the_latest(
     def dies(*args: object, **kwargs: object) -> None:
         raise OSError("disk full (injected)")
 
-    monkeypatch.setattr(checkpoint, "finish_checkpoint", dies)  # rank 0 dies before the manifest
+    # rank 0 dies before the manifest
+    monkeypatch.setattr(checkpoint_training, "finish_checkpoint", dies)
     raised_everywhere(lambda: save_training(train, root / "step_000002"), ValueError,
                       "disk full (injected)")
     monkeypatch.undo()
