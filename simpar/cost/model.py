@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
-from simpar.cost.collective import sample_ranks
+from simpar.collective_kinds import sample_ranks
 from simpar.cost.profile import DeviceProfile, load_profile
 
 __all__ = ["OPTIMIZER_KERNELS", "OPTIMIZER_PASSES", "OPTIMIZER_STATE", "OPTIMIZER_TEMPORARIES",
