@@ -226,6 +226,7 @@ PREPARED: list[tuple[str, Callable[..., np.ndarray], dict[str, Any], Callable[[i
     ("reduce_scatter", comm.reduce_scatter, {"axis": 1, "op": "sum"}, lambda p: (2, 2 * p)),
     ("all_to_all", comm.all_to_all, {"split_axis": 1, "concat_axis": 0}, lambda p: (2, 3 * p)),
     ("all_to_all", comm.all_to_all, {"split_axis": 0, "concat_axis": 1}, lambda p: (p, 3)),
+    ("broadcast", comm.broadcast, {"root": 0}, lambda p: (2, 3)),
 ]
 
 

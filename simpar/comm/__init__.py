@@ -11,6 +11,7 @@ a collective alike), ``collectives`` (the regular collectives, point to point), 
 (:class:`CommTrace`). Importing this package does not start MPI; the first call does.
 """
 
+from simpar.comm import agreement, collectives, exchange, prepared
 from simpar.comm._world import (
     Group,
     check_context,
@@ -20,61 +21,15 @@ from simpar.comm._world import (
     init,
     world,
 )
-from simpar.comm.agreement import (
-    CommMismatchError,
-    InputMismatchError,
-    PendingCheck,
-    check_agreement,
-    check_same_arrays,
-    set_validation,
-    start_check_same_arrays,
-    validation,
-    validation_disabled,
-)
-from simpar.comm.collectives import (
-    all_gather,
-    all_reduce,
-    all_to_all,
-    barrier,
-    broadcast,
-    recv,
-    reduce_scatter,
-    send,
-)
-from simpar.comm.exchange import all_to_all_single, all_to_all_v
-from simpar.comm.prepared import Prepared, prepare
+
+# Every name a collectives module lists in its __all__ is simpar.comm's: a new collective is
+# public once its module lists it.
+from simpar.comm.agreement import *  # noqa: F403
+from simpar.comm.collectives import *  # noqa: F403
+from simpar.comm.exchange import *  # noqa: F403
+from simpar.comm.prepared import *  # noqa: F403
 from simpar.comm.trace import CommEvent, CommTrace, label
 
-__all__ = [
-    "CommEvent",
-    "CommMismatchError",
-    "CommTrace",
-    "Group",
-    "InputMismatchError",
-    "PendingCheck",
-    "Prepared",
-    "all_gather",
-    "all_reduce",
-    "all_to_all",
-    "all_to_all_single",
-    "all_to_all_v",
-    "barrier",
-    "broadcast",
-    "check_agreement",
-    "check_context",
-    "check_same_arrays",
-    "create_group",
-    "get_group_size",
-    "get_rank",
-    "init",
-    "label",
-    "prepare",
-    "recv",
-    "reduce_scatter",
-    "send",
-    "set_validation",
-    "start_check_same_arrays",
-    "validation",
-    "validation_disabled",
-    "world",
-]
+__all__ = ["CommEvent", "CommTrace", "Group", "check_context", "create_group",
+           "get_group_size", "get_rank", "init", "label", "world"]
+__all__ += agreement.__all__ + collectives.__all__ + exchange.__all__ + prepared.__all__

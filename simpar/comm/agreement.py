@@ -35,8 +35,8 @@ from simpar.comm._arrays import _KIND_CODE, REDUCE_OPS, _mpi
 from simpar.comm._world import Group, resolve, world
 
 __all__ = ["CommMismatchError", "InputMismatchError", "PendingCheck", "check_agreement",
-           "check_same_arrays", "piece_claims", "ring_claims", "set_validation",
-           "start_check_same_arrays", "validation", "validation_disabled"]
+           "check_same_arrays", "set_validation", "start_check_same_arrays", "validation",
+           "validation_disabled"]
 
 _validate = os.environ.get("SIMPAR_COMM_CHECK", "1") not in ("0", "false", "no")
 

@@ -16,7 +16,7 @@ it: each is one :class:`_Regular` record, and one method calls them all.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any
 
@@ -29,7 +29,6 @@ from simpar.comm._arrays import (
     _KIND_CODE,
     _OP_CODE,
     DTYPES,
-    REDUCE_OPS,
     _apart,
     _array,
     _axis,
@@ -75,6 +74,7 @@ class _Call:
     args: tuple[int, ...]            # the agreed arguments, and their names for messages
     labels: tuple[str, ...]
     kind: str                        # CommTrace's name of it
+    op: str | None = None            # the reduction, for a reducing collective
     late_error: str | None = None    # raised after the agreement, on every rank alike
 
 
@@ -92,23 +92,30 @@ class _Regular:
 
     ``plan(x, *args, group)`` validates a call and works it out (cached per signature);
     ``buffer(call, x, out)`` checks ``out`` and gives (the result buffer or None for a new
-    one, whether it is ``x``'s memory); ``run`` is the MPI call; ``arg_types`` the types the
-    arguments must have for the call to be cached. Calling the record is the collective:
-    plan, refuse (a rank's own bad arguments reach every rank), agree, run.
+    one, whether it is ``x``'s memory); ``run`` is the MPI call; ``parameters`` its one or two
+    arguments: (name, the type its value must have for the call to be cached, default or
+    :data:`REQUIRED`). Calling the record is the collective: plan, refuse (a rank's own bad
+    arguments reach every rank), agree, run; :func:`simpar.comm.prepare` plans it once.
     """
 
     name: str
     plan: Callable[..., _Call]
     buffer: Callable[[_Call, np.ndarray, np.ndarray | None], tuple[np.ndarray | None, bool]]
     run: Run
-    arg_types: tuple[type, ...]
+    parameters: tuple[tuple[str, type, object], ...]
+    arg_types: tuple[type, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "arg_types", tuple(t for _, t, _ in self.parameters))
 
     def __call__(self, x: np.ndarray, group: Group | Sequence[int] | None,
                  out: np.ndarray | None, *args: Any) -> np.ndarray:
         g, comm = resolve(group)
         try:
+            types = self.arg_types  # (one or two arguments; spelled out, as this runs per call)
             key = ((self.name, g.ranks, x.shape, x.dtype.num, *args)
-                   if _keyable(x) and tuple(map(type, args)) == self.arg_types else None)
+                   if _keyable(x) and type(args[0]) is types[0]
+                   and (len(args) == 1 or type(args[1]) is types[1]) else None)
             c = _cached(_CALLS, key, self.plan, x, *args, g)
             out, in_place = self.buffer(c, x, out)
         except Exception as error:  # noqa: BLE001 (every error must reach the other ranks)
@@ -120,7 +127,7 @@ class _Regular:
 def _new_call(name: str, g: Group, x: np.ndarray, out_shape: tuple[int, ...],
               mpi_shape: tuple[int, ...], axes: tuple[int, ...], mpi_op: Any,
               args: tuple[int, ...], labels: tuple[str, ...], late_error: str | None = None,
-              traffic: tuple[int, int] | None = None) -> _Call:
+              traffic: tuple[int, int] | None = None, op: str | None = None) -> _Call:
     """``traffic``: (bytes sent, bytes received), when not the kind's formula for every rank."""
     key = hash((_KIND_CODE[name], _DTYPE_CODE[x.dtype.num], x.shape, *args))
     claims = ring_claims(key, g.index(int(world().Get_rank())), g.size) if g.size > 1 else 0
@@ -129,7 +136,7 @@ def _new_call(name: str, g: Group, x: np.ndarray, out_shape: tuple[int, ...],
         moved = kind.traffic(g.size, x.nbytes)
         traffic = (moved, moved)
     return _Call(out_shape, mpi_shape, axes, mpi_op, *traffic, claims, args, labels, kind.name,
-                 late_error)
+                 op, late_error)
 
 
 def _check(comm: Any, g: Group, name: str, x: np.ndarray, c: _Call) -> None:
@@ -148,19 +155,10 @@ def _indivisible(x: np.ndarray, axis: int, p: int, name: str) -> str | None:
             f"not split into {p} equal parts for a group of {p} ranks")
 
 
-def _record(g: Group, c: _Call, x: np.ndarray, start: float, op: str | None,
-            at: tuple[int, str] | None) -> None:
+def _record(g: Group, c: _Call, x: np.ndarray, start: float, at: tuple[int, str] | None
+            ) -> None:
     trace.record(c.kind, g.ranks, c.bytes_sent, c.bytes_recv, perf_counter() - start, x.dtype,
-                 x.shape, op, at)
-
-
-def _reduction(c: _Call, out: np.ndarray, g: Group) -> str:
-    """The reduction's name (its code is the call's last argument); a mean is the sum
-    divided, in ``out``, by the group's size."""
-    op = REDUCE_OPS[c.args[-1]]
-    if op == "mean":
-        out /= g.size
-    return op
+                 x.shape, c.op, at)
 
 
 # ---------------------------------------------------------------- all_reduce
@@ -178,7 +176,8 @@ def _plan_all_reduce(x: np.ndarray, op: str, g: Group) -> _Call:
     name = "all_reduce"
     x = _array(x, name)
     mpi_op = _reduce_op(op, name, x.dtype)
-    return _new_call(name, g, x, x.shape, x.shape, (), mpi_op, (_OP_CODE[op],), ("op",))
+    return _new_call(name, g, x, x.shape, x.shape, (), mpi_op, (_OP_CODE[op],), ("op",),
+                     op=op)
 
 
 def _into_or_in_place(c: _Call, x: np.ndarray, out: np.ndarray | None
@@ -194,7 +193,9 @@ def _run_all_reduce(comm: Any, g: Group, c: _Call, x: np.ndarray, out: np.ndarra
         out = np.empty(c.out_shape, x.dtype)
     send = np.ascontiguousarray(x)
     comm.Allreduce(_mpi().IN_PLACE if in_place else send, out, op=c.mpi_op)
-    _record(g, c, x, start, _reduction(c, out, g), at)
+    if c.op == "mean":
+        out /= g.size
+    _record(g, c, x, start, at)
     return out
 
 
@@ -252,7 +253,7 @@ def _run_all_gather(comm: Any, g: Group, c: _Call, x: np.ndarray, out: np.ndarra
                     in_place: bool, at: tuple[int, str] | None) -> np.ndarray:
     start = perf_counter()
     out = _run_gathered(comm, g, c, x, out, c.axes[0], np.ascontiguousarray(x), comm.Allgather)
-    _record(g, c, x, start, None, at)
+    _record(g, c, x, start, at)
     return out
 
 
@@ -277,7 +278,7 @@ def _plan_reduce_scatter(x: np.ndarray, axis: int, op: str, g: Group) -> _Call:
     p = g.size
     piece = x.shape[:axis] + (x.shape[axis] // p,) + x.shape[axis + 1:]
     return _new_call(name, g, x, piece, piece, (axis,), mpi_op, (axis, _OP_CODE[op]),
-                     ("axis", "op"), _indivisible(x, axis, p, name))
+                     ("axis", "op"), _indivisible(x, axis, p, name), op=op)
 
 
 def _run_reduce_scatter(comm: Any, g: Group, c: _Call, x: np.ndarray, out: np.ndarray | None,
@@ -287,7 +288,9 @@ def _run_reduce_scatter(comm: Any, g: Group, c: _Call, x: np.ndarray, out: np.nd
         out = np.empty(c.out_shape, x.dtype)
     send = _split_blocks(x, c.axes[0], g.size)
     comm.Reduce_scatter_block(send, out, op=c.mpi_op)
-    _record(g, c, x, start, _reduction(c, out, g), at)
+    if c.op == "mean":
+        out /= g.size
+    _record(g, c, x, start, at)
     return out
 
 
@@ -324,7 +327,7 @@ def _run_all_to_all(comm: Any, g: Group, c: _Call, x: np.ndarray, out: np.ndarra
     start = perf_counter()
     send = _split_blocks(x, c.axes[0], g.size)
     out = _run_gathered(comm, g, c, x, out, c.axes[1], send, comm.Alltoall)
-    _record(g, c, x, start, None, at)
+    _record(g, c, x, start, at)
     return out
 
 
@@ -370,19 +373,26 @@ def _run_broadcast(comm: Any, g: Group, c: _Call, x: np.ndarray, out: np.ndarray
     return out
 
 
+#: A parameter without a default.
+REQUIRED = object()
+
 ALL_REDUCE = _Regular("all_reduce", _plan_all_reduce, _into_or_in_place, _run_all_reduce,
-                      (str,))
+                      (("op", str, "sum"),))
 ALL_GATHER = _Regular("all_gather", _plan_all_gather,
                       lambda c, x, out: _apart_or_blocks(c, x, out, "all_gather", c.axes[0]),
-                      _run_all_gather, (int,))
+                      _run_all_gather, (("axis", int, 0),))
 REDUCE_SCATTER = _Regular(
     "reduce_scatter", _plan_reduce_scatter,
     lambda c, x, out: _apart_or_blocks(c, x, out, "reduce_scatter", 0), _run_reduce_scatter,
-    (int, str))
+    (("axis", int, 0), ("op", str, "sum")))
 ALL_TO_ALL = _Regular("all_to_all", _plan_all_to_all,
                       lambda c, x, out: _apart_or_blocks(c, x, out, "all_to_all", c.axes[1]),
-                      _run_all_to_all, (int, int))
-BROADCAST = _Regular("broadcast", _plan_broadcast, _into, _run_broadcast, (int,))
+                      _run_all_to_all,
+                      (("split_axis", int, REQUIRED), ("concat_axis", int, REQUIRED)))
+BROADCAST = _Regular("broadcast", _plan_broadcast, _into, _run_broadcast,
+                     (("root", int, REQUIRED),))
+#: Every regular collective, by its name.
+REGULAR = {r.name: r for r in (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, BROADCAST)}
 
 
 # ---------------------------------------------------------------- point to point, barrier

@@ -12,7 +12,7 @@ from simpar.collective_kinds import by_function
 from simpar.comm import trace
 from simpar.comm._arrays import _array
 from simpar.comm._world import Group, resolve
-from simpar.comm.collectives import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, _Regular
+from simpar.comm.collectives import REGULAR, REQUIRED
 
 __all__ = ["Prepared", "prepare"]
 
@@ -20,16 +20,8 @@ __all__ = ["Prepared", "prepare"]
 #: the call (its CommTrace index and label), None outside a program.
 Prepared = Callable[..., np.ndarray]
 
-_REQUIRED = object()
-#: The collectives prepare takes, and their keyword arguments with their defaults.
-_PREPARABLE: dict[str, tuple[_Regular, tuple[tuple[str, Any], ...]]] = {
-    "all_reduce": (ALL_REDUCE, (("op", "sum"),)),
-    "all_gather": (ALL_GATHER, (("axis", 0),)),
-    "reduce_scatter": (REDUCE_SCATTER, (("axis", 0), ("op", "sum"))),
-    "all_to_all": (ALL_TO_ALL, (("split_axis", _REQUIRED), ("concat_axis", _REQUIRED))),
-}
 #: The collectives that can write their result into their input.
-_IN_PLACE = [name for name in _PREPARABLE if by_function(name).in_place]
+_IN_PLACE = [name for name in REGULAR if by_function(name).in_place]
 
 
 def prepare(name: str, shape: Sequence[int], dtype: Any,
@@ -39,8 +31,9 @@ def prepare(name: str, shape: Sequence[int], dtype: Any,
     one shape and dtype, as MPI-4's persistent collectives are set up once by
     ``MPI_Allreduce_init``: a compiled program's AllReduce after a row-parallel MatMul, say.
 
-    ``name`` is ``"all_reduce"``, ``"all_gather"``, ``"reduce_scatter"`` or ``"all_to_all"``
-    and ``args`` its keyword arguments (``op``, ``axis``, ``split_axis``/``concat_axis``);
+    ``name`` is a regular collective (``"all_reduce"``, ``"all_gather"``, ``"reduce_scatter"``,
+    ``"all_to_all"``, ``"broadcast"``) and ``args`` its keyword arguments (``op``, ``axis``,
+    ``split_axis``/``concat_axis``, ``root``);
     they, the group, the shape and the dtype are checked here, once, raising what the call
     itself would. The returned ``run(x)`` then does only the MPI call and the CommTrace event:
     no signature lookup, no group lookup, no argument checks and no agreement check (every
@@ -56,21 +49,21 @@ def prepare(name: str, shape: Sequence[int], dtype: Any,
     >>> run = prepare("all_reduce", (128, 64), np.float32, group=(0, 1, 2, 3))  # doctest: +SKIP
     >>> y = run(x)  # as all_reduce(x, group=(0, 1, 2, 3))                     # doctest: +SKIP
     """
-    found = _PREPARABLE.get(name)
-    if found is None:
+    collective = REGULAR.get(name)
+    if collective is None:
         raise ValueError(f"prepare: name must be one of "
-                         f"{', '.join(repr(n) for n in _PREPARABLE)}, got {name!r}")
+                         f"{', '.join(repr(n) for n in REGULAR)}, got {name!r}")
     if consume is not False and (consume is not True or name not in _IN_PLACE):
         raise ValueError(f"prepare: consume must be a bool, and True only for "
                          f"{', '.join(repr(n) for n in _IN_PLACE)} (the one collective whose "
                          f"result has its input's shape), got consume={consume!r} for {name!r}")
-    collective, parameters = found
-    unknown = sorted(set(args) - {key for key, _ in parameters})
-    missing = [key for key, default in parameters if default is _REQUIRED and key not in args]
+    parameters = collective.parameters
+    unknown = sorted(set(args) - {key for key, _, _ in parameters})
+    missing = [key for key, _, default in parameters if default is REQUIRED and key not in args]
     if unknown or missing:
         raise TypeError(f"prepare: {name} takes the keyword arguments "
-                        f"{[key for key, _ in parameters]}, got {sorted(args)}")
-    values = tuple(args.get(key, default) for key, default in parameters)
+                        f"{[key for key, _, _ in parameters]}, got {sorted(args)}")
+    values = tuple(args.get(key, default) for key, _, default in parameters)
     g, comm = resolve(group)
     shape = tuple(int(n) for n in shape)
     dtype = np.dtype(dtype)
