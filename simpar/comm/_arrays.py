@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from simpar.collective_kinds import KINDS
+
 DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.int32), np.dtype(np.int64))
 REDUCE_OPS = ("sum", "mean", "max", "min")
 # dtype.num -> index in DTYPES, for every type number that means one of them (int64 is both
@@ -17,9 +19,11 @@ REDUCE_OPS = ("sum", "mean", "max", "min")
 _DTYPE_CODE = {np.dtype(c).num: DTYPES.index(np.dtype(c))
                for c in np.typecodes["All"] if np.dtype(c) in DTYPES}
 # Signatures are hashed from ints only: Python salts the hash of str per process.
-_KIND_CODE = {name: i for i, name in enumerate(
+# (every collective of the kinds table has one, in a fixed order: the same on every rank)
+_KIND_CODE = {name: i for i, name in enumerate(dict.fromkeys(
     ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_v", "broadcast",
-     "check_agreement", "all_to_all_single", "check_same_arrays"))}
+     "check_agreement", "all_to_all_single", "check_same_arrays",
+     *(kind.function for kind in KINDS.values() if kind.function))))}
 _OP_CODE = {op: i for i, op in enumerate(REDUCE_OPS)}
 
 
