@@ -11,25 +11,16 @@ a collective alike), ``collectives`` (the regular collectives, point to point), 
 (:class:`CommTrace`). Importing this package does not start MPI; the first call does.
 """
 
-from simpar.comm import agreement, collectives, exchange, prepared
-from simpar.comm._world import (
-    Group,
-    check_context,
-    create_group,
-    get_group_size,
-    get_rank,
-    init,
-    world,
-)
-
-# Every name a collectives module lists in its __all__ is simpar.comm's: a new collective is
-# public once its module lists it.
+# Every name a module lists in its __all__ is simpar.comm's: a new collective is public once
+# its module lists it.
+from simpar.comm import _world, agreement, collectives, exchange, prepared
+from simpar.comm._world import *  # noqa: F403
 from simpar.comm.agreement import *  # noqa: F403
 from simpar.comm.collectives import *  # noqa: F403
 from simpar.comm.exchange import *  # noqa: F403
 from simpar.comm.prepared import *  # noqa: F403
 from simpar.comm.trace import CommEvent, CommTrace, label
 
-__all__ = ["CommEvent", "CommTrace", "Group", "check_context", "create_group",
-           "get_group_size", "get_rank", "init", "label", "world"]
-__all__ += agreement.__all__ + collectives.__all__ + exchange.__all__ + prepared.__all__
+__all__ = ["CommEvent", "CommTrace", "label"]
+__all__ += (_world.__all__ + agreement.__all__ + collectives.__all__ + exchange.__all__
+            + prepared.__all__)

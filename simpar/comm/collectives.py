@@ -148,6 +148,14 @@ def _check(comm: Any, g: Group, name: str, x: np.ndarray, c: _Call) -> None:
         raise ValueError(c.late_error)
 
 
+def _blocks(x: np.ndarray, name: str) -> np.ndarray:
+    """``x`` checked for a collective that cuts or joins it along an axis (rank >= 1)."""
+    x = _array(x, name)
+    if x.ndim == 0:
+        raise ValueError(f"{name}: needs an array of rank >= 1, got a 0-d array")
+    return x
+
+
 def _indivisible(x: np.ndarray, axis: int, p: int, name: str) -> str | None:
     if x.shape[axis] % p == 0:
         return None
@@ -211,9 +219,7 @@ def all_gather(x: np.ndarray, axis: int = 0, group: Group | Sequence[int] | None
 
 def _plan_all_gather(x: np.ndarray, axis: int, g: Group) -> _Call:
     name = "all_gather"
-    x = _array(x, name)
-    if x.ndim == 0:
-        raise ValueError(f"{name}: needs an array of rank >= 1, got a 0-d array")
+    x = _blocks(x, name)
     axis = _axis(axis, x.ndim, name)
     p = g.size
     shape = x.shape[:axis] + (p * x.shape[axis],) + x.shape[axis + 1:]
@@ -270,9 +276,7 @@ def reduce_scatter(x: np.ndarray, axis: int = 0, op: str = "sum",
 
 def _plan_reduce_scatter(x: np.ndarray, axis: int, op: str, g: Group) -> _Call:
     name = "reduce_scatter"
-    x = _array(x, name)
-    if x.ndim == 0:
-        raise ValueError(f"{name}: needs an array of rank >= 1, got a 0-d array")
+    x = _blocks(x, name)
     axis = _axis(axis, x.ndim, name)
     mpi_op = _reduce_op(op, name, x.dtype)
     p = g.size
@@ -309,9 +313,7 @@ def all_to_all(x: np.ndarray, split_axis: int, concat_axis: int,
 
 def _plan_all_to_all(x: np.ndarray, split_axis: int, concat_axis: int, g: Group) -> _Call:
     name = "all_to_all"
-    x = _array(x, name)
-    if x.ndim == 0:
-        raise ValueError(f"{name}: needs an array of rank >= 1, got a 0-d array")
+    x = _blocks(x, name)
     split_axis = _axis(split_axis, x.ndim, name, "split_axis")
     concat_axis = _axis(concat_axis, x.ndim, name, "concat_axis")
     p = g.size

@@ -105,6 +105,7 @@ class Exchange:
 
 @lru_cache(maxsize=1024)
 def exchange(src: TensorLayout, dst: TensorLayout) -> Exchange:
+    """The exchange from ``src`` to ``dst`` (cached: layouts are immutable)."""
     p = src.device_num
     s_lo = np.array([[a for a, _ in src.slice_of(r)] for r in range(p)], dtype=np.int64)
     d_lo = np.array([[a for a, _ in dst.slice_of(r)] for r in range(p)], dtype=np.int64)
@@ -135,6 +136,8 @@ class Route:
 
 @lru_cache(maxsize=4096)
 def route(src: TensorLayout, dst: TensorLayout, rank: int) -> Route:
+    """``rank``'s part of the exchange from ``src`` to ``dst``, in its own shards' local
+    coordinates: what it keeps, sends and receives."""
     ex = exchange(src, dst)
     s_lo, d_lo = ex.s_lo[rank], ex.d_lo[rank]
 
