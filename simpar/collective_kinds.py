@@ -135,8 +135,8 @@ class CollectiveKind:
 
 
 def _ring(factor: int) -> Callable[[int], int]:
-    """``factor`` passes around a ring of ``p``: ``factor * (p - 1)`` rounds."""
-    return lambda p: factor * max(0, p - 1)
+    """``factor`` passes around a ring of ``p >= 1``: ``factor * (p - 1)`` rounds."""
+    return lambda p: factor * (p - 1)
 
 
 def _tree(p: int) -> int:

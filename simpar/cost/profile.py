@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from simpar.collective_kinds import kind_of
+from simpar.collective_kinds import KINDS, CollectiveKind, kind_of
 
 __all__ = ["DeviceProfile", "Link", "load_profile", "profile_names"]
 
@@ -174,18 +174,23 @@ class DeviceProfile:
         p = len(group)
         if p < 2:
             return 0.0
-        facts = kind_of(kind)
-        return self.link(group).seconds(facts.rounds(p), facts.traffic(p, nbytes))
+        return self._seconds(KINDS.get(kind) or kind_of(kind), group, p, nbytes)
 
     def step_collective_seconds(self, kind: str, group: Sequence[int], buffer_bytes: int,
                                 recv_bytes: int) -> float:
         """One collective inside a training step: its time (a direct exchange on the bytes
         it receives, the others on their local buffer) plus the wait for the slowest rank
         (``sync_overhead``); 0 over one rank. Both cost models price collectives with it."""
-        if len(group) < 2:
+        p = len(group)
+        if p < 2:
             return 0.0
-        nbytes = recv_bytes if kind_of(kind).by_pieces else buffer_bytes
-        return self.collective_seconds(kind, group, nbytes) + self.sync_overhead
+        facts = KINDS.get(kind) or kind_of(kind)   # (kind_of raises, naming the kinds)
+        nbytes = recv_bytes if facts.by_pieces else buffer_bytes
+        return self._seconds(facts, group, p, nbytes) + self.sync_overhead
+
+    def _seconds(self, facts: CollectiveKind, group: Sequence[int], p: int, nbytes: int
+                 ) -> float:
+        return self.link(group).seconds(facts.rounds(p), facts.traffic(p, nbytes))
 
     def compute_seconds(self, flops: float, memory_bytes: float, dtype: Any) -> float:
         """Time of one kernel call: its dispatch (``kernel_overhead``) plus its roofline, the
