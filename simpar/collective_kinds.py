@@ -26,6 +26,10 @@ be; :data:`KINDS` maps every kind's name (a StepKind member is its own name) to 
 redistribution planner and executor, the op sharding rules, the collectives in
 ``simpar.comm``, the cost model, ``simpar.calibrate`` and the planners' bulk pricing.
 
+One disagreement is left, pending a decision on what tests assert: :func:`latency_rounds`
+and :func:`seconds` (the default link :meth:`simpar.redistribution.Step.seconds` estimates
+with) still count ``ceil(log2 p)`` rounds for the ring collectives, not the table's.
+
 A leaf module: it imports nothing from simpar, so every layer may use it.
 """
 
