@@ -42,6 +42,7 @@ import re
 import shlex
 import socket
 import sys
+import types
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -50,23 +51,24 @@ from time import perf_counter
 import numpy as np
 
 import simpar.comm as comm
-from simpar import _env, graph, nn, ops
+from simpar import _env, collective_kinds, graph, nn, ops
 from simpar.cost.model import evaluate
 from simpar.cost.profile import DeviceProfile, Link, load_profile
 from simpar.runtime import lower
 from simpar.search import plan_strategies
 
-__all__ = ["FULL", "KINDS", "QUICK", "Calibration", "Plan", "Sample", "calibrate", "fit_link",
-           "main", "measure_collectives", "measure_gemm", "measure_memory_bandwidth",
-           "model_terms"]
+__all__ = ["FULL", "KINDS", "QUICK", "Calibration", "MeasurementPlan", "Sample", "calibrate",
+           "fit_link", "main", "measure_collectives", "measure_gemm",
+           "measure_memory_bandwidth", "model_terms"]
 
 KIB, MIB = 2**10, 2**20
-KINDS = ("AllReduce", "AllGather", "ReduceScatter", "AllToAll")
+#: The collectives measured: every kind with one traffic formula for every rank.
+KINDS = tuple(k.name for k in collective_kinds.KINDS.values() if k.ring is not None)
 PROG = "python -m simpar.calibrate"
 
 
 @dataclass(frozen=True, slots=True)
-class Plan:
+class MeasurementPlan:
     """What to measure, and how often.
 
     ``gemm_seconds``: the GEMM is sized to take about this long; ``stream_bytes``: each array
@@ -88,48 +90,38 @@ class Plan:
                   "reps": self.reps, "stream_bytes": self.stream_bytes}
         for what, n in counts.items():
             if not isinstance(n, int) or n < 1:
-                raise ValueError(f"Plan: {what} must be an int >= 1, got {n!r}")
+                raise ValueError(f"MeasurementPlan: {what} must be an int >= 1, got {n!r}")
         if self.warmup < 0 or not self.gemm_seconds > 0:
-            raise ValueError(f"Plan: warmup must be >= 0 and gemm_seconds > 0, got "
+            raise ValueError(f"MeasurementPlan: warmup must be >= 0 and gemm_seconds > 0, got "
                              f"{self.warmup!r} and {self.gemm_seconds!r}")
         if len(self.sizes) < 2 or any(s < 4 for s in self.sizes):
-            raise ValueError(f"Plan: sizes must list at least 2 buffer sizes of >= 4 bytes (a "
-                             f"line needs two points), got {self.sizes!r}")
+            raise ValueError(f"MeasurementPlan: sizes must list at least 2 buffer sizes of >= 4 "
+                             f"bytes (a line needs two points), got {self.sizes!r}")
 
     def __str__(self) -> str:
-        return (f"Plan(GEMM ~{self.gemm_seconds * 1e3:g} ms x{self.gemm_reps}, a+b "
+        return (f"MeasurementPlan(GEMM ~{self.gemm_seconds * 1e3:g} ms x{self.gemm_reps}, a+b "
                 f"{_size(self.stream_bytes)} x{self.stream_reps}, collectives "
                 f"{_sizes(self.sizes)} x{self.reps}{', subgroups' if self.subgroups else ''})")
 
 
-FULL = Plan(gemm_seconds=0.04, gemm_reps=9, stream_bytes=32 * MIB, stream_reps=9,
+FULL = MeasurementPlan(gemm_seconds=0.04, gemm_reps=9, stream_bytes=32 * MIB, stream_reps=9,
             sizes=tuple(4 * KIB * 4**k for k in range(6)), reps=21, subgroups=True)
-QUICK = Plan(gemm_seconds=0.004, gemm_reps=3, stream_bytes=4 * MIB, stream_reps=3,
+QUICK = MeasurementPlan(gemm_seconds=0.004, gemm_reps=3, stream_bytes=4 * MIB, stream_reps=3,
              sizes=(4 * KIB, 64 * KIB, 1 * MIB), reps=5, subgroups=False, warmup=1)
-
-
-# The cost model's own terms of a collective, read off DeviceProfile.collective_seconds by
-# linearity: a link of latency 0 and 1 byte/s prices the traffic alone, latency 1 adds one
-# second per round. So the fit can never disagree with the formula its figures feed.
-def _unit_profile(latency: float) -> DeviceProfile:
-    link = Link(latency, 1.0)
-    return DeviceProfile("unit", {"float32": 1.0}, 1, 1.0, link, link, 1)
-
-
-_TRAFFIC_ONLY, _ROUNDS_AND_TRAFFIC = _unit_profile(0.0), _unit_profile(1.0)
 
 
 def model_terms(kind: str, group_size: int, nbytes: int) -> tuple[float, float]:
     """(latency rounds, bytes at the bandwidth) that the cost model charges one ``kind`` of a
-    local ``nbytes`` buffer over ``group_size`` ranks. 1 MiB AllReduce over 8 ranks: 14 rounds
-    and 2 * 7/8 MiB.
+    local ``nbytes`` buffer over ``group_size`` ranks: the kind's row of
+    :data:`simpar.collective_kinds.KINDS`, which :meth:`DeviceProfile.collective_seconds`
+    reads too, so the fit can never disagree with the formula its figures feed. 1 MiB
+    AllReduce over 8 ranks: 14 rounds and 2 * 7/8 MiB.
 
     >>> model_terms("AllReduce", 8, 2**20) == (14.0, 2 * 7 * 2**20 / 8)
     True
     """
-    group = range(group_size)
-    traffic = _TRAFFIC_ONLY.collective_seconds(kind, group, nbytes)
-    return _ROUNDS_AND_TRAFFIC.collective_seconds(kind, group, nbytes) - traffic, traffic
+    facts = collective_kinds.kind_of(kind)
+    return float(facts.rounds(group_size)), float(facts.traffic(group_size, nbytes))
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,7 +187,7 @@ def fit_link(rounds: Sequence[float], traffic: Sequence[float],
     return Link(latency, 1.0 / per_byte, overhead)
 
 
-def measure_kernel_overhead(plan: Plan, ops_in_chain: int = 64) -> tuple[float, int]:
+def measure_kernel_overhead(plan: MeasurementPlan, ops_in_chain: int = 64) -> tuple[float, int]:
     """(seconds per kernel call, kernels per run) of simpar's executor, every rank at once: a
     stand-alone program of ``ops_in_chain`` elementwise ops on (4, 4) float64 arrays, run
     forward and backward; the time of its tiny kernels is negligible, so a call's time is
@@ -220,7 +212,7 @@ def measure_kernel_overhead(plan: Plan, ops_in_chain: int = 64) -> tuple[float, 
     return t / kernels, kernels
 
 
-def measure_array_op_overhead(plan: Plan, calls: int = 256) -> float:
+def measure_array_op_overhead(plan: MeasurementPlan, calls: int = 256) -> float:
     """Seconds per tiny in-place numpy operation (as an optimizer's update runs them), every
     rank at once."""
     a = np.ones(16)
@@ -232,7 +224,7 @@ def measure_array_op_overhead(plan: Plan, calls: int = 256) -> float:
     return float(np.median(_timed([run], plan.stream_reps, 1))) / calls
 
 
-def measure_compute_scale(plan: Plan, profile: DeviceProfile) -> float:
+def measure_compute_scale(plan: MeasurementPlan, profile: DeviceProfile) -> float:
     """Measured / modelled kernel time of a reference training step, every rank at once: a
     stand-alone transformer (vocabulary 96, sequence 16, d_model 48, 1 layer, 4 heads, batch
     4, float64, Momentum), no communication. Small kernels run below the roofline's peaks
@@ -253,7 +245,7 @@ def measure_compute_scale(plan: Plan, profile: DeviceProfile) -> float:
     return max(0.05, (t - rest) / report.compute)
 
 
-def measure_sync_overhead(plan: Plan, profile: DeviceProfile) -> float:
+def measure_sync_overhead(plan: MeasurementPlan, profile: DeviceProfile) -> float:
     """Seconds per collective inside a real training step beyond what the link predicts: a
     data-parallel MLP (64 -> 128 -> 8, batch 8 per rank, float64, SGD) over every rank, its
     measured step minus ``profile``'s prediction, over its collectives. Ranks reach a
@@ -277,7 +269,7 @@ def measure_sync_overhead(plan: Plan, profile: DeviceProfile) -> float:
     return max(0.0, (t - report.step_seconds) / calls)
 
 
-def measure_step_overhead(plan: Plan, profile: DeviceProfile) -> float:
+def measure_step_overhead(plan: MeasurementPlan, profile: DeviceProfile) -> float:
     """Seconds per training step besides kernels, collectives and the optimizer's kernels:
     a stand-alone ``TrainOneStepCell`` of a tiny Dense + MSE + Momentum, every rank at once,
     minus what ``profile`` (already holding the kernel overhead) predicts for its program."""
@@ -357,7 +349,7 @@ def _timed(calls: Sequence[Callable[[], object]], reps: int, warmup: int) -> np.
     return _slowest(times)
 
 
-def measure_gemm(dtype: np.dtype | type, plan: Plan) -> tuple[int, float]:
+def measure_gemm(dtype: np.dtype | type, plan: MeasurementPlan) -> tuple[int, float]:
     """(n, FLOP/s per rank) of an n x n ``dtype`` GEMM run by every rank at once, n chosen
     so that one takes about ``plan.gemm_seconds``. Every rank calls it and gets the same."""
     rng = np.random.default_rng(comm.get_rank())
@@ -379,7 +371,7 @@ def _gemm_seconds(rng: np.random.Generator, dtype: np.dtype | type, n: int, reps
     return float(np.median(_timed([lambda: np.matmul(a, b, out=out)], reps, 1)))
 
 
-def measure_memory_bandwidth(plan: Plan) -> float:
+def measure_memory_bandwidth(plan: MeasurementPlan) -> float:
     """Bytes/s per rank of ``np.add(a, b, out=c)`` on float32 arrays of ``plan.stream_bytes``,
     every rank at once: 3 arrays moved (2 read, 1 written), as the cost model counts an
     elementwise op."""
@@ -393,23 +385,22 @@ def measure_memory_bandwidth(plan: Plan) -> float:
 
 def _collective(kind: str, x: np.ndarray, group: comm.Group | None, p: int
                 ) -> Callable[[], object]:
-    """The simpar.comm call for ``kind`` on ``x``, into a buffer made once."""
-    if kind == "AllReduce":
-        out = np.empty_like(x)
-        return lambda: comm.all_reduce(x, group=group, out=out)
-    if kind == "AllGather":
-        gathered = np.empty(p * x.size, x.dtype)
-        return lambda: comm.all_gather(x, group=group, out=gathered)
-    if kind == "ReduceScatter":
-        piece = np.empty(x.size // p, x.dtype)
-        return lambda: comm.reduce_scatter(x, group=group, out=piece)
-    if kind == "AllToAll":
-        swapped = np.empty_like(x)
-        return lambda: comm.all_to_all(x, 0, 0, group=group, out=swapped)
-    raise ValueError(f"calibrate: kind must be one of {list(KINDS)}, got {kind!r}")
+    """The simpar.comm call for ``kind`` on the 1-D ``x`` (along its only axis), into a
+    buffer made once."""
+    if kind not in KINDS:
+        raise ValueError(f"calibrate: kind must be one of {list(KINDS)}, got {kind!r}")
+    facts = collective_kinds.kind_of(kind)
+    call = getattr(comm, facts.function)
+    out = np.empty(facts.result(p, x.size), x.dtype)
+    args = facts.arguments(_ALONG_AXIS_0)
+    return lambda: call(x, group=group, out=out, **args)
 
 
-def measure_collectives(plan: Plan, group_size: int) -> list[Sample]:
+#: What a redistribution step of a 1-D buffer along its only axis passes its collective.
+_ALONG_AXIS_0 = types.SimpleNamespace(tensor_dim=0, concat_dim=0, gather_dims=((0, (0,)),))
+
+
+def measure_collectives(plan: MeasurementPlan, group_size: int) -> list[Sample]:
     """Every kind of :data:`KINDS` at every size of ``plan.sizes`` over groups of
     ``group_size`` consecutive ranks, all groups at once (on 8 ranks and groups of 4: ranks
     0..3 and 4..7). Buffers are float32, rounded down to a multiple of the world size (so
@@ -434,7 +425,7 @@ def measure_collectives(plan: Plan, group_size: int) -> list[Sample]:
             for (kind, nbytes), t in zip(keys, times)]
 
 
-def _group_sizes(p: int, plan: Plan) -> list[int]:
+def _group_sizes(p: int, plan: MeasurementPlan) -> list[int]:
     smaller = [g for g in (2, 4) if plan.subgroups and g < p and p % g == 0]
     return [*smaller, p] if p > 1 else []
 
@@ -446,7 +437,7 @@ def _hosts() -> int:
 
 
 # ------------------------------------------------------------------ the whole calibration
-def calibrate(plan: Plan = FULL, name: str = "cpu-local", command: str = "",
+def calibrate(plan: MeasurementPlan = FULL, name: str = "cpu-local", command: str = "",
               say: Callable[[str], None] | None = None) -> Calibration:
     """Measure this machine at this rank count: every rank calls it, and every rank gets the
     same :class:`Calibration` (figures come from max-reduced times). ``command`` is recorded
@@ -557,8 +548,8 @@ def calibrate(plan: Plan = FULL, name: str = "cpu-local", command: str = "",
     return Calibration(profile, tuple(samples))
 
 
-def _fitted_link(samples: Sequence[Sample], plan: Plan, p: int, say: Callable[[str], None]
-                 ) -> tuple[Link, str]:
+def _fitted_link(samples: Sequence[Sample], plan: MeasurementPlan, p: int,
+                 say: Callable[[str], None]) -> tuple[Link, str]:
     """(the link fitted to ``samples``, how it was measured), or at 1 rank the shipped
     cpu-local link, so labelled."""
     if not samples:

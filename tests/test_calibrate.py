@@ -17,7 +17,16 @@ import numpy as np
 import pytest
 
 from simpar import calibrate
-from simpar.calibrate import FULL, KINDS, QUICK, Calibration, Plan, Sample, fit_link, model_terms
+from simpar.calibrate import (
+    FULL,
+    KINDS,
+    QUICK,
+    Calibration,
+    MeasurementPlan,
+    Sample,
+    fit_link,
+    model_terms,
+)
 from simpar.cost import DeviceProfile, Link, load_profile, traffic
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -178,6 +187,6 @@ def test_the_table_shows_measured_and_fitted_with_the_worst_error() -> None:
 def test_plans_are_checked_and_print_in_one_line() -> None:
     assert "4 KiB..4 MiB" in str(FULL) and "\n" not in str(QUICK)
     with pytest.raises(ValueError, match="reps must be an int >= 1"):
-        Plan(0.01, 1, 1024, 1, (4096, 8192), 0, False)
+        MeasurementPlan(0.01, 1, 1024, 1, (4096, 8192), 0, False)
     with pytest.raises(ValueError, match="at least 2 buffer sizes"):
-        Plan(0.01, 1, 1024, 1, (4096,), 3, False)
+        MeasurementPlan(0.01, 1, 1024, 1, (4096,), 3, False)

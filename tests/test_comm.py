@@ -226,6 +226,7 @@ PREPARED: list[tuple[str, Callable[..., np.ndarray], dict[str, Any], Callable[[i
     ("reduce_scatter", comm.reduce_scatter, {"axis": 1, "op": "sum"}, lambda p: (2, 2 * p)),
     ("all_to_all", comm.all_to_all, {"split_axis": 1, "concat_axis": 0}, lambda p: (2, 3 * p)),
     ("all_to_all", comm.all_to_all, {"split_axis": 0, "concat_axis": 1}, lambda p: (p, 3)),
+    ("broadcast", comm.broadcast, {"root": 0}, lambda p: (2, 3)),
 ]
 
 
@@ -541,10 +542,10 @@ def test_all_to_all_single_bad_counts(world: tuple[int, int], sends: Callable[[i
 @pytest.mark.mpi(min_size=2)
 def test_piece_size_mismatch_in_a_group_too_large_to_list(world: tuple[int, int],
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    from simpar.comm import collectives
+    from simpar.comm import agreement
 
     rank, p = world
-    monkeypatch.setattr(collectives, "_COUNT_TABLE_MAX", 1)  # as if the group were huge
+    monkeypatch.setattr(agreement, "_COUNT_TABLE_MAX", 1)  # as if the group were huge
     recv = [1] * p
     if rank == 0:
         recv[1] = 2
@@ -912,7 +913,7 @@ def test_a_cached_call_still_checks_what_varies_per_call(world: tuple[int, int])
 
 def test_claims_cancel_exactly_when_all_ranks_agree() -> None:
     """The XOR of every rank's claims is 0 iff the ranks agree (pure: no MPI needed)."""
-    from simpar.comm.collectives import piece_claims, ring_claims
+    from simpar.comm.agreement import piece_claims, ring_claims
 
     rng = np.random.default_rng(7)
     for p in (2, 3, 8, 64):

@@ -1,4 +1,4 @@
-"""A collective's traffic and time have one owner, simpar.cost.collective; the redistribution
+"""A collective's traffic and time have one owner, simpar.collective_kinds; the redistribution
 planner, the ops' CommSpecs and the planners' tie-breaks all read it.
 
     python -m pytest tests/test_cost_collective.py -q

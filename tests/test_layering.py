@@ -18,7 +18,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "simpar"
 
 LAYERS: list[tuple[str, ...]] = [
     ("simpar._env", "simpar._checks", "simpar.context", "simpar.seed", "simpar.counter_rng",
-     "simpar.compare", "simpar.cost.collective"),
+     "simpar.compare", "simpar.collective_kinds"),
     ("simpar.comm",),
     ("simpar.mesh", "simpar.layout", "simpar.parameter", "simpar.schedule"),
     ("simpar.redistribution", "simpar.cotangent"),

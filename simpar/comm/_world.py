@@ -20,7 +20,9 @@ from simpar import _env, context
 if TYPE_CHECKING:
     from mpi4py import MPI
 
-__all__ = ["Group", "create_group", "get_group_size", "get_rank", "init", "resolve", "world"]
+# (what simpar.comm exports; resolve serves the collectives modules)
+__all__ = ["Group", "check_context", "create_group", "get_group_size", "get_rank", "init",
+           "world"]
 
 
 @dataclass(frozen=True, slots=True)

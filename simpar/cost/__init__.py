@@ -1,7 +1,7 @@
 """simpar.cost: what drives training time, computed from shapes alone (no MPI, no data).
 
-* :mod:`simpar.cost.collective`: a collective's traffic and alpha-beta time, the single owner
-  of those formulas;
+* a collective's traffic and alpha-beta time are re-exported from their owner,
+  :mod:`simpar.collective_kinds` (the table of collective kinds, in simpar's bottom layer);
 * :mod:`simpar.cost.profile`: device profiles (``ascend910a``, ``ascend910b``, ``cpu-local``);
 * :mod:`simpar.cost.model`: simpar's model: step time and per-rank memory of a lowered program
   on a profile (:func:`evaluate`, or ``program.cost(profile)``);
@@ -12,7 +12,7 @@
   ``program``), so a search can use either, and :func:`compare` to show both.
 """
 
-from simpar.cost.collective import (
+from simpar.collective_kinds import (
     ALPHA_SECONDS,
     BANDWIDTH_BYTES_PER_S,
     latency_rounds,

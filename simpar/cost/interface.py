@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from simpar.collective_kinds import traffic
 from simpar.cost import mindspore as ms
-from simpar.cost.collective import traffic
 from simpar.cost.model import OPTIMIZER_STATE, evaluate
 from simpar.cost.profile import DeviceProfile, load_profile
 

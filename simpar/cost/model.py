@@ -25,7 +25,7 @@ backward (every value a node on the gradient path saves, counted once per layout
 the end of the forward), and the largest communication buffer.
 
 Everything is pure: shapes and layouts only, no MPI, so it plans for thousands of devices
-(ranks are sampled with :func:`~simpar.cost.collective.sample_ranks` beyond 64).
+(ranks are sampled with :func:`~simpar.collective_kinds.sample_ranks` beyond 64).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
-from simpar.cost.collective import sample_ranks
+from simpar.collective_kinds import sample_ranks
 from simpar.cost.profile import DeviceProfile, load_profile
 
 __all__ = ["OPTIMIZER_KERNELS", "OPTIMIZER_PASSES", "OPTIMIZER_STATE", "OPTIMIZER_TEMPORARIES",

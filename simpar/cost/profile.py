@@ -6,7 +6,8 @@ with its public source or marked as an assumption) and ``cpu-local``, measured o
 that wrote it by ``python -m simpar.calibrate``. :func:`load_profile` takes a shipped name or
 a path.
 
-Collectives cost alpha-beta with ring algorithms (:meth:`DeviceProfile.collective_seconds`): a
+Collectives cost alpha-beta with the rounds and traffic of their kind's row of
+:data:`simpar.collective_kinds.KINDS` (:meth:`DeviceProfile.collective_seconds`): a
 group inside one server uses the intra-server link; a group that spans servers pays the
 inter-server link, the slowest it crosses. Servers hold ``devices_per_server`` consecutive
 ranks unless a rank table (``server_of``: the server index of every rank, e.g. from
@@ -25,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from simpar.cost.collective import broadcast_traffic, latency_rounds, traffic
+from simpar.collective_kinds import KINDS, CollectiveKind, kind_of
 
 __all__ = ["DeviceProfile", "Link", "load_profile", "profile_names"]
 
@@ -165,30 +166,31 @@ class DeviceProfile:
         return self.intra_server if one else self.inter_server
 
     def collective_seconds(self, kind: str, group: Sequence[int], nbytes: int) -> float:
-        """Alpha-beta time of a ring ``kind`` collective of a local buffer of ``nbytes`` over
-        ``group``: ring rounds times the latency plus the traffic over the bandwidth.
-        ``kind`` "AllToAllV" takes ``nbytes`` as the rank's traffic itself; "Broadcast" is a
-        tree of ``ceil(log2 p)`` rounds in which every rank receives the whole buffer."""
+        """Alpha-beta time of a ``kind`` collective of a local buffer of ``nbytes`` over
+        ``group``: its latency rounds times the latency plus its traffic over the bandwidth,
+        both from the kind's row of :data:`simpar.collective_kinds.KINDS` (a ring's rounds
+        and traffic; "AllToAllV" takes ``nbytes`` as the rank's traffic itself; "Broadcast"
+        is a tree of ``ceil(log2 p)`` rounds in which every rank receives the whole buffer)."""
         p = len(group)
         if p < 2:
             return 0.0
-        link = self.link(group)
-        if kind == "AllToAllV":
-            return link.seconds(latency_rounds(kind, p), nbytes)
-        if kind == "Broadcast":  # a tree: ceil(log2 p) rounds, each rank receives the buffer
-            return link.seconds(latency_rounds(kind, p), broadcast_traffic(p, nbytes)[1])
-        rounds = 2 * (p - 1) if kind == "AllReduce" else p - 1  # ring algorithms
-        return link.seconds(rounds, traffic(kind, p, nbytes))
+        return self._seconds(KINDS.get(kind) or kind_of(kind), group, p, nbytes)
 
     def step_collective_seconds(self, kind: str, group: Sequence[int], buffer_bytes: int,
                                 recv_bytes: int) -> float:
-        """One collective inside a training step: its ring time (an AllToAllV on the bytes
+        """One collective inside a training step: its time (a direct exchange on the bytes
         it receives, the others on their local buffer) plus the wait for the slowest rank
         (``sync_overhead``); 0 over one rank. Both cost models price collectives with it."""
-        if len(group) < 2:
+        p = len(group)
+        if p < 2:
             return 0.0
-        nbytes = recv_bytes if kind == "AllToAllV" else buffer_bytes
-        return self.collective_seconds(kind, group, nbytes) + self.sync_overhead
+        facts = KINDS.get(kind) or kind_of(kind)   # (kind_of raises, naming the kinds)
+        nbytes = recv_bytes if facts.by_pieces else buffer_bytes
+        return self._seconds(facts, group, p, nbytes) + self.sync_overhead
+
+    def _seconds(self, facts: CollectiveKind, group: Sequence[int], p: int, nbytes: int
+                 ) -> float:
+        return self.link(group).seconds(facts.rounds(p), facts.traffic(p, nbytes))
 
     def compute_seconds(self, flops: float, memory_bytes: float, dtype: Any) -> float:
         """Time of one kernel call: its dispatch (``kernel_overhead``) plus its roofline, the

@@ -37,7 +37,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from simpar import comm, context, schedule
-from simpar.cost.collective import traffic
+from simpar.collective_kinds import traffic
 from simpar.layout import TensorLayout
 from simpar.mesh import DeviceMesh
 from simpar.redistribution import (

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from simpar import _checks as checks
-from simpar.cost.collective import sample_ranks
+from simpar.collective_kinds import sample_ranks
 from simpar.layout import TensorLayout
 from simpar.ops._base import (
     IterSpace,

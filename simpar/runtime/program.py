@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from simpar import comm, schedule
-from simpar.cost.collective import traffic
+from simpar.collective_kinds import kind_of, traffic
 from simpar.cost.model import CostReport, evaluate
 from simpar.cost.profile import DeviceProfile
 from simpar.cotangent import (
@@ -487,7 +487,7 @@ def _backward_traffic(program: ParallelProgram, bplan: BackwardPlan) -> tuple[in
             size = (step.dst if a.adjoint else step.src).local_size()
             group = math.prod(step.src.device_matrix[x] for x in step.device_axes) \
                 if step.device_axes else step.src.device_num
-            sent += traffic(kind, group, size) if kind != "AllToAllV" else size
+            sent += kind_of(kind).traffic(group, size)  # a direct exchange: its size
             calls += 1
     for name, axes in bplan.params.items():
         if not axes:

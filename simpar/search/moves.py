@@ -30,8 +30,10 @@ from functools import lru_cache
 
 import numpy as np
 
+from simpar.collective_kinds import StepKind
 from simpar.layout import TensorLayout
-from simpar.redistribution import RedistributionPlan, StepKind, refine
+from simpar.redistribution.refine import refine
+from simpar.redistribution.step import RedistributionPlan
 
 __all__ = ["COLUMNS", "MoveSteps", "decode", "fine_form", "move_steps", "plan_signatures",
            "signature_of"]
@@ -39,16 +41,17 @@ __all__ = ["COLUMNS", "MoveSteps", "decode", "fine_form", "move_steps", "plan_si
 #: The steps a plan without AllToAll can hold, in the order the planner emits them; the
 #: ReduceScatters (one per tensor dimension, ascending) sit between the first Slice and the
 #: AllReduce.
-_BEFORE = ("Slice",)
-_AFTER = ("AllReduce", "Slice", "AllGather", "Slice", "Zero")
+_BEFORE = (StepKind.SLICE,)
+_AFTER = (StepKind.ALL_REDUCE, StepKind.SLICE, StepKind.ALL_GATHER, StepKind.SLICE,
+          StepKind.ZERO)
 #: Columns per step: the fine-axes mask of its group (-1: the step is absent), then the split
 #: counts per tensor dimension before and after it, packed ``_BITS`` bits each.
 COLUMNS = 3
 _BITS = 6
 
 
-def _slots(ndim: int) -> tuple[str, ...]:
-    return (*_BEFORE, *(["ReduceScatter"] * ndim), *_AFTER)
+def _slots(ndim: int) -> tuple[StepKind, ...]:
+    return (*_BEFORE, *([StepKind.REDUCE_SCATTER] * ndim), *_AFTER)
 
 
 @dataclass(frozen=True, eq=False)
@@ -79,7 +82,7 @@ def move_steps(rows: np.ndarray, shape: Sequence[int], p: int) -> list[MoveSteps
     out = []
     for s, kind in enumerate(_slots(ndim)):
         mask = rows[:, COLUMNS * s]
-        out.append(MoveSteps(StepKind(kind), mask >= 0, np.maximum(mask, 0),
+        out.append(MoveSteps(kind, mask >= 0, np.maximum(mask, 0),
                              elements(rows[:, COLUMNS * s + 1]),
                              elements(rows[:, COLUMNS * s + 2])))
     return out
@@ -117,7 +120,7 @@ def decode(row: np.ndarray, ndim: int) -> tuple[tuple[str, int, tuple[int, ...],
     for s, kind in enumerate(_slots(ndim)):
         mask, before, after = (int(x) for x in row[COLUMNS * s:COLUMNS * (s + 1)])
         if mask >= 0:
-            out.append((kind, mask, _unpack(before, ndim), _unpack(after, ndim)))
+            out.append((str(kind), mask, _unpack(before, ndim), _unpack(after, ndim)))
     return tuple(out)
 
 

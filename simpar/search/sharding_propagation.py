@@ -42,7 +42,7 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 from simpar import context
-from simpar.cost.collective import sample_ranks
+from simpar.collective_kinds import sample_ranks
 from simpar.layout import TensorLayout
 from simpar.ops._base import OpSharding, Strategy, StrategyError
 from simpar.redistribution import RedistributionPlan
