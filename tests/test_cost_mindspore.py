@@ -21,23 +21,23 @@ from simpar.context import ContextError, ContextTypeError, NotHonouredWarning
 from simpar.cost import mindspore as ms
 from simpar.cost.mindspore import (
     EPS,
-    STEP_OPERATORS,
     CostModelContext,
-    MindSporeOpCost,
-    RedistributionCost,
     cost_model_context,
     edge_cost,
     edge_objective,
     fits,
     get_cost_model_context,
-    mindspore_cost_class,
     objective,
-    op_cost,
-    redistribution_cost,
     refine_communication,
     reset_cost_model_context,
     set_cost_model_context,
     strategy_cost,
+)
+from simpar.cost.mindspore_ops import MindSporeOpCost, mindspore_cost_class, op_cost
+from simpar.cost.mindspore_redistribution import (
+    STEP_OPERATORS,
+    RedistributionCost,
+    redistribution_cost,
 )
 from simpar.layout import TensorLayout
 from simpar.ops import (
