@@ -454,7 +454,6 @@ def keeps_output(op: Primitive | type[Primitive], n_inputs: int,
     return rule.keeps_output(n_inputs, params, inv, prev)
 
 
-
 def op_cost(sh: OpSharding, parameters: Collection[int] = frozenset(), itemsize: int = 4, *,
             involved: Collection[int] | None = None,
             prev_in_memory: Collection[int] = frozenset(),

@@ -55,7 +55,6 @@ ALLTOALL_SCALE_FACTOR = 2.0
 ALLGATHER_REDUCESCATTER_SCALE_FACTOR = 0.5
 
 
-
 def _check_itemsize(func: str, itemsize: object) -> int:
     if isinstance(itemsize, bool) or not isinstance(itemsize, numbers.Integral):
         raise TypeError(f"{func}: itemsize must be a positive int (bytes per element), got "
@@ -64,7 +63,6 @@ def _check_itemsize(func: str, itemsize: object) -> int:
         raise ValueError(f"{func}: itemsize must be a positive int (bytes per element), got "
                          f"{itemsize}")
     return int(itemsize)
-
 
 
 class RedistributionCost(NamedTuple):
