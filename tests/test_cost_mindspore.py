@@ -21,23 +21,23 @@ from simpar.context import ContextError, ContextTypeError, NotHonouredWarning
 from simpar.cost import mindspore as ms
 from simpar.cost.mindspore import (
     EPS,
-    STEP_OPERATORS,
     CostModelContext,
-    MindSporeOpCost,
-    RedistributionCost,
     cost_model_context,
     edge_cost,
     edge_objective,
     fits,
     get_cost_model_context,
-    mindspore_cost_class,
     objective,
-    op_cost,
-    redistribution_cost,
     refine_communication,
     reset_cost_model_context,
     set_cost_model_context,
     strategy_cost,
+)
+from simpar.cost.mindspore_ops import MindSporeOpCost, mindspore_cost_class, op_cost
+from simpar.cost.mindspore_redistribution import (
+    STEP_OPERATORS,
+    RedistributionCost,
+    redistribution_cost,
 )
 from simpar.layout import TensorLayout
 from simpar.ops import (
@@ -302,7 +302,8 @@ def test_itemsize_scales_every_term() -> None:
 
 
 def test_every_registered_op_has_a_mindspore_cost_class() -> None:
-    missing = [name for name in registry() if mindspore_cost_class(name) == "simpar default"]
+    missing = [name for name, op in registry().items()
+               if mindspore_cost_class(op) == "simpar default"]
     assert missing == []
 
 

@@ -6,8 +6,10 @@
 * :mod:`simpar.cost.model`: simpar's model: step time and per-rank memory of a lowered program
   on a profile (:func:`evaluate`, or ``program.cost(profile)``);
 * :mod:`simpar.cost.mindspore`: MindSpore's own cost model (bytes of slices;
-  ``set_cost_model_context``, ``op_cost``, ``objective``, ``redistribution_cost``), reproduced
-  term by term;
+  ``set_cost_model_context``, ``objective``), reproduced term by term, with its operator costs
+  (:mod:`simpar.cost.mindspore_ops`: ``op_cost``, the formulas of each cost class an op
+  declares) and redistribution costs (:mod:`simpar.cost.mindspore_redistribution`:
+  ``redistribution_cost``);
 * :mod:`simpar.cost.interface`: one interface for both (``CostModel``: ``op``, ``edge``,
   ``program``), so a search can use either, and :func:`compare` to show both.
 """
@@ -24,18 +26,16 @@ from simpar.cost.interface import CostModel, MindSporeCostModel, SimparCostModel
 from simpar.cost.mindspore import (
     CostModelContext,
     MindSporeCost,
-    MindSporeOpCost,
-    RedistributionCost,
     cost_model_context,
     edge_objective,
     fits,
     get_cost_model_context,
     objective,
-    op_cost,
-    redistribution_cost,
     reset_cost_model_context,
     set_cost_model_context,
 )
+from simpar.cost.mindspore_ops import MindSporeOpCost, op_cost
+from simpar.cost.mindspore_redistribution import RedistributionCost, redistribution_cost
 from simpar.cost.model import OPTIMIZER_STATE, CostReport, MemoryRow, OpCostRow, evaluate
 from simpar.cost.profile import DeviceProfile, Link, load_profile, profile_names
 

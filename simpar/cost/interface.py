@@ -279,7 +279,7 @@ class MindSporeCostModel:
     def keeps_output(self, op: Any, n_inputs: int, parameters: Collection[int],
                      involved: Collection[int], kept_elsewhere: Collection[int]) -> bool:
         """MindSpore's ``is_output_in_memory`` of the op's cost class."""
-        return ms.keeps_output(op.name, n_inputs, parameters, involved, kept_elsewhere)
+        return ms.keeps_output(op, n_inputs, parameters, involved, kept_elsewhere)
 
 
 def _op_total(model: CostModel, step: Any) -> float:

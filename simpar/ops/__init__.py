@@ -1,7 +1,8 @@
 """simpar.ops: MindSpore primitives with kernels, VJPs and sharding rules.
 
 Each family lives in its own module and registers its primitives (``registry()``). A new
-operator is one class in one module: kernel, vjp, and an iteration space or its own rule.
+operator is one class in one module: kernel, vjp, an iteration space or its own rule, and its
+facts (``mindspore_cost``, ``elementwise``: :mod:`simpar.ops.facts`).
 """
 
 from simpar.ops._base import (
@@ -33,6 +34,7 @@ from simpar.ops.elementwise import (
     Sub,
     Tanh,
 )
+from simpar.ops.facts import CostClass
 from simpar.ops.gather_dropout import Dropout, Gather
 from simpar.ops.matmul import BatchMatMul, MatMul
 from simpar.ops.nn_ops import (
@@ -55,6 +57,7 @@ __all__ = [
     "Cast",
     "CommSpec",
     "Concat",
+    "CostClass",
     "Dropout",
     "FloorDiv",
     "Gather",

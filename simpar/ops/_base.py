@@ -40,6 +40,7 @@ from simpar import comm, context, schedule
 from simpar.collective_kinds import traffic
 from simpar.layout import TensorLayout
 from simpar.mesh import DeviceMesh
+from simpar.ops.facts import DEFAULTS, CostClass, undeclared
 from simpar.redistribution import (
     LOCAL_KINDS,
     RedistributionPlan,
@@ -567,6 +568,21 @@ class Primitive:
     #: input pieces, its local VJP then taking the output's whole cotangent there (the
     #: vocabulary-parallel cross entropy): see :meth:`OpSharding.share_axes`.
     whole_over_split_inputs: ClassVar[bool] = False
+    #: The op's facts (:mod:`simpar.ops.facts`): which MindSpore cost class prices it and
+    #: whether MindSpore counts it elementwise. Each op declares them in its own body; they
+    #: are not inherited (:meth:`__init_subclass__`).
+    mindspore_cost: ClassVar[CostClass] = CostClass.DEFAULT
+    elementwise: ClassVar[bool] = False
+    #: The facts this class's own body left out, which hold the defaults.
+    undeclared_facts: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # A subclass is another op (its name is its class name): it gets its own facts or
+        # the defaults, never its parent's (MindSpore keys its tables by op name).
+        super().__init_subclass__(**kwargs)
+        cls.undeclared_facts = undeclared(cls)
+        for fact in cls.undeclared_facts:
+            setattr(cls, fact, DEFAULTS[fact])
 
     def __init__(self) -> None:
         self.in_strategy: Strategy | None = None

@@ -31,6 +31,7 @@ from simpar.ops._base import (
     dim_names,
     register,
 )
+from simpar.ops.facts import CostClass
 from simpar.redistribution import RedistributionPlan, plan
 
 __all__ = ["Assign", "Concat", "Reshape", "Split", "Transpose", "reshape_layout"]
@@ -55,6 +56,9 @@ def _reshapes(out: tuple[int, ...], back: tuple[int, ...]
 class Transpose(Primitive):
     """Permute dimensions: output dim ``d`` is input dim ``perm[d]``. Always local: the tensor
     map is permuted with the dims (``Transpose((1, 0))`` of map [1, 0] gives [0, 1])."""
+
+    mindspore_cost = CostClass.TRANSPOSE
+    elementwise = False
 
     tape = Tape.NOTHING
     moves_values = True
@@ -234,6 +238,9 @@ class Reshape(Primitive):
     stay contiguous): the input is first redistributed to the cheapest layout that works.
     """
 
+    mindspore_cost = CostClass.RESHAPE
+    elementwise = False
+
     tape = Tape.NOTHING
     moves_values = True
     output_aliases_input = True
@@ -329,6 +336,9 @@ class Concat(Primitive):
     """Concatenate the inputs along ``axis``, which must be unsplit in every strategy; the
     other dims' cuts must agree across inputs. ``Concat(axis=1).shard(((2, 1), (2, 1)))``."""
 
+    mindspore_cost = CostClass.CONCAT
+    elementwise = False
+
     n_inputs = 2
 
     def __init__(self, axis: int = 0, n_inputs: int = 2) -> None:
@@ -389,6 +399,9 @@ class Split(Primitive):
     """Split along ``axis`` into ``output_num`` equal outputs; ``axis`` must be unsplit.
     Every output keeps the input's tensor map: on (2, 4) with x (8, 16) cut (2, 4) and
     ``Split(axis=0, output_num=2)``, rank 5 returns two (2, 4) blocks of its (4, 4) shard."""
+
+    mindspore_cost = CostClass.SPLIT
+    elementwise = False
 
     tape = Tape.NOTHING
     moves_values = True
@@ -471,6 +484,9 @@ class Assign(Primitive):
     ``value`` gets none (``gives_gradient`` is False for it), so nothing upstream of ``value``
     is trained through an Assign.
     """
+
+    mindspore_cost = CostClass.ASSIGN
+    elementwise = False
 
     tape = Tape.NOTHING
 

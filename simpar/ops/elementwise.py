@@ -28,6 +28,7 @@ from simpar.ops._base import (
     gradient_needed,
     register,
 )
+from simpar.ops.facts import CostClass
 from simpar.ops.matmul import _unbroadcast
 
 __all__ = ["GELU", "Abs", "Add", "BiasAdd", "Cast", "FloorDiv", "GeLU", "Identity", "Mul",
@@ -98,6 +99,9 @@ class _Binary(Primitive):
 class Add(_Binary):
     """``x + y``."""
 
+    mindspore_cost = CostClass.TENSOR_ADD
+    elementwise = False
+
     tape = Tape.NOTHING   # dy is both gradients
     fn = staticmethod(np.add)
     expressions = ("{x0} + {x1}", ("{dy}", "{dy}"))
@@ -110,6 +114,9 @@ class Add(_Binary):
 @register
 class Sub(_Binary):
     """``x - y``."""
+
+    mindspore_cost = CostClass.SUB
+    elementwise = False
 
     tape = Tape.NOTHING   # dy and -dy
     fn = staticmethod(np.subtract)
@@ -124,6 +131,9 @@ class Sub(_Binary):
 class Mul(_Binary):
     """``x * y``."""
 
+    mindspore_cost = CostClass.MUL
+    elementwise = False
+
     tape = Tape.INPUTS   # dy times the other input
     fn = staticmethod(np.multiply)
     expressions = ("{x0} * {x1}", ("{dy} * {x1}", "{dy} * {x0}"))
@@ -136,6 +146,9 @@ class Mul(_Binary):
 @register
 class RealDiv(_Binary):
     """``x / y``."""
+
+    mindspore_cost = CostClass.DIV
+    elementwise = False
 
     tape = Tape.INPUTS   # dy / y and -dy x / y^2
     fn = staticmethod(np.divide)
@@ -172,6 +185,9 @@ class FloorDiv(_Binary):
     some device axes needs no gradient AllReduce.
     """
 
+    mindspore_cost = CostClass.FLOOR_DIV
+    elementwise = False
+
     nondiff_inputs = (0, 1)
     tape = Tape.NOTHING
 
@@ -202,6 +218,9 @@ def _all_but(ndim: int, axis: int) -> tuple[int, ...]:
 class BiasAdd(Primitive):
     """``x + bias`` along the channel dimension: dim 1 for ``data_format="NCHW"`` (MindSpore's
     default, also 2-D inputs), the last dim for ``"NHWC"``."""
+
+    mindspore_cost = CostClass.BIAS_ADD
+    elementwise = False
 
     tape = Tape.NOTHING   # dy, and dy summed over all but the channel
     n_inputs = 2
@@ -274,6 +293,9 @@ class PReLU(Primitive):
     matrix [2, 4, 1, 1]; rank 5 (coordinate (1, 1, 0, 0)) holds x[2:4, 2:4] and weight[2:4],
     and its weight gradient is summed with rank 1's (the ranks that share channels 2..3).
     """
+
+    mindspore_cost = CostClass.PRELU
+    elementwise = False
 
     n_inputs = 2
 
@@ -356,6 +378,9 @@ class Identity(_Unary):
     """``x`` unchanged. Sharded, it moves ``x`` to the strategy's layout: ``Cell.shard`` and
     :func:`simpar.parallel.reshard` insert it (MindSpore's ``reshard``)."""
 
+    mindspore_cost = CostClass.CAST
+    elementwise = False
+
     output_aliases_input = True
 
     flops_per_element = 0
@@ -371,6 +396,9 @@ class Identity(_Unary):
 @register
 class ReLU(_Unary):
     """``max(x, 0)``."""
+
+    mindspore_cost = CostClass.SQRT
+    elementwise = True
 
     def kernel(self, *xs: np.ndarray) -> np.ndarray:
         return np.maximum(xs[0], 0)
@@ -388,6 +416,9 @@ _GELU_A = 0.044715
 class GeLU(_Unary):
     """Gaussian error linear unit, tanh form (MindSpore's GeLU primitive):
     ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``."""
+
+    mindspore_cost = CostClass.GELU
+    elementwise = True
 
     # A program's forward keeps x and the tanh for the backward (not the output, which the
     # backward does not read): no second tanh, the dearest part of the gradient.
@@ -453,6 +484,9 @@ GELU = GeLU
 class Tanh(_Unary):
     """``tanh(x)``."""
 
+    mindspore_cost = CostClass.SQRT
+    elementwise = True
+
     flops_per_element = 4
 
     def kernel(self, *xs: np.ndarray) -> np.ndarray:
@@ -469,6 +503,9 @@ class Tanh(_Unary):
 @register
 class Sigmoid(_Unary):
     """``1 / (1 + exp(-x))``."""
+
+    mindspore_cost = CostClass.SQRT
+    elementwise = True
 
     flops_per_element = 4
 
@@ -491,6 +528,9 @@ class Sigmoid(_Unary):
 class Abs(_Unary):
     """``|x|``. The gradient is ``sign(x) * dy``, so 0 at ``x == 0`` (MindSpore's AbsGrad)."""
 
+    mindspore_cost = CostClass.RELU6
+    elementwise = True
+
     def kernel(self, *xs: np.ndarray) -> np.ndarray:
         return np.abs(xs[0])
 
@@ -502,6 +542,9 @@ class Abs(_Unary):
 @register
 class Square(_Unary):
     """``x * x``."""
+
+    mindspore_cost = CostClass.RELU6
+    elementwise = True
 
     def kernel(self, *xs: np.ndarray) -> np.ndarray:
         return np.square(xs[0])
@@ -520,6 +563,9 @@ _CASTS = ("float32", "float64", "int32", "int64")
 class Cast(Primitive):
     """Convert to ``dst_type`` (one of float32, float64, int32, int64). MindSpore passes the
     type as a second input; simpar takes it as an attribute: ``Cast("float32")``."""
+
+    mindspore_cost = CostClass.CAST
+    elementwise = True
 
     n_inputs = 1
 

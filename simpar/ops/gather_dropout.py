@@ -27,6 +27,7 @@ import numpy as np
 
 from simpar.counter_rng import bits, mix_int
 from simpar.ops._base import IterSpace, OpSharding, Primitive, Tape, register
+from simpar.ops.facts import CostClass
 from simpar.seed import current_step
 
 __all__ = ["Dropout", "Gather"]
@@ -46,6 +47,9 @@ class Gather(Primitive):
     rank 5 is the cotangent of those ids scattered into rows 4..7, then summed over [1, 5]
     (the table's replicas along the id axis).
     """
+
+    mindspore_cost = CostClass.GATHER
+    elementwise = False
 
     tape = Tape.INDICES
 
@@ -204,6 +208,9 @@ class Dropout(Primitive):
     x[4:8, 4:8] and hashes the global flat indices 16 * r + c for r in 4..7, c in 4..7, so its
     mask is exactly ``mask[4:8, 4:8]`` of the one-device mask.
     """
+
+    mindspore_cost = CostClass.DROPOUT
+    elementwise = False
 
     tape = Tape.MASK
 

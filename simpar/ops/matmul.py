@@ -25,6 +25,7 @@ from simpar.ops._base import (
     gradient_needed,
     register,
 )
+from simpar.ops.facts import CostClass
 
 __all__ = ["BatchMatMul", "MatMul"]
 
@@ -167,6 +168,9 @@ def _unbroadcast(g: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 class MatMul(_MatMulBase):
     """``C = A @ B`` on 2-D inputs (``transpose_a``/``transpose_b`` as in MindSpore)."""
 
+    mindspore_cost = CostClass.MATMUL
+    elementwise = False
+
     def infer_shape(self, *shapes: tuple[int, ...]) -> tuple[int, ...]:
         a, b = shapes
         if len(a) != 2 or len(b) != 2:
@@ -184,6 +188,9 @@ class MatMul(_MatMulBase):
 @register
 class BatchMatMul(_MatMulBase):
     """``C[..., i, j] = A[..., i, k] @ B[..., k, j]`` with numpy broadcasting of batch dims."""
+
+    mindspore_cost = CostClass.MATMUL
+    elementwise = False
 
     def infer_shape(self, *shapes: tuple[int, ...]) -> tuple[int, ...]:
         a, b = shapes

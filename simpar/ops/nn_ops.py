@@ -36,6 +36,7 @@ from simpar.ops._base import (
     dim_names,
     register,
 )
+from simpar.ops.facts import CostClass
 from simpar.redistribution import ALL_REDUCE, plan
 
 __all__ = ["BatchNorm", "LayerNorm", "LogSoftmax", "Softmax",
@@ -198,6 +199,9 @@ class Softmax(_SoftmaxBase):
     ``dx = y * (dy - AllReduce(sum_local(y * dy)))``, again 4 numbers per rank.
     """
 
+    mindspore_cost = CostClass.SOFTMAX
+    elementwise = True
+
     def _check_axis(self, axis: object) -> int | tuple[int, ...]:
         if isinstance(axis, (tuple, list)):
             if not axis:
@@ -216,6 +220,9 @@ class LogSoftmax(_SoftmaxBase):
     ``LogSoftmax().shard(((2, 4),))`` over (8, 16), each of the three AllReduces carries the 4
     per-row numbers of rows 4..7 among ranks [4, 5, 6, 7].
     """
+
+    mindspore_cost = CostClass.SOFTMAX
+    elementwise = True
 
     log = True
 
@@ -282,6 +289,9 @@ class LayerNorm(Primitive):
     (8 numbers, ``g = dy * gamma``); gamma's and beta's gradients are this rank's
     contributions, completed by the framework's AllReduce over ranks [1, 5] (the row split).
     """
+
+    mindspore_cost = CostClass.LAYER_NORM
+    elementwise = False
 
     tape = Tape.NEW_LIKE_INPUT
 
@@ -452,6 +462,9 @@ class BatchNorm(Primitive):
     C cut, nothing is communicated forward or in dx's backward.
     """
 
+    mindspore_cost = CostClass.BATCH_NORM
+    elementwise = False
+
     tape = Tape.NEW_LIKE_INPUT
 
     n_inputs = 5
@@ -621,6 +634,9 @@ class SparseSoftmaxCrossEntropyWithLogits(Primitive):
     :attr:`OpSharding.share_axes`). Labels outside ``[0, C)`` raise ValueError naming the
     label.
     """
+
+    mindspore_cost = CostClass.SOFTMAX_CROSS_ENTROPY
+    elementwise = False
 
     tape = Tape.NEW_LIKE_INPUT
 

@@ -43,6 +43,7 @@ from simpar.ops._base import (
     register,
 )
 from simpar.ops._base import build_sharding as _build_sharding
+from simpar.ops.facts import CostClass
 from simpar.redistribution import StepKind, plan
 
 __all__ = ["ReduceMax", "ReduceMean", "ReduceSum"]
@@ -194,6 +195,9 @@ class ReduceSum(_Reduce):
     vector, and one AllReduce over ranks [4, 5, 6, 7] completes output rows 4..7.
     """
 
+    mindspore_cost = CostClass.REDUCE_SUM
+    elementwise = False
+
     def _reduce(self, x: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
         return np.asarray(np.sum(x, axis=axes, dtype=x.dtype, keepdims=self.keep_dims))
 
@@ -214,6 +218,9 @@ class ReduceMean(_Reduce):
     coordinate (1, 1) holds x[2:4, 3:6] and yields ``x[2:4, 3:6].sum(0) / 8``, a partial
     (3,) vector summed over ranks [1, 3, 5, 7].
     """
+
+    mindspore_cost = CostClass.REDUCE_MEAN
+    elementwise = False
 
     tape = Tape.NOTHING
 
@@ -267,6 +274,9 @@ class ReduceMax(_Reduce):
     ranks, then each rank routes it to its positions equal to the max (all ties, undivided;
     see the module docstring).
     """
+
+    mindspore_cost = CostClass.REDUCE_MAX
+    elementwise = False
 
     reduce_kind = "max"
     empty_error = "max"

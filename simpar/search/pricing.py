@@ -30,19 +30,18 @@ from simpar.cost.interface import CostModel
 from simpar.graph import Graph, Node
 from simpar.layout import TensorLayout, block_key
 from simpar.mesh import DeviceMesh
-from simpar.ops._base import OpSharding, Strategy, StrategyError
+from simpar.ops._base import OpSharding, Strategy, StrategyError, registry
 from simpar.redistribution import RedistributionPlan, plan
 from simpar.search.moves import COLUMNS, decode, move_steps, plan_signatures, signature_of
 
 __all__ = ["ELEMENTWISE_OPS", "NoAvailableCost", "Priced", "Pricer", "Site", "SiteEdge",
            "canonical", "check_memory", "one_layout_per_parameter"]
 
-#: MindSpore's elementwise operators (``IsElementWiseOperator``: the unary ones). Under
+#: The registered ops MindSpore counts elementwise (``IsElementWiseOperator``: the unary
+#: ones), read from each op's own ``elementwise`` fact, which is what the pricer reads. Under
 #: ``set_algo_parameters(elementwise_op_strategy_follow=True)`` an edge leaving one is an
 #: identity edge: its consumer reads the value in the layout it is produced, no redistribution.
-ELEMENTWISE_OPS = frozenset({
-    "Abs", "Cast", "Exp", "GeLU", "Log", "LogSoftmax", "Neg", "ReLU", "Sigmoid", "Softmax",
-    "Sqrt", "Square", "Tanh"})
+ELEMENTWISE_OPS = frozenset(name for name, op in registry().items() if op.elementwise)
 
 
 class NoAvailableCost(ValueError):
@@ -211,7 +210,7 @@ class Pricer:
                 if v.producer is not None:
                     p = index[v.producer.id]
                     edges.append(SiteEdge(p, v.index, n, k, v.dtype.itemsize,
-                                          follow and graph.nodes[p].op.name in ELEMENTWISE_OPS))
+                                          follow and graph.nodes[p].op.elementwise))
         self.sites: tuple[Site, ...] = tuple(sites)
         self.edges: tuple[SiteEdge, ...] = tuple(edges)
         self.in_edges: list[list[int]] = [[] for _ in sites]
