@@ -26,9 +26,9 @@ be; :data:`KINDS` maps every kind's name (a StepKind member is its own name) to 
 redistribution planner and executor, the op sharding rules, the collectives in
 ``simpar.comm``, the cost model, ``simpar.calibrate`` and the planners' bulk pricing.
 
-One disagreement is left, pending a decision on what tests assert: :func:`latency_rounds`
-and :func:`seconds` (the default link :meth:`simpar.redistribution.Step.seconds` estimates
-with) still count ``ceil(log2 p)`` rounds for the ring collectives, not the table's.
+The same rounds serve every estimate: :func:`latency_rounds` and :func:`seconds` (the default
+link :meth:`simpar.redistribution.Step.seconds` estimates with) read the table as the device
+profiles do.
 
 A leaf module: it imports nothing from simpar, so every layer may use it.
 """
@@ -220,17 +220,13 @@ def broadcast_traffic(p: int, n: int) -> tuple[int, int]:
 
 
 def latency_rounds(kind: str, p: int) -> int:
-    """Latency rounds of one ``kind`` collective over ``p`` ranks under the default link
-    model (:func:`seconds`): ``ceil(log2 p)`` for the tree-shaped collectives, ``p - 1`` for a
-    pairwise exchange (AllToAllV), at least 1.
+    """Latency rounds of one ``kind`` collective over ``p`` ranks: the table's ``rounds``,
+    at least 1 (a local step still costs one launch).
 
-    Not yet the table's ``rounds`` (the ring's, which the device profiles and the
-    calibration use): unifying them changes what tests/test_cost_collective.py asserts
-    (issue 29 §3, left for the lead to decide)."""
-    found = KINDS.get(kind)
-    if found is not None and found.by_pieces:
-        return max(1, p - 1)
-    return _tree(p)
+    >>> latency_rounds("AllReduce", 8), latency_rounds("AllGather", 8), latency_rounds("Slice", 8)
+    (14, 7, 1)
+    """
+    return max(1, kind_of(kind).rounds(p))
 
 
 def seconds(kind: str, p: int, busiest_bytes: int, alpha: float = ALPHA_SECONDS,

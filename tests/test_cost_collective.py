@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from simpar.cost import latency_rounds, sample_ranks, seconds, traffic
+from simpar.cost import DeviceProfile, Link, latency_rounds, sample_ranks, seconds, traffic
 from simpar.layout import TensorLayout
 from simpar.ops import CommSpec
 from simpar.redistribution import plan
@@ -32,9 +32,19 @@ def test_traffic_refuses_unknown_kinds() -> None:
 
 
 def test_time_is_alpha_beta() -> None:
-    assert latency_rounds("AllReduce", 8) == 3 and latency_rounds("AllToAllV", 8) == 7
+    # a ring's rounds: 2 (p-1) for an AllReduce, p-1 for the others (issue 29: one formula)
+    assert latency_rounds("AllReduce", 8) == 14 and latency_rounds("AllToAllV", 8) == 7
     assert seconds("AllGather", 8, 25_000, alpha=1e-6, bandwidth=25e9) == pytest.approx(
-        3e-6 + 1e-6)
+        7e-6 + 1e-6)
+
+
+@pytest.mark.parametrize("kind", ["AllReduce", "AllGather", "ReduceScatter", "AllToAll"])
+def test_the_default_link_and_a_device_profile_count_the_same_rounds(kind: str) -> None:
+    link = Link(latency=1.0, bandwidth=1e30)     # only the rounds cost anything
+    profile = DeviceProfile("rounds", {"float32": 1.0}, 1, 1.0, link, link, 8)
+    for p in (2, 3, 8):
+        assert profile.collective_seconds(kind, range(p), 64) == pytest.approx(
+            seconds(kind, p, 0, alpha=1.0))
     assert list(sample_ranks(8)) == list(range(8))
     big = sample_ranks(4096)
     assert len(big) == 65 and big[0] == 0 and big[-1] == 4095

@@ -34,11 +34,11 @@ from simpar.collective_kinds import traffic
 from simpar.cost import mindspore as ms
 from simpar.cost.model import OPTIMIZER_STATE, evaluate
 from simpar.cost.profile import DeviceProfile, load_profile
+from simpar.mesh import DeviceMesh
+from simpar.ops._base import CommSpec, OpSharding
+from simpar.redistribution import RedistributionPlan
 
-if TYPE_CHECKING:  # types only: simpar.ops imports simpar.cost
-    from simpar.mesh import DeviceMesh
-    from simpar.ops._base import CommSpec, OpSharding
-    from simpar.redistribution import RedistributionPlan
+if TYPE_CHECKING:  # simpar.search imports this package: a run-time import would be a cycle
     from simpar.search.moves import MoveSteps
 
 __all__ = ["CostModel", "MindSporeCostModel", "SimparCostModel", "compare"]
@@ -142,7 +142,7 @@ class SimparCostModel:
                      else tuple(range(step.src.device_num)))  # a direct exchange: everyone
             # An AllToAllV's adjoint receives what the forward sends; for the even shards
             # simpar plans that is what it receives, and far cheaper to count.
-            recv = step.recv_bytes(rank, itemsize) if str(step.kind) == "AllToAllV" else 0
+            recv = step.recv_bytes(rank, itemsize) if step.kind.facts.by_pieces else 0
             prof = self._profile
             seconds += (prof.step_collective_seconds(str(step.kind), group,
                                                      step.src.local_size() * itemsize, recv)

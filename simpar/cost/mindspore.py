@@ -22,11 +22,9 @@ Four parts, each with the MindSpore source it follows (``ccsrc`` is
 4. Redistribution costs, :func:`~simpar.cost.mindspore_redistribution.redistribution_cost`
    (:mod:`simpar.cost.mindspore_redistribution`; ``tensor_layout/tensor_redistribution.cc``).
 
-The facts are MindSpore's; the code is not. Imports: only :mod:`simpar.context` and the two
-modules beside this one at run time. Shardings, plans and ops are read by attribute (their
-classes are imported for type checking only), so that ``simpar.cost`` can re-export these
-modules without an import cycle through ``simpar.cost.collective``, which ``simpar.ops`` and
-``simpar.redistribution`` import.
+The facts are MindSpore's; the code is not. The cost package sits above :mod:`simpar.ops`
+and :mod:`simpar.redistribution` (the collective kinds it prices live below both, in
+:mod:`simpar.collective_kinds`), so it imports what it prices directly.
 
 
 Context keys (``set_cost_model_context``)

@@ -67,17 +67,14 @@ import math
 import numbers
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from simpar.cost.mindspore_redistribution import (
     RedistributionCost,
     _check_itemsize,
     redistribution_cost,
 )
-
-if TYPE_CHECKING:
-    from simpar.ops import OpSharding, Primitive
-    from simpar.ops.facts import CostClass
+from simpar.ops import OpSharding, Primitive, registry
+from simpar.ops.facts import CostClass
 
 __all__ = [
     "COST_FACTOR",
@@ -360,60 +357,61 @@ class _Rule:
 _CAST = _Rule(_cast, _out_never, _in_first_param)
 _SUB = _Rule(_sub, _out_never, _in_params)
 
-#: What each MindSpore cost class charges, by class name: the values of
-#: :class:`simpar.ops.facts.CostClass`, which a class's member finds (a ``str`` enum); the
-#: op declares its class (``op.mindspore_cost``). Keyed by the names, not the members, so
-#: that this module imports nothing of :mod:`simpar.ops` at run time (``simpar.ops`` imports
-#: ``simpar.cost.collective``, and with it this package); tests/test_op_facts.py checks that
-#: the keys are exactly the members' values.
-_RULES: Mapping[str, _Rule] = {
-    "MatMulCost": _Rule(_matmul, _out_never, _in_pair),
-    "SqrtCost": _Rule(_cast, _out_if_involved(0), _in_first_param),
-    "GeLUCost": _Rule(_cast, _out_if_involved(0), _in_own_if_needed),
-    "ReLU6Cost": _Rule(_cast, _out_never, _in_own_if_needed),
-    "CastCost": _CAST, "ConcatCost": _CAST, "SplitCost": _CAST, "TransposeCost": _CAST,
-    "SoftmaxCost": _Rule(_softmax, _out_if_involved(0), _in_first_param),
-    "TensorAddCost": _SUB, "SubCost": _SUB, "BiasAddCost": _SUB, "FloorDivCost": _SUB,
-    "MulCost": _Rule(_sub, _out_never, _in_pair),
-    "DivCost": _Rule(_sub, _out_if_involved(1), _in_div),
-    "AssignCost": _Rule(_sub, _out_never, _in_assign),
-    "PReLUCost": _Rule(_prelu, _out_never, _in_both_if_involved),
-    "BatchNormCost": _Rule(_batch_norm, _out_always, _in_first_always),
-    "ReduceSumCost": _Rule(_reduce(1.0), _out_never, _in_first_param),
-    "ReduceMeanCost": _Rule(_reduce(2.0), _out_never, _in_first_param),
-    "ReduceMaxCost": _Rule(_reduce(1.0), _out_if_involved(0), _in_first_param),
-    "SparseSoftmaxCrossEntropyWithLogitsCost": _Rule(_all_inputs, _out_if_involved(0),
-                                                     _in_params),
-    "LayerNormCost": _Rule(_all_inputs, _out_if_involved(0, 1, 2), _in_layer_norm),
-    "GatherV2PCost": _Rule(_gather, _out_never, _in_gather),
-    "DropOutCost": _Rule(_dropout, _out_if_involved(0), _in_first_param),
-    "ReshapeCost": _Rule(_reshape, _out_never, _in_first_param),
-    "simpar default": _Rule(_default, _out_never, _in_params),
+#: What each MindSpore cost class charges; the op declares its class (``op.mindspore_cost``,
+#: a :class:`simpar.ops.facts.CostClass`). tests/test_op_facts.py checks every member has a row.
+_RULES: Mapping[CostClass, _Rule] = {
+    CostClass.MATMUL: _Rule(_matmul, _out_never, _in_pair),
+    CostClass.SQRT: _Rule(_cast, _out_if_involved(0), _in_first_param),
+    CostClass.GELU: _Rule(_cast, _out_if_involved(0), _in_own_if_needed),
+    CostClass.RELU6: _Rule(_cast, _out_never, _in_own_if_needed),
+    CostClass.CAST: _CAST, CostClass.CONCAT: _CAST, CostClass.SPLIT: _CAST,
+    CostClass.TRANSPOSE: _CAST,
+    CostClass.SOFTMAX: _Rule(_softmax, _out_if_involved(0), _in_first_param),
+    CostClass.TENSOR_ADD: _SUB, CostClass.SUB: _SUB, CostClass.BIAS_ADD: _SUB,
+    CostClass.FLOOR_DIV: _SUB,
+    CostClass.MUL: _Rule(_sub, _out_never, _in_pair),
+    CostClass.DIV: _Rule(_sub, _out_if_involved(1), _in_div),
+    CostClass.ASSIGN: _Rule(_sub, _out_never, _in_assign),
+    CostClass.PRELU: _Rule(_prelu, _out_never, _in_both_if_involved),
+    CostClass.BATCH_NORM: _Rule(_batch_norm, _out_always, _in_first_always),
+    CostClass.REDUCE_SUM: _Rule(_reduce(1.0), _out_never, _in_first_param),
+    CostClass.REDUCE_MEAN: _Rule(_reduce(2.0), _out_never, _in_first_param),
+    CostClass.REDUCE_MAX: _Rule(_reduce(1.0), _out_if_involved(0), _in_first_param),
+    CostClass.SOFTMAX_CROSS_ENTROPY: _Rule(_all_inputs, _out_if_involved(0), _in_params),
+    CostClass.LAYER_NORM: _Rule(_all_inputs, _out_if_involved(0, 1, 2), _in_layer_norm),
+    CostClass.GATHER: _Rule(_gather, _out_never, _in_gather),
+    CostClass.DROPOUT: _Rule(_dropout, _out_if_involved(0), _in_first_param),
+    CostClass.RESHAPE: _Rule(_reshape, _out_never, _in_first_param),
+    CostClass.DEFAULT: _Rule(_default, _out_never, _in_params),
 }
 
 
 def _cost_class(func: str, op: object) -> CostClass:
-    """The cost class ``op`` (a primitive or its class) declares."""
+    """The cost class ``op`` (a primitive, its class or a registered op's name) declares."""
+    if isinstance(op, str):
+        ops = registry()
+        if op not in ops:
+            raise ValueError(f"{func}: op {op!r} is not a registered op; registered ops are "
+                             f"{', '.join(sorted(ops))}")
+        op = ops[op]
     cost: CostClass | None = getattr(op, "mindspore_cost", None)
     if cost is None:
-        raise TypeError(f"{func}: op must be a primitive or a primitive class, got {op!r} of "
-                        f"type {type(op).__name__}; for a registered op by name pass "
-                        "simpar.ops.registry()[name]")
+        raise TypeError(f"{func}: op must be a primitive, a primitive class or a registered "
+                        f"op's name, got {op!r} of type {type(op).__name__}")
     return cost
 
 
-def _name(op: Primitive | type[Primitive]) -> str:
-    return op.__name__ if isinstance(op, type) else op.name
+def _name(op: Primitive | type[Primitive] | str) -> str:
+    return op if isinstance(op, str) else op.__name__ if isinstance(op, type) else op.name
 
 
-def mindspore_cost_class(op: Primitive | type[Primitive]) -> str:
-    """The MindSpore ``OperatorCost`` class whose formulas price ``op`` (a primitive or its
-    class), as the op declares it (``mindspore_cost``); ``"simpar default"`` for an op that
-    declares none (see the module docstring).
+def mindspore_cost_class(op: Primitive | type[Primitive] | str) -> str:
+    """The MindSpore ``OperatorCost`` class whose formulas price ``op`` (a primitive, its
+    class or a registered op's name), as the op declares it (``mindspore_cost``);
+    ``"simpar default"`` for an op that declares none (see the module docstring).
 
     >>> from simpar.ops import Add, GeLU, registry
-    >>> mindspore_cost_class(GeLU), mindspore_cost_class(Add()), mindspore_cost_class(
-    ...     registry()["MatMul"])
+    >>> mindspore_cost_class(GeLU), mindspore_cost_class(Add()), mindspore_cost_class("MatMul")
     ('GeLUCost', 'TensorAddCost', 'MatMulCost')
     """
     return _cost_class("mindspore_cost_class", op).value
@@ -431,7 +429,7 @@ def _positions(func: str, op: str, what: str, given: Iterable[int], n: int) -> f
     return frozenset(out)
 
 
-def keeps_output(op: Primitive | type[Primitive], n_inputs: int,
+def keeps_output(op: Primitive | type[Primitive] | str, n_inputs: int,
                  parameters: Collection[int] = frozenset(),
                  involved: Collection[int] | None = None,
                  prev_in_memory: Collection[int] = frozenset()) -> bool:

@@ -36,10 +36,9 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
-if TYPE_CHECKING:
-    from simpar.redistribution import RedistributionPlan, Step
+from simpar.redistribution import RedistributionPlan, Step
 
 __all__ = [
     "ALLGATHER_REDUCESCATTER_SCALE_FACTOR",
