@@ -18,7 +18,7 @@ bound for this rank (:func:`simpar.redistribution.bind_step`, its collective pre
 :func:`simpar.comm.prepare`; an AllReduce sums an inline op's fresh product in place,
 :func:`sums_output_in_place`). ``Executor.source()`` prints what a rank runs. The backward
 runs its kernel calls and the actions its plan lists in the order
-:func:`simpar.runtime.program._schedule` lists their collectives (the schedule guard checks
+:func:`simpar.runtime.program_schedule.schedule` lists their collectives (the schedule guard checks
 that, call by call).
 ``benchmarks/executor_overhead.py`` measures what the executor costs against the kernels it
 calls (README, "Performance, measured").
@@ -29,7 +29,7 @@ from __future__ import annotations
 import collections
 import functools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -37,9 +37,9 @@ from simpar import comm, schedule
 from simpar.cotangent import Action
 from simpar.ops._base import INLINE_NAMES, Inline, Primitive, Tape, shape_only
 from simpar.redistribution import ALL_REDUCE, RedistributionPlan, Step, bind_step, execute
-
-if TYPE_CHECKING:
-    from simpar.runtime.program import BackwardPlan, MemoryWatch, ParallelProgram
+from simpar.runtime.backward_plan import BackwardPlan
+from simpar.runtime.lowered import LoweredGraph
+from simpar.runtime.memory import MemoryWatch
 
 __all__ = ["Executor", "mirror_announcement", "sums_output_in_place"]
 
@@ -169,10 +169,10 @@ class _Source:
 
 class Executor:
     """The compiled program of one rank. ``forward`` and ``backward`` run it; they assume
-    what :meth:`ParallelProgram.forward` / ``backward`` set up around them (the schedule
+    what :class:`~simpar.runtime.runner.ProgramRunner` sets up around them (the schedule
     guard, validation off, the training step)."""
 
-    def __init__(self, program: ParallelProgram, rank: int) -> None:
+    def __init__(self, program: LoweredGraph, rank: int) -> None:
         self.program, self.rank = program, rank
         g = program.graph
         slot: dict[int, int] = {}
