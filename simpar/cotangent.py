@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from simpar.layout import TensorLayout
 from simpar.redistribution import (
@@ -52,10 +52,8 @@ from simpar.redistribution import (
     refine,
 )
 
-if TYPE_CHECKING:  # types only: simpar.ops sits above this module
-    from simpar.ops._base import OpSharding
-
-__all__ = ["Action", "Frame", "OpBackward", "Pending", "cotangent_actions", "op_backward"]
+__all__ = ["Action", "Frame", "OpBackward", "Pending", "Sharded", "SoloBackward",
+           "cotangent_actions", "op_backward", "solo_backward"]
 
 Pending = frozenset[int]
 
@@ -213,6 +211,21 @@ def cotangent_actions(p: RedistributionPlan, pending: Pending, frame: Frame
     return tuple(out), frozenset(result)
 
 
+class Sharded(Protocol):
+    """What planning an op's backward reads of its sharding
+    (:class:`simpar.ops.OpSharding`): its input layouts, the redistribution of input 0 it
+    runs before its kernel, and per output ``(raw layout, final layout, plan between)``."""
+
+    @property
+    def in_layouts(self) -> tuple[TensorLayout, ...]: ...
+
+    @property
+    def inner_plan(self) -> RedistributionPlan | None: ...
+
+    @property
+    def outputs(self) -> list[tuple[TensorLayout, TensorLayout, RedistributionPlan]]: ...
+
+
 @dataclass(frozen=True)
 class OpBackward:
     """The backward of one op, planned: per output the actions from its cotangent to the
@@ -226,7 +239,7 @@ class OpBackward:
     inner_actions: tuple[Action, ...]
 
 
-def op_backward(sh: OpSharding, out_pending: Sequence[Pending | None], frame: Frame
+def op_backward(sh: Sharded, out_pending: Sequence[Pending | None], frame: Frame
                 ) -> OpBackward:
     """Plan ``sh``'s backward for output cotangents pending over ``out_pending`` (None: the
     output gets no cotangent, zeros), axes written as ``frame`` writes the outputs."""
@@ -264,3 +277,30 @@ def op_backward(sh: OpSharding, out_pending: Sequence[Pending | None], frame: Fr
     if sh.inner_plan is not None:
         inner, in_pending[0] = cotangent_actions(sh.inner_plan, in_pending[0], frame)
     return OpBackward(tuple(out_actions), aware, tuple(in_pending), inner)
+
+
+@dataclass(frozen=True)
+class SoloBackward:
+    """The backward of one op run by itself on contributions (``run_op``; a cost model
+    pricing one op): output k's cotangent is held pending over ``seeds[k]`` (each rank its
+    share), the op's own backward is ``op``, and input k's gradient comes out pending over
+    ``sums[k]``, which one AllReduce completes. Axes are the op's device axes."""
+
+    seeds: tuple[Pending, ...]
+    op: OpBackward
+    sums: tuple[Pending, ...]
+
+
+def solo_backward(sh: Sharded, whole: Sequence[Sequence[int]]) -> SoloBackward:
+    """Plan ``sh``'s backward as :func:`op_backward` plans it in a program, each output's
+    cotangent seeded as contributions: pending over the output's replicas but
+    ``whole[k]`` (the axes where the op computed output k alike from different input
+    pieces, its local VJP then taking the whole cotangent). On a MatMul ``((2, 4), (4, 1))``
+    on 8 devices, the output is replicated over the 4-way axis after its AllReduce: the
+    cotangent is pending there, the AllReduce's adjoint sums it, and input 1's gradient is
+    pending over the 2-way axis (its replicas)."""
+    frame = Frame(None)
+    seeds = tuple(frame.replicas(out) - frozenset(whole[k])
+                  for k, (_, out, _) in enumerate(sh.outputs))
+    planned = op_backward(sh, seeds, frame)
+    return SoloBackward(seeds, planned, planned.in_pending)

@@ -17,9 +17,10 @@ import pytest
 
 import simpar
 from simpar import graph, nn, ops
-from simpar.ops._base import Tape
+from simpar.ops.kernels import Tape
 from simpar.runtime import lower
 from simpar.runtime.executor import Executor
+from simpar.runtime.op_runner import OpRunner
 from simpar.search import plan_strategies
 
 
@@ -238,8 +239,8 @@ def test_a_backward_kernel_skips_the_gradients_not_needed() -> None:
     a, b = np.ones((3, 4)), np.ones((4, 2))
     sh = op.sharding([a.shape, b.shape], 1)
     y, saved = op.local_forward(sh, a, b)
-    both = sh.backward_kernel((True, True))(saved, np.ones_like(y))
-    only_b = sh.backward_kernel((False, True))(saved, np.ones_like(y))
+    both = OpRunner(sh).backward_kernel((True, True))(saved, np.ones_like(y))
+    only_b = OpRunner(sh).backward_kernel((False, True))(saved, np.ones_like(y))
     assert only_b[0] is None
     np.testing.assert_array_equal(only_b[1], both[1])
 

@@ -4,17 +4,9 @@ Each family lives in its own module and registers its primitives (``registry()``
 operator is one class in one module: kernel, vjp, and an iteration space or its own rule.
 """
 
-from simpar.ops._base import (
-    CommSpec,
-    IterSpace,
-    OpSharding,
-    Primitive,
-    Strategy,
-    StrategyError,
-    register,
-    registry,
-)
+from simpar.ops._base import OpSharding, Primitive, register, registry
 from simpar.ops.array_ops import Assign, Concat, Reshape, Split, Transpose
+from simpar.ops.comm_spec import Collectives, CommSpec
 from simpar.ops.elementwise import (
     GELU,
     Abs,
@@ -43,6 +35,7 @@ from simpar.ops.nn_ops import (
     SparseSoftmaxCrossEntropyWithLogits,
 )
 from simpar.ops.reduce_ops import ReduceMax, ReduceMean, ReduceSum
+from simpar.ops.strategy import IterSpace, Strategy, StrategyError
 
 __all__ = [
     "GELU",
@@ -53,6 +46,7 @@ __all__ = [
     "BatchNorm",
     "BiasAdd",
     "Cast",
+    "Collectives",
     "CommSpec",
     "Concat",
     "Dropout",

@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from simpar.cost.collective import traffic
-from simpar.cotangent import Action
-from simpar.ops._base import CommSpec, plan_comm
+from simpar.ops.comm_spec import CommSpec, action_comm, plan_comm
 from simpar.redistribution import StepKind
 from simpar.runtime.backward_plan import BackwardPlan
 from simpar.runtime.executor import mirror_announcement, sums_output_in_place
@@ -136,7 +135,7 @@ def schedule(program: LoweredGraph, bplan: BackwardPlan, rank: int) -> tuple[Pro
         for k in reversed(range(len(sh.outputs))):
             b.collectives(Role.OP_COLLECTIVE, node.name,
                           f"{node.name}:backward/{sh.op.name}:output-adjoint",
-                          _action_specs(nb.op.out_actions[k], f"adjoint of output {k}", True),
+                          action_comm(nb.op.out_actions[k], f"adjoint of output {k}", True),
                           node.outputs[k].dtype.itemsize)
         b.compute(node.name, 2 * sh.local_flops())
         b.collectives(Role.OP_COLLECTIVE, node.name, f"{node.name}:backward/{sh.op.name}",
@@ -144,12 +143,12 @@ def schedule(program: LoweredGraph, bplan: BackwardPlan, rank: int) -> tuple[Pro
                       else in_size)
         b.collectives(Role.REDISTRIBUTE, node.name,
                       f"{node.name}:backward/{sh.op.name}:redistribute-adjoint",
-                      _action_specs(nb.op.inner_actions, "adjoint of redistribution before "
+                      action_comm(nb.op.inner_actions, "adjoint of redistribution before "
                                     f"{sh.op.name.lower()}", False), in_size)
         for k, v in enumerate(node.inputs):
             if nb.needs[k]:
                 b.collectives(Role.REDISTRIBUTE, node.name, f"{node.name}:input{k}-adjoint",
-                              _action_specs(nb.edges[k], f"adjoint of input {k}", False),
+                              action_comm(nb.edges[k], f"adjoint of input {k}", False),
                               v.dtype.itemsize)
     for group, dtype, names in bplan.mirror_buckets(program, rank):
         elements = sum(program.param_layouts[n].local_size() for n in names)
@@ -161,13 +160,6 @@ def schedule(program: LoweredGraph, bplan: BackwardPlan, rank: int) -> tuple[Pro
             0, 0, f"gradients of {', '.join(names)} (sum over their replicas)",
             mirror_announcement(group, names)))
     return tuple(b.steps)
-
-
-def _action_specs(actions: Sequence[Action], reason: str, on_output: bool) -> list[CommSpec]:
-    """The collectives of planned backward actions, as the schedule lists them."""
-    return [CommSpec.adjoint_of(a.step, reason, on_output) if a.adjoint
-            else CommSpec.from_step(a.step, reason, on_output)
-            for a in actions if not a.local]
 
 
 def _on_output(specs: Sequence[CommSpec]) -> bool:

@@ -44,7 +44,8 @@ from typing import Any
 from simpar import context
 from simpar.cost.collective import sample_ranks
 from simpar.layout import TensorLayout
-from simpar.ops._base import OpSharding, Strategy, StrategyError
+from simpar.ops._base import OpSharding
+from simpar.ops.strategy import Strategy, StrategyError
 from simpar.redistribution import RedistributionPlan
 from simpar.search.pricing import (
     Priced,

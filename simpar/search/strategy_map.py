@@ -25,7 +25,7 @@ import numpy as np
 
 from simpar.graph import Graph, Value
 from simpar.layout import TensorLayout
-from simpar.ops._base import Strategy, _as_strategy
+from simpar.ops.strategy import Strategy, as_strategy
 
 __all__ = ["MAP_MODES", "OpStrategy", "Source", "StrategyMap", "lay_out_by_consumer"]
 
@@ -59,10 +59,10 @@ class OpStrategy:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "in_strategy",
-                           _as_strategy(self.in_strategy, self.op_type, "in_strategy"))
+                           as_strategy(self.in_strategy, self.op_type, "in_strategy"))
         if self.out_strategy is not None:
             object.__setattr__(self, "out_strategy",
-                               _as_strategy(self.out_strategy, self.op_type, "out_strategy"))
+                               as_strategy(self.out_strategy, self.op_type, "out_strategy"))
         if not isinstance(self.source, Source):
             object.__setattr__(self, "source", Source(self.source))
 
