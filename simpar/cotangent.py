@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Protocol
 
 from simpar.layout import TensorLayout
@@ -105,8 +106,7 @@ class Frame:
     def replicas(self, layout: TensorLayout) -> Pending:
         """The axes (size > 1) over which ``layout`` is replicated: where its cotangent may
         be pending."""
-        lay = self.of(layout)
-        return frozenset(a for a in lay.replica_axes if lay.device_matrix[a] > 1)
+        return _replicas(self.of(layout))
 
     def zero(self, layout: TensorLayout, axes: Sequence[int]) -> Action:
         """Make a cotangent in ``layout`` pending over ``axes`` too (local: zero off
@@ -118,6 +118,21 @@ class Frame:
         """Sum a cotangent in ``layout`` over its pending ``axes``: one AllReduce."""
         lay = self.of(layout)
         return Action(Step(StepKind.ALL_REDUCE, lay, lay, tuple(sorted(axes))), False)
+
+
+@lru_cache(maxsize=1 << 16)
+def _roles(lay: TensorLayout) -> tuple[frozenset[int], Pending]:
+    """The axes ``lay`` splits or is a pending sum over, and those (size > 1) over which it
+    is replicated: where its cotangent may be pending. One pass, once per layout: the
+    backward of every op, and of every candidate a cost model prices, asks for them."""
+    dm = lay.device_matrix
+    used = {a for axes in lay.dim_axes for a in axes}
+    used.update(lay.partial_axes)
+    return frozenset(used), frozenset(a for a in range(len(dm)) if dm[a] > 1 and a not in used)
+
+
+def _replicas(lay: TensorLayout) -> Pending:
+    return _roles(lay)[1]
 
 
 def _runs(device_matrix: tuple[int, ...], fine: tuple[int, ...]) -> list[tuple[int, ...]]:
@@ -146,7 +161,9 @@ def cotangent_actions(p: RedistributionPlan, pending: Pending, frame: Frame
     (written as ``frame`` writes ``p.dst``): the actions to run, in order, and the pending
     axes of the result in ``p.src``."""
     src, dst = frame.of(p.src), frame.of(p.dst)
-    steps_dm = p.steps[0].src.device_matrix if p.steps else src.device_matrix
+    if not p.steps:   # src is dst: the pending axes stay (those of size 1 are none)
+        return (), frozenset(a for a in pending if src.device_matrix[a] > 1)
+    steps_dm = p.steps[0].src.device_matrix
     fine = common_refinement(dst.device_matrix, steps_dm)
     if fine is not None and p.steps:
         fine = common_refinement(fine, src.device_matrix)
@@ -253,7 +270,8 @@ def op_backward(sh: Sharded, out_pending: Sequence[Pending | None], frame: Frame
             continue
         acts, raw_pending = cotangent_actions(p, pend, frame)
         per_out.append((list(acts), raw_pending))
-    written = [frame.of(lay) for lay in (*kernel_ins, *raws)]
+    written = ([*kernel_ins, *raws] if frame.fine is None
+               else [frame.of(lay) for lay in (*kernel_ins, *raws)])
     dm = written[0].device_matrix
     aware = all(lay.device_matrix == dm for lay in written)
     union: Pending = frozenset().union(*(pend for _, pend in per_out if pend is not None))
@@ -261,7 +279,7 @@ def op_backward(sh: Sharded, out_pending: Sequence[Pending | None], frame: Frame
     if aware:
         used: set[int] = set()
         for lay in written:
-            used |= lay.split_axes | set(lay.partial_axes)
+            used |= _roles(lay)[0]
         repeat = frozenset(a for a in range(len(dm)) if dm[a] > 1 and a not in used)
         aware = union <= repeat
     out_actions = []
@@ -300,7 +318,7 @@ def solo_backward(sh: Sharded, whole: Sequence[Sequence[int]]) -> SoloBackward:
     cotangent is pending there, the AllReduce's adjoint sums it, and input 1's gradient is
     pending over the 2-way axis (its replicas)."""
     frame = Frame(None)
-    seeds = tuple(frame.replicas(out) - frozenset(whole[k])
+    seeds = tuple(_replicas(out) - frozenset(whole[k]) if whole[k] else _replicas(out)
                   for k, (_, out, _) in enumerate(sh.outputs))
     planned = op_backward(sh, seeds, frame)
     return SoloBackward(seeds, planned, planned.in_pending)

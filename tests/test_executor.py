@@ -333,3 +333,17 @@ def test_an_op_writes_into_its_input_only_where_nothing_else_holds_it(
     assert runs[0][1].keys() == runs[1][1].keys()
     for n in runs[0][1]:
         np.testing.assert_array_equal(runs[0][1][n], runs[1][1][n])
+
+
+def test_a_kernel_alone_runs_no_collective_of_its_own() -> None:
+    """simpar.ops runs no collective: a kernel called by itself gets ``ONE_DEVICE``, which
+    refuses one over several ranks; the runtime's OpRunner hands kernels the real ones."""
+    op = ops.Softmax().shard(((1, 8),))
+    sh = op.sharding([(2, 16)], 8)
+    assert [c.kind for c in sh.internal_forward] == ["AllReduce", "AllReduce"]
+    with pytest.raises(ValueError, match=re.escape("needs the ranks of its group; run the op "
+                                                   "through simpar.runtime")):
+        op.local_forward(sh, np.ones((2, 2)))
+    alone = ops.Softmax().sharding([(2, 16)], 1)
+    y, _ = OpRunner(alone).forward(np.ones((2, 16)))
+    np.testing.assert_array_equal(y, ops.Softmax().kernel(np.ones((2, 16))))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Protocol
 
 import numpy as np
@@ -22,8 +23,7 @@ from simpar.cotangent import Action
 from simpar.mesh import DeviceMesh
 from simpar.redistribution import LOCAL_KINDS, RedistributionPlan, Step, StepKind
 
-__all__ = ["ONE_DEVICE", "CommSpec", "Collectives", "action_comm", "plan_adjoint_comm",
-           "plan_comm"]
+__all__ = ["ONE_DEVICE", "CommSpec", "Collectives", "action_comm", "plan_comm"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,9 +70,8 @@ class CommSpec:
         return self if self.step is None else self.step
 
     def group(self, rank: int) -> tuple[int, ...]:
-        if not self.device_axes:
-            return tuple(range(math.prod(self.device_matrix)))
-        return DeviceMesh(self.device_matrix).group_of(rank, self.device_axes)
+        """``rank``'s group: the ranks this collective runs over with it."""
+        return _group(self.device_matrix, self.device_axes, rank)
 
     def groups(self) -> list[tuple[int, ...]]:
         if not self.device_axes:
@@ -95,15 +94,19 @@ class CommSpec:
                 "bytes": self.recv_bytes(rank, itemsize), "reason": self.reason}
 
 
+@lru_cache(maxsize=1 << 16)
+def _group(device_matrix: tuple[int, ...], device_axes: tuple[int, ...], rank: int
+           ) -> tuple[int, ...]:
+    """:meth:`CommSpec.group`, worked out once per (device matrix, axes, rank): a cost model
+    asks it of every candidate's collectives."""
+    if not device_axes:
+        return tuple(range(math.prod(device_matrix)))
+    return DeviceMesh(device_matrix).group_of(rank, device_axes)
+
+
 def plan_comm(p: RedistributionPlan, reason: str, on_output: bool) -> list[CommSpec]:
     """The collectives of plan ``p`` (its local steps cost nothing and are left out)."""
     return [CommSpec.from_step(s, reason, on_output) for s in p.steps
-            if s.kind not in LOCAL_KINDS]
-
-
-def plan_adjoint_comm(p: RedistributionPlan, reason: str, on_output: bool) -> list[CommSpec]:
-    """The collectives of plan ``p`` run backwards, in the order they run (last step first)."""
-    return [CommSpec.adjoint_of(s, reason, on_output) for s in reversed(p.steps)
             if s.kind not in LOCAL_KINDS]
 
 
