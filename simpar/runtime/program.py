@@ -98,7 +98,7 @@ class ParallelProgram(LoweredGraph):
 
     def refused_input(self, local_inputs: Sequence[np.ndarray]) -> ValueError | None:
         """The error for the first index in this rank's input shards outside the range an
-        op reading it allows (:meth:`index_limits`), else None."""
+        op reading it allows (:attr:`index_limits`), else None."""
         for x, limits in zip(local_inputs, self.index_limits):
             if not limits or not x.size or x.dtype.kind not in "iu":
                 continue
