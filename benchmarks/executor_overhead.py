@@ -233,7 +233,7 @@ def main() -> int:
 
     def use(executor: Executor, optimizer: bool) -> Callable[[], None]:
         def setup() -> None:
-            prog._executors[0] = executor
+            prog.runner.use_executor(0, executor)
             opt.step = (real_opt if optimizer  # type: ignore[method-assign, assignment]
                         else (lambda p, g: None))
         return setup

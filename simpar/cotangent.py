@@ -41,7 +41,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from functools import lru_cache
+from typing import Protocol
 
 from simpar.layout import TensorLayout
 from simpar.redistribution import (
@@ -52,10 +53,8 @@ from simpar.redistribution import (
     refine,
 )
 
-if TYPE_CHECKING:  # types only: simpar.ops sits above this module
-    from simpar.ops._base import OpSharding
-
-__all__ = ["Action", "Frame", "OpBackward", "Pending", "cotangent_actions", "op_backward"]
+__all__ = ["Action", "Frame", "OpBackward", "Pending", "Sharded", "SoloBackward",
+           "cotangent_actions", "op_backward", "solo_backward"]
 
 Pending = frozenset[int]
 
@@ -107,8 +106,7 @@ class Frame:
     def replicas(self, layout: TensorLayout) -> Pending:
         """The axes (size > 1) over which ``layout`` is replicated: where its cotangent may
         be pending."""
-        lay = self.of(layout)
-        return frozenset(a for a in lay.replica_axes if lay.device_matrix[a] > 1)
+        return _replicas(self.of(layout))
 
     def zero(self, layout: TensorLayout, axes: Sequence[int]) -> Action:
         """Make a cotangent in ``layout`` pending over ``axes`` too (local: zero off
@@ -120,6 +118,21 @@ class Frame:
         """Sum a cotangent in ``layout`` over its pending ``axes``: one AllReduce."""
         lay = self.of(layout)
         return Action(Step(StepKind.ALL_REDUCE, lay, lay, tuple(sorted(axes))), False)
+
+
+@lru_cache(maxsize=1 << 16)
+def _roles(lay: TensorLayout) -> tuple[frozenset[int], Pending]:
+    """The axes ``lay`` splits or is a pending sum over, and those (size > 1) over which it
+    is replicated: where its cotangent may be pending. One pass, once per layout: the
+    backward of every op, and of every candidate a cost model prices, asks for them."""
+    dm = lay.device_matrix
+    used = {a for axes in lay.dim_axes for a in axes}
+    used.update(lay.partial_axes)
+    return frozenset(used), frozenset(a for a in range(len(dm)) if dm[a] > 1 and a not in used)
+
+
+def _replicas(lay: TensorLayout) -> Pending:
+    return _roles(lay)[1]
 
 
 def _runs(device_matrix: tuple[int, ...], fine: tuple[int, ...]) -> list[tuple[int, ...]]:
@@ -148,7 +161,9 @@ def cotangent_actions(p: RedistributionPlan, pending: Pending, frame: Frame
     (written as ``frame`` writes ``p.dst``): the actions to run, in order, and the pending
     axes of the result in ``p.src``."""
     src, dst = frame.of(p.src), frame.of(p.dst)
-    steps_dm = p.steps[0].src.device_matrix if p.steps else src.device_matrix
+    if not p.steps:   # src is dst: the pending axes stay (those of size 1 are none)
+        return (), frozenset(a for a in pending if src.device_matrix[a] > 1)
+    steps_dm = p.steps[0].src.device_matrix
     fine = common_refinement(dst.device_matrix, steps_dm)
     if fine is not None and p.steps:
         fine = common_refinement(fine, src.device_matrix)
@@ -213,6 +228,21 @@ def cotangent_actions(p: RedistributionPlan, pending: Pending, frame: Frame
     return tuple(out), frozenset(result)
 
 
+class Sharded(Protocol):
+    """What planning an op's backward reads of its sharding
+    (:class:`simpar.ops.OpSharding`): its input layouts, the redistribution of input 0 it
+    runs before its kernel, and per output ``(raw layout, final layout, plan between)``."""
+
+    @property
+    def in_layouts(self) -> tuple[TensorLayout, ...]: ...
+
+    @property
+    def inner_plan(self) -> RedistributionPlan | None: ...
+
+    @property
+    def outputs(self) -> list[tuple[TensorLayout, TensorLayout, RedistributionPlan]]: ...
+
+
 @dataclass(frozen=True)
 class OpBackward:
     """The backward of one op, planned: per output the actions from its cotangent to the
@@ -226,7 +256,7 @@ class OpBackward:
     inner_actions: tuple[Action, ...]
 
 
-def op_backward(sh: OpSharding, out_pending: Sequence[Pending | None], frame: Frame
+def op_backward(sh: Sharded, out_pending: Sequence[Pending | None], frame: Frame
                 ) -> OpBackward:
     """Plan ``sh``'s backward for output cotangents pending over ``out_pending`` (None: the
     output gets no cotangent, zeros), axes written as ``frame`` writes the outputs."""
@@ -240,7 +270,8 @@ def op_backward(sh: OpSharding, out_pending: Sequence[Pending | None], frame: Fr
             continue
         acts, raw_pending = cotangent_actions(p, pend, frame)
         per_out.append((list(acts), raw_pending))
-    written = [frame.of(lay) for lay in (*kernel_ins, *raws)]
+    written = ([*kernel_ins, *raws] if frame.fine is None
+               else [frame.of(lay) for lay in (*kernel_ins, *raws)])
     dm = written[0].device_matrix
     aware = all(lay.device_matrix == dm for lay in written)
     union: Pending = frozenset().union(*(pend for _, pend in per_out if pend is not None))
@@ -248,7 +279,7 @@ def op_backward(sh: OpSharding, out_pending: Sequence[Pending | None], frame: Fr
     if aware:
         used: set[int] = set()
         for lay in written:
-            used |= lay.split_axes | set(lay.partial_axes)
+            used |= _roles(lay)[0]
         repeat = frozenset(a for a in range(len(dm)) if dm[a] > 1 and a not in used)
         aware = union <= repeat
     out_actions = []
@@ -264,3 +295,30 @@ def op_backward(sh: OpSharding, out_pending: Sequence[Pending | None], frame: Fr
     if sh.inner_plan is not None:
         inner, in_pending[0] = cotangent_actions(sh.inner_plan, in_pending[0], frame)
     return OpBackward(tuple(out_actions), aware, tuple(in_pending), inner)
+
+
+@dataclass(frozen=True)
+class SoloBackward:
+    """The backward of one op run by itself on contributions (``run_op``; a cost model
+    pricing one op): output k's cotangent is held pending over ``seeds[k]`` (each rank its
+    share), the op's own backward is ``op``, and input k's gradient comes out pending over
+    ``sums[k]``, which one AllReduce completes. Axes are the op's device axes."""
+
+    seeds: tuple[Pending, ...]
+    op: OpBackward
+    sums: tuple[Pending, ...]
+
+
+def solo_backward(sh: Sharded, whole: Sequence[Sequence[int]]) -> SoloBackward:
+    """Plan ``sh``'s backward as :func:`op_backward` plans it in a program, each output's
+    cotangent seeded as contributions: pending over the output's replicas but
+    ``whole[k]`` (the axes where the op computed output k alike from different input
+    pieces, its local VJP then taking the whole cotangent). On a MatMul ``((2, 4), (4, 1))``
+    on 8 devices, the output is replicated over the 4-way axis after its AllReduce: the
+    cotangent is pending there, the AllReduce's adjoint sums it, and input 1's gradient is
+    pending over the 2-way axis (its replicas)."""
+    frame = Frame(None)
+    seeds = tuple(_replicas(out) - frozenset(whole[k]) if whole[k] else _replicas(out)
+                  for k, (_, out, _) in enumerate(sh.outputs))
+    planned = op_backward(sh, seeds, frame)
+    return SoloBackward(seeds, planned, planned.in_pending)

@@ -7,7 +7,6 @@ every rank holds only its shards, and returns the assembled global result;
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +18,7 @@ from simpar.compare import relative_error
 from simpar.layout import TensorLayout, distribute
 from simpar.ops._base import OpSharding, Primitive
 from simpar.redistribution import execute, plan
+from simpar.runtime.op_runner import OpRunner
 from simpar.search import StrategyMap, parameter_plans, plan_strategies
 from simpar.strategy_file import load_strategy, save_strategy
 
@@ -103,9 +103,10 @@ def run_op(op: Primitive, *global_inputs: np.ndarray, grad_output: np.ndarray | 
     op.check_values(*xs)
     sh = op.sharding([x.shape for x in xs], size,
                      enable_alltoall=bool(context.get_auto_parallel_context("enable_alltoall")))
+    runner = OpRunner(sh)
     local_in = tuple(distribute(x, lay, rank) for x, lay in zip(xs, sh.in_layouts))
     with comm.label("run_op:forward"):
-        local_out, saved = sh.forward(*local_in)
+        local_out, saved = runner.forward(*local_in)
     multi = bool(sh.more_outs)
     local_outs = local_out if multi else (local_out,)
     outs = tuple(_gather_global(o, lay) for o, (_, lay, _) in zip(local_outs, sh.outputs))
@@ -121,20 +122,17 @@ def run_op(op: Primitive, *global_inputs: np.ndarray, grad_output: np.ndarray | 
         if len(dys) != len(outs):
             raise ValueError(f"run_op: {op.name} has {len(outs)} outputs; give one "
                              f"grad_output per output, got {len(dys)}")
-        local_dys = []
         dys = tuple(np.asarray(d, dtype=o.dtype) for d, o in zip(dys, outs))
-        for k, (dy, o, (_, lay, _)) in enumerate(zip(dys, outs, sh.outputs)):
+        for k, (dy, o) in enumerate(zip(dys, outs)):
             if dy.shape != o.shape:
                 raise ValueError(f"run_op: grad_output {k} has shape {dy.shape}, output {k} of "
                                  f"{op.name} has shape {o.shape}")
-            # Σ-semantics: the replicas of an output share its cotangent, except where they
-            # computed it from different input pieces (OpSharding.share_axes).
-            reps = math.prod(lay.device_matrix[a] for a in lay.replica_axes
-                             if a not in sh.share_axes(k))
-            local_dys.append(np.asarray(distribute(dy, lay, rank) / reps, dtype=dy.dtype))
+        # The backward as simpar.cotangent plans it (OpSharding.solo_backward): each rank
+        # its share of every cotangent, each input's gradient summed over its replicas.
+        local_dys = [runner.seed(k, dy) for k, dy in enumerate(dys)]
         with comm.label("run_op:backward"):
-            contribs = sh.backward(saved, tuple(local_dys) if multi else local_dys[0])
-            local_grads = tuple(None if c is None else sh.complete_grad(i, c)
+            contribs = runner.backward(saved, tuple(local_dys) if multi else local_dys[0])
+            local_grads = tuple(None if c is None else runner.complete_grad(i, c)
                                 for i, c in enumerate(contribs))
         grads = tuple(None if g is None else _gather_global(g, lay)
                       for g, lay in zip(local_grads, sh.in_layouts))

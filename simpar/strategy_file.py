@@ -58,7 +58,7 @@ from simpar import _checks as checks
 from simpar._env import write_atomically
 from simpar.graph import Graph, Node, Value
 from simpar.layout import TensorLayout
-from simpar.ops._base import StrategyError
+from simpar.ops.strategy import StrategyError
 from simpar.search import OpStrategy, Source, StrategyMap, dataset_layouts
 from simpar.search.strategy_map import MAP_MODES
 

@@ -38,7 +38,7 @@ from simpar.context import ContextError
 from simpar.cost import CostReport, SimparCostModel, load_profile, profile_names
 from simpar.dataset import VOCAB_SIZE, CharCorpus, random_classification
 from simpar.nn import presets
-from simpar.runtime.program import build_program
+from simpar.runtime.lowering import build_program
 from simpar.search import registered_searches, set_search_cost_model
 from simpar.strategy_table import columns as strategy_table_columns
 from simpar.strategy_table import display_names as display_names  # re-exported

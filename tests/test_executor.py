@@ -17,9 +17,10 @@ import pytest
 
 import simpar
 from simpar import graph, nn, ops
-from simpar.ops._base import Tape
+from simpar.ops.kernels import Tape
 from simpar.runtime import lower
 from simpar.runtime.executor import Executor
+from simpar.runtime.op_runner import OpRunner
 from simpar.search import plan_strategies
 
 
@@ -238,8 +239,8 @@ def test_a_backward_kernel_skips_the_gradients_not_needed() -> None:
     a, b = np.ones((3, 4)), np.ones((4, 2))
     sh = op.sharding([a.shape, b.shape], 1)
     y, saved = op.local_forward(sh, a, b)
-    both = sh.backward_kernel((True, True))(saved, np.ones_like(y))
-    only_b = sh.backward_kernel((False, True))(saved, np.ones_like(y))
+    both = OpRunner(sh).backward_kernel((True, True))(saved, np.ones_like(y))
+    only_b = OpRunner(sh).backward_kernel((False, True))(saved, np.ones_like(y))
     assert only_b[0] is None
     np.testing.assert_array_equal(only_b[1], both[1])
 
@@ -332,3 +333,17 @@ def test_an_op_writes_into_its_input_only_where_nothing_else_holds_it(
     assert runs[0][1].keys() == runs[1][1].keys()
     for n in runs[0][1]:
         np.testing.assert_array_equal(runs[0][1][n], runs[1][1][n])
+
+
+def test_a_kernel_alone_runs_no_collective_of_its_own() -> None:
+    """simpar.ops runs no collective: a kernel called by itself gets ``ONE_DEVICE``, which
+    refuses one over several ranks; the runtime's OpRunner hands kernels the real ones."""
+    op = ops.Softmax().shard(((1, 8),))
+    sh = op.sharding([(2, 16)], 8)
+    assert [c.kind for c in sh.internal_forward] == ["AllReduce", "AllReduce"]
+    with pytest.raises(ValueError, match=re.escape("needs the ranks of its group; run the op "
+                                                   "through simpar.runtime")):
+        op.local_forward(sh, np.ones((2, 2)))
+    alone = ops.Softmax().sharding([(2, 16)], 1)
+    y, _ = OpRunner(alone).forward(np.ones((2, 16)))
+    np.testing.assert_array_equal(y, ops.Softmax().kernel(np.ones((2, 16))))

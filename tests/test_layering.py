@@ -99,3 +99,41 @@ def test_the_checker_sees_an_upward_and_a_hidden_import() -> None:
     found = _imports(tree)
     assert found == [("simpar.nn", 1, False), ("simpar.ops", 4, True)]
     assert _layer("simpar.nn.cell") > _layer("simpar.ops._base")
+
+
+def _every_import(path: pathlib.Path) -> set[str]:
+    """Every simpar module ``path`` imports, ``if TYPE_CHECKING:`` blocks included."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "simpar":
+                out.update(f"simpar.{a.name}" for a in node.names)
+            else:
+                out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return {m for m in out if m == "simpar" or m.startswith("simpar.")}
+
+
+def _under(module: str, names: tuple[str, ...]) -> bool:
+    return any(module == n or module.startswith(n + ".") for n in names)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "ops").rglob("*.py")),
+                         ids=lambda p: _module(p))
+def test_ops_run_no_collective_themselves(path: pathlib.Path) -> None:
+    """An op describes its collectives (CommSpec) and its kernels call those the runtime
+    hands them (Collectives): simpar.ops imports neither simpar.comm nor the schedule
+    guard."""
+    found = sorted(m for m in _every_import(path) if _under(m, ("simpar.comm",
+                                                                "simpar.schedule")))
+    assert not found, f"{_module(path)} imports {found}"
+
+
+def test_the_executor_is_given_what_it_runs() -> None:
+    """The executor compiles a lowered graph (simpar.runtime.lowered) and never needs the
+    program module, not even for types: no program <-> executor loop."""
+    for name in ("executor.py", "op_runner.py", "program_schedule.py", "runner.py"):
+        found = _every_import(ROOT / "runtime" / name)
+        assert "simpar.runtime.program" not in found, name
+        assert "simpar.runtime.lowering" not in found, name

@@ -20,9 +20,9 @@ from simpar.cost import mindspore as ms
 from simpar.cost.interface import MindSporeCostModel, SimparCostModel
 from simpar.mesh import DeviceMesh
 from simpar.ops import StrategyError
-from simpar.ops._base import Tape
+from simpar.ops.kernels import Tape
 from simpar.parallel import get_parallel_info
-from simpar.runtime.program import build_program
+from simpar.runtime.lowering import build_program
 from tests.ophelpers import fd_check
 
 RNG = np.random.default_rng(23)

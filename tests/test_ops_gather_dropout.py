@@ -11,6 +11,7 @@ from simpar.layout import distribute
 from simpar.ops import StrategyError
 from simpar.ops.gather_dropout import Dropout, Gather
 from simpar.parallel import get_parallel_info, run_op
+from simpar.runtime.op_runner import OpRunner
 from tests.ophelpers import check_strategies, fd_check
 
 RNG = np.random.default_rng(5)
@@ -218,8 +219,8 @@ def test_dropout_sharded_mask_is_bitwise_the_single_device_mask(step):
         op.step = step
         sh = op.sharding([x.shape], size)
         with comm.CommTrace() as trace:
-            y, mask = sh.forward(distribute(x, sh.in_layouts[0], rank))
-            (g,) = sh.backward(mask, np.ones(sh.out.local_shape()))
+            y, mask = OpRunner(sh).forward(distribute(x, sh.in_layouts[0], rank))
+            (g,) = OpRunner(sh).backward(mask, np.ones(sh.out.local_shape()))
         assert trace.events == [], s  # elementwise: no communication
         sl = sh.out.slices(rank)
         assert np.array_equal(mask, want_mask[sl]), s

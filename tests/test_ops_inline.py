@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from simpar import ops
-from simpar.ops._base import INLINE_NAMES, Inline, Primitive
+from simpar.ops._base import Primitive
+from simpar.ops.kernels import INLINE_NAMES, Inline
 
 
 def _eval(template: str, **values: Any) -> Any:

@@ -27,8 +27,7 @@ from simpar.dataset import random_classification
 from simpar.graph import Graph
 from simpar.nn import presets
 from simpar.runtime import ParallelProgram, build_program
-from simpar.runtime.program import dataset_layouts
-from simpar.search import plan_strategies
+from simpar.search import dataset_layouts, plan_strategies
 
 BATCH = 8
 SEMI = "semi_auto_parallel"

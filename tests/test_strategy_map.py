@@ -14,7 +14,7 @@ import warnings
 import numpy as np
 import pytest
 
-from simpar import context, graph, nn, seed
+from simpar import context, graph, nn, ops, seed
 from simpar.layout import TensorLayout
 from simpar.nn import presets
 from simpar.runtime import NothingParallelWarning, build_program, lower
@@ -259,3 +259,50 @@ def test_auto_parallel_runs_the_search_registered_for_its_search_mode(
                        r"yet \(search_mode 'dynamic_programming'; implemented: "
                        r"\['test_dp_search'\]\)"):
         plan_strategies(g, 8, "auto_parallel", search_mode="dynamic_programming")
+
+
+def test_complete_lays_out_every_parameter_the_map_leaves_open() -> None:
+    """One owner of both rules: a parameter takes its first consumer's layout, one no op
+    reads stays whole, one the map gives keeps it."""
+
+    class TwoReaders(nn.Cell):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(np.zeros((16, 16)), "w")
+            self.v = nn.Parameter(np.zeros((16, 16)), "v")
+            self.spare = nn.Parameter(np.zeros((3, 5)), "spare")
+
+        def construct(self, x: object) -> object:
+            first = ops.MatMul().shard(((1, 1), (1, 8)))(x, self.w)
+            second = ops.MatMul().shard(((1, 8), (8, 1)))(first, self.w)
+            return ops.MatMul()(second, self.v), self.spare   # an output no op reads
+
+    net = TwoReaders()
+    net.name_parameters()
+    g = graph.trace(net, [((4, 16), np.float64)], ["x"])
+    smap = plan_strategies(g, 8, SEMI)
+    given = TensorLayout((8,), (-1, 0), (16, 16))
+    steps = lower(g, smap).steps
+    done = dataclasses.replace(smap, params={"v": given}).complete(
+        g, [s.sharding.in_layouts for s in steps])
+    assert list(done.params) == ["v", "w", "spare"]
+    assert done.params["v"] == given
+    assert done.params["w"] == steps[0].sharding.in_layouts[1]      # its first reader's
+    assert done.params["w"].cuts == (1, 8)
+    assert done.params["spare"] == TensorLayout((8,), (-1, -1), (3, 5))    # read by none
+    assert smap.complete(g, [s.sharding.in_layouts for s in steps]) == smap
+
+
+def test_lowering_plans_the_backward_once() -> None:
+    """The eager-or-lazy choice is made by lower, for every set of seeded outputs: the
+    program holds the plans, and running it plans nothing."""
+    net, g = _mlp()
+    program = build_program(g, 8, SEMI, ((2, 1), (2,)), cell=net)
+    assert set(program.backward_plans) == {(True,), (False,)}
+    assert program.backward_plan() is program.backward_plans[(True,)]
+    assert not any(isinstance(getattr(program, f.name), dict) and f.name.startswith("_")
+                   for f in dataclasses.fields(program))
+    only = lower(g, program.strategy_map, seeds=[(True,)])   # type: ignore[arg-type]
+    assert set(only.backward_plans) == {(True,)}
+    with pytest.raises(ValueError, match=re.escape("seeded [False] has no backward plan")):
+        only.backward_plan((False,))

@@ -35,7 +35,8 @@ from simpar.cost import mindspore as ms
 from simpar.cost.model import OPTIMIZER_STATE, evaluate
 from simpar.cost.profile import DeviceProfile, load_profile
 from simpar.mesh import DeviceMesh
-from simpar.ops._base import CommSpec, OpSharding
+from simpar.ops._base import OpSharding
+from simpar.ops.comm_spec import CommSpec
 from simpar.redistribution import RedistributionPlan
 
 if TYPE_CHECKING:  # simpar.search imports this package: a run-time import would be a cycle
@@ -111,8 +112,9 @@ class SimparCostModel:
         flops = sh.local_flops()
         seconds = (prof.compute_seconds(flops, nbytes, dtype)
                    + prof.compute_seconds(2 * flops, 2 * nbytes, dtype))
-        backward = [c for c in sh.backward_comm if not c.reason.startswith("gradient of input")]
-        for spec in [*sh.forward_comm, *backward]:
+        # The backward as simpar.cotangent plans the op by itself (OpSharding.solo_backward):
+        # its moves, then each parameter's gradient sum over its replicas (its Mirror).
+        for spec in [*sh.forward_comm, *sh.backward_moves]:
             seconds += self._spec_seconds(spec, itemsize)
         for i in parameters:
             mirror = sh.input_grad_spec(i)

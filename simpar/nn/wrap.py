@@ -36,7 +36,8 @@ from simpar.nn.auto_parallel import AutoParallel
 from simpar.nn.cell import Cell
 from simpar.nn.optim import Optimizer
 from simpar.redistribution import execute, plan
-from simpar.runtime.program import ParallelProgram, lower
+from simpar.runtime.lowering import lower
+from simpar.runtime.program import ParallelProgram
 from simpar.search import parameter_plans, plan_strategies
 from simpar.search.auto import search_cost_model
 from simpar.seed import get_seed

@@ -5,17 +5,9 @@ operator is one class in one module: kernel, vjp, an iteration space or its own 
 facts (``mindspore_cost``, ``elementwise``: :mod:`simpar.ops.facts`).
 """
 
-from simpar.ops._base import (
-    CommSpec,
-    IterSpace,
-    OpSharding,
-    Primitive,
-    Strategy,
-    StrategyError,
-    register,
-    registry,
-)
+from simpar.ops._base import OpSharding, Primitive, register, registry
 from simpar.ops.array_ops import Assign, Concat, Reshape, Split, Transpose
+from simpar.ops.comm_spec import Collectives, CommSpec
 from simpar.ops.elementwise import (
     GELU,
     Abs,
@@ -45,6 +37,7 @@ from simpar.ops.nn_ops import (
     SparseSoftmaxCrossEntropyWithLogits,
 )
 from simpar.ops.reduce_ops import ReduceMax, ReduceMean, ReduceSum
+from simpar.ops.strategy import IterSpace, Strategy, StrategyError
 
 __all__ = [
     "GELU",
@@ -55,6 +48,7 @@ __all__ = [
     "BatchNorm",
     "BiasAdd",
     "Cast",
+    "Collectives",
     "CommSpec",
     "Concat",
     "CostClass",

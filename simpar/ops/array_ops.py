@@ -21,17 +21,11 @@ import numpy as np
 from simpar import _checks as checks
 from simpar.collective_kinds import sample_ranks
 from simpar.layout import TensorLayout
-from simpar.ops._base import (
-    IterSpace,
-    OpSharding,
-    Primitive,
-    Strategy,
-    Tape,
-    build_sharding,
-    dim_names,
-    register,
-)
+from simpar.ops._base import OpSharding, Primitive, build_sharding, register
+from simpar.ops.comm_spec import ONE_DEVICE, Collectives
 from simpar.ops.facts import CostClass
+from simpar.ops.kernels import Tape
+from simpar.ops.strategy import IterSpace, Strategy, dim_names
 from simpar.redistribution import RedistributionPlan, plan
 
 __all__ = ["Assign", "Concat", "Reshape", "Split", "Transpose", "reshape_layout"]
@@ -104,11 +98,12 @@ class Transpose(Primitive):
         # can trust). On the GPT at batch 1 the views take a tenth off the step.
         return _transposes(self._perm(len(sh.input_shapes[0])))
 
-    def local_forward(self, sh: OpSharding, *xs: np.ndarray) -> tuple[np.ndarray, Any]:
+    def local_forward(self, sh: OpSharding, *xs: np.ndarray,
+                      collectives: Collectives = ONE_DEVICE) -> tuple[np.ndarray, Any]:
         return self.local_view(sh)[0](xs[0]), None
 
-    def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray
-                       ) -> tuple[np.ndarray | None, ...]:
+    def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray,
+                       collectives: Collectives = ONE_DEVICE) -> tuple[np.ndarray | None, ...]:
         return (self.local_view(sh)[1](dy),)
 
     def flops(self, local_in: tuple[tuple[int, ...], ...], local_out: tuple[int, ...]) -> int:
@@ -311,7 +306,7 @@ class Reshape(Primitive):
         assert best is not None  # the fully replicated candidate always reshapes
         _, mid, out, pre = best
         empty = plan(out, out)
-        # The op redistributes its input to ``mid`` itself (OpSharding.forward runs
+        # The op redistributes its input to ``mid`` itself (the runtime runs
         # ``inner_plan`` before the kernel), so ``in_layouts`` stays what the strategy says.
         return dataclasses.replace(base, raw_out=out, out=out, out_plan=empty,
                                    inner_plan=None if not pre.steps else pre)
@@ -322,11 +317,12 @@ class Reshape(Primitive):
         mid = sh.in_layouts[0] if sh.inner_plan is None else sh.inner_plan.dst
         return _reshapes(sh.out.local_shape(), mid.local_shape())
 
-    def local_forward(self, sh: OpSharding, *xs: np.ndarray) -> tuple[np.ndarray, Any]:
+    def local_forward(self, sh: OpSharding, *xs: np.ndarray,
+                      collectives: Collectives = ONE_DEVICE) -> tuple[np.ndarray, Any]:
         return self.local_view(sh)[0](xs[0]), None
 
-    def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray
-                       ) -> tuple[np.ndarray | None, ...]:
+    def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray,
+                       collectives: Collectives = ONE_DEVICE) -> tuple[np.ndarray | None, ...]:
         return (self.local_view(sh)[1](dy),)
 
 
@@ -453,13 +449,14 @@ class Split(Primitive):
         extra = tuple((sh.raw_out, sh.out, sh.out_plan) for _ in range(self.output_num - 1))
         return dataclasses.replace(sh, more_outs=extra)
 
-    def local_forward(self, sh: OpSharding, *xs: np.ndarray) -> tuple[Any, Any]:
+    def local_forward(self, sh: OpSharding, *xs: np.ndarray,
+                      collectives: Collectives = ONE_DEVICE) -> tuple[Any, Any]:
         parts = tuple(np.ascontiguousarray(p) for p in
                       np.split(xs[0], self.output_num, axis=self.axis))
         return (parts if self.output_num > 1 else parts[0]), None
 
-    def local_backward(self, sh: OpSharding, saved: Any, dy: Any
-                       ) -> tuple[np.ndarray | None, ...]:
+    def local_backward(self, sh: OpSharding, saved: Any, dy: Any,
+                       collectives: Collectives = ONE_DEVICE) -> tuple[np.ndarray | None, ...]:
         return self.vjp((), None, dy)
 
 
@@ -519,11 +516,12 @@ class Assign(Primitive):
     def flops(self, local_in: tuple[tuple[int, ...], ...], local_out: tuple[int, ...]) -> int:
         return 0
 
-    def local_forward(self, sh: OpSharding, *xs: np.ndarray) -> tuple[np.ndarray, Any]:
+    def local_forward(self, sh: OpSharding, *xs: np.ndarray,
+                      collectives: Collectives = ONE_DEVICE) -> tuple[np.ndarray, Any]:
         return self.kernel(*xs), xs[0].dtype
 
-    def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray
-                       ) -> tuple[np.ndarray | None, ...]:
+    def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray,
+                       collectives: Collectives = ONE_DEVICE) -> tuple[np.ndarray | None, ...]:
         if np.dtype(saved).kind != "f":
             return None, None
         return np.asarray(dy, dtype=saved), None

@@ -16,20 +16,12 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from simpar.ops._base import (
-    Inline,
-    IterSpace,
-    OpSharding,
-    Primitive,
-    Strategy,
-    StrategyError,
-    Tape,
-    dim_names,
-    gradient_needed,
-    register,
-)
+from simpar.ops._base import OpSharding, Primitive, register
+from simpar.ops.comm_spec import ONE_DEVICE, Collectives
 from simpar.ops.facts import CostClass
+from simpar.ops.kernels import Inline, Tape, gradient_needed
 from simpar.ops.matmul import _unbroadcast
+from simpar.ops.strategy import IterSpace, Strategy, StrategyError, dim_names
 
 __all__ = ["GELU", "Abs", "Add", "BiasAdd", "Cast", "FloorDiv", "GeLU", "Identity", "Mul",
            "PReLU", "RealDiv", "ReLU", "Sigmoid", "Square", "Sub", "Tanh"]
@@ -200,11 +192,12 @@ class FloorDiv(_Binary):
     def flops(self, local_in: tuple[tuple[int, ...], ...], local_out: tuple[int, ...]) -> int:
         return 2 * math.prod(local_out)  # a division and a floor per element
 
-    def local_forward(self, sh: OpSharding, *xs: np.ndarray) -> tuple[np.ndarray, Any]:
+    def local_forward(self, sh: OpSharding, *xs: np.ndarray,
+                      collectives: Collectives = ONE_DEVICE) -> tuple[np.ndarray, Any]:
         return self.kernel(*xs), None
 
-    def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray
-                       ) -> tuple[np.ndarray | None, ...]:
+    def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray,
+                       collectives: Collectives = ONE_DEVICE) -> tuple[np.ndarray | None, ...]:
         return None, None
 
 
@@ -437,7 +430,8 @@ class GeLU(_Unary):
             ) -> tuple[np.ndarray | None, ...]:
         return (_gelu_grad(xs[0], _gelu_tanh(xs[0]), dy),)
 
-    def local_forward(self, sh: OpSharding, *xs: np.ndarray) -> tuple[np.ndarray, Any]:
+    def local_forward(self, sh: OpSharding, *xs: np.ndarray,
+                      collectives: Collectives = ONE_DEVICE) -> tuple[np.ndarray, Any]:
         x = xs[0]
         t = _gelu_tanh(x)
         y = t + 1.0
@@ -445,8 +439,8 @@ class GeLU(_Unary):
         y *= 0.5
         return y, (x, t)
 
-    def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray
-                       ) -> tuple[np.ndarray | None, ...]:
+    def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray,
+                       collectives: Collectives = ONE_DEVICE) -> tuple[np.ndarray | None, ...]:
         x, t = saved
         return (_gelu_grad(x, t, dy),)
 

@@ -26,8 +26,11 @@ from typing import Any
 import numpy as np
 
 from simpar.counter_rng import bits, mix_int
-from simpar.ops._base import IterSpace, OpSharding, Primitive, Tape, register
+from simpar.ops._base import OpSharding, Primitive, register
+from simpar.ops.comm_spec import ONE_DEVICE, Collectives
 from simpar.ops.facts import CostClass
+from simpar.ops.kernels import Tape
+from simpar.ops.strategy import IterSpace
 from simpar.seed import current_step
 
 __all__ = ["Dropout", "Gather"]
@@ -160,22 +163,23 @@ class Gather(Primitive):
         self._check(params, indices, params.shape[self._axis(params.ndim)])
         return self._scatter(params.shape, params.dtype, indices, dy, 0, True), None
 
-    def _start(self, sh: OpSharding) -> int:
-        """The first table entry (along the axis) that this rank holds."""
+    def _start(self, sh: OpSharding, rank: int) -> int:
+        """The first table entry (along the axis) that ``rank`` holds."""
         a = self._axis(len(sh.input_shapes[0]))
-        return sh.in_slices[0][a][0]
+        return sh.in_slices_on(rank)[0][a][0]
 
-    def local_forward(self, sh: OpSharding, *xs: np.ndarray) -> tuple[np.ndarray, Any]:
+    def local_forward(self, sh: OpSharding, *xs: np.ndarray,
+                      collectives: Collectives = ONE_DEVICE) -> tuple[np.ndarray, Any]:
         params, indices = xs
         a = self._axis(params.ndim)
         self._check(params, indices, sh.input_shapes[0][a])
-        start = self._start(sh)
+        start = self._start(sh, collectives.rank)
         whole = params.shape[a] == sh.input_shapes[0][a]   # the table is not split on the axis
         return (self._lookup(params, indices, start, whole),
                 (params.shape, params.dtype, indices, start, whole))
 
-    def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray
-                       ) -> tuple[np.ndarray | None, ...]:
+    def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray,
+                       collectives: Collectives = ONE_DEVICE) -> tuple[np.ndarray | None, ...]:
         shape, dtype, indices, start, whole = saved
         if dtype.kind != "f":
             return None, None
@@ -282,14 +286,15 @@ class Dropout(Primitive):
         x = xs[0]
         return (self._apply(np.asarray(dy, dtype=x.dtype), self.keep_mask(x.shape)),)
 
-    def local_forward(self, sh: OpSharding, *xs: np.ndarray) -> tuple[np.ndarray, Any]:
+    def local_forward(self, sh: OpSharding, *xs: np.ndarray,
+                      collectives: Collectives = ONE_DEVICE) -> tuple[np.ndarray, Any]:
         (x,) = xs
         self._check(x)
-        keep = self.keep_mask(sh.input_shapes[0], sh.in_slices[0])
+        keep = self.keep_mask(sh.input_shapes[0], sh.in_slices_on(collectives.rank)[0])
         return self._apply(x, keep), keep
 
-    def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray
-                       ) -> tuple[np.ndarray | None, ...]:
+    def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray,
+                       collectives: Collectives = ONE_DEVICE) -> tuple[np.ndarray | None, ...]:
         return (self._apply(dy, saved),)
 
     def flops(self, local_in: tuple[tuple[int, ...], ...], local_out: tuple[int, ...]) -> int:

@@ -15,17 +15,10 @@ from typing import Any
 import numpy as np
 
 from simpar import context
-from simpar.ops._base import (
-    Inline,
-    IterSpace,
-    Primitive,
-    Strategy,
-    StrategyError,
-    Tape,
-    gradient_needed,
-    register,
-)
+from simpar.ops._base import Primitive, register
 from simpar.ops.facts import CostClass
+from simpar.ops.kernels import Inline, Tape, gradient_needed
+from simpar.ops.strategy import IterSpace, Strategy, StrategyError
 
 __all__ = ["BatchMatMul", "MatMul"]
 

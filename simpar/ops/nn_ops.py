@@ -26,17 +26,11 @@ from typing import Any
 import numpy as np
 
 from simpar import _checks as checks
-from simpar.ops._base import (
-    CommSpec,
-    IterSpace,
-    OpSharding,
-    Primitive,
-    Strategy,
-    Tape,
-    dim_names,
-    register,
-)
+from simpar.ops._base import OpSharding, Primitive, register
+from simpar.ops.comm_spec import ONE_DEVICE, Collectives, CommSpec
 from simpar.ops.facts import CostClass
+from simpar.ops.kernels import Tape
+from simpar.ops.strategy import IterSpace, Strategy, dim_names
 from simpar.redistribution import ALL_REDUCE, plan
 
 __all__ = ["BatchNorm", "LayerNorm", "LogSoftmax", "Softmax",
@@ -55,9 +49,11 @@ def _identity(x: np.ndarray, how: str, what: str) -> np.ndarray:
     return x
 
 
-def _group_reduce(sh: OpSharding, specs: Sequence[CommSpec]) -> _Reduce:
+def _group_reduce(sh: OpSharding, specs: Sequence[CommSpec], collectives: Collectives
+                  ) -> _Reduce:
     """The hook that completes the kernel's local reductions: its k-th call runs ``specs[k]``
-    (the op's listed collectives, in the order the kernel needs them). Identity if none."""
+    (the op's listed collectives, in the order the kernel needs them) through
+    ``collectives``. Identity if none."""
     if not specs:
         return _identity
     pending = iter(specs)
@@ -65,7 +61,7 @@ def _group_reduce(sh: OpSharding, specs: Sequence[CommSpec]) -> _Reduce:
     def reduce(x: np.ndarray, how: str, what: str) -> np.ndarray:
         spec = next(pending)
         assert spec.how == how, (sh.op.name, what, spec)
-        return sh.all_reduce(spec, x, what)
+        return collectives.all_reduce(spec, x, what)
 
     return reduce
 
@@ -174,17 +170,18 @@ class _SoftmaxBase(Primitive):
         bwd = (CommSpec(ALL_REDUCE, dm, group, rows, f"{self.name}: {what} over the split axis"),)
         return dataclasses.replace(sh, internal_forward=fwd, internal_backward=bwd)
 
-    def local_forward(self, sh: OpSharding, *xs: np.ndarray) -> tuple[np.ndarray, Any]:
+    def local_forward(self, sh: OpSharding, *xs: np.ndarray,
+                      collectives: Collectives = ONE_DEVICE) -> tuple[np.ndarray, Any]:
         x = xs[0]
         _check_float(self.name, "the input", x)
         y = _softmax(x, self._axes(sh.input_shapes[0]), self.log,
-                     _group_reduce(sh, sh.internal_forward))
+                     _group_reduce(sh, sh.internal_forward, collectives))
         return y, y
 
-    def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray
-                       ) -> tuple[np.ndarray | None, ...]:
+    def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray,
+                       collectives: Collectives = ONE_DEVICE) -> tuple[np.ndarray | None, ...]:
         return (_softmax_grad(saved, dy, self._axes(sh.input_shapes[0]), self.log,
-                              _group_reduce(sh, sh.internal_backward)),)
+                              _group_reduce(sh, sh.internal_backward, collectives)),)
 
 
 @register
@@ -373,20 +370,21 @@ class LayerNorm(Primitive):
                         "LayerNorm: row sums of g and g*xhat"),)
         return dataclasses.replace(sh, internal_forward=fwd, internal_backward=bwd)
 
-    def local_forward(self, sh: OpSharding, *xs: np.ndarray) -> tuple[np.ndarray, Any]:
+    def local_forward(self, sh: OpSharding, *xs: np.ndarray,
+                      collectives: Collectives = ONE_DEVICE) -> tuple[np.ndarray, Any]:
         x, gamma, beta = xs
         _check_float(self.name, "x", x)
         axes, _, count = self._geometry(sh.input_shapes[0])
         y, xhat, rstd = _layer_norm(x, gamma, beta, axes, count, self.epsilon,
-                                    _group_reduce(sh, sh.internal_forward))
+                                    _group_reduce(sh, sh.internal_forward, collectives))
         return y, (xhat, rstd, gamma)
 
-    def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray
-                       ) -> tuple[np.ndarray | None, ...]:
+    def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray,
+                       collectives: Collectives = ONE_DEVICE) -> tuple[np.ndarray | None, ...]:
         xhat, rstd, gamma = saved
         axes, lead, count = self._geometry(sh.input_shapes[0])
         return _layer_norm_grad(dy, xhat, rstd, gamma, axes, lead, count,
-                                _group_reduce(sh, sh.internal_backward))
+                                _group_reduce(sh, sh.internal_backward, collectives))
 
 
 # ------------------------------------------------------------------ BatchNorm
@@ -554,19 +552,20 @@ class BatchNorm(Primitive):
                         "BatchNorm: channel sums of dy and dy*xhat"),)
         return dataclasses.replace(sh, internal_forward=fwd, internal_backward=bwd)
 
-    def local_forward(self, sh: OpSharding, *xs: np.ndarray) -> tuple[np.ndarray, Any]:
+    def local_forward(self, sh: OpSharding, *xs: np.ndarray,
+                      collectives: Collectives = ONE_DEVICE) -> tuple[np.ndarray, Any]:
         self._check(xs)
         axes, count = self._geometry(sh.input_shapes[0])
         y, xhat, rstd = _batch_norm(xs, axes, count, self.epsilon, self.is_training,
-                                    _group_reduce(sh, sh.internal_forward))
+                                    _group_reduce(sh, sh.internal_forward, collectives))
         return y, (xhat, rstd, xs[1])
 
-    def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray
-                       ) -> tuple[np.ndarray | None, ...]:
+    def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray,
+                       collectives: Collectives = ONE_DEVICE) -> tuple[np.ndarray | None, ...]:
         xhat, rstd, scale = saved
         axes, count = self._geometry(sh.input_shapes[0])
         return _batch_norm_grad(dy, xhat, rstd, scale, axes, count, self.is_training,
-                                _group_reduce(sh, sh.internal_backward))
+                                _group_reduce(sh, sh.internal_backward, collectives))
 
 
 # ------------------------------------------------------------------ cross entropy
@@ -733,19 +732,20 @@ class SparseSoftmaxCrossEntropyWithLogits(Primitive):
         return dataclasses.replace(sh, internal_forward=fwd, raw_out=raw,
                                    out_plan=plan(raw, sh.out))
 
-    def local_forward(self, sh: OpSharding, *xs: np.ndarray) -> tuple[np.ndarray, Any]:
+    def local_forward(self, sh: OpSharding, *xs: np.ndarray,
+                      collectives: Collectives = ONE_DEVICE) -> tuple[np.ndarray, Any]:
         logits, labels = xs
-        (row0, _), (class0, _) = sh.in_slices[0]
+        (row0, _), (class0, _) = sh.in_slices_on(collectives.rank)[0]
         n, classes = sh.input_shapes[0]
         # Every rank holding a bad label raises before its first collective; labels are
         # replicated over the class split, so a row block's whole class group raises together.
         self._check(logits, labels, classes, row0)
-        loss, p, own, idx = _cross_entropy(logits, labels, class0,
-                                           _group_reduce(sh, sh.internal_forward), classes)
+        reduce = _group_reduce(sh, sh.internal_forward, collectives)
+        loss, p, own, idx = _cross_entropy(logits, labels, class0, reduce, classes)
         return np.array(np.sum(loss) / n, dtype=logits.dtype), (p, own, idx, n)
 
-    def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray
-                       ) -> tuple[np.ndarray | None, ...]:
+    def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray,
+                       collectives: Collectives = ONE_DEVICE) -> tuple[np.ndarray | None, ...]:
         p, own, idx, n = saved
         # A 0-d cotangent may arrive as a numpy scalar or, from an adjoint AllReduce, as (1,).
         scale = np.asarray(dy).reshape(()) / n

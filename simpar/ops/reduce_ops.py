@@ -32,18 +32,12 @@ from typing import Any, ClassVar
 import numpy as np
 
 from simpar.layout import TensorLayout
-from simpar.ops._base import (
-    CommSpec,
-    IterSpace,
-    OpSharding,
-    Primitive,
-    Strategy,
-    Tape,
-    dim_names,
-    register,
-)
+from simpar.ops._base import OpSharding, Primitive, register
 from simpar.ops._base import build_sharding as _build_sharding
+from simpar.ops.comm_spec import ONE_DEVICE, Collectives, CommSpec
 from simpar.ops.facts import CostClass
+from simpar.ops.kernels import Tape
+from simpar.ops.strategy import IterSpace, Strategy, dim_names
 from simpar.redistribution import StepKind, plan
 
 __all__ = ["ReduceMax", "ReduceMean", "ReduceSum"]
@@ -248,14 +242,15 @@ class ReduceMean(_Reduce):
         x = xs[0]
         return (self._grad(x.shape, x.dtype, dy, self._count(x.shape)),)
 
-    def local_forward(self, sh: OpSharding, *xs: np.ndarray) -> tuple[np.ndarray, Any]:
+    def local_forward(self, sh: OpSharding, *xs: np.ndarray,
+                      collectives: Collectives = ONE_DEVICE) -> tuple[np.ndarray, Any]:
         (x,) = xs
         self._check_input(x)
         count = self._count(sh.input_shapes[0])
         return self._partial_mean(x, count), (x.shape, x.dtype, count)
 
-    def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray
-                       ) -> tuple[np.ndarray | None, ...]:
+    def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray,
+                       collectives: Collectives = ONE_DEVICE) -> tuple[np.ndarray | None, ...]:
         shape, dtype, count = saved
         return (self._grad(shape, dtype, dy, count),)
 
@@ -296,17 +291,18 @@ class ReduceMax(_Reduce):
             return (None,)
         return (self._route(x, y, dy),)
 
-    def local_forward(self, sh: OpSharding, *xs: np.ndarray) -> tuple[np.ndarray, Any]:
+    def local_forward(self, sh: OpSharding, *xs: np.ndarray,
+                      collectives: Collectives = ONE_DEVICE) -> tuple[np.ndarray, Any]:
         (x,) = xs
         y = self.kernel(x)
         for spec in sh.internal_forward:
-            y = sh.all_reduce(spec, y, "max")
+            y = collectives.all_reduce(spec, y, "max")
         return y, (x, y)
 
-    def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray
-                       ) -> tuple[np.ndarray | None, ...]:
+    def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray,
+                       collectives: Collectives = ONE_DEVICE) -> tuple[np.ndarray | None, ...]:
         x, y = saved
         dy = np.asarray(dy)  # run_op's cotangent of a 0-d output is a numpy scalar
         for spec in sh.internal_backward:
-            dy = sh.all_reduce(spec, dy, "max-adjoint")
+            dy = collectives.all_reduce(spec, dy, "max-adjoint")
         return self.vjp((x,), y, dy)

@@ -18,7 +18,7 @@ bound for this rank (:func:`simpar.redistribution.bind_step`, its collective pre
 :func:`simpar.comm.prepare`; an AllReduce sums an inline op's fresh product in place,
 :func:`sums_output_in_place`). ``Executor.source()`` prints what a rank runs. The backward
 runs its kernel calls and the actions its plan lists in the order
-:func:`simpar.runtime.program._schedule` lists their collectives (the schedule guard checks
+:func:`simpar.runtime.program_schedule.schedule` lists their collectives (the schedule guard checks
 that, call by call).
 ``benchmarks/executor_overhead.py`` measures what the executor costs against the kernels it
 calls (README, "Performance, measured").
@@ -29,17 +29,19 @@ from __future__ import annotations
 import collections
 import functools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from simpar import comm, schedule
 from simpar.cotangent import Action
-from simpar.ops._base import INLINE_NAMES, Inline, Primitive, Tape, shape_only
+from simpar.ops._base import Primitive
+from simpar.ops.kernels import INLINE_NAMES, Inline, Tape, shape_only
 from simpar.redistribution import ALL_REDUCE, RedistributionPlan, Step, bind_step, execute
-
-if TYPE_CHECKING:
-    from simpar.runtime.program import BackwardPlan, MemoryWatch, ParallelProgram
+from simpar.runtime.backward_plan import BackwardPlan
+from simpar.runtime.lowered import LoweredGraph
+from simpar.runtime.memory import MemoryWatch
+from simpar.runtime.op_runner import OpRunner
 
 __all__ = ["Executor", "mirror_announcement", "sums_output_in_place"]
 
@@ -107,12 +109,12 @@ def mirror_announcement(group: tuple[int, ...], names: Sequence[str]
     return ("Mirror", group, tuple(names))
 
 
-def _moving(sh: Any, plans: tuple[RedistributionPlan | None, ...]
+def _moving(runner: OpRunner, plans: tuple[RedistributionPlan | None, ...]
             ) -> Callable[..., tuple[Any, Any]]:
     """The forward of an op that redistributes inside it (its ``inner_plan``): inputs moved,
     the op's own forward, outputs moved, all in one call."""
     def run(*xs: np.ndarray) -> tuple[Any, Any]:
-        return sh.forward(*[x if p is None else execute(p, x) for p, x in zip(plans, xs)])
+        return runner.forward(*[x if p is None else execute(p, x) for p, x in zip(plans, xs)])
     return run
 
 
@@ -169,10 +171,10 @@ class _Source:
 
 class Executor:
     """The compiled program of one rank. ``forward`` and ``backward`` run it; they assume
-    what :meth:`ParallelProgram.forward` / ``backward`` set up around them (the schedule
+    what :class:`~simpar.runtime.runner.ProgramRunner` sets up around them (the schedule
     guard, validation off, the training step)."""
 
-    def __init__(self, program: ParallelProgram, rank: int) -> None:
+    def __init__(self, program: LoweredGraph, rank: int) -> None:
         self.program, self.rank = program, rank
         g = program.graph
         slot: dict[int, int] = {}
@@ -185,7 +187,9 @@ class Executor:
         self.consts = tuple((at(v.id), v.const) for v in g.consts)
         fwd: list[_Forward] = []
         self._tape_of: dict[int, int] = {}
-        for s in program.steps:
+        #: Per op, its runner on this rank: the Collectives its kernels call.
+        self._runners = tuple(OpRunner(s.sharding, rank) for s in program.steps)
+        for s, runner in zip(program.steps, self._runners):
             node, sh = s.node, s.sharding
             pre = tuple(tuple((st, False, v.dtype) for st in p.steps)
                         for p, v in zip(s.in_plans, node.inputs))
@@ -203,10 +207,10 @@ class Executor:
                 run = sh.op.kernel
                 inline = sh.op.inline(tuple(lay.local_shape() for lay in sh.in_layouts))
             elif inner:   # the whole forward in one call, its moves included
-                run = _moving(sh, tuple(p if p.steps else None for p in s.in_plans))
+                run = _moving(runner, tuple(p if p.steps else None for p in s.in_plans))
                 pre = post = ()
             else:
-                run = functools.partial(sh.op.local_forward, sh)
+                run = functools.partial(sh.op.local_forward, sh, collectives=runner)
             keep = -1
             if node.id in program.grad_nodes:
                 keep = self._tape_of[node.id] = len(self._tape_of)
@@ -417,7 +421,7 @@ class Executor:
             view = sh.op.local_view(sh) if all(nb.needs) else None
             plain = view is None and all(nb.needs) and self._fwd[i].plain
             kernel = (view[1] if view else sh.op.vjp if plain
-                      else sh.backward_kernel(nb.needs))
+                      else self._runners[i].backward_kernel(nb.needs))
             inline = self._fwd[i].inline
             if inline is not None and any(need and g is None
                                           for need, g in zip(nb.needs, inline.grads)):

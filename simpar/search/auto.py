@@ -20,7 +20,7 @@ from simpar.search.planner import PlanRequest
 from simpar.search.pricing import Pricer
 from simpar.search.recursive_programming import solve_recursive_programming
 from simpar.search.sharding_propagation import propagate
-from simpar.search.strategy_map import OpStrategy, Source, StrategyMap
+from simpar.search.strategy_map import OpStrategy, Source, StrategyMap, lay_out_by_consumer
 
 __all__ = ["cost_graph_of", "dynamic_programming_planner", "exact_planner", "pricer_of",
            "recursive_programming_planner", "search_cost_model", "set_search_cost_model",
@@ -62,9 +62,7 @@ def strategy_map_from(request: PlanRequest, shardings: Sequence[OpSharding],
         source = Source.USER if user else Source.SEARCHED
         out = node.op.out_strategy if user else None
         ops[node.name] = OpStrategy(node.op.name, sh.strategy, out, source)
-        for v, lay in zip(node.inputs, sh.in_layouts):
-            if v.kind == "param":
-                params.setdefault(v.name, lay)
+        lay_out_by_consumer(params, node.inputs, sh.in_layouts)
     inputs = {v.name: lay for v, lay in zip(request.graph.inputs, request.input_layouts)}
     return StrategyMap(request.device_num, "auto_parallel", ops, params, inputs,
                        optimality_gap)

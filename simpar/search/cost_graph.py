@@ -31,7 +31,8 @@ from simpar import context
 from simpar.cost.interface import CostModel
 from simpar.graph import Graph, Node
 from simpar.layout import TensorLayout
-from simpar.ops._base import OpSharding, Strategy, StrategyError
+from simpar.ops._base import OpSharding
+from simpar.ops.strategy import Strategy, StrategyError
 from simpar.search.pricing import ELEMENTWISE_OPS, Pricer, Site, canonical
 from simpar.search.propagation import dataset_layouts
 

@@ -30,7 +30,8 @@ from simpar.cost.interface import CostModel
 from simpar.graph import Graph, Node
 from simpar.layout import TensorLayout, block_key
 from simpar.mesh import DeviceMesh
-from simpar.ops._base import OpSharding, Strategy, StrategyError, registry
+from simpar.ops._base import OpSharding, registry
+from simpar.ops.strategy import Strategy, StrategyError
 from simpar.redistribution import RedistributionPlan, plan
 from simpar.search.moves import COLUMNS, decode, move_steps, plan_signatures, signature_of
 

@@ -46,7 +46,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from simpar import context
-from simpar.ops._base import IterSpace, OpSharding, Strategy
+from simpar.ops._base import OpSharding
+from simpar.ops.strategy import IterSpace, Strategy
 from simpar.search.cost_graph import restricted_cost_graph
 from simpar.search.dynamic_programming import solve_dynamic_programming
 from simpar.search.pricing import (

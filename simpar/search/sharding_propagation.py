@@ -44,7 +44,8 @@ from typing import Any
 from simpar import context
 from simpar.collective_kinds import sample_ranks
 from simpar.layout import TensorLayout
-from simpar.ops._base import OpSharding, Strategy, StrategyError
+from simpar.ops._base import OpSharding
+from simpar.ops.strategy import Strategy, StrategyError
 from simpar.redistribution import RedistributionPlan
 from simpar.search.pricing import (
     Priced,
@@ -53,7 +54,7 @@ from simpar.search.pricing import (
     check_memory,
     one_layout_per_parameter,
 )
-from simpar.search.strategy_map import OpStrategy, Source, StrategyMap
+from simpar.search.strategy_map import OpStrategy, Source, StrategyMap, lay_out_by_consumer
 
 __all__ = ["MovedBytes", "propagate"]
 
@@ -243,8 +244,7 @@ class _Propagation:
     def settle(self, n: int, sh: OpSharding) -> None:
         self.chosen[n] = sh
         site = self.pr.sites[n]
-        for k in site.params:
-            self.param_layout.setdefault(site.node.inputs[k].name, sh.in_layouts[k])
+        lay_out_by_consumer(self.param_layout, site.node.inputs, sh.in_layouts)
 
 
 def _listed(strategy: Strategy) -> list[list[int]]:
@@ -326,19 +326,14 @@ def propagate(pricer: Pricer, mode: str, input_layouts: Sequence[TensorLayout],
     if source is None:
         source = Source.DATA_PARALLEL if mode == "data_parallel" else Source.PROPAGATED
     ops: dict[str, OpStrategy] = {}
-    params: dict[str, TensorLayout] = {}
+    in_layouts = []
     for site, sh in zip(sites, prop.chosen):
         assert sh is not None
         user = user_ops and site.user
         ops[site.name] = OpStrategy(site.node.op.name, sh.strategy,
                                     site.node.op.out_strategy if user else None,
                                     Source.USER if user else source)
-        for v, lay in zip(site.node.inputs, sh.in_layouts):
-            if v.kind == "param":
-                params.setdefault(v.name, lay)
+        in_layouts.append(sh.in_layouts)
     graph = pricer.graph
-    for v in graph.params:
-        if v.name not in params:  # unused parameter: keep it replicated
-            params[v.name] = TensorLayout((pricer.device_num,), [-1] * v.ndim, v.shape)
     inputs = {v.name: lay for v, lay in zip(graph.inputs, input_layouts)}
-    return StrategyMap(pricer.device_num, mode, ops, params, inputs)
+    return StrategyMap(pricer.device_num, mode, ops, {}, inputs).complete(graph, in_layouts)

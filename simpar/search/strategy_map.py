@@ -14,18 +14,20 @@ prints as a table, and round-trips through JSON::
 
 from __future__ import annotations
 
+import dataclasses
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 
+from simpar.graph import Graph, Value
 from simpar.layout import TensorLayout
-from simpar.ops._base import Strategy, _as_strategy
+from simpar.ops.strategy import Strategy, as_strategy
 
-__all__ = ["MAP_MODES", "OpStrategy", "Source", "StrategyMap"]
+__all__ = ["MAP_MODES", "OpStrategy", "Source", "StrategyMap", "lay_out_by_consumer"]
 
 # The parallel modes a map can be planned for.
 MAP_MODES = ("stand_alone", "data_parallel", "semi_auto_parallel", "auto_parallel")
@@ -57,10 +59,10 @@ class OpStrategy:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "in_strategy",
-                           _as_strategy(self.in_strategy, self.op_type, "in_strategy"))
+                           as_strategy(self.in_strategy, self.op_type, "in_strategy"))
         if self.out_strategy is not None:
             object.__setattr__(self, "out_strategy",
-                               _as_strategy(self.out_strategy, self.op_type, "out_strategy"))
+                               as_strategy(self.out_strategy, self.op_type, "out_strategy"))
         if not isinstance(self.source, Source):
             object.__setattr__(self, "source", Source(self.source))
 
@@ -80,6 +82,17 @@ class OpStrategy:
     def from_dict(cls, d: Mapping[str, Any]) -> OpStrategy:
         return cls(d["type"], d["in_strategy"], d.get("out_strategy"),
                    Source(d.get("source", Source.FILE.value)))
+
+
+def lay_out_by_consumer(params: dict[str, TensorLayout], inputs: Sequence[Value],
+                        layouts: Sequence[TensorLayout]) -> None:
+    """Give every parameter among one op's ``inputs`` that ``params`` lays out not yet the
+    layout that op reads it in (``layouts``, one per input), as MindSpore lays a weight out
+    by the op that reads it. Called per op, first consumer first: a parameter takes its
+    first consumer's layout."""
+    for v, lay in zip(inputs, layouts):
+        if v.kind == "param":
+            params.setdefault(v.name, lay)
 
 
 def _cuts(strategy: Strategy | None) -> str:
@@ -137,6 +150,20 @@ class StrategyMap:
                                        dict(other.params), dict(other.inputs))
 
     __hash__ = None  # type: ignore[assignment]  # holds mappings; compare, don't hash
+
+    def complete(self, graph: Graph, in_layouts: Sequence[Sequence[TensorLayout]]
+                 ) -> StrategyMap:
+        """This map with a layout for every parameter of ``graph``: one the map gives none
+        takes the layout its first consumer reads it in (:func:`lay_out_by_consumer`, nodes
+        in trace order; ``in_layouts[i]`` are node i's input layouts), and one no op reads is
+        held whole by every rank. On 8 devices, a weight read first by a MatMul of strategy
+        ``((2, 1), (1, 4))`` takes that MatMul's ``(1, 4)`` layout."""
+        params = dict(self.params)
+        for node, layouts in zip(graph.nodes, in_layouts):
+            lay_out_by_consumer(params, node.inputs, layouts)
+        for v in graph.params:
+            params.setdefault(v.name, TensorLayout((self.device_num,), [-1] * v.ndim, v.shape))
+        return dataclasses.replace(self, params=params)
 
     def count(self, source: Source) -> int:
         return sum(1 for s in self.ops.values() if s.source == source)

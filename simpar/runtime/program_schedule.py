@@ -1,0 +1,166 @@
+"""The schedule: the flat list of what a rank runs for one forward and backward of a
+lowered program, every local kernel and every collective, including those inside ops (split
+Softmax/LayerNorm statistics, ReduceMax, Reshape's redistribution) and the Mirrors, each a
+described :class:`ProgramStep`.
+
+Execution is checked against it by :mod:`simpar.schedule`: a collective that is not the
+schedule's next one raises, and every CommTrace event names the step that ran it. A cost
+model reads the same list.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from simpar.collective_kinds import traffic
+from simpar.ops.comm_spec import CommSpec, action_comm, plan_comm
+from simpar.redistribution import StepKind
+from simpar.runtime.backward_plan import BackwardPlan
+from simpar.runtime.executor import mirror_announcement, sums_output_in_place
+from simpar.runtime.lowered import LoweredGraph
+
+__all__ = ["ProgramStep", "Role", "schedule"]
+
+
+class Role(str, enum.Enum):
+    """What a :class:`ProgramStep` does."""
+
+    COMPUTE = "compute"            # an op's local kernel on this rank's shards
+    REDISTRIBUTE = "redistribute"  # moving an input to the layout its op needs (or Reshape's)
+    OP_COLLECTIVE = "op-collective"  # the op's own: finishing partial outputs, split statistics
+    MIRROR = "mirror"              # one fused AllReduce of parameters' gradients
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True, slots=True)
+class ProgramStep:
+    """One step of a rank's program: a local kernel or one collective, in execution order.
+
+    ``group`` and ``recv_bytes`` are this rank's (CommTrace's byte convention); ``runs`` is
+    the object the executor announces when it runs the collective (a redistribution step or
+    an op's CommSpec), checked by :mod:`simpar.schedule`. On rank 0 of a dp=2 x mp=4 Megatron
+    MLP (16 -> 32 -> 8, batch 8, float64), the Mirror of the three mp-split parameters reads
+    ``16 bwd mirror AllReduce group=[0, 4] recv=1600 B  Mirror:3 params``.
+    """
+
+    index: int
+    backward: bool
+    role: Role
+    op: str                        # the node's name ("" for a Mirror)
+    label: str                     # the CommTrace label of its collective
+    collective: StepKind | None    # None for a compute step
+    group: tuple[int, ...] = ()
+    recv_bytes: int = 0
+    buffer_bytes: int = 0          # the collective's local input buffer
+    result_bytes: int = 0          # and its local result beside it (0: summed in place)
+    flops: int = 0
+    reason: str = ""
+    runs: object = field(default=None, compare=False, repr=False)
+    adjoint: bool = False
+
+    def __str__(self) -> str:
+        phase = "bwd" if self.backward else "fwd"
+        if self.collective is None:
+            return f"{self.index:>3} {phase} {self.role} {self.flops} flop  {self.op}"
+        return (f"{self.index:>3} {phase} {self.role} {self.collective} group={list(self.group)}"
+                f" recv={self.recv_bytes} B  {self.label}")
+
+
+# ------------------------------------------------------------------ the schedule
+class _Builder:
+    def __init__(self, rank: int) -> None:
+        self.rank, self.backward = rank, False
+        self.steps: list[ProgramStep] = []
+
+    def compute(self, op: str, flops: int) -> None:
+        self.steps.append(ProgramStep(len(self.steps), self.backward, Role.COMPUTE, op, op, None,
+                                      flops=flops))
+
+    def collectives(self, role: Role, op: str, label: str, specs: Sequence[CommSpec],
+                    itemsize: int, first_in_place: bool = False) -> None:
+        """``first_in_place``: the first collective writes into its input (an AllReduce the
+        executor hands the op's fresh product to): no result beside it."""
+        for k, spec in enumerate(specs):
+            where = f"{label}/{spec.reason}" if spec.step is None else (
+                f"{label}/redistribute{'-adjoint' if spec.adjoint else ''}:{spec.step.kind}")
+            if k == 0 and first_in_place and spec.kind == StepKind.ALL_REDUCE:
+                result = 0
+            elif spec.step is None:   # an op's own AllReduce: the result is the buffer's size
+                result = spec.elements
+            else:
+                result = (spec.step.src if spec.adjoint else spec.step.dst).local_size()
+            self.steps.append(ProgramStep(
+                len(self.steps), self.backward, role, op, where, spec.kind,
+                spec.group(self.rank), spec.recv_bytes(self.rank, itemsize),
+                spec.elements * itemsize, result * itemsize, 0, spec.reason, spec.runs,
+                spec.adjoint))
+
+
+def schedule(program: LoweredGraph, bplan: BackwardPlan, rank: int) -> tuple[ProgramStep, ...]:
+    """Every step ``rank`` runs for one forward and, as ``bplan`` plans it, one backward, in
+    order: kernels, redistribution collectives, ops' own collectives, Mirrors. It mirrors
+    the executor's generated code step for step; :mod:`simpar.schedule` checks that they
+    agree."""
+    b = _Builder(rank)
+    for s in program.steps:
+        node, sh = s.node, s.sharding
+        for k, (v, p) in enumerate(zip(node.inputs, s.in_plans)):
+            b.collectives(Role.REDISTRIBUTE, node.name, f"{node.name}:input{k}",
+                          plan_comm(p, f"input {k}", False), v.dtype.itemsize)
+        in_size, out_size = node.inputs[0].dtype.itemsize, node.outputs[0].dtype.itemsize
+        b.collectives(Role.REDISTRIBUTE, node.name, f"{node.name}/{sh.op.name}:redistribute",
+                      sh.inner_comm(), in_size)
+        b.compute(node.name, sh.local_flops())
+        b.collectives(Role.OP_COLLECTIVE, node.name, f"{node.name}/{sh.op.name}",
+                      sh.internal_forward, out_size if _on_output(sh.internal_forward)
+                      else in_size)
+        in_place = sums_output_in_place(sh, node.id in program.grad_nodes)
+        for k, (v, (_, _, p)) in enumerate(zip(node.outputs, sh.outputs)):
+            b.collectives(Role.OP_COLLECTIVE, node.name,
+                          f"{node.name}/{sh.op.name}:output{k if k else ''}",
+                          plan_comm(p, "output", True), v.dtype.itemsize, in_place)
+    b.backward = True
+    for s in reversed(program.steps):
+        node, sh = s.node, s.sharding
+        nb = bplan.nodes.get(node.id)
+        if nb is None:
+            continue
+        in_size, out_size = node.inputs[0].dtype.itemsize, node.outputs[0].dtype.itemsize
+        for k in reversed(range(len(sh.outputs))):
+            b.collectives(Role.OP_COLLECTIVE, node.name,
+                          f"{node.name}:backward/{sh.op.name}:output-adjoint",
+                          action_comm(nb.op.out_actions[k], f"adjoint of output {k}", True),
+                          node.outputs[k].dtype.itemsize)
+        b.compute(node.name, 2 * sh.local_flops())
+        b.collectives(Role.OP_COLLECTIVE, node.name, f"{node.name}:backward/{sh.op.name}",
+                      sh.internal_backward, out_size if _on_output(sh.internal_backward)
+                      else in_size)
+        b.collectives(Role.REDISTRIBUTE, node.name,
+                      f"{node.name}:backward/{sh.op.name}:redistribute-adjoint",
+                      action_comm(nb.op.inner_actions, "adjoint of redistribution before "
+                                    f"{sh.op.name.lower()}", False), in_size)
+        for k, v in enumerate(node.inputs):
+            if nb.needs[k]:
+                b.collectives(Role.REDISTRIBUTE, node.name, f"{node.name}:input{k}-adjoint",
+                              action_comm(nb.edges[k], f"adjoint of input {k}", False),
+                              v.dtype.itemsize)
+    for group, dtype, names in bplan.mirror_buckets(program, rank):
+        elements = sum(program.param_layouts[n].local_size() for n in names)
+        nbytes = elements * np.dtype(dtype).itemsize
+        # The bucket is packed afresh and summed in place: no result beside it.
+        b.steps.append(ProgramStep(
+            len(b.steps), True, Role.MIRROR, "", f"Mirror:{len(names)} params",
+            StepKind.ALL_REDUCE, group, traffic(StepKind.ALL_REDUCE, len(group), nbytes), nbytes,
+            0, 0, f"gradients of {', '.join(names)} (sum over their replicas)",
+            mirror_announcement(group, names)))
+    return tuple(b.steps)
+
+
+def _on_output(specs: Sequence[CommSpec]) -> bool:
+    return bool(specs) and specs[0].on_output

@@ -1,0 +1,122 @@
+"""Running a lowered program on this process's rank, and what running derives once.
+
+A :class:`ProgramRunner` holds everything execution builds from the frozen program and
+reuses: per rank its compiled :class:`~simpar.runtime.executor.Executor`, per (rank, seeded
+outputs) its schedule (:mod:`simpar.runtime.program_schedule`) and the collectives the
+schedule guard expects of each direction. Lowering makes one per program, with the backward
+plans it chose (:mod:`simpar.runtime.backward_plan`); nothing here decides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from simpar import comm, schedule
+from simpar.runtime.backward_plan import BackwardPlan
+from simpar.runtime.executor import Executor
+from simpar.runtime.lowered import LoweredGraph
+from simpar.runtime.memory import current_watch
+from simpar.runtime.program_schedule import ProgramStep
+from simpar.runtime.program_schedule import schedule as schedule_of
+from simpar.seed import training_step
+
+__all__ = ["ProgramRunner", "Seeds", "seeds_of"]
+
+#: Which outputs get a cotangent, one flag per graph output.
+Seeds = tuple[bool, ...]
+
+
+def seeds_of(seeded: Sequence[bool] | None, n_outputs: int) -> Seeds:
+    """``seeded`` as a key of the backward plans (None: every output seeded)."""
+    return tuple(bool(b) for b in seeded) if seeded is not None else (True,) * n_outputs
+
+
+class ProgramRunner:
+    """Runs ``lowered`` forward and backward on this process's rank, the backward as
+    ``backward_plans`` (one per set of seeded outputs, planned at lowering) says."""
+
+    def __init__(self, lowered: LoweredGraph, backward_plans: Mapping[Seeds, BackwardPlan]
+                 ) -> None:
+        self.lowered = lowered
+        self.backward_plans = backward_plans
+        self._executors: dict[int, Executor] = {}
+        self._schedules: dict[tuple[int, Seeds], tuple[ProgramStep, ...]] = {}
+        self._guarded: dict[tuple[int, Seeds, bool], tuple[ProgramStep, ...]] = {}
+
+    def backward_plan(self, seeded: Sequence[bool] | None = None) -> BackwardPlan:
+        """The backward lowering planned for the outputs ``seeded`` says get a cotangent
+        (default: all)."""
+        key = seeds_of(seeded, len(self.lowered.graph.outputs))
+        found = self.backward_plans.get(key)
+        if found is None:
+            raise ValueError(f"backward: seeded {list(key)} has no backward plan; the program "
+                             f"planned {sorted(list(k) for k in self.backward_plans)}. Lower "
+                             "it with simpar.runtime.lower(..., seeds=[...]) naming it")
+        return found
+
+    def schedule(self, rank: int, seeded: Sequence[bool] | None = None
+                 ) -> tuple[ProgramStep, ...]:
+        """``rank``'s schedule (:func:`~simpar.runtime.program_schedule.schedule`), built
+        once per (rank, seeded outputs)."""
+        n = self.lowered.device_num
+        if not 0 <= rank < n:
+            raise ValueError(f"schedule: rank must be in 0..{n - 1}, got {rank}")
+        key = (rank, seeds_of(seeded, len(self.lowered.graph.outputs)))
+        found = self._schedules.get(key)
+        if found is None:
+            found = self._schedules[key] = schedule_of(self.lowered,
+                                                       self.backward_plan(key[1]), rank)
+        return found
+
+    def collectives(self, rank: int, seeded: Sequence[bool] | None, backward: bool
+                    ) -> tuple[ProgramStep, ...]:
+        """The schedule's collectives of one direction (what the guard checks), built once
+        per (rank, seeds, direction): every training step reuses them."""
+        key = (rank, seeds_of(seeded, len(self.lowered.graph.outputs)), backward)
+        found = self._guarded.get(key)
+        if found is None:
+            found = self._guarded[key] = tuple(
+                s for s in self.schedule(rank, key[1])
+                if s.backward == backward and s.collective is not None)
+        return found
+
+    def executor(self, rank: int) -> Executor:
+        """``rank``'s compiled program (:mod:`simpar.runtime.executor`), built once."""
+        found = self._executors.get(rank)
+        if found is None:
+            found = self._executors[rank] = Executor(self.lowered, rank)
+        return found
+
+    def use_executor(self, rank: int, executor: Executor) -> None:
+        """Run ``executor`` for ``rank`` from now on (a benchmark swaps kernels this way)."""
+        self._executors[rank] = executor
+
+    def _rank(self) -> int:
+        return comm.get_rank() if self.lowered.device_num > 1 else 0
+
+    def forward(self, local_inputs: Sequence[np.ndarray], local_params: dict[str, np.ndarray],
+                step: int = 0) -> tuple[list[np.ndarray], list[Any]]:
+        """The forward on this rank's shards: output shards and the tape.
+
+        Collectives run without simpar.comm's cross-rank agreement check: every rank runs
+        the same plan, so shapes agree by construction (and the check would double the
+        number of collectives)."""
+        rank = self._rank()
+        expected = self.collectives(rank, None, backward=False)
+        with comm.validation_disabled(), training_step(step), \
+                schedule.following(expected, "forward"):
+            return self.executor(rank).forward(local_inputs, local_params, current_watch())
+
+    def backward(self, tape: list[Any], output_grads: Sequence[np.ndarray | None]
+                 ) -> dict[str, np.ndarray]:
+        """The reverse pass from the outputs' cotangents: each trainable parameter's
+        gradient shard, completed by its Mirror AllReduce."""
+        rank = self._rank()
+        seeded = [g is not None for g in output_grads]
+        expected = self.collectives(rank, seeded, backward=True)
+        with comm.validation_disabled(), schedule.following(expected, "backward"):
+            return self.executor(rank).backward(self.backward_plan(seeded), tape,
+                                                output_grads, current_watch())
