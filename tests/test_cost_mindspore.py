@@ -17,27 +17,30 @@ from typing import Any
 
 import pytest
 
+from simpar import cost_model_context as cmc
 from simpar.context import ContextError, ContextTypeError, NotHonouredWarning
 from simpar.cost import mindspore as ms
 from simpar.cost.mindspore import (
     EPS,
     STEP_OPERATORS,
-    CostModelContext,
     MindSporeOpCost,
     RedistributionCost,
-    cost_model_context,
     edge_cost,
     edge_objective,
     fits,
-    get_cost_model_context,
     mindspore_cost_class,
     objective,
     op_cost,
     redistribution_cost,
     refine_communication,
+    strategy_cost,
+)
+from simpar.cost_model_context import (
+    CostModelContext,
+    cost_model_context,
+    get_cost_model_context,
     reset_cost_model_context,
     set_cost_model_context,
-    strategy_cost,
 )
 from simpar.layout import TensorLayout
 from simpar.ops import (
@@ -127,7 +130,7 @@ def test_the_snapshot_does_not_follow_later_changes() -> None:
 
 
 def test_fusion_keys_warn_that_they_are_not_honoured() -> None:
-    ms._warned.discard("costmodel_allreduce_fusion_times")
+    cmc._warned.discard("costmodel_allreduce_fusion_times")
     with pytest.warns(NotHonouredWarning, match="costmodel_allreduce_fusion_times=4 .*not "
                                                 "honoured.*AllReduce"):
         set_cost_model_context(costmodel_allreduce_fusion_times=4)

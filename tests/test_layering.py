@@ -17,8 +17,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "simpar"
 
 LAYERS: list[tuple[str, ...]] = [
-    ("simpar._env", "simpar.context", "simpar.seed", "simpar.counter_rng", "simpar.compare",
-     "simpar.cost.collective"),
+    ("simpar._env", "simpar.context", "simpar.cost_model_context", "simpar.seed",
+     "simpar.counter_rng", "simpar.compare", "simpar.cost.collective"),
     ("simpar.comm",),
     ("simpar.mesh", "simpar.layout", "simpar.parameter", "simpar.schedule"),
     ("simpar.redistribution", "simpar.cotangent"),

@@ -5,9 +5,9 @@
 * :mod:`simpar.cost.profile`: device profiles (``ascend910a``, ``ascend910b``, ``cpu-local``);
 * :mod:`simpar.cost.model`: simpar's model: step time and per-rank memory of a lowered program
   on a profile (:func:`evaluate`, or ``program.cost(profile)``);
-* :mod:`simpar.cost.mindspore`: MindSpore's own cost model (bytes of slices;
-  ``set_cost_model_context``, ``op_cost``, ``objective``, ``redistribution_cost``), reproduced
-  term by term;
+* :mod:`simpar.cost.mindspore`: MindSpore's own cost model (bytes of slices; ``op_cost``,
+  ``objective``, ``redistribution_cost``), reproduced term by term, under the settings of
+  ``set_cost_model_context`` (:mod:`simpar.cost_model_context`, re-exported here);
 * :mod:`simpar.cost.interface`: one interface for both (``CostModel``: ``op``, ``edge``,
   ``program``), so a search can use either, and :func:`compare` to show both.
 """
@@ -22,22 +22,24 @@ from simpar.cost.collective import (
 )
 from simpar.cost.interface import CostModel, MindSporeCostModel, SimparCostModel, compare
 from simpar.cost.mindspore import (
-    CostModelContext,
     MindSporeCost,
     MindSporeOpCost,
     RedistributionCost,
-    cost_model_context,
     edge_objective,
     fits,
-    get_cost_model_context,
     objective,
     op_cost,
     redistribution_cost,
-    reset_cost_model_context,
-    set_cost_model_context,
 )
 from simpar.cost.model import OPTIMIZER_STATE, CostReport, MemoryRow, OpCostRow, evaluate
 from simpar.cost.profile import DeviceProfile, Link, load_profile, profile_names
+from simpar.cost_model_context import (
+    CostModelContext,
+    cost_model_context,
+    get_cost_model_context,
+    reset_cost_model_context,
+    set_cost_model_context,
+)
 
 __all__ = ["ALPHA_SECONDS", "BANDWIDTH_BYTES_PER_S", "OPTIMIZER_STATE", "CostModel",
            "CostModelContext", "MindSporeCostModel", "SimparCostModel", "compare",
