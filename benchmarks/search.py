@@ -56,8 +56,8 @@ def plan_once(spec: dict) -> dict:
     from simpar.search.dynamic_programming import solve_dynamic_programming
     from simpar.search.exact import product_variables, solve_exact
     from simpar.search.pricing import NoAvailableCost, Pricer
-    from simpar.search.propagation import dataset_layouts
     from simpar.search.recursive_programming import solve_recursive_programming
+    from simpar.search.request import dataset_layouts
     from simpar.search.sharding_propagation import propagate
 
     context.set_algo_parameters(fully_use_devices=spec["fully_use_devices"])

@@ -15,6 +15,11 @@ from simpar.context import (  # noqa: E402
     set_algo_parameters,
     set_auto_parallel_context,
 )
+from simpar.cost_model_context import (  # noqa: E402
+    get_cost_model_context,
+    reset_cost_model_context,
+    set_cost_model_context,
+)
 from simpar.mesh import DeviceMesh  # noqa: E402
 from simpar.seed import get_seed, set_seed  # noqa: E402
 
@@ -25,10 +30,13 @@ __all__ = [
     "__version__",
     "get_algo_parameters",
     "get_auto_parallel_context",
+    "get_cost_model_context",
     "get_seed",
     "reset_algo_parameters",
     "reset_auto_parallel_context",
+    "reset_cost_model_context",
     "set_algo_parameters",
     "set_auto_parallel_context",
+    "set_cost_model_context",
     "set_seed",
 ]

@@ -1,10 +1,11 @@
 """MindSpore's parallel context: ``set_auto_parallel_context`` and ``set_algo_parameters``.
 
 Both contexts are process-global, as in MindSpore. Every call is validated as a whole before
-any value is applied, so a call that raises changes nothing. Planners and the runtime read an
-immutable snapshot, :func:`auto_parallel_context` / :func:`algo_parameters`, rather than the
-mutable state. This module never imports MPI: ``simpar.comm`` reports the world through
-:func:`set_world` once MPI has started.
+any value is applied, so a call that raises changes nothing. The entry points that plan read
+the immutable snapshots, :func:`auto_parallel_context` / :func:`algo_parameters`, once into a
+plan request (``simpar.search.request``); planners read the request only. This module imports
+no other (``simpar.cost_model_context`` shares its key-spec engine); ``simpar.comm`` reports
+the MPI world through :func:`set_world` once MPI has started.
 
 Defaults and ranges follow the documented behaviour of MindSpore 2.2 and later (up to the
 current 2.x stable API pages). They were looked up in the ``set_auto_parallel_context``
@@ -24,8 +25,8 @@ gradients_mean                  False                      bool
 gradient_fp32_sync              True                       bool
 loss_repeated_mean              True                       bool
 search_mode                     recursive_programming      plus dynamic_programming,
-                                                           sharding_propagation and whatever
-                                                           :func:`register_search_mode` adds
+                                                           sharding_propagation, simpar's exact
+                                                           and :func:`register_search_mode`'s
 strategy_ckpt_config            (see note)                 load_file="", save_file="",
                                                            only_trainable_params=True
 dataset_strategy                ``"data_parallel"``        "full_batch", or ((int, ...), ...)
@@ -36,20 +37,17 @@ strategy_ckpt_load_file/_save   ""                         str; views of strateg
 auto_parallel_search_mode       (search_mode)              old name of search_mode
 =============================== ========================== ======================================
 
-``set_algo_parameters``: fully_use_devices=False, elementwise_op_strategy_follow=False,
-enable_algo_approxi=False, algo_approxi_epsilon=0.1 (a float in (0, 1]),
-tensor_slice_align_enable=False, tensor_slice_align_size=16 (an int in [1, 1024]), and
-simpar's own ``exact_time_limit=None`` (not a MindSpore key): the seconds that
-``search_mode="exact"`` may take, None for no limit, else a finite number > 0. When it runs
-out, the search returns the best plan it has with its optimality gap and warns
+``set_algo_parameters``: the keys and defaults of :class:`AlgoParameters`, with
+``algo_approxi_epsilon`` a float in (0, 1] and ``tensor_slice_align_size`` an int in [1, 1024].
+simpar's own ``exact_time_limit`` (None, or seconds > 0) bounds ``search_mode="exact"``: when
+it runs out, the search returns its best plan with the optimality gap and warns
 (``simpar.search.exact.TimeLimitWarning``), or raises ``TimeoutError`` when it has none.
 
 Two defaults moved, and simpar follows the newer value of each. ``search_mode``: MindSpore 2.0
-documents ``"dynamic_programming"`` (and the older C++ ``Reset`` sets it), 2.2 and later
+(and the older C++ ``Reset``) ``"dynamic_programming"``, 2.2 and later
 ``"recursive_programming"``. ``fully_use_devices``: True up to 2.3, False from 2.4 on (the
 ``set_algo_parameters`` and ``reset_algo_parameters`` pages of 2.4.0, 2.5.0 and master).
-``enable_alltoall`` defaults to False and ``loss_repeated_mean`` to True in every version
-looked at.
+``enable_alltoall`` is False and ``loss_repeated_mean`` True in every version looked at.
 
 Where simpar decides differently from MindSpore, on purpose:
 
@@ -59,13 +57,12 @@ Where simpar decides differently from MindSpore, on purpose:
 * ``parallel_mode="hybrid_parallel"`` (hand-written communication) raises ``ValueError``:
   simpar's executor inserts every collective itself. Use ``"semi_auto_parallel"`` with
   ``.shard()`` strategies for manual model parallelism.
-* ``full_batch`` and ``dataset_strategy`` are one piece of state, so they never disagree.
-  ``dataset_strategy="full_batch"`` is ``full_batch=True``, ``"data_parallel"`` is
-  ``full_batch=False``, and a tuple strategy reads as ``full_batch=False``. Setting
-  ``full_batch=True`` replaces a tuple strategy; ``full_batch=False`` keeps it. MindSpore keeps
-  a separate flag beside a tuple strategy; simpar does not. Passing both keys in one call with
-  contradicting values raises. That ``full_batch`` needs a (semi-)auto mode is left to the code
-  that builds the program (MindSpore checks it at compile time too): keys come in any order.
+* ``full_batch`` and ``dataset_strategy`` are one piece of state (MindSpore keeps two), so
+  they never disagree. ``dataset_strategy="full_batch"`` is ``full_batch=True``, and
+  ``"data_parallel"`` or a tuple strategy reads as ``full_batch=False``. Setting
+  ``full_batch=True`` replaces a tuple strategy; ``full_batch=False`` keeps it. Both keys in
+  one call with contradicting values raise. That ``full_batch`` needs a (semi-)auto mode is
+  left to the code that builds the program (as MindSpore does): keys come in any order.
 * The legacy keys ``strategy_ckpt_load_file`` / ``strategy_ckpt_save_file`` write into
   ``strategy_ckpt_config``. ``auto_parallel_search_mode`` is the old name of ``search_mode``
   and warns. Unlike MindSpore, setting ``save_file`` creates no directory: the strategy-file
@@ -85,30 +82,13 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-__all__ = [
-    "AlgoParameters",
-    "ContextError",
-    "ContextTypeError",
-    "NotHonouredWarning",
-    "ParallelContext",
-    "ParallelMode",
-    "StrategyCkptConfig",
-    "WorldMismatchError",
-    "algo_parameters",
-    "auto_parallel_context",
-    "check_dataset_strategy",
-    "get_algo_parameters",
-    "get_auto_parallel_context",
-    "register_search_mode",
-    "reset_algo_parameters",
-    "reset_auto_parallel_context",
-    "scoped_auto_parallel_context",
-    "search_modes",
-    "set_algo_parameters",
-    "set_auto_parallel_context",
-    "set_world",
-    "validate_against_world",
-]
+__all__ = ["AlgoParameters", "BUILTIN_SEARCH_MODES", "ContextError", "ContextTypeError",
+           "NotHonouredWarning", "ParallelContext", "ParallelMode", "StrategyCkptConfig",
+           "WorldMismatchError", "algo_parameters", "auto_parallel_context",
+           "check_dataset_strategy", "get_algo_parameters", "get_auto_parallel_context",
+           "register_search_mode", "reset_algo_parameters", "reset_auto_parallel_context",
+           "scoped_auto_parallel_context", "search_modes", "set_algo_parameters",
+           "set_auto_parallel_context", "set_world", "validate_against_world"]
 
 
 class ContextError(ValueError):
@@ -135,10 +115,6 @@ class ParallelMode:
     SEMI_AUTO_PARALLEL = "semi_auto_parallel"
     AUTO_PARALLEL = "auto_parallel"
     MODES = (STAND_ALONE, DATA_PARALLEL, SEMI_AUTO_PARALLEL, AUTO_PARALLEL)
-
-
-# ----------------------------------------------------------------------------------------------
-# Snapshots: what other modules read.
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +156,8 @@ class ParallelContext:
     pipeline_stages: int
     device_num_is_set: bool
     global_rank_is_set: bool
+    #: The keys the user set (views name the key they write), e.g. ``{"dataset_strategy"}``.
+    explicit: frozenset[str] = frozenset()
 
     @property
     def full_batch(self) -> bool:
@@ -195,37 +173,47 @@ class AlgoParameters:
     16
     """
 
-    fully_use_devices: bool
-    elementwise_op_strategy_follow: bool
-    enable_algo_approxi: bool
-    algo_approxi_epsilon: float
-    tensor_slice_align_enable: bool
-    tensor_slice_align_size: int
-    exact_time_limit: float | None  # simpar's own: seconds for search_mode "exact"
+    fully_use_devices: bool = False
+    elementwise_op_strategy_follow: bool = False
+    enable_algo_approxi: bool = False
+    algo_approxi_epsilon: float = 0.1
+    tensor_slice_align_enable: bool = False
+    tensor_slice_align_size: int = 16
+    exact_time_limit: float | None = None  # simpar's own: seconds for search_mode "exact"
+
+    @property
+    def slice_align(self) -> int:
+        """What MatMul's slice dimensions must be multiples of (1: no constraint)."""
+        return self.tensor_slice_align_size if self.tensor_slice_align_enable else 1
 
 
 # ----------------------------------------------------------------------------------------------
-# The spec tables that drive validation.
+# The key-spec engine (simpar.cost_model_context validates its keys with it too).
 
 
 @dataclass(frozen=True, slots=True)
-class _Bounds:
-    lo: int
-    hi: int
+class Bounds:
+    """A range of numbers, e.g. ``[1, 4096]``, ``(0, 1]`` or ``[0, inf)``."""
+
+    lo: float
+    hi: float
     lo_open: bool = False
+    hi_open: bool = False
 
     def __contains__(self, x: float) -> bool:
-        return (self.lo < x if self.lo_open else self.lo <= x) and x <= self.hi
+        return ((self.lo < x if self.lo_open else self.lo <= x)
+                and (x < self.hi if self.hi_open else x <= self.hi))
 
     def __str__(self) -> str:
-        return f"{'(' if self.lo_open else '['}{self.lo}, {self.hi}]"
+        return (f"{'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}"
+                f"{')' if self.hi_open else ']'}")
 
 
 Writes = list[tuple[str, Any]]  # (field, value); a field is a key or "key.sub_key"
 
 
 @dataclass(frozen=True, slots=True)
-class _Spec:
+class KeySpec:
     """How one key is validated and where its value goes.
 
     ``kind`` is the Python type the value must have; ``None`` leaves everything to ``check``.
@@ -235,8 +223,8 @@ class _Spec:
 
     kind: type | None
     default: Any
-    bounds: _Bounds | None = None
-    choices: Callable[[], Sequence[str]] | None = None
+    bounds: Bounds | None = None
+    choices: Callable[[], Sequence[Any]] | None = None
     allowed: str = ""
     check: Callable[[str, str, Any], Any] | None = None
     fields: Callable[[Any, Mapping[str, Any]], Writes] | None = None
@@ -247,17 +235,19 @@ _NOUNS: dict[type, str] = {bool: "a bool", int: "an int", float: "a float", str:
 
 # MindSpore's reason-free rejections deserve a reason here.
 _UNSUPPORTED: dict[tuple[str, Any], str] = {
-    ("parallel_mode", "hybrid_parallel"): (
+    ("parallel_mode", "hybrid_parallel"):
         "is MindSpore's mode for hand-written communication, which simpar does not have "
         "because its executor inserts every collective itself; use 'semi_auto_parallel' with "
-        ".shard() strategies for manual model parallelism"
-    ),
-}
+        ".shard() strategies for manual model parallelism"}
 
-_SEARCH_MODES: list[str] = ["recursive_programming", "dynamic_programming", "sharding_propagation"]
+#: The search modes simpar.search has a planner for (it checks so when imported): MindSpore's
+#: three, then simpar's ``exact``. :func:`register_search_mode` adds more.
+BUILTIN_SEARCH_MODES = ("recursive_programming", "dynamic_programming", "sharding_propagation",
+                        "exact")
+_SEARCH_MODES: list[str] = list(BUILTIN_SEARCH_MODES)
 
 
-def _allowed(spec: _Spec) -> str:
+def _allowed(spec: KeySpec) -> str:
     if spec.allowed:
         return spec.allowed
     if spec.choices is not None:
@@ -277,12 +267,11 @@ def _has_kind(value: object, kind: type) -> bool:
 
 
 def _type_error(func: str, key: str, allowed: str, value: object) -> ContextTypeError:
-    return ContextTypeError(
-        f"{func}: {key} must be {allowed}, but got {value!r} of type {type(value).__name__}."
-    )
+    return ContextTypeError(f"{func}: {key} must be {allowed}, but got {value!r} of type "
+                            f"{type(value).__name__}.")
 
 
-def _validate(func: str, key: str, spec: _Spec, value: object) -> Any:
+def validate_value(func: str, key: str, spec: KeySpec, value: object) -> Any:
     """Return ``value`` normalised (numpy scalars to Python ones), or raise naming ``key``."""
     if spec.check is not None:
         return spec.check(func, key, value)
@@ -303,22 +292,23 @@ def _validate(func: str, key: str, spec: _Spec, value: object) -> Any:
 def _unknown_key(func: str, key: str, known: Sequence[str], what: str = "key") -> ContextError:
     close = difflib.get_close_matches(key, known, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return ContextError(
-        f"{func}: unknown {what} {key!r}{hint}; the known {what}s are {', '.join(sorted(known))}."
-    )
+    return ContextError(f"{func}: unknown {what} {key!r}{hint}; the known {what}s are "
+                        f"{', '.join(sorted(known))}.")
 
 
-def _check_key(func: str, key: object, known: Mapping[str, _Spec]) -> None:
+def check_key(func: str, key: object, known: Mapping[str, KeySpec]) -> str:
+    """``key`` if it names one of ``known``, else raise naming it (and the closest key)."""
     if not isinstance(key, str):
-        raise _type_error(func, "key", "a str", key)
+        raise _type_error(func, "the key", "a str", key)
     if key not in known:
         raise _unknown_key(func, key, list(known))
+    return key
 
 
-_CKPT_SPECS: dict[str, _Spec] = {
-    "load_file": _Spec(str, ""),
-    "save_file": _Spec(str, ""),
-    "only_trainable_params": _Spec(bool, True),
+_CKPT_SPECS: dict[str, KeySpec] = {
+    "load_file": KeySpec(str, ""),
+    "save_file": KeySpec(str, ""),
+    "only_trainable_params": KeySpec(bool, True),
 }
 
 
@@ -329,25 +319,36 @@ def _check_ckpt_config(func: str, key: str, value: object) -> dict[str, Any]:
     for sub, sub_value in value.items():
         if sub not in _CKPT_SPECS:
             raise _unknown_key(func, str(sub), list(_CKPT_SPECS), what=f"{key} key")
-        out[sub] = _validate(func, f"{key}[{sub!r}]", _CKPT_SPECS[sub], sub_value)
+        out[sub] = validate_value(func, f"{key}[{sub!r}]", _CKPT_SPECS[sub], sub_value)
     return out
 
 
 _DATASET_STRATEGY_WORDS = ("full_batch", "data_parallel")
-_DATASET_STRATEGY_ALLOWED = (
-    "'full_batch', 'data_parallel' or a tuple of tuples of positive ints such as ((2, 1), (2,))"
-)
+_DATASET_STRATEGY_ALLOWED = ("'full_batch', 'data_parallel' or a tuple of tuples of positive "
+                             "ints such as ((2, 1), (2,))")
 
 
-def _check_dataset_strategy(func: str, key: str, value: object) -> Any:
+def check_dataset_strategy(func: str, key: str, value: object
+                           ) -> str | tuple[tuple[int, ...], ...]:
+    """Validate a dataset strategy as ``set_auto_parallel_context(dataset_strategy=...)`` does,
+    for an entry point ``func`` whose parameter is ``key``; return it normalised (numpy ints
+    to Python ints).
+
+    >>> check_dataset_strategy("AutoParallel.dataset_strategy", "config", ((2, 1), (2,)))
+    ((2, 1), (2,))
+    >>> check_dataset_strategy("AutoParallel.dataset_strategy", "config", "half")
+    Traceback (most recent call last):
+    ...
+    simpar.context.ContextError: AutoParallel.dataset_strategy: config must be 'full_batch', \
+'data_parallel' or a tuple of tuples of positive ints such as ((2, 1), (2,)), but got 'half'.
+    """
     if isinstance(value, str):
         if value not in _DATASET_STRATEGY_WORDS:
             raise ContextError(f"{func}: {key} must be {_DATASET_STRATEGY_ALLOWED}, "
                                f"but got {value!r}.")
         return value
-    if not isinstance(value, tuple) or not value or not all(
-        isinstance(s, tuple) and s for s in value
-    ):
+    if not isinstance(value, tuple) or not value or not all(isinstance(s, tuple) and s
+                                                            for s in value):
         raise _type_error(func, key, _DATASET_STRATEGY_ALLOWED, value)
     for s in value:
         for cut in s:
@@ -378,35 +379,38 @@ def _old_search_mode_fields(value: str, staged: Mapping[str, Any]) -> Writes:
     return [("search_mode", value)]
 
 
-_AUTO_SPECS: dict[str, _Spec] = {
-    "parallel_mode": _Spec(str, ParallelMode.STAND_ALONE, choices=lambda: ParallelMode.MODES),
+_AUTO_SPECS: dict[str, KeySpec] = {
+    "parallel_mode": KeySpec(str, ParallelMode.STAND_ALONE, choices=lambda: ParallelMode.MODES),
     # None = unset: follows the MPI world once known, else MindSpore's 1 and 0.
-    "device_num": _Spec(int, None, bounds=_Bounds(1, 4096)),
-    "global_rank": _Spec(int, None, bounds=_Bounds(0, 4095)),
-    "gradients_mean": _Spec(bool, False),
-    "gradient_fp32_sync": _Spec(bool, True),
-    "loss_repeated_mean": _Spec(bool, True),
-    "search_mode": _Spec(str, "recursive_programming", choices=lambda: _SEARCH_MODES),
-    "strategy_ckpt_config": _Spec(None, StrategyCkptConfig(), check=_check_ckpt_config,
-                                  fields=_ckpt_fields),
-    "dataset_strategy": _Spec(None, "data_parallel", check=_check_dataset_strategy),
-    "enable_alltoall": _Spec(bool, False),
-    "pipeline_stages": _Spec(int, 1, bounds=_Bounds(1, 1),
-                             allowed="1 (simpar does not implement pipeline parallelism)"),
+    "device_num": KeySpec(int, None, bounds=Bounds(1, 4096)),
+    "global_rank": KeySpec(int, None, bounds=Bounds(0, 4095)),
+    "gradients_mean": KeySpec(bool, False),
+    "gradient_fp32_sync": KeySpec(bool, True),
+    "loss_repeated_mean": KeySpec(bool, True),
+    "search_mode": KeySpec(str, "recursive_programming", choices=lambda: _SEARCH_MODES),
+    "strategy_ckpt_config": KeySpec(None, StrategyCkptConfig(), check=_check_ckpt_config,
+                                    fields=_ckpt_fields),
+    "dataset_strategy": KeySpec(None, "data_parallel", check=check_dataset_strategy),
+    "enable_alltoall": KeySpec(bool, False),
+    "pipeline_stages": KeySpec(int, 1, bounds=Bounds(1, 1),
+                               allowed="1 (simpar does not implement pipeline parallelism)"),
 }
 
 # Keys that are views of the fields above (MindSpore's older names).
-_AUTO_VIEWS: dict[str, _Spec] = {
-    "full_batch": _Spec(bool, None, fields=_full_batch_fields, late=True),
-    "strategy_ckpt_load_file": _Spec(
+_AUTO_VIEWS: dict[str, KeySpec] = {
+    "full_batch": KeySpec(bool, None, fields=_full_batch_fields, late=True),
+    "strategy_ckpt_load_file": KeySpec(
         str, None, fields=lambda v, _: [("strategy_ckpt_config.load_file", v)]),
-    "strategy_ckpt_save_file": _Spec(
+    "strategy_ckpt_save_file": KeySpec(
         str, None, fields=lambda v, _: [("strategy_ckpt_config.save_file", v)]),
-    "auto_parallel_search_mode": _Spec(str, None, choices=lambda: _SEARCH_MODES,
-                                       fields=_old_search_mode_fields),
+    "auto_parallel_search_mode": KeySpec(str, None, choices=lambda: _SEARCH_MODES,
+                                         fields=_old_search_mode_fields),
 }
 
-_AUTO_KEYS: dict[str, _Spec] = {**_AUTO_SPECS, **_AUTO_VIEWS}
+_AUTO_KEYS: dict[str, KeySpec] = {**_AUTO_SPECS, **_AUTO_VIEWS}
+_VIEW_OF = {"full_batch": "dataset_strategy", "strategy_ckpt_load_file": "strategy_ckpt_config",
+            "strategy_ckpt_save_file": "strategy_ckpt_config",
+            "auto_parallel_search_mode": "search_mode"}
 
 _TIME_LIMIT_ALLOWED = "None (no limit) or a finite number of seconds > 0"
 
@@ -422,15 +426,18 @@ def _check_time_limit(func: str, key: str, value: object) -> float | None:
     return seconds
 
 
-_ALGO_SPECS: dict[str, _Spec] = {
-    "fully_use_devices": _Spec(bool, False),
-    "elementwise_op_strategy_follow": _Spec(bool, False),
-    "enable_algo_approxi": _Spec(bool, False),
-    "algo_approxi_epsilon": _Spec(float, 0.1, bounds=_Bounds(0, 1, lo_open=True)),
-    "tensor_slice_align_enable": _Spec(bool, False),
-    "tensor_slice_align_size": _Spec(int, 16, bounds=_Bounds(1, 1024)),
-    # simpar's own, not MindSpore's: how long search_mode "exact" may take
-    "exact_time_limit": _Spec(None, None, allowed=_TIME_LIMIT_ALLOWED, check=_check_time_limit),
+_ALGO = AlgoParameters()  # the defaults
+_ALGO_SPECS: dict[str, KeySpec] = {
+    "fully_use_devices": KeySpec(bool, _ALGO.fully_use_devices),
+    "elementwise_op_strategy_follow": KeySpec(bool, _ALGO.elementwise_op_strategy_follow),
+    "enable_algo_approxi": KeySpec(bool, _ALGO.enable_algo_approxi),
+    "algo_approxi_epsilon": KeySpec(float, _ALGO.algo_approxi_epsilon,
+                                    bounds=Bounds(0, 1, lo_open=True)),
+    "tensor_slice_align_enable": KeySpec(bool, _ALGO.tensor_slice_align_enable),
+    "tensor_slice_align_size": KeySpec(int, _ALGO.tensor_slice_align_size,
+                                       bounds=Bounds(1, 1024)),
+    "exact_time_limit": KeySpec(None, _ALGO.exact_time_limit, allowed=_TIME_LIMIT_ALLOWED,
+                                check=_check_time_limit),
 }
 
 
@@ -447,35 +454,44 @@ _NOT_HONOURED: dict[str, str] = {
                          "searches honour it)",
 }
 _warned: set[str] = set()
-_HONOURED_SEARCHES: set[str] = set()  # search modes with a planner (simpar.search registers)
+_HONOURED_SEARCHES: set[str] = set(BUILTIN_SEARCH_MODES)  # and what register_search adds
 
 
-def _warn_not_honoured(func: str, specs: Mapping[str, _Spec], staged: Mapping[str, Any]
-                       ) -> None:
-    for key, why in _NOT_HONOURED.items():
-        if key == "search_mode" and staged.get(key) in _HONOURED_SEARCHES:
-            continue
-        if key == "search_mode":
-            why = f"{why} (search_mode {sorted(_HONOURED_SEARCHES)} is)"
-        if key in specs and key not in _warned and staged[key] != specs[key].default:
-            _warned.add(key)
-            value = staged[key].as_dict() if key == "strategy_ckpt_config" else staged[key]
-            warnings.warn(f"{func}: {key}={value!r} is accepted but not honoured yet: {why}",
-                          NotHonouredWarning, stacklevel=3)
+def _not_honoured(staged: Mapping[str, Any]) -> dict[str, str]:
+    """:data:`_NOT_HONOURED`, less search_mode when its value has a planner."""
+    out = dict(_NOT_HONOURED)
+    if staged.get("search_mode") in _HONOURED_SEARCHES:
+        del out["search_mode"]
+    else:
+        out["search_mode"] += f" (search_mode {sorted(_HONOURED_SEARCHES)} is)"
+    return out
 
 
-def _defaults(specs: Mapping[str, _Spec]) -> dict[str, Any]:
+def warn_not_honoured(func: str, specs: Mapping[str, KeySpec], staged: Mapping[str, Any],
+                      reasons: Mapping[str, str], warned: set[str]) -> None:
+    """Warn once per process (``warned``) for each key of ``reasons`` that ``staged`` sets
+    away from its default: simpar accepts the value but does not act on it yet."""
+    for key, why in reasons.items():
+        if key in specs and key not in warned and staged[key] != specs[key].default:
+            warned.add(key)
+            warnings.warn(f"{func}: {key}={staged[key]!r} is accepted but not honoured yet: "
+                          f"{why}", NotHonouredWarning, stacklevel=3)
+
+
+def spec_defaults(specs: Mapping[str, KeySpec]) -> dict[str, Any]:
+    """Every key's default, e.g. ``{"fully_use_devices": False, ...}``."""
     return {key: spec.default for key, spec in specs.items()}
 
 
-_auto: dict[str, Any] = _defaults(_AUTO_SPECS)
-_algo: dict[str, Any] = _defaults(_ALGO_SPECS)
+_AUTO_DEFAULTS: Mapping[str, Any] = {**spec_defaults(_AUTO_SPECS), "explicit": frozenset()}
+_auto: dict[str, Any] = dict(_AUTO_DEFAULTS)
+_algo: dict[str, Any] = spec_defaults(_ALGO_SPECS)
 
 _world: tuple[int, int] | None = None  # (world_size, world_rank), set by simpar.comm
 
 
-def _stage(func: str, keys: Mapping[str, _Spec], state: Mapping[str, Any],
-           kwargs: Mapping[str, Any]) -> dict[str, Any]:
+def stage_call(func: str, keys: Mapping[str, KeySpec], state: Mapping[str, Any],
+               kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """Validate a whole call and return the new state, leaving ``state`` untouched."""
     for key in kwargs:
         if key not in keys:
@@ -484,7 +500,7 @@ def _stage(func: str, keys: Mapping[str, _Spec], state: Mapping[str, Any],
     written: dict[str, tuple[str, Any]] = {}  # field -> (key, value) that wrote it
     for key in sorted(kwargs, key=lambda k: keys[k].late):
         spec, given = keys[key], kwargs[key]
-        value = _validate(func, key, spec, given)
+        value = validate_value(func, key, spec, given)
         writes = spec.fields(value, staged) if spec.fields is not None else [(key, value)]
         for field, new in writes:
             if field in written and _read(staged, field) != new:
@@ -511,7 +527,7 @@ def _write(state: dict[str, Any], field: str, value: Any) -> None:
 
 
 def _check_world_args(func: str, world_size: object, world_rank: object) -> None:
-    size = _validate(func, "world_size", _AUTO_SPECS["device_num"], world_size)
+    size = validate_value(func, "world_size", _AUTO_SPECS["device_num"], world_size)
     allowed = f"an int in [0, {size - 1}] for a world of {size} ranks"
     if not _has_kind(world_rank, int):
         raise _type_error(func, "world_rank", allowed, world_rank)
@@ -525,14 +541,12 @@ def _check_world(state: Mapping[str, Any], world_size: int, world_rank: int) -> 
         raise WorldMismatchError(
             f"device_num is {device_num} on rank {world_rank}, but the MPI world has {world_size} "
             f"ranks (mpirun -n {world_size}); set device_num={world_size} or launch with -n "
-            f"{device_num}."
-        )
+            f"{device_num}.")
     if global_rank is not None and global_rank != world_rank:
         raise WorldMismatchError(
             f"global_rank is {global_rank} but this process is MPI rank {world_rank} of "
             f"{world_size}; leave global_rank unset (it follows the MPI rank) or set "
-            f"global_rank={world_rank}."
-        )
+            f"global_rank={world_rank}.")
 
 
 def _check_ranks(func: str, state: Mapping[str, Any]) -> None:
@@ -565,9 +579,8 @@ def set_world(world_size: int, world_rank: int) -> None:
 
 
 def validate_against_world(world_size: int, world_rank: int) -> None:
-    """Raise :class:`WorldMismatchError` if the context disagrees with the given MPI world.
-
-    Only values set explicitly are checked; unset ones follow the world.
+    """Raise :class:`WorldMismatchError` if the context disagrees with the given MPI world
+    (only values set explicitly are checked; unset ones follow the world).
 
     >>> set_auto_parallel_context(device_num=4)
     >>> validate_against_world(4, 2)
@@ -606,12 +619,13 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
     global _auto
     func = "set_auto_parallel_context"
     _auto = _staged_auto(func, kwargs)
-    _warn_not_honoured(func, _AUTO_SPECS, _auto)
+    warn_not_honoured(func, _AUTO_SPECS, _auto, _not_honoured(_auto), _warned)
 
 
 def _staged_auto(func: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """The auto-parallel state ``kwargs`` would give, validated against the world."""
-    staged = _stage(func, _AUTO_KEYS, _auto, kwargs)
+    staged = stage_call(func, _AUTO_KEYS, _auto, kwargs)
+    staged["explicit"] = staged["explicit"] | {_VIEW_OF.get(key, key) for key in kwargs}
     if _world is not None:
         _check_world(staged, *_world)
     _check_ranks(func, staged)
@@ -650,7 +664,7 @@ def get_auto_parallel_context(key: str) -> Any:
     >>> get_auto_parallel_context("search_mode")
     'recursive_programming'
     """
-    _check_key("get_auto_parallel_context", key, _AUTO_KEYS)
+    check_key("get_auto_parallel_context", key, _AUTO_KEYS)
     ctx = auto_parallel_context()
     if key == "strategy_ckpt_config":
         return ctx.strategy_ckpt_config.as_dict()
@@ -668,7 +682,7 @@ def reset_auto_parallel_context() -> None:
     False
     """
     global _auto
-    _auto = _defaults(_AUTO_SPECS)
+    _auto = dict(_AUTO_DEFAULTS)
 
 
 @contextmanager
@@ -692,37 +706,19 @@ def scoped_auto_parallel_context(**kwargs: Any) -> Iterator[ParallelContext]:
     global _auto
     func = "scoped_auto_parallel_context"
     staged = _staged_auto(func, kwargs)
-    saved = _auto
-    _auto = staged
+    saved, _auto = _auto, staged
     try:
-        _warn_not_honoured(func, _AUTO_SPECS, staged)
+        warn_not_honoured(func, _AUTO_SPECS, staged, _not_honoured(staged), _warned)
         yield auto_parallel_context()
     finally:
         _auto = saved
 
 
-def check_dataset_strategy(func: str, name: str, value: object
-                           ) -> str | tuple[tuple[int, ...], ...]:
-    """Validate a dataset strategy as ``set_auto_parallel_context(dataset_strategy=...)`` does,
-    for an entry point ``func`` whose parameter is ``name``; return it normalised (numpy ints
-    to Python ints).
-
-    >>> check_dataset_strategy("AutoParallel.dataset_strategy", "config", ((2, 1), (2,)))
-    ((2, 1), (2,))
-    >>> check_dataset_strategy("AutoParallel.dataset_strategy", "config", "half")
-    Traceback (most recent call last):
-    ...
-    simpar.context.ContextError: AutoParallel.dataset_strategy: config must be 'full_batch', \
-'data_parallel' or a tuple of tuples of positive ints such as ((2, 1), (2,)), but got 'half'.
-    """
-    return _check_dataset_strategy(func, name, value)
-
-
 def register_search_mode(name: str, honoured: bool = False) -> None:
-    """Allow ``name`` as a ``search_mode`` (a planner in simpar.search calls this, with
-    ``honoured`` True: setting it then does not warn that it is not honoured).
-
-    Registering a name twice is harmless.
+    """Allow ``name`` as a ``search_mode`` beside the built-in ones
+    (:data:`BUILTIN_SEARCH_MODES`). ``simpar.search.register_search`` calls it with
+    ``honoured`` True for a planner registered at run time: setting it then does not warn
+    that it is not honoured. Registering a name twice is harmless.
 
     >>> register_search_mode("my_search")
     >>> "my_search" in search_modes()
@@ -740,10 +736,11 @@ def register_search_mode(name: str, honoured: bool = False) -> None:
 
 
 def search_modes() -> tuple[str, ...]:
-    """The ``search_mode`` values currently allowed, MindSpore's three first.
+    """The ``search_mode`` values currently allowed: MindSpore's three, simpar's ``exact``,
+    then those :func:`register_search_mode` added.
 
-    >>> search_modes()[:3]
-    ('recursive_programming', 'dynamic_programming', 'sharding_propagation')
+    >>> search_modes()[:4]
+    ('recursive_programming', 'dynamic_programming', 'sharding_propagation', 'exact')
     """
     return tuple(_SEARCH_MODES)
 
@@ -767,8 +764,8 @@ def set_algo_parameters(**kwargs: Any) -> None:
     >>> reset_algo_parameters()
     """
     global _algo
-    _algo = _stage("set_algo_parameters", _ALGO_SPECS, _algo, kwargs)
-    _warn_not_honoured("set_algo_parameters", _ALGO_SPECS, _algo)
+    _algo = stage_call("set_algo_parameters", _ALGO_SPECS, _algo, kwargs)
+    warn_not_honoured("set_algo_parameters", _ALGO_SPECS, _algo, _NOT_HONOURED, _warned)
 
 
 def algo_parameters() -> AlgoParameters:
@@ -786,8 +783,7 @@ def get_algo_parameters(key: str) -> Any:
     >>> get_algo_parameters("tensor_slice_align_size")
     16
     """
-    _check_key("get_algo_parameters", key, _ALGO_SPECS)
-    return _algo[key]
+    return _algo[check_key("get_algo_parameters", key, _ALGO_SPECS)]
 
 
 def reset_algo_parameters() -> None:
@@ -799,4 +795,4 @@ def reset_algo_parameters() -> None:
     False
     """
     global _algo
-    _algo = _defaults(_ALGO_SPECS)
+    _algo = spec_defaults(_ALGO_SPECS)

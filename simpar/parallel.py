@@ -19,7 +19,7 @@ from simpar.layout import TensorLayout, distribute
 from simpar.ops._base import OpSharding, Primitive
 from simpar.redistribution import execute, plan
 from simpar.runtime.op_runner import OpRunner
-from simpar.search import StrategyMap, parameter_plans, plan_strategies
+from simpar.search import StrategyMap, plan_request, request_from_context
 from simpar.strategy_file import load_strategy, save_strategy
 
 __all__ = ["OpCheckError", "OpRun", "export_strategy", "get_parallel_info", "import_strategy",
@@ -101,8 +101,7 @@ def run_op(op: Primitive, *global_inputs: np.ndarray, grad_output: np.ndarray | 
             *((f"input {i}", x) for i, x in enumerate(xs)),
             *((f"grad_output {k}", np.asarray(d)) for k, d in enumerate(given))])
     op.check_values(*xs)
-    sh = op.sharding([x.shape for x in xs], size,
-                     enable_alltoall=bool(context.get_auto_parallel_context("enable_alltoall")))
+    sh = _planned(op, xs)
     runner = OpRunner(sh)
     local_in = tuple(distribute(x, lay, rank) for x, lay in zip(xs, sh.in_layouts))
     with comm.label("run_op:forward"):
@@ -150,6 +149,15 @@ def run_op(op: Primitive, *global_inputs: np.ndarray, grad_output: np.ndarray | 
     return out if grads is None else (out, grads)
 
 
+def _planned(op: Primitive, xs: Sequence[np.ndarray]) -> OpSharding:
+    """run_op's plan: the op's strategy (or its default) on the request's devices, as a
+    semi_auto_parallel one-op network with the global inputs plans it."""
+    request = request_from_context(graph.trace(op, [(x.shape, x.dtype) for x in xs]),
+                                   mode="semi_auto_parallel", dataset_strategy="full_batch")
+    return op.sharding([x.shape for x in xs], request.device_num,
+                       enable_alltoall=request.enable_alltoall)
+
+
 def get_parallel_info(op: Primitive, input_shapes: Sequence[Sequence[int]],
                       device_num: int | None = None, rank: int | None = None,
                       dtype: str = "float32") -> dict[str, Any]:
@@ -185,18 +193,24 @@ def get_parallel_info(op: Primitive, input_shapes: Sequence[Sequence[int]],
 
 
 def search_strategies(cell: Any, input_specs: Sequence[tuple[Sequence[int], Any]],
-                      device_num: int, search_mode: str = "dynamic_programming",
-                      dataset_strategy: Any = "full_batch", enable_alltoall: bool = False,
+                      device_num: int | None = None, search_mode: str | None = None,
+                      dataset_strategy: Any = None, enable_alltoall: bool | None = None,
                       input_names: Sequence[str] | None = None) -> StrategyMap:
     """Search every op's strategy of ``cell`` for inputs of the given ``(shape, dtype)`` on
     ``device_num`` devices, without running anything: no MPI, no data, nothing of the
     model's size allocated. Returns the :class:`~simpar.search.StrategyMap`, keyed by
     MindSpore-style op names (``.ops[name].in_strategy``), that ``lower`` and
     ``TrainOneStepCell`` would run. ``search_mode`` names a registered search
-    ("dynamic_programming", MindSpore's; "exact", the ILP optimum)."""
+    ("dynamic_programming", MindSpore's; "exact", the ILP optimum). An argument left None is
+    the context's ``device_num``, ``search_mode``, ``dataset_strategy`` or
+    ``enable_alltoall`` where the user set it, else ``"dynamic_programming"``,
+    ``"full_batch"`` and False; the algo parameters and the cost model are the context's."""
     g = graph.trace(cell, input_specs, input_names)
-    return plan_strategies(g, device_num, "auto_parallel", dataset_strategy, enable_alltoall,
-                           parameter_plans(cell), search_mode=search_mode)
+    return plan_request(request_from_context(
+        g, cell=cell, device_num=device_num, mode="auto_parallel", search_mode=search_mode,
+        dataset_strategy=dataset_strategy, enable_alltoall=enable_alltoall,
+        unset={"search_mode": "dynamic_programming", "dataset_strategy": "full_batch",
+               "enable_alltoall": False}))
 
 
 def export_strategy(path: str, cell: Any, input_specs: Sequence[tuple[Sequence[int], Any]],
@@ -209,8 +223,9 @@ def export_strategy(path: str, cell: Any, input_specs: Sequence[tuple[Sequence[i
     ``path`` as MindSpore's JSON strategy file (:func:`simpar.strategy_file.save_strategy`),
     without running anything. Returns the saved map."""
     g = graph.trace(cell, input_specs, input_names)
-    smap = plan_strategies(g, device_num, mode, dataset_strategy, enable_alltoall,
-                           parameter_plans(cell), search_mode=search_mode)
+    smap = plan_request(request_from_context(
+        g, cell=cell, device_num=device_num, mode=mode, dataset_strategy=dataset_strategy,
+        enable_alltoall=enable_alltoall, search_mode=search_mode))
     save_strategy(path, smap, g, search_mode=search_mode if mode == "auto_parallel" else None)
     return smap
 

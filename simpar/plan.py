@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from simpar import _env, context, graph, nn
+from simpar import _env, graph, nn
 from simpar.cost import (
     CostModel,
     CostReport,
@@ -54,18 +54,11 @@ from simpar.cost import (
     profile_names,
 )
 from simpar.runtime import NothingParallelWarning, ParallelProgram, lower
-from simpar.search import (
-    StrategyMap,
-    parameter_plans,
-    plan_strategies,
-    registered_searches,
-    set_search_cost_model,
-)
-from simpar.search.auto import search_cost_model
+from simpar.search import StrategyMap, plan_request, registered_searches, request_from_context
 from simpar.search.exact import TimeLimitWarning, describe_gap
 from simpar.strategy_table import strategy_table
 
-__all__ = ["GPT_PRESETS", "GPTSize", "Plan", "PlanOptions", "build_network", "main",
+__all__ = ["GPT_PRESETS", "GPTSize", "ModelPlan", "PlanOptions", "build_network", "main",
            "make_plan", "parse_args", "search_model", "summary", "to_json", "write_json"]
 
 PROG = "python -m simpar.plan"
@@ -141,7 +134,7 @@ class PlanOptions:
 
 
 @dataclass(frozen=True)
-class Plan:
+class ModelPlan:
     """A planned model: its strategy map, the lowered program, the cost report, its
     parameter count, the seconds each stage took (trace, search, lower, cost) and notes
     (e.g. that the search found nothing worth splitting)."""
@@ -329,9 +322,9 @@ def search_model(opts: PlanOptions) -> CostModel:
     return SimparCostModel(opts.profile, _OPTIMIZERS[opts.optimizer])
 
 
-def make_plan(opts: PlanOptions) -> Plan:
-    """Trace, search, lower and price (pure: no MPI, no data). The search's cost model is
-    set for the search only and restored after."""
+def make_plan(opts: PlanOptions) -> ModelPlan:
+    """Trace, search, lower and price (pure: no MPI, no data). The plan request takes the
+    options' devices, search, cost model and time limit, and the context's other settings."""
     seconds: dict[str, float] = {}
     t = time.perf_counter()
     net, specs = build_network(opts)
@@ -344,18 +337,14 @@ def make_plan(opts: PlanOptions) -> Plan:
     log.info("searching (%s, minimising %s's cost model) for %d devices", opts.search_mode,
              opts.cost_model, opts.device_num)
     t = time.perf_counter()
-    previous = search_cost_model(), context.get_algo_parameters("exact_time_limit")
-    set_search_cost_model(search_model(opts))
-    context.set_algo_parameters(exact_time_limit=opts.time_limit)
-    try:
-        with warnings.catch_warnings():  # the summary gives the gap
-            warnings.simplefilter("ignore", TimeLimitWarning)
-            smap = plan_strategies(g, opts.device_num, "auto_parallel", opts.dataset_strategy,
-                                   opts.enable_alltoall, parameter_plans(net),
-                                   search_mode=opts.search_mode)
-    finally:
-        set_search_cost_model(previous[0])
-        context.set_algo_parameters(exact_time_limit=previous[1])
+    request = request_from_context(
+        g, cell=net, device_num=opts.device_num, mode="auto_parallel",
+        dataset_strategy=opts.dataset_strategy, enable_alltoall=opts.enable_alltoall,
+        search_mode=opts.search_mode, cost_model=search_model(opts),
+        algo={"exact_time_limit": opts.time_limit})
+    with warnings.catch_warnings():  # the summary gives the gap
+        warnings.simplefilter("ignore", TimeLimitWarning)
+        smap = plan_request(request)
     seconds["search"] = time.perf_counter() - t
     log.info("searched in %.1f s; lowering", seconds["search"])
     t = time.perf_counter()
@@ -370,7 +359,7 @@ def make_plan(opts: PlanOptions) -> Plan:
     report = evaluate(program, opts.profile, _OPTIMIZERS[opts.optimizer])
     seconds["cost"] = time.perf_counter() - t
     log.info("priced in %.1f s", seconds["cost"])
-    return Plan(opts, smap, program, report, parameters, parameter_bytes, seconds, notes)
+    return ModelPlan(opts, smap, program, report, parameters, parameter_bytes, seconds, notes)
 
 
 # ------------------------------------------------------------------ output
@@ -394,7 +383,7 @@ def _time(s: float) -> str:
     return f"{s * 1e3:.3f} ms" if s >= 1e-3 else f"{s * 1e6:.1f} us"
 
 
-def summary(plan: Plan) -> str:
+def summary(plan: ModelPlan) -> str:
     """The cost breakdown, memory per rank and planning time, as printed."""
     r, o = plan.report, plan.options
     parts = [("compute", r.compute), ("op collectives", r.op_comm),
@@ -442,7 +431,7 @@ def summary(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def to_json(plan: Plan, command: str = "") -> dict[str, Any]:
+def to_json(plan: ModelPlan, command: str = "") -> dict[str, Any]:
     """The plan as JSON-ready data: options, the strategy map (every op's strategy by its
     MindSpore-style name, every parameter's and input's layout), the cost breakdown, every
     priced rank's memory, and the planning seconds."""

@@ -36,10 +36,11 @@ from simpar._checks import positive_float_arg
 from simpar.check import CheckReport, check_against_single_device
 from simpar.context import ContextError
 from simpar.cost import CostReport, SimparCostModel, load_profile, profile_names
+from simpar.cost_model_context import set_search_cost_model
 from simpar.dataset import VOCAB_SIZE, CharCorpus, random_classification
 from simpar.nn import presets
 from simpar.runtime.lowering import build_program
-from simpar.search import registered_searches, set_search_cost_model
+from simpar.search import registered_searches
 from simpar.strategy_table import columns as strategy_table_columns
 from simpar.strategy_table import display_names as display_names  # re-exported
 from simpar.strategy_table import strategy_table

@@ -10,12 +10,13 @@ import pytest
 
 import simpar
 import simpar.comm as comm
-from simpar import context, nn, ops
+from simpar import context, graph, nn, ops, plan
 from simpar.check import check_against_single_device
 from simpar.comm import CommTrace
 from simpar.cost import SimparCostModel, load_profile
 from simpar.dataset import random_classification
-from simpar.search import Source, set_search_cost_model
+from simpar.parallel import run_op, search_strategies
+from simpar.search import Source, parameter_plans, plan_strategies, set_search_cost_model
 from simpar.search.dynamic_programming import NoAvailableCost
 from simpar.strategy_table import display_names, strategy_table
 from tests.mpi_guard import raised_everywhere
@@ -240,4 +241,45 @@ def test_a_device_num_that_no_cut_can_use_fails_on_every_rank(search: str) -> No
                           f"batch 3, which does not split over {n} devices")
     finally:
         context.reset_algo_parameters()
+        simpar.reset_auto_parallel_context()
+
+
+def test_training_and_every_entry_point_plan_one_request_alike() -> None:
+    """On the MPI world, the training cell, the AutoParallel wrapper's compilation,
+    search_strategies, plan_strategies and simpar.plan's make_plan plan one GPT from the
+    context alike; run_op runs an op under the plan of its one-op network."""
+    world = comm.get_group_size()
+    simpar.reset_auto_parallel_context()
+    simpar.set_auto_parallel_context(parallel_mode="auto_parallel",
+                                     search_mode="dynamic_programming",
+                                     dataset_strategy="data_parallel", enable_alltoall=True)
+    set_search_cost_model(SimparCostModel("cpu-local", "momentum"))
+    opts = plan.PlanOptions(model="gpt", hidden=16, layers=1, batch=8, device_num=world,
+                            search_mode="dynamic_programming", profile=load_profile("cpu-local"),
+                            heads=4, seq=8, vocab=32, dtype="float64", optimizer="momentum",
+                            dataset_strategy="data_parallel", enable_alltoall=True)
+    try:
+        net, specs = plan.build_network(opts)
+        data, label = _batches("gpt", np.float64, 1)[0]
+        maps = {"make_plan": plan.make_plan(opts).strategy_map,
+                "search_strategies": search_strategies(net, specs, input_names=["data", "label"])}
+        g = graph.trace(net, specs, ["data", "label"])
+        maps["plan_strategies"] = plan_strategies(g, world, "auto_parallel", "data_parallel",
+                                                  True, parameter_plans(net))
+        for name, network in (("training", net),
+                              ("AutoParallel", nn.AutoParallel(net, "dynamic_programming"))):
+            train = nn.TrainOneStepCell(network, nn.SGD(net.trainable_params(), 0.1))
+            program = train.build(data, label)
+            assert program.strategy_map is not None
+            maps[name] = program.strategy_map
+        for name, smap in maps.items():
+            assert smap == maps["plan_strategies"], name
+        op = ops.MatMul().shard(((world, 1), (1, 1)))
+        a, b = np.ones((8, 4)), np.ones((4, 2))
+        one_op = plan_strategies(graph.trace(op, [(a.shape, a.dtype), (b.shape, b.dtype)]),
+                                 world, "semi_auto_parallel")
+        assert run_op(op, a, b, full=True).sharding.strategy == next(
+            iter(one_op.ops.values())).in_strategy
+    finally:
+        set_search_cost_model(None)
         simpar.reset_auto_parallel_context()

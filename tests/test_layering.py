@@ -10,6 +10,7 @@ main job. A module may import its own layer or any layer below it.
 from __future__ import annotations
 
 import ast
+import importlib
 import pathlib
 
 import pytest
@@ -17,8 +18,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "simpar"
 
 LAYERS: list[tuple[str, ...]] = [
-    ("simpar._env", "simpar._checks", "simpar.context", "simpar.seed", "simpar.counter_rng",
-     "simpar.compare", "simpar.collective_kinds"),
+    ("simpar._env", "simpar._checks", "simpar.context", "simpar.cost_model_context",
+     "simpar.seed", "simpar.counter_rng", "simpar.compare", "simpar.collective_kinds"),
     ("simpar.comm",),
     ("simpar.mesh", "simpar.layout", "simpar.parameter", "simpar.schedule"),
     ("simpar.redistribution", "simpar.cotangent"),
@@ -137,3 +138,93 @@ def test_the_executor_is_given_what_it_runs() -> None:
         found = _every_import(ROOT / "runtime" / name)
         assert "simpar.runtime.program" not in found, name
         assert "simpar.runtime.lowering" not in found, name
+
+
+# ----------------------------------------------------------------------------------------------
+# Planning reads its request, not the world.
+
+#: The context layer: process-wide settings, read into a plan request at the entry points.
+CONTEXT = ("simpar.context", "simpar.cost_model_context")
+#: The planning layers, which must not read the context layer's state while planning.
+PLANNING = ("simpar.search", "simpar.cost", "simpar.ops")
+#: The only functions there that may call a function of the context layer, and why.
+BOUNDARY: dict[tuple[str, str], str] = {
+    ("simpar.search.request", "request_from_context"):
+        "the boundary: every entry point builds its plan request here",
+    ("simpar.search.planner", "register_search"):
+        "a search registered at run time becomes a search_mode the context accepts",
+    ("simpar.search.pricing", "algo_or_context"):
+        "a Pricer or cost graph built by hand (tests, benchmarks) without algo parameters; "
+        "every planner passes its request's",
+    **{("simpar.cost.mindspore", f): "a MindSpore pricing function called by hand without a "
+       "CostModelContext prices under the process's; a request's model carries its own"
+       for f in ("MindSporeCost.value", "refine_communication", "strategy_cost", "fits",
+                 "edge_cost")},
+    ("simpar.cost.interface", "MindSporeCostModel._context"):
+        "MindSporeCostModel() used by hand; a plan request fixes its context when built",
+    ("simpar.ops._base", "Primitive.candidate_strategies"):
+        "the op's defaults for a call by hand (fully_use_devices, slice alignment); planners "
+        "pass their request's",
+    ("simpar.ops.matmul", "_MatMulBase._sharding"):
+        "MatMul refuses a misaligned strategy given by hand, under the algo parameters",
+}
+
+
+def _context_calls(tree: ast.Module) -> list[tuple[str, str, int]]:
+    """(function qualname, context-layer function, line) for every use of a function of the
+    context layer in ``tree``: its classes and constants (values, exceptions) are free."""
+    names: dict[str, tuple[str, str]] = {}    # local name -> (module, attribute)
+    modules: dict[str, str] = {}              # local name -> context module
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0:
+            for a in node.names:
+                if node.module in CONTEXT:
+                    names[a.asname or a.name] = (node.module, a.name)
+                elif node.module == "simpar" and f"simpar.{a.name}" in CONTEXT:
+                    modules[a.asname or a.name] = f"simpar.{a.name}"
+    found: list[tuple[str, str, int]] = []
+
+    def is_function(module: str, attr: str) -> bool:
+        obj = getattr(importlib.import_module(module), attr, None)
+        return callable(obj) and not isinstance(obj, type)
+
+    def visit(node: ast.AST, where: str) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            where = f"{where}.{node.name}" if where else node.name
+        used = None
+        if isinstance(node, ast.Name) and node.id in names:
+            used = names[node.id]
+        elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+              and node.value.id in modules):
+            used = (modules[node.value.id], node.attr)
+        if used is not None and is_function(*used):
+            found.append((where, f"{used[0]}.{used[1]}", node.lineno))
+        for child in ast.iter_child_nodes(node):
+            visit(child, where)
+
+    visit(tree, "")
+    return found
+
+
+PLANNING_FILES = [p for p in FILES if any(_module(p) == name or _module(p).startswith(name + ".")
+                                          for name in PLANNING)]
+
+
+@pytest.mark.parametrize("path", PLANNING_FILES, ids=lambda p: _module(p))
+def test_planning_reads_no_context(path: pathlib.Path) -> None:
+    """Nothing under simpar/search, simpar/cost or simpar/ops reads the context layer, but
+    for the boundary and the defaults of calls by hand listed in BOUNDARY: a plan is a
+    function of its request."""
+    me = _module(path)
+    bad = [f"line {line}: {where or '<module>'} uses {used}"
+           for where, used, line in _context_calls(ast.parse(path.read_text()))
+           if (me, where) not in BOUNDARY]
+    assert not bad, f"{me}: " + "; ".join(bad)
+
+
+def test_the_context_checker_sees_a_getter_but_not_a_value() -> None:
+    tree = ast.parse("from simpar import context\nfrom simpar.context import ContextError, "
+                     "algo_parameters\n\ndef f():\n    context.get_algo_parameters('x')\n"
+                     "    raise ContextError(algo_parameters())\n")
+    assert _context_calls(tree) == [("f", "simpar.context.get_algo_parameters", 5),
+                                    ("f", "simpar.context.algo_parameters", 6)]

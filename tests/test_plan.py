@@ -244,7 +244,7 @@ def test_a_search_that_finds_no_plan_exits_1_with_its_reason(
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise ValueError("No available cost: every plan needs 80 GiB per rank")
 
-    monkeypatch.setattr(plan, "plan_strategies", refuse)
+    monkeypatch.setattr(plan, "plan_request", refuse)
     code, _, err = _run([*SMALL_MLP, "--quiet"], capsys)
     assert code == 1
     assert err == ("python -m simpar.plan: error: no plan: No available cost: every plan needs "

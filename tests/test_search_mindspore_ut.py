@@ -36,8 +36,8 @@ import numpy as np
 import pytest
 
 from simpar import context, graph, nn, ops
+from simpar import cost_model_context as cmc
 from simpar.context import NotHonouredWarning
-from simpar.cost import mindspore as ms
 from simpar.cost.interface import MindSporeCostModel
 from simpar.nn.cell import Cell
 from simpar.nn.loss import SoftmaxCrossEntropyWithLogits
@@ -79,16 +79,16 @@ def _set_algo(**kwargs: Any) -> None:
 @pytest.fixture(autouse=True)
 def _mindspore_r1_0(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """MindSpore r1.0's cost model and algorithm settings; the previous ones afterwards."""
-    current = ms.cost_model_context()
-    cost = {f.name: getattr(current, f.name) for f in dataclasses.fields(ms.CostModelContext)}
+    current = cmc.cost_model_context()
+    cost = {f.name: getattr(current, f.name) for f in dataclasses.fields(cmc.CostModelContext)}
     algo = dataclasses.asdict(context.algo_parameters())
     monkeypatch.setattr(context, "_warned", set())  # keep the once-per-process warnings unspent
     try:
-        ms.set_cost_model_context(**R1_0_COST_MODEL)
+        cmc.set_cost_model_context(**R1_0_COST_MODEL)
         _set_algo(**R1_0_ALGO)
         yield
     finally:
-        ms.set_cost_model_context(**cost)
+        cmc.set_cost_model_context(**cost)
         _set_algo(**algo)
 
 

@@ -13,7 +13,7 @@ from simpar.mesh import DeviceMesh
 from simpar.redistribution import plan
 from simpar.search.moves import decode, move_steps, plan_signatures, signature_of
 from simpar.search.pricing import Pricer
-from simpar.search.propagation import dataset_layouts
+from simpar.search.request import dataset_layouts
 from tests.layout_strategies import factorizations
 
 

@@ -40,8 +40,8 @@ from simpar.parallel import search_strategies
 from simpar.search.cost_graph import brute_force, build_cost_graph, same_blocks
 from simpar.search.dynamic_programming import NoAvailableCost, solve_dynamic_programming
 from simpar.search.pricing import Pricer
-from simpar.search.propagation import dataset_layouts
 from simpar.search.recursive_programming import prime_factors, solve_recursive_programming
+from simpar.search.request import dataset_layouts
 from simpar.search.sharding_propagation import propagate
 
 F32, F64 = np.float32, np.float64

@@ -34,6 +34,7 @@ from simpar.collective_kinds import traffic
 from simpar.cost import mindspore as ms
 from simpar.cost.model import OPTIMIZER_STATE, evaluate
 from simpar.cost.profile import DeviceProfile, load_profile
+from simpar.cost_model_context import CostModelContext, cost_model_context
 from simpar.mesh import DeviceMesh
 from simpar.ops._base import OpSharding
 from simpar.ops.comm_spec import CommSpec
@@ -239,10 +240,11 @@ def _tape_inputs(tape: str, free: list[int]) -> list[int]:
 
 @dataclass(frozen=True)
 class MindSporeCostModel:
-    """MindSpore's model: its objective in its units (bytes of slices), under ``ctx`` (default:
-    the current ``set_cost_model_context``)."""
+    """MindSpore's model: its objective in its units (bytes of slices), under ``ctx`` (None:
+    the process's ``set_cost_model_context`` when priced; a plan request fixes it when built).
+    """
 
-    ctx: ms.CostModelContext | None = None
+    ctx: CostModelContext | None = None
     name: str = field(default="mindspore", init=False)
     unit: str = field(default="MindSpore cost (bytes of slices)", init=False)
 
@@ -260,8 +262,7 @@ class MindSporeCostModel:
     @property
     def memory_capacity(self) -> float:
         """``device_memory_capacity`` of the cost-model context."""
-        c = ms.cost_model_context() if self.ctx is None else self.ctx
-        return float(c.device_memory_capacity)
+        return float(self._context.device_memory_capacity)
 
     def memory(self, sharding: OpSharding, parameters: Collection[int], itemsize: int,
                kept_elsewhere: Collection[int] = frozenset(),
@@ -275,8 +276,11 @@ class MindSporeCostModel:
         cost = ms.op_cost(sharding, params, itemsize,
                           involved=None if involved is None else {*involved, *params},
                           prev_in_memory=kept_elsewhere, input_itemsizes=input_itemsizes)
-        c = ms.cost_model_context() if self.ctx is None else self.ctx
-        return cost.memory if c.training else cost.inference_memory
+        return cost.memory if self._context.training else cost.inference_memory
+
+    @property
+    def _context(self) -> CostModelContext:
+        return self.ctx if self.ctx is not None else cost_model_context()
 
     def keeps_output(self, op: Any, n_inputs: int, parameters: Collection[int],
                      involved: Collection[int], kept_elsewhere: Collection[int]) -> bool:

@@ -9,10 +9,10 @@ model lives in :mod:`simpar.cost.model`; the two are separate on purpose.
 Four parts, each with the MindSpore source it follows (``ccsrc`` is
 ``mindspore/ccsrc/frontend/parallel``); this module exports the names of all four:
 
-1. The context, :func:`set_cost_model_context` / :func:`get_cost_model_context` /
-   :func:`reset_cost_model_context` (``mindspore/parallel/_cost_model_context.py``; defaults in
-   ``ccsrc/costmodel_context.{h,cc}`` and ``allreduce_fusion/allreduce_fusion.h``; ranges in
-   ``CostModelContext::set_*`` and ``CostGraph::SetDeviceMemoryAndCostParameter``).
+1. The context, a :class:`~simpar.cost_model_context.CostModelContext` value that every
+   function below takes (``ctx``; left out, the process's ``set_cost_model_context``, for a
+   call by hand: a plan request carries its own). Its keys live in
+   :mod:`simpar.cost_model_context`.
 2. Operator costs and memory, :func:`~simpar.cost.mindspore_ops.op_cost`
    (:mod:`simpar.cost.mindspore_ops`; ``ccsrc/auto_parallel/operator_costmodel.{h,cc}``).
 3. The objective, :func:`objective` (``OperatorInfo::SetCostUnderStrategyBase``,
@@ -26,52 +26,14 @@ The facts are MindSpore's; the code is not. The cost package sits above :mod:`si
 and :mod:`simpar.redistribution` (the collective kinds it prices live below both, in
 :mod:`simpar.collective_kinds`), so it imports what it prices directly.
 
-
-Context keys (``set_cost_model_context``)
------------------------------------------
-
-========================================================= =========== =========================
-key                                                       default     allowed
-========================================================= =========== =========================
-device_memory_capacity                                    2**34 (16G) a float in (0, inf)
-costmodel_alpha                                           1.0         a float in (0, inf)
-costmodel_beta                                            400.0       a float in (0, inf)
-costmodel_gamma                                           0.001       a float in [0, 1]
-costmodel_communi_threshold                               2048.0      a float in [0, inf)
-costmodel_communi_const                                   3072.0      a float in [0, inf)
-costmodel_communi_bias                                    1024.0      a float in [0, inf)
-run_phase                                                 0           an int in {0, 1}
-costmodel_allreduce_fusion_algorithm                      0           an int in {0, 1, 2}
-costmodel_allreduce_fusion_times                          0           an int in [0, inf)
-costmodel_allreduce_fusion_tail_percent                   0.1         a float in [0, 1)
-costmodel_allreduce_fusion_tail_time                      0.1         a float in [0, inf)
-costmodel_allreduce_fusion_allreduce_inherent_time        0.1         a float in [0, inf)
-costmodel_allreduce_fusion_allreduce_bandwidth            0.1         a float in [0, inf)
-costmodel_allreduce_fusion_computation_time_parameter     0.1         a float in [0, inf)
-========================================================= =========== =========================
-
-``costmodel_beta`` is MindSpore's Ascend default; MindSpore switches it to 50.0 when the device
-target is GPU (``set_costmodel_context_for_device``); simpar has no device target and keeps
-400.0. Types are strict, as MindSpore's ``args_type_check`` is: ``costmodel_beta=400`` (an int)
-raises ``TypeError``, and a bool is never a number. The allreduce-fusion keys are accepted and
-validated but simpar does not fuse AllReduces (a :class:`~simpar.context.NotHonouredWarning`
-says so once); MindSpore checks none of their ranges when they are set and silently skips
-fusion for values outside them, so the ranges above are simpar's. ``multi_subgraphs`` is not a
-key: MindSpore types it in ``set_cost_model_context`` but its setter map does not hold it, so
-MindSpore refuses it too.
 """
 
 from __future__ import annotations
 
-import difflib
-import math
 import numbers
-import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
-from typing import Any, cast
+from dataclasses import dataclass
 
-from simpar.context import ContextError, ContextTypeError, NotHonouredWarning
 from simpar.cost.mindspore_ops import (
     COST_FACTOR,
     DROPOUT_COST_RATE,
@@ -87,6 +49,7 @@ from simpar.cost.mindspore_redistribution import (
     RedistributionCost,
     redistribution_cost,
 )
+from simpar.cost_model_context import CostModelContext, cost_model_context
 
 __all__ = [
     "ALLGATHER_REDUCESCATTER_SCALE_FACTOR",
@@ -95,256 +58,23 @@ __all__ = [
     "DROPOUT_COST_RATE",
     "EPS",
     "STEP_OPERATORS",
-    "CostModelContext",
     "MindSporeCost",
     "MindSporeOpCost",
     "RedistributionCost",
-    "cost_model_context",
     "edge_cost",
     "edge_objective",
     "fits",
-    "get_cost_model_context",
     "keeps_output",
     "mindspore_cost_class",
     "objective",
     "op_cost",
     "redistribution_cost",
     "refine_communication",
-    "reset_cost_model_context",
-    "set_cost_model_context",
     "strategy_cost",
 ]
 
 #: ``ops_utils.h``: below this a cost counts as zero (refinement, tie-break).
 EPS = 1e-6
-
-_TRAINING, _INFERENCE = 0, 1
-
-
-# ----------------------------------------------------------------------------------------------
-# 1. The context.
-
-
-@dataclass(frozen=True, slots=True)
-class _Key:
-    """How one context key is validated: its type, default and allowed values."""
-
-    kind: type  # int or float
-    default: float
-    lo: float = -math.inf
-    hi: float = math.inf
-    lo_open: bool = False
-    hi_open: bool = False
-    choices: tuple[int, ...] = ()
-    honoured: bool = True
-
-    def allowed(self) -> str:
-        noun = "an int" if self.kind is int else "a float"
-        if self.choices:
-            return f"{noun} in {{{', '.join(str(c) for c in self.choices)}}}"
-        lo, hi = ("(" if self.lo_open else "["), (")" if self.hi_open else "]")
-        return f"{noun} in {lo}{_num(self.lo)}, {_num(self.hi)}{hi}"
-
-    def admits(self, x: float) -> bool:
-        if self.choices:
-            return x in self.choices
-        if not math.isfinite(x):
-            return False
-        above = self.lo < x if self.lo_open else self.lo <= x
-        below = x < self.hi if self.hi_open else x <= self.hi
-        return above and below
-
-
-def _num(x: float) -> str:
-    return "inf" if x == math.inf else f"{x:g}"
-
-
-def _positive(default: float) -> _Key:
-    return _Key(float, default, lo=0.0, lo_open=True, hi_open=True)
-
-
-def _non_negative(kind: type, default: float, honoured: bool = True) -> _Key:
-    return _Key(kind, default, lo=0.0, hi_open=True, honoured=honoured)
-
-
-_KEYS: dict[str, _Key] = {
-    "device_memory_capacity": _positive(1024.0 * 1024.0 * 1024.0 * 16.0),
-    "costmodel_alpha": _positive(1.0),
-    "costmodel_beta": _positive(400.0),
-    "costmodel_gamma": _Key(float, 0.001, lo=0.0, hi=1.0),
-    "costmodel_communi_threshold": _non_negative(float, 2048.0),
-    "costmodel_communi_const": _non_negative(float, 3072.0),
-    "costmodel_communi_bias": _non_negative(float, 1024.0),
-    "run_phase": _Key(int, 0, choices=(_TRAINING, _INFERENCE)),
-    "costmodel_allreduce_fusion_algorithm": _Key(int, 0, choices=(0, 1, 2), honoured=False),
-    "costmodel_allreduce_fusion_times": _non_negative(int, 0, honoured=False),
-    "costmodel_allreduce_fusion_tail_percent": _Key(float, 0.1, lo=0.0, hi=1.0, hi_open=True,
-                                                    honoured=False),
-    "costmodel_allreduce_fusion_tail_time": _non_negative(float, 0.1, honoured=False),
-    "costmodel_allreduce_fusion_allreduce_inherent_time": _non_negative(float, 0.1,
-                                                                        honoured=False),
-    "costmodel_allreduce_fusion_allreduce_bandwidth": _non_negative(float, 0.1, honoured=False),
-    "costmodel_allreduce_fusion_computation_time_parameter": _non_negative(float, 0.1,
-                                                                           honoured=False),
-}
-
-
-def _check_value(func: str, key: str, value: object) -> float | int:
-    """``value`` as a plain Python number, or raise naming ``key``, the value and the range."""
-    spec = _KEYS[key]
-    if spec.kind is int:
-        ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
-    else:
-        ok = isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral)
-    if not ok:
-        raise ContextTypeError(f"{func}: {key} must be {spec.allowed()}, but got {value!r} of "
-                               f"type {type(value).__name__}.")
-    number = cast(float, value)
-    plain = int(number) if spec.kind is int else float(number)
-    if not spec.admits(plain):
-        raise ContextError(f"{func}: {key} must be {spec.allowed()}, but got {plain!r}.")
-    return plain
-
-
-def _check_key(func: str, key: object) -> str:
-    if not isinstance(key, str):
-        raise ContextTypeError(f"{func}: the key must be a str, but got {key!r} of type "
-                               f"{type(key).__name__}.")
-    if key not in _KEYS:
-        close = difflib.get_close_matches(key, list(_KEYS), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ContextError(f"{func}: unknown key {key!r}{hint}; the known keys are "
-                           f"{', '.join(sorted(_KEYS))}.")
-    return key
-
-
-@dataclass(frozen=True, slots=True)
-class CostModelContext:
-    """An immutable snapshot of the cost-model context; built values are validated.
-
-    :func:`cost_model_context` returns the current one. Build your own to price with other
-    weights without touching the process-wide context:
-
-    >>> CostModelContext().costmodel_beta
-    400.0
-    >>> CostModelContext(costmodel_gamma=2.0)  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    simpar.context.ContextError: ...: costmodel_gamma must be a float in [0, 1], but got 2.0.
-    """
-
-    device_memory_capacity: float = _KEYS["device_memory_capacity"].default
-    costmodel_alpha: float = _KEYS["costmodel_alpha"].default
-    costmodel_beta: float = _KEYS["costmodel_beta"].default
-    costmodel_gamma: float = _KEYS["costmodel_gamma"].default
-    costmodel_communi_threshold: float = _KEYS["costmodel_communi_threshold"].default
-    costmodel_communi_const: float = _KEYS["costmodel_communi_const"].default
-    costmodel_communi_bias: float = _KEYS["costmodel_communi_bias"].default
-    run_phase: int = int(_KEYS["run_phase"].default)
-    costmodel_allreduce_fusion_algorithm: int = int(
-        _KEYS["costmodel_allreduce_fusion_algorithm"].default)
-    costmodel_allreduce_fusion_times: int = int(_KEYS["costmodel_allreduce_fusion_times"].default)
-    costmodel_allreduce_fusion_tail_percent: float = _KEYS[
-        "costmodel_allreduce_fusion_tail_percent"].default
-    costmodel_allreduce_fusion_tail_time: float = _KEYS[
-        "costmodel_allreduce_fusion_tail_time"].default
-    costmodel_allreduce_fusion_allreduce_inherent_time: float = _KEYS[
-        "costmodel_allreduce_fusion_allreduce_inherent_time"].default
-    costmodel_allreduce_fusion_allreduce_bandwidth: float = _KEYS[
-        "costmodel_allreduce_fusion_allreduce_bandwidth"].default
-    costmodel_allreduce_fusion_computation_time_parameter: float = _KEYS[
-        "costmodel_allreduce_fusion_computation_time_parameter"].default
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            object.__setattr__(self, f.name,
-                               _check_value("CostModelContext", f.name, getattr(self, f.name)))
-
-    @property
-    def training(self) -> bool:
-        """Whether ``run_phase`` is 0 (training), MindSpore's default."""
-        return self.run_phase == _TRAINING
-
-
-def _defaults() -> dict[str, float | int]:
-    return {key: (int(spec.default) if spec.kind is int else spec.default)
-            for key, spec in _KEYS.items()}
-
-
-_state: dict[str, float | int] = _defaults()
-_warned: set[str] = set()
-_snapshot: CostModelContext | None = None  # the current context, built once per change
-
-
-def set_cost_model_context(**kwargs: Any) -> None:
-    """Set cost-model keys, as ``mindspore.set_cost_model_context`` does (keys in the module
-    docstring). The whole call is validated first: if one key is unknown or one value wrong,
-    a :class:`~simpar.context.ContextError` (``ValueError``) or
-    :class:`~simpar.context.ContextTypeError` (``TypeError``) is raised and nothing changes.
-    Setting an allreduce-fusion key away from its default warns once per key per process.
-
-    >>> set_cost_model_context(costmodel_beta=50.0, run_phase=1)
-    >>> get_cost_model_context("costmodel_beta"), get_cost_model_context("run_phase")
-    (50.0, 1)
-    >>> set_cost_model_context(costmodel_bet=50.0)  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    simpar.context.ContextError: ...: unknown key 'costmodel_bet' (did you mean 'costmodel_beta'...
-    >>> set_cost_model_context(costmodel_alpha=1)  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    simpar.context.ContextTypeError: ...: costmodel_alpha must be a float in (0, inf), but got 1 ...
-    >>> reset_cost_model_context()
-    """
-    global _state, _snapshot
-    func = "set_cost_model_context"
-    staged = dict(_state)
-    for key, value in kwargs.items():
-        _check_key(func, key)
-        staged[key] = _check_value(func, key, value)
-    _state, _snapshot = staged, None
-    for key, value in kwargs.items():
-        spec = _KEYS[key]
-        if not spec.honoured and staged[key] != spec.default and key not in _warned:
-            _warned.add(key)
-            warnings.warn(f"{func}: {key}={value!r} is accepted but not honoured: simpar does "
-                          "not fuse gradient AllReduces", NotHonouredWarning, stacklevel=2)
-
-
-def get_cost_model_context(attr_key: str) -> float | int:
-    """The current value of one key, as ``mindspore.get_cost_model_context`` returns it.
-
-    >>> get_cost_model_context("device_memory_capacity") == 2.0 ** 34
-    True
-    >>> get_cost_model_context("costmodel_communi_threshold")
-    2048.0
-    """
-    return _state[_check_key("get_cost_model_context", attr_key)]
-
-
-def reset_cost_model_context() -> None:
-    """Restore every key to MindSpore's default.
-
-    >>> set_cost_model_context(costmodel_gamma=0.5)
-    >>> reset_cost_model_context()
-    >>> get_cost_model_context("costmodel_gamma")
-    0.001
-    """
-    global _state, _snapshot
-    _state, _snapshot = _defaults(), None
-
-
-def cost_model_context() -> CostModelContext:
-    """An immutable snapshot of the current context (what the functions below read).
-
-    >>> cost_model_context().costmodel_communi_const
-    3072.0
-    """
-    global _snapshot
-    if _snapshot is None:  # searches price thousands of strategies: validate once per change
-        _snapshot = CostModelContext(**_state)  # type: ignore[arg-type]
-    return _snapshot
-
 
 # ----------------------------------------------------------------------------------------------
 # 3. The objective.

@@ -181,9 +181,11 @@ class AutoParallel(Cell):
     def parallel_context(self) -> Iterator[context.ParallelContext]:
         """Put this wrapper's settings in force for the ``with`` block (simpar-only).
 
-        ``TrainOneStepCell`` compiles the network inside it; use it yourself to trace or
-        plan the wrapped network by hand. On leaving, even by an exception, the global
-        context is restored exactly (:func:`simpar.context.scoped_auto_parallel_context`).
+        ``TrainOneStepCell`` compiles the network inside it (its plan request is built
+        there, so the request holds the wrapper's settings); use it yourself to trace or plan
+        the wrapped network by hand (``simpar.search.request_from_context`` inside it). On
+        leaving, even by an exception, the global context is restored exactly
+        (:func:`simpar.context.scoped_auto_parallel_context`).
 
         >>> from simpar import nn, get_auto_parallel_context
         >>> ap = AutoParallel(nn.Dense(4, 2))

@@ -38,8 +38,7 @@ from simpar.nn.optim import Optimizer
 from simpar.redistribution import execute, plan
 from simpar.runtime.lowering import lower
 from simpar.runtime.program import ParallelProgram
-from simpar.search import parameter_plans, plan_strategies
-from simpar.search.auto import search_cost_model
+from simpar.search import PlanRequest, plan_request, request_from_context
 from simpar.seed import get_seed
 from simpar.strategy_file import load_strategy, save_strategy
 
@@ -124,40 +123,38 @@ class TrainOneStepCell:
             return contextlib.nullcontext(context.auto_parallel_context())
         return self.auto_parallel.parallel_context()
 
-    def _plan(self, ctx: context.ParallelContext, g: graph.Graph, device_num: int,
-              dataset: Any) -> ParallelProgram:
-        """Plan (or load the strategy file's plan: no search) and lower; save the plan when
-        ``strategy_ckpt_config`` names a save_file. Strategy files apply to
+    def _plan(self, ctx: context.ParallelContext, request: PlanRequest) -> ParallelProgram:
+        """Plan ``request`` (or load the strategy file's plan: no search) and lower; save the
+        plan when ``strategy_ckpt_config`` names a save_file. Strategy files apply to
         semi_auto_parallel and auto_parallel, as in MindSpore; every rank reads (and writes,
         atomically, the same bytes) the same file, so every rank fails alike."""
+        g = request.graph
         files = ctx.strategy_ckpt_config if self.mode in (
             "semi_auto_parallel", "auto_parallel") else context.StrategyCkptConfig()
         if files.load_file:
-            smap = load_strategy(files.load_file, g, device_num, mode=self.mode,
-                                 dataset_strategy=dataset)
+            smap = load_strategy(files.load_file, g, request.device_num, mode=self.mode,
+                                 dataset_strategy=ctx.dataset_strategy)
         else:
-            smap = plan_strategies(g, device_num, self.mode, dataset, ctx.enable_alltoall,
-                                   parameter_plans(self.network),
-                                   search_mode=ctx.search_mode)
+            smap = plan_request(request)
         if files.save_file:
-            save_strategy(files.save_file, smap, g, search_mode=ctx.search_mode if
+            save_strategy(files.save_file, smap, g, search_mode=request.search_mode if
                           self.mode == "auto_parallel" else None,
-                          cost_model=search_cost_model().name,
+                          cost_model=request.cost_model.name,
                           only_trainable_params=files.only_trainable_params)
-        return lower(g, smap, ctx.enable_alltoall)
+        return lower(g, smap, request.enable_alltoall)
 
     def _build(self, ctx: context.ParallelContext, data: np.ndarray, label: np.ndarray
                ) -> ParallelProgram:
         self._ctx = ctx
-        device_num = 1 if self.mode == "stand_alone" else comm.get_group_size()
-        if device_num > 1:  # shapes decide the program: every rank must trace the same
-            comm.check_context()
+        world = 1 if self.mode == "stand_alone" else comm.get_group_size()
+        if world > 1:  # shapes decide the program: every rank must trace the same
+            comm.check_context()  # device_num against the world, once: the request has it
             comm.check_same_arrays("TrainOneStepCell.build", [("data", data), ("label", label)])
         g = graph.trace(self.network, [(data.shape, data.dtype), (label.shape, label.dtype)],
                         ["data", "label"])
-        dataset = "full_batch" if ctx.full_batch else ctx.dataset_strategy
-        self.program = self._plan(ctx, g, device_num, dataset)
-        rank = comm.get_rank() if device_num > 1 else 0
+        request = request_from_context(g, cell=self.network, mode=self.mode)
+        self.program = self._plan(ctx, request)
+        rank = comm.get_rank() if request.device_num > 1 else 0
         trainable = {p.name for p in self.optimizer.parameters}
         for name, lay in self.program.param_layouts.items():
             v = self.program.param_values[name]

@@ -442,7 +442,8 @@ class Primitive:
         return build_sharding(self, shapes, strat, out_strategy, device_num, space, cuts)
 
     def candidate_strategies(self, shapes: Sequence[Sequence[int]], device_num: int,
-                             fully_use_devices: bool | None = None) -> list[Strategy]:
+                             fully_use_devices: bool | None = None,
+                             slice_align: int | None = None) -> list[Strategy]:
         """Every valid strategy for these shapes on ``device_num`` devices.
 
         Cuts are divisors of ``device_num`` (for a power of two, MindSpore's powers of two).
@@ -450,9 +451,13 @@ class Primitive:
         devices are kept, and the all-ones one unless the op says otherwise
         (:attr:`fully_used_keeps_unsplit`): on 8 devices ``Cast`` keeps ``((1, 1),)`` and
         ``((2, 4),)`` but drops ``((2, 2),)``, ``MatMul`` drops ``((1, 1), (1, 1))``.
+        ``slice_align`` (default: the algo parameters') is what MatMul's slice dimensions must
+        be multiples of (1: anything); planners pass their request's.
         """
         if fully_use_devices is None:
             fully_use_devices = bool(context.get_algo_parameters("fully_use_devices"))
+        if slice_align is None:
+            slice_align = context.algo_parameters().slice_align
         shapes_t = self._check_shapes(shapes)
         space = self.iter_space(*shapes_t)
         sizes: dict[str, int] = {}
@@ -472,7 +477,7 @@ class Primitive:
                     return
                 strat = tuple(tuple(chosen[it] if it is not None else 1 for it in dims)
                               for dims in space.inputs)
-                if self._strategy_allowed(strat, shapes_t):
+                if self._strategy_allowed(strat, shapes_t, slice_align):
                     out.append(strat)
                 return
             for c in options[k]:
@@ -483,7 +488,8 @@ class Primitive:
         walk(0, {}, 1)
         return out
 
-    def _strategy_allowed(self, strat: Strategy, shapes: tuple[tuple[int, ...], ...]) -> bool:
+    def _strategy_allowed(self, strat: Strategy, shapes: tuple[tuple[int, ...], ...],
+                          slice_align: int) -> bool:
         """Extra filters (tensor_slice_align for MatMul); default: everything allowed."""
         return True
 

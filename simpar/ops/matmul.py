@@ -119,13 +119,14 @@ class _MatMulBase(Primitive):
         k = a[-2] if self.transpose_a else a[-1]
         return 2 * math.prod(local_out) * k
 
-    def _strategy_allowed(self, strat: Strategy, shapes: tuple[tuple[int, ...], ...]) -> bool:
-        return _slice_aligned(strat, shapes) is None
+    def _strategy_allowed(self, strat: Strategy, shapes: tuple[tuple[int, ...], ...],
+                          slice_align: int) -> bool:
+        return _slice_aligned(strat, shapes, slice_align) is None
 
     def _sharding(self, shapes: tuple[tuple[int, ...], ...], strat: Strategy,
                   out_strategy: Strategy | None, device_num: int,
                   enable_alltoall: bool = False) -> Any:
-        bad = _slice_aligned(strat, shapes)
+        bad = _slice_aligned(strat, shapes, context.algo_parameters().slice_align)
         if bad is not None:
             raise StrategyError(f"{self.name}: strategy {strat} gives slice shape {bad}, but "
                                 "tensor_slice_align_enable is set and every slice dimension "
@@ -133,12 +134,12 @@ class _MatMulBase(Primitive):
         return super()._sharding(shapes, strat, out_strategy, device_num, enable_alltoall)
 
 
-def _slice_aligned(strat: Strategy, shapes: tuple[tuple[int, ...], ...]
+def _slice_aligned(strat: Strategy, shapes: tuple[tuple[int, ...], ...], size: int
                    ) -> tuple[int, ...] | None:
-    """None when tensor_slice_align is off or satisfied, else the offending slice shape."""
-    if not context.get_algo_parameters("tensor_slice_align_enable"):
+    """None when the slices' last two dimensions are multiples of ``size``, else the
+    offending slice shape."""
+    if size == 1:
         return None
-    size = int(context.get_algo_parameters("tensor_slice_align_size"))
     for s, shape in zip(strat, shapes):
         local = tuple(n // c for n, c in zip(shape, s))
         if any(d % size for d in local[-2:]):

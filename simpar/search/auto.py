@@ -1,7 +1,7 @@
 """auto_parallel's searches as planners (``register_search``): the cost graph of the request,
 solved, as a :class:`StrategyMap` whose ops are marked ``searched`` (or ``annotated`` where the
-user set ``.shard()``). Costs come from simpar's model on the ``cpu-local`` profile unless
-:func:`set_search_cost_model` chose another :class:`~simpar.cost.CostModel`.
+user set ``.shard()``). Costs come from the request's cost model, within its memory cap, under
+its algo parameters (:class:`~simpar.search.request.PlanRequest`).
 """
 
 from __future__ import annotations
@@ -9,38 +9,20 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 
-from simpar import context
-from simpar.cost.interface import CostModel, SimparCostModel
 from simpar.layout import TensorLayout
 from simpar.ops._base import OpSharding
 from simpar.search.cost_graph import CostGraph, build_cost_graph
 from simpar.search.dynamic_programming import solve_dynamic_programming
 from simpar.search.exact import TimeLimitWarning, describe_gap, solve_exact
-from simpar.search.planner import PlanRequest
 from simpar.search.pricing import Pricer
 from simpar.search.recursive_programming import solve_recursive_programming
+from simpar.search.request import PlanRequest
 from simpar.search.sharding_propagation import propagate
 from simpar.search.strategy_map import OpStrategy, Source, StrategyMap, lay_out_by_consumer
 
 __all__ = ["cost_graph_of", "dynamic_programming_planner", "exact_planner", "pricer_of",
-           "recursive_programming_planner", "search_cost_model", "set_search_cost_model",
-           "sharding_propagation_planner",
+           "recursive_programming_planner", "sharding_propagation_planner",
            "strategy_map_from", "strategy_map_of"]
-
-_MODEL: CostModel | None = None
-
-
-def set_search_cost_model(model: CostModel | None) -> None:
-    """The cost model the searches minimise (None: simpar's, on the cpu-local profile)."""
-    global _MODEL
-    if model is not None and not isinstance(model, CostModel):
-        raise TypeError(f"set_search_cost_model: expected a simpar.cost.CostModel (op, edge, "
-                        f"program), got {type(model).__name__}")
-    _MODEL = model
-
-
-def search_cost_model() -> CostModel:
-    return _MODEL if _MODEL is not None else SimparCostModel("cpu-local")
 
 
 def strategy_map_of(request: PlanRequest, cg: CostGraph, choice: tuple[int, ...],
@@ -69,18 +51,20 @@ def strategy_map_from(request: PlanRequest, shardings: Sequence[OpSharding],
 
 
 def pricer_of(request: PlanRequest) -> Pricer:
-    """The on-demand prices of a request under the search cost model."""
-    return Pricer(request.graph, request.device_num, search_cost_model(),
+    """The on-demand prices of a request under its cost model."""
+    return Pricer(request.graph, request.device_num, request.cost_model,
                   request.input_layouts, request.parameter_plan, request.enable_alltoall,
-                  bool(context.get_algo_parameters("elementwise_op_strategy_follow")))
+                  request.algo.elementwise_op_strategy_follow, algo=request.algo,
+                  memory_capacity=request.memory_capacity)
 
 
 def cost_graph_of(request: PlanRequest) -> CostGraph:
-    """The cost graph of a request under the search cost model."""
-    return build_cost_graph(request.graph, request.device_num, search_cost_model(),
+    """The cost graph of a request under its cost model."""
+    return build_cost_graph(request.graph, request.device_num, request.cost_model,
                             input_layouts=request.input_layouts,
                             parameter_plan=request.parameter_plan,
-                            enable_alltoall=request.enable_alltoall)
+                            enable_alltoall=request.enable_alltoall, algo=request.algo,
+                            memory_capacity=request.memory_capacity)
 
 
 def exact_planner(request: PlanRequest) -> StrategyMap:
@@ -89,7 +73,7 @@ def exact_planner(request: PlanRequest) -> StrategyMap:
     is the best plan found, its ``optimality_gap`` says how far from proven it is, and a
     :class:`~simpar.search.exact.TimeLimitWarning` says so."""
     cg = cost_graph_of(request)
-    limit = context.get_algo_parameters("exact_time_limit")
+    limit = request.algo.exact_time_limit
     found = solve_exact(cg, limit)
     if not found.proven:
         why = ("HiGHS stopped before proving it" if limit is None else

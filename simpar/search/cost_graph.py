@@ -27,14 +27,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from simpar import context
+from simpar.context import AlgoParameters
 from simpar.cost.interface import CostModel
 from simpar.graph import Graph, Node
 from simpar.layout import TensorLayout
 from simpar.ops._base import OpSharding
 from simpar.ops.strategy import Strategy, StrategyError
-from simpar.search.pricing import ELEMENTWISE_OPS, Pricer, Site, canonical
-from simpar.search.propagation import dataset_layouts
+from simpar.search.pricing import ELEMENTWISE_OPS, Pricer, Site, algo_or_context, canonical
+from simpar.search.request import dataset_layouts
 
 __all__ = ["ELEMENTWISE_OPS", "CostEdge", "CostGraph", "CostNode", "brute_force",
            "build_cost_graph", "canonical", "distinct_blocks", "restricted_cost_graph",
@@ -142,11 +142,15 @@ def build_cost_graph(graph: Graph, device_num: int, model: CostModel,
                      dataset_strategy: Any = "full_batch",
                      enable_alltoall: bool = False, *,
                      input_layouts: Sequence[TensorLayout] | None = None,
-                     parameter_plan: Mapping[str, Sequence[int]] | None = None) -> CostGraph:
-    """The cost graph of ``graph`` on ``device_num`` devices under ``model``.
+                     parameter_plan: Mapping[str, Sequence[int]] | None = None,
+                     algo: AlgoParameters | None = None,
+                     memory_capacity: float | None = None) -> CostGraph:
+    """The cost graph of ``graph`` on ``device_num`` devices under ``model``, within
+    ``memory_capacity`` bytes per rank (None: the model's own).
 
     Candidates come from each op's ``candidate_strategies`` under the algo parameters
-    (fully_use_devices, tensor_slice_align_*; enable_algo_approxi keeps the
+    ``algo`` (None: the context's, :func:`~simpar.search.pricing.algo_or_context`;
+    fully_use_devices, tensor_slice_align_*; enable_algo_approxi keeps the
     ``ceil(1 / algo_approxi_epsilon)`` cheapest of each op, and elementwise_op_strategy_follow
     makes every edge out of an elementwise op an identity edge, allowing only the pairs that
     need no redistribution). A ``.shard()`` strategy is the only candidate, and a candidate
@@ -160,15 +164,15 @@ def build_cost_graph(graph: Graph, device_num: int, model: CostModel,
     such nodes their matrices, so building grows with the distinct layers, not the depth.
     Progress goes to the ``simpar.search`` logger.
     """
-    fully = bool(context.get_algo_parameters("fully_use_devices"))
-    approxi = bool(context.get_algo_parameters("enable_algo_approxi"))
-    keep = math.ceil(1.0 / float(context.get_algo_parameters("algo_approxi_epsilon")))
-    follow = bool(context.get_algo_parameters("elementwise_op_strategy_follow"))
+    algo = algo_or_context(algo)
+    fully, approxi = algo.fully_use_devices, algo.enable_algo_approxi
+    keep = math.ceil(1.0 / algo.algo_approxi_epsilon)
     if input_layouts is None and dataset_strategy is not None:
         input_layouts = dataset_layouts([v.shape for v in graph.inputs], device_num,
                                         dataset_strategy)
     pricer = Pricer(graph, device_num, model, input_layouts, parameter_plan, enable_alltoall,
-                    follow)
+                    algo.elementwise_op_strategy_follow, algo=algo,
+                    memory_capacity=memory_capacity)
     nodes: list[CostNode] = []
     priced: dict[tuple[Any, ...], tuple[tuple[OpSharding, ...], tuple[float, ...],
                                         tuple[float, ...]]] = {}
@@ -176,13 +180,11 @@ def build_cost_graph(graph: Graph, device_num: int, model: CostModel,
     for site in pricer.sites:
         if site.signature not in priced:
             user = site.node.op.in_strategy
-            strategies = ([user] if user is not None else
-                          site.node.op.candidate_strategies(site.shapes, device_num,
-                                                            fully_use_devices=fully))
+            strategies = [user] if user is not None else pricer.candidates(site.index, fully)
             found = [p for p in (pricer.price(site.index, s) for s in strategies)
                      if p is not None]
             if not found:
-                raise StrategyError(_no_candidate(site, strategies, device_num, fully))
+                raise StrategyError(_no_candidate(site, strategies, device_num, algo))
             cands = [p.sharding for p in found]
             costs = [p.cost for p in found]
             mems = [p.memory for p in found]
@@ -212,11 +214,11 @@ def build_cost_graph(graph: Graph, device_num: int, model: CostModel,
     log.info("cost graph: %d edges (%d distinct matrices, %d layout pairs priced) in %.1f s",
              len(edges), len(matrices), pricer.moves_priced, time.perf_counter() - started)
     return CostGraph(tuple(nodes), tuple(edges), pricer.shared, device_num, model.unit,
-                     float(model.memory_capacity))
+                     pricer.memory_capacity)
 
 
 def _no_candidate(site: Site, strategies: Sequence[Strategy], device_num: int,
-                  fully: bool) -> str:
+                  algo: AlgoParameters) -> str:
     """Why op ``site`` has no candidate on ``device_num`` devices: its own error for a
     ``.shard()`` strategy, else the algo parameters that left none (every cut must divide its
     dimension, so shapes that nothing divides leave only the unsplit strategy)."""
@@ -231,13 +233,12 @@ def _no_candidate(site: Site, strategies: Sequence[Strategy], device_num: int,
         return (f"{head}: its .shard() strategy {strategies[0]} cuts a parameter otherwise "
                 "than the parameter plan")
     rules = []
-    if fully:
+    if algo.fully_use_devices:
         rules.append(f"fully_use_devices=True keeps only strategies that use all {device_num} "
                      "devices (False lets an op repeat its calculation instead)")
-    if context.get_algo_parameters("tensor_slice_align_enable"):
-        size = int(context.get_algo_parameters("tensor_slice_align_size"))
+    if algo.slice_align > 1:
         rules.append(f"tensor_slice_align_enable=True keeps only slices whose dimensions are "
-                     f"multiples of {size}")
+                     f"multiples of {algo.slice_align}")
     if not rules:
         return f"{head}: none of its {len(strategies)} candidate strategies is valid here"
     return (f"{head}: a cut must divide its dimension, and {'; '.join(rules)}. Use a "
@@ -288,7 +289,7 @@ def restricted_cost_graph(pricer: Pricer, candidates: Sequence[Sequence[Strategy
             matrices[pair] = _edge_matrix(pricer, e, nodes[p].candidates, nodes[c].candidates)
         edges.append(CostEdge(p, se.output, c, se.input, matrices[pair]))
     return CostGraph(tuple(nodes), tuple(edges), pricer.shared, pricer.device_num,
-                     pricer.model.unit, float(pricer.model.memory_capacity))
+                     pricer.model.unit, pricer.memory_capacity)
 
 
 def brute_force(cg: CostGraph, limit: int = 1_000_000) -> tuple[tuple[int, ...], float]:

@@ -568,5 +568,5 @@ def _no_available_cost(cg: CostGraph, least: tuple[int, ...] | None) -> NoAvaila
         f"per rank; the op that needs most of it is {node.name} ({node.memories[least[k]]:.0f} "
         f"bytes, strategy {strategy}, in the plan of least memory). Use more devices, smaller "
         "shapes, or raise "
-        "the capacity (the profile's memory_capacity, or device_memory_capacity in "
-        "set_cost_model_context for MindSpore's model).")
+        "the capacity (device_memory_capacity in set_cost_model_context, or the profile's "
+        "memory_capacity).")

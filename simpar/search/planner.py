@@ -1,41 +1,31 @@
-"""One interface for every planner: a :class:`PlanRequest` in, a :class:`StrategyMap` out.
+"""The search entry point: a :class:`~simpar.search.request.PlanRequest` in, a
+:class:`StrategyMap` out, and the registry of auto_parallel's searches.
 
-A planner is a pure function of the request: the traced graph, the device count, the mode,
-the graph inputs' layouts (from the dataset strategy), the Cells' parameter plans and the
-``enable_alltoall`` switch. ``plan_strategies`` builds the request and picks the planner:
-the user's strategies with the fill-in for stand_alone, data_parallel and semi_auto_parallel
-(:mod:`simpar.search.propagation`), and for auto_parallel the search registered under the
-context's ``search_mode``. A search joins with ``register_search("name", planner)``, which
-also makes ``"name"`` a valid ``search_mode``; then ``set_auto_parallel_context(
-parallel_mode="auto_parallel", search_mode="name")`` plans with it.
+:func:`plan_request` picks the planner of a request: the user's strategies with the fill-in
+for stand_alone, data_parallel and semi_auto_parallel (:mod:`simpar.search.propagation`), and
+for auto_parallel the search registered under the request's ``search_mode``.
+:func:`plan_strategies` builds the request from its arguments and the context, and plans it.
+
+A search joins with ``register_search("name", planner)``: a run-time registration also makes
+``"name"`` a ``search_mode`` the context accepts, so that ``set_auto_parallel_context(
+parallel_mode="auto_parallel", search_mode="name")`` plans with it. The built-in names
+(``simpar.context.BUILTIN_SEARCH_MODES``) are the context's own; ``simpar.search`` registers
+their planners when imported and checks that none is missing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
-from simpar import context
+from simpar.context import BUILTIN_SEARCH_MODES, register_search_mode
 from simpar.graph import Graph
-from simpar.layout import TensorLayout
+from simpar.search.propagation import follow_producers
+from simpar.search.request import PlanRequest, request_from_context
 from simpar.search.strategy_map import StrategyMap
 
-__all__ = ["PlanRequest", "Planner", "register_search", "registered_searches", "search_for"]
-
-
-@dataclass(frozen=True)
-class PlanRequest:
-    """What every planner is given. ``input_layouts`` has one layout per graph input (the
-    dataset strategy already applied); ``parameter_plan`` maps parameter names to cuts, checked
-    against the graph's parameters."""
-
-    graph: Graph = field(compare=False)
-    device_num: int
-    mode: str
-    input_layouts: tuple[TensorLayout, ...]
-    parameter_plan: Mapping[str, tuple[int, ...]] = field(default_factory=dict, compare=False)
-    enable_alltoall: bool = False
-
+__all__ = ["PlanRequest", "Planner", "check_builtin_searches", "plan_request", "plan_strategies",
+           "register_search", "registered_searches", "search_for"]
 
 #: A planner: pure, no MPI; it returns a strategy for every node of ``request.graph``.
 Planner = Callable[[PlanRequest], StrategyMap]
@@ -49,13 +39,22 @@ def register_search(name: str, planner: Planner) -> None:
     if not callable(planner):
         raise TypeError(f"register_search: planner must be callable, got "
                         f"{type(planner).__name__}")
-    context.register_search_mode(name, honoured=True)
+    if name not in BUILTIN_SEARCH_MODES:
+        register_search_mode(name, honoured=True)
     _SEARCHES[name] = planner
 
 
 def registered_searches() -> tuple[str, ...]:
     """The search_modes that have a planner."""
     return tuple(_SEARCHES)
+
+
+def check_builtin_searches() -> None:
+    """Raise ImportError unless every built-in search_mode has a planner."""
+    missing = [name for name in BUILTIN_SEARCH_MODES if name not in _SEARCHES]
+    if missing:
+        raise ImportError(f"simpar.search: the built-in search_modes {missing} have no planner; "
+                          "register one with register_search")
 
 
 def search_for(search_mode: str) -> Planner:
@@ -68,3 +67,26 @@ def search_for(search_mode: str) -> Planner:
             f"implemented yet (search_mode {search_mode!r}{have}); use semi_auto_parallel "
             "with .shard() strategies, or data_parallel")
     return found
+
+
+def plan_request(request: PlanRequest) -> StrategyMap:
+    """Every op's strategy, every parameter's and input's layout, for ``request``: the
+    search registered for ``request.search_mode`` in auto_parallel, else the user's
+    strategies with the fill-in (:func:`~simpar.search.propagation.follow_producers`)."""
+    if request.mode == "auto_parallel":
+        return search_for(request.search_mode)(request)
+    return follow_producers(request)
+
+
+def plan_strategies(graph: Graph, device_num: int, mode: str,
+                    dataset_strategy: Any = "full_batch", enable_alltoall: bool = False,
+                    parameter_plan: Mapping[str, Sequence[int]] | None = None,
+                    search_mode: str | None = None) -> StrategyMap:
+    """The plan of ``graph`` on ``device_num`` devices in ``mode`` ("stand_alone" plans for
+    one device); auto_parallel runs the search registered for ``search_mode`` (default: the
+    context's). The algo parameters and the cost model are the context's
+    (:func:`~simpar.search.request.request_from_context`)."""
+    return plan_request(request_from_context(
+        graph, parameter_plan=parameter_plan or {}, device_num=device_num, mode=mode,
+        dataset_strategy=dataset_strategy, enable_alltoall=enable_alltoall,
+        search_mode=search_mode))

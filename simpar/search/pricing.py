@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from simpar.context import AlgoParameters, algo_parameters
 from simpar.cost.interface import CostModel
 from simpar.graph import Graph, Node
 from simpar.layout import TensorLayout, block_key
@@ -36,7 +37,7 @@ from simpar.redistribution import RedistributionPlan, plan
 from simpar.search.moves import COLUMNS, decode, move_steps, plan_signatures, signature_of
 
 __all__ = ["ELEMENTWISE_OPS", "NoAvailableCost", "Priced", "Pricer", "Site", "SiteEdge",
-           "canonical", "check_memory", "one_layout_per_parameter"]
+           "algo_or_context", "canonical", "check_memory", "listed", "one_layout_per_parameter"]
 
 #: The registered ops MindSpore counts elementwise (``IsElementWiseOperator``: the unary
 #: ones), read from each op's own ``elementwise`` fact, which is what the pricer reads. Under
@@ -156,6 +157,17 @@ def _prime_power(n: int) -> tuple[int, int] | None:
     return (p, k) if n == 1 else None
 
 
+def algo_or_context(algo: AlgoParameters | None) -> AlgoParameters:
+    """``algo``, or the context's algo parameters for a pricer or cost graph built by hand
+    (tests, benchmarks): every planner passes its request's."""
+    return algo if algo is not None else algo_parameters()
+
+
+def listed(strategy: Strategy) -> list[list[int]]:
+    """A strategy as MindSpore prints it: ``((2, 1), (1, 4))`` -> ``[[2, 1], [1, 4]]``."""
+    return [list(c) for c in strategy]
+
+
 class Pricer:
     """Prices strategies of ``graph``'s ops and moves between layouts under ``model``.
 
@@ -164,15 +176,21 @@ class Pricer:
     parameter names to the cuts every reader must use; ``follow`` turns edges out of
     elementwise ops into identity edges (elementwise_op_strategy_follow);
     ``user_strategies=False`` ignores ``.shard()`` strategies (data_parallel, stand_alone).
+    ``algo`` are the algo parameters the searches read (:func:`algo_or_context`), and
+    ``memory_capacity`` the bytes per rank a plan may take (None: the model's own).
     """
 
     def __init__(self, graph: Graph, device_num: int, model: CostModel,
                  input_layouts: Sequence[TensorLayout] | None = None,
                  parameter_plan: Mapping[str, Sequence[int]] | None = None,
                  enable_alltoall: bool = False, follow: bool = False,
-                 user_strategies: bool = True) -> None:
+                 user_strategies: bool = True, *, algo: AlgoParameters | None = None,
+                 memory_capacity: float | None = None) -> None:
         self.graph, self.device_num, self.model = graph, device_num, model
         self.enable_alltoall = enable_alltoall
+        self.algo = algo_or_context(algo)
+        self.memory_capacity = float(model.memory_capacity if memory_capacity is None
+                                     else memory_capacity)
         self.plans = {k: tuple(v) for k, v in (parameter_plan or {}).items()}
         inputs = {v.id: lay for v, lay in zip(graph.inputs, input_layouts or ())}
         index = {node.id: k for k, node in enumerate(graph.nodes)}
@@ -234,6 +252,13 @@ class Pricer:
         self._key: Any = block_key if self._power else (lambda lay: lay)
         self._fine_mesh = DeviceMesh((self._power[0],) * self._power[1]) if self._power and \
             self._power[1] else None
+
+    def candidates(self, n: int, fully_use_devices: bool) -> list[Strategy]:
+        """Op ``n``'s candidate strategies under the algo parameters' slice alignment."""
+        site = self.sites[n]
+        return site.node.op.candidate_strategies(site.shapes, self.device_num,
+                                                 fully_use_devices=fully_use_devices,
+                                                 slice_align=self.algo.slice_align)
 
     def sharding(self, n: int, strategy: Strategy) -> OpSharding | None:
         """Op ``n`` under ``strategy`` (None: the op rejects it, or it cuts a parameter
@@ -374,7 +399,7 @@ def check_memory(pricer: Pricer, shardings: Sequence[OpSharding], search: str) -
     for site, sh in zip(pricer.sites, shardings):
         priced = pricer.price(site.index, sh.strategy)
         mems.append(priced.memory if priced is not None else math.inf)
-    memory, capacity = sum(mems), float(pricer.model.memory_capacity)
+    memory, capacity = sum(mems), pricer.memory_capacity
     if memory > capacity:
         worst = max(range(len(mems)), key=mems.__getitem__)
         raise NoAvailableCost(
@@ -424,9 +449,7 @@ def one_layout_per_parameter(pricer: Pricer, shardings: list[OpSharding], search
         site = pricer.sites[n]
         if site.user:
             continue
-        found = [p for p in (pricer.price(n, strat) for strat in site.node.op.
-                             candidate_strategies(site.shapes, pricer.device_num,
-                                                  fully_use_devices=False))
+        found = [p for p in (pricer.price(n, strat) for strat in pricer.candidates(n, False))
                  if p is not None and _keeps(site, p.sharding, whole)]
         shardings[n] = min(found, key=lambda p: _around(pricer, shardings, n, p)).sharding
     if not all(len({canonical(shardings[n].in_layouts[k]) for n, k in uses}) == 1
@@ -453,9 +476,9 @@ def _one_layout(pricer: Pricer, shardings: list[OpSharding], search: str, name: 
     for a, b in zip(users, users[1:]):
         if key_of(a, shardings[a]) != key_of(b, shardings[b]):
             raise ValueError(
-                f"{search}: {sites[a].name} (.shard({_listed(shardings[a].strategy)})) "
+                f"{search}: {sites[a].name} (.shard({listed(shardings[a].strategy)})) "
                 f"reads parameter {name} cut {_cuts_of(shardings[a], positions[a])}, and "
-                f"{sites[b].name} (.shard({_listed(shardings[b].strategy)})) reads it "
+                f"{sites[b].name} (.shard({listed(shardings[b].strategy)})) reads it "
                 f"cut {_cuts_of(shardings[b], positions[b])}; a shared parameter has one "
                 "layout, so these strategies cannot both hold: make them agree")
 
@@ -463,8 +486,7 @@ def _one_layout(pricer: Pricer, shardings: list[OpSharding], search: str, name: 
         if sites[n].user:
             return {key_of(n, shardings[n]): (0.0, shardings[n])}
         found: dict[Any, tuple[float, OpSharding]] = {}
-        for strat in sites[n].node.op.candidate_strategies(
-                sites[n].shapes, pricer.device_num, fully_use_devices=False):
+        for strat in pricer.candidates(n, False):
             priced = pricer.price(n, strat)
             if priced is None:
                 continue
@@ -499,10 +521,6 @@ def _keeps(site: Site, sh: OpSharding, settled: Mapping[str, Any]) -> bool:
     return all(canonical(lay) == settled[v.name] for v, lay in zip(site.node.inputs,
                                                                    sh.in_layouts)
                if v.kind == "param" and v.name in settled)
-
-
-def _listed(strategy: Strategy) -> list[list[int]]:
-    return [list(c) for c in strategy]
 
 
 def _cuts_of(sh: OpSharding, positions: Sequence[int]) -> tuple[int, ...]:

@@ -45,7 +45,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from simpar import context
 from simpar.ops._base import OpSharding
 from simpar.ops.strategy import IterSpace, Strategy
 from simpar.search.cost_graph import restricted_cost_graph
@@ -53,6 +52,7 @@ from simpar.search.dynamic_programming import solve_dynamic_programming
 from simpar.search.pricing import (
     Pricer,
     check_memory,
+    listed,
     one_layout_per_parameter,
 )
 
@@ -92,17 +92,13 @@ def _strategy(space: IterSpace, cuts: dict[str, int]) -> Strategy:
                  for dims in space.inputs)
 
 
-def _listed(strategy: Strategy) -> list[list[int]]:
-    return [list(s) for s in strategy]
-
-
 class _Rec:
     """The rounds' state: one sharding per op, and which ops are settled in this round."""
 
     def __init__(self, pricer: Pricer) -> None:
         self.pr = pricer
         #: fully_use_devices: the refinement never drops a cut (leaves devices idle).
-        self.fully = bool(context.get_algo_parameters("fully_use_devices"))
+        self.fully = pricer.algo.fully_use_devices
         self.state: list[OpSharding] = []
         self.used: list[int] = []
         for site in pricer.sites:
@@ -113,7 +109,7 @@ class _Rec:
             if priced is None:
                 raise ValueError(
                     f"recursive_programming: {site.name} ({site.node.op.name}) has no valid "
-                    f"starting strategy {_listed(strat)} on {pricer.device_num} devices for "
+                    f"starting strategy {listed(strat)} on {pricer.device_num} devices for "
                     f"shapes {list(site.shapes)}")
             self.state.append(priced.sharding)
             self.used.append(pricer.device_num // priced.sharding.repeat)

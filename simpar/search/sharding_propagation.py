@@ -41,7 +41,6 @@ import math
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from simpar import context
 from simpar.collective_kinds import sample_ranks
 from simpar.layout import TensorLayout
 from simpar.ops._base import OpSharding
@@ -52,6 +51,7 @@ from simpar.search.pricing import (
     Pricer,
     canonical,
     check_memory,
+    listed,
     one_layout_per_parameter,
 )
 from simpar.search.strategy_map import OpStrategy, Source, StrategyMap, lay_out_by_consumer
@@ -109,8 +109,7 @@ class _Propagation:
         found = self._candidates.get(site.kind)
         if found is None:
             found = []
-            for strat in site.node.op.candidate_strategies(site.shapes, self.pr.device_num,
-                                                           fully_use_devices=self.fully):
+            for strat in self.pr.candidates(n, self.fully):
                 if self.mode == "data_parallel" and any(
                         c != 1 for k in site.params for c in strat[k]):
                     continue
@@ -247,10 +246,6 @@ class _Propagation:
         lay_out_by_consumer(self.param_layout, site.node.inputs, sh.in_layouts)
 
 
-def _listed(strategy: Strategy) -> list[list[int]]:
-    return [list(s) for s in strategy]
-
-
 def _check_user_conflicts(pricer: Pricer, user: dict[int, OpSharding]) -> None:
     """Two user strategies that cannot both hold across an identity edge
     (elementwise_op_strategy_follow: no redistribution allowed) raise, naming both ops; a
@@ -258,7 +253,7 @@ def _check_user_conflicts(pricer: Pricer, user: dict[int, OpSharding]) -> None:
     sites = pricer.sites
 
     def shown(n: int) -> str:
-        return f"{sites[n].name} (.shard({_listed(user[n].strategy)}))"
+        return f"{sites[n].name} (.shard({listed(user[n].strategy)}))"
 
     for e, edge in enumerate(pricer.edges):
         p, c = edge.producer, edge.consumer
@@ -278,8 +273,7 @@ def propagate(pricer: Pricer, mode: str, input_layouts: Sequence[TensorLayout],
     module docstring). ``mode`` is the parallel mode the map is for; the unannotated ops are
     marked ``source`` (default: propagated; data_parallel in that mode)."""
     user_ops = mode in ("semi_auto_parallel", "auto_parallel")
-    fully = (bool(context.get_algo_parameters("fully_use_devices"))
-             if mode == "auto_parallel" else False)
+    fully = pricer.algo.fully_use_devices if mode == "auto_parallel" else False
     prop = _Propagation(pricer, mode, fully)
     sites = pricer.sites
     seeds: list[int] = []
@@ -290,7 +284,7 @@ def propagate(pricer: Pricer, mode: str, input_layouts: Sequence[TensorLayout],
             if priced is None:  # the op's own error, raised where the user set it
                 site.node.op.sharding(site.shapes, pricer.device_num, strat,
                                       site.node.op.out_strategy, pricer.enable_alltoall)
-                raise StrategyError(f"{site.name}: .shard({_listed(strat)}) cuts a parameter "
+                raise StrategyError(f"{site.name}: .shard({listed(strat)}) cuts a parameter "
                                     "otherwise than its parameter plan")
             prop.settle(site.index, priced.sharding)
             seeds.append(site.index)

@@ -1,0 +1,178 @@
+"""The plan request: everything a plan depends on, in one frozen value, and the one place it is
+built from the context.
+
+A planner is a pure function of its :class:`PlanRequest`: the traced graph, the device count,
+the parallel and search mode, the graph inputs' layouts (the dataset strategy applied), the
+Cells' parameter plans, ``enable_alltoall``, the algorithm parameters, the cost model the
+search minimises and the memory cap. Nothing under ``simpar.search`` or ``simpar.cost`` reads
+the process-wide context while planning: every entry point (training, ``run_op``,
+``search_strategies``, ``simpar.plan``, the ``AutoParallel`` wrapper, ``plan_strategies``)
+builds its request here, with :func:`request_from_context`, and plans that.
+
+>>> request = request_from_context(g, cell=net)            # doctest: +SKIP
+>>> smap = simpar.search.plan_request(request)             # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from simpar.context import AlgoParameters, algo_parameters, auto_parallel_context
+from simpar.cost.interface import CostModel, MindSporeCostModel, SimparCostModel
+from simpar.cost_model_context import cost_model_context, get_search_cost_model
+from simpar.graph import Graph
+from simpar.layout import TensorLayout
+
+__all__ = ["MODES", "PlanRequest", "dataset_layouts", "parameter_plans", "request_from_context"]
+
+#: The modes planned from the user's strategies and the fill-in (auto_parallel searches).
+MODES = ("stand_alone", "data_parallel", "semi_auto_parallel")
+
+
+def _simpar_model() -> CostModel:
+    return SimparCostModel("cpu-local")
+
+
+@dataclass(frozen=True, slots=True)
+class PlanRequest:
+    """What every planner is given. ``input_layouts`` has one layout per graph input (the
+    dataset strategy already applied); ``parameter_plan`` maps parameter names to cuts, checked
+    against the graph's parameters; ``search_mode`` names the auto_parallel search;
+    ``memory_capacity`` is the bytes per rank a plan may need (None: the cost model's own)."""
+
+    graph: Graph = field(compare=False, repr=False)
+    device_num: int
+    mode: str
+    input_layouts: tuple[TensorLayout, ...]
+    parameter_plan: Mapping[str, tuple[int, ...]] = field(default_factory=dict, compare=False)
+    enable_alltoall: bool = False
+    search_mode: str = "recursive_programming"
+    algo: AlgoParameters = AlgoParameters()
+    cost_model: CostModel = field(default_factory=_simpar_model)
+    memory_capacity: float | None = None
+
+
+def request_from_context(graph: Graph, *, cell: Any = None,
+                         parameter_plan: Mapping[str, Any] | None = None,
+                         device_num: int | None = None, mode: str | None = None,
+                         dataset_strategy: Any = None, enable_alltoall: bool | None = None,
+                         search_mode: str | None = None, cost_model: CostModel | None = None,
+                         algo: Mapping[str, Any] | None = None,
+                         unset: Mapping[str, Any] | None = None) -> PlanRequest:
+    """The request to plan ``graph``: every argument left None is the context's.
+
+    ``mode`` and ``device_num`` default to ``parallel_mode`` and ``device_num`` (which the
+    context has already checked against the MPI world once it is known); stand_alone plans
+    for one device, data_parallel splits the inputs' batch, and one device takes the inputs
+    whole. ``parameter_plan`` defaults to ``cell``'s Cells' plans. ``algo`` replaces some algo
+    parameters for this request only (``{"exact_time_limit": 60}``). ``unset`` gives the
+    value of an auto-parallel key the user left unset (``search_strategies`` keeps its own
+    defaults so). The cost model is ``cost_model``, else :func:`set_search_cost_model`'s, else
+    MindSpore's when a key of its objective was set, else simpar's on ``cpu-local``; the
+    memory cap is ``device_memory_capacity`` when set, else the model's own
+    (:mod:`simpar.cost_model_context`).
+
+    >>> request_from_context(g, mode="semi_auto_parallel", device_num=8)  # doctest: +SKIP
+    PlanRequest(device_num=8, mode='semi_auto_parallel', input_layouts=(...), ...)
+    """
+    ctx = auto_parallel_context()
+
+    def given(key: str, value: Any) -> Any:
+        if value is not None:
+            return value
+        if unset is not None and key in unset and key not in ctx.explicit:
+            return unset[key]
+        return getattr(ctx, key)
+
+    mode = str(given("parallel_mode", mode))
+    if mode not in (*MODES, "auto_parallel"):
+        raise ValueError(f"plan: mode must be one of {list(MODES)} or 'auto_parallel', got "
+                         f"{mode!r}")
+    device_num = 1 if mode == "stand_alone" else int(given("device_num", device_num))
+    dataset = given("dataset_strategy", dataset_strategy)
+    if mode == "data_parallel":
+        dataset = "data_parallel"
+    if device_num == 1:
+        dataset = "full_batch"
+    plans = {k: tuple(v) if isinstance(v, (tuple, list)) else (v,) for k, v in (
+        parameter_plans(cell) if parameter_plan is None else parameter_plan).items()}
+    _check_parameter_plan(graph, plans)
+    layouts = tuple(dataset_layouts([v.shape for v in graph.inputs], device_num, dataset))
+    settings = cost_model_context()
+    model = cost_model or get_search_cost_model() or (
+        MindSporeCostModel(settings) if settings.objective_changed else _simpar_model())
+    if isinstance(model, MindSporeCostModel) and model.ctx is None:
+        model = replace(model, ctx=settings)
+    cap = (settings.device_memory_capacity if settings.memory_capacity_changed
+           else float(model.memory_capacity))
+    return PlanRequest(graph, device_num, mode, layouts, plans,
+                       bool(given("enable_alltoall", enable_alltoall)),
+                       str(given("search_mode", search_mode)),
+                       replace(algo_parameters(), **(algo or {})), model, cap)
+
+
+def _check_parameter_plan(graph: Graph, plans: Mapping[str, tuple[int, ...]]) -> None:
+    names = {v.name: v for v in graph.params}
+    for key, cuts in plans.items():
+        if key not in names:
+            close = difflib.get_close_matches(key, list(names), n=3)
+            hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else (
+                f"; its parameters are {sorted(names)[:8]}")
+            raise ValueError(f"parameter_plan: the network has no parameter named {key!r}"
+                             f"{hint}")
+        shape = names[key].shape
+        if len(cuts) != len(shape) or any(
+                isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c < 1 or n % c
+                for c, n in zip(cuts, shape)):
+            raise ValueError(f"parameter_plan: {key} has shape {shape}, so its plan needs "
+                             f"{len(shape)} int cuts >= 1 that divide their dimensions, got "
+                             f"{cuts}")
+
+
+def parameter_plans(cell: Any) -> dict[str, tuple[int, ...]]:
+    """{full parameter name: cuts} from every Cell's ``parameter_plan``."""
+    out: dict[str, tuple[int, ...]] = {}
+    if cell is None:
+        return out
+    for path, sub in cell.cells_and_names():
+        for key, cuts in sub.parameter_plan.items():
+            key = key.removeprefix("self.")
+            out[f"{path}.{key}" if path else key] = cuts
+    return out
+
+
+def dataset_layouts(shapes: Sequence[Sequence[int]], device_num: int,
+                    dataset_strategy: Any) -> list[TensorLayout]:
+    """Layouts of the graph inputs: "full_batch" replicates, "data_parallel" splits dim 0 over
+    every device, a tuple of cuts splits as given (remaining devices repeat, on the right)."""
+    out = []
+    for k, shape in enumerate(shapes):
+        shape = tuple(shape)
+        if dataset_strategy == "full_batch" or not shape:
+            out.append(TensorLayout((device_num,), [-1] * len(shape), shape))
+        elif dataset_strategy == "data_parallel":
+            if shape[0] % device_num:
+                raise ValueError(f"dataset_strategy 'data_parallel': input {k} of shape {shape} "
+                                 f"has batch {shape[0]}, which does not split over "
+                                 f"{device_num} devices; use full_batch or a tuple strategy")
+            out.append(TensorLayout((device_num,), [0] + [-1] * (len(shape) - 1), shape))
+        else:
+            if k >= len(dataset_strategy):
+                raise ValueError(f"dataset_strategy {dataset_strategy} has no entry for input "
+                                 f"{k} of shape {shape}")
+            cuts = tuple(dataset_strategy[k])
+            used = math.prod(cuts)
+            if len(cuts) != len(shape) or device_num % used:
+                raise ValueError(f"dataset_strategy entry {cuts} for input {k} of shape "
+                                 f"{shape} must have one cut per dimension and use a divisor "
+                                 f"of device_num {device_num}")
+            dm = tuple(c for c in cuts if c > 1) + ((device_num // used,)
+                                                    if device_num > used else ())
+            out.append(TensorLayout.from_strategy(dm or (1,), cuts, shape))
+    return out
