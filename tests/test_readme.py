@@ -152,7 +152,8 @@ def test_every_docs_snippet_runs_under_mpirun_n_8(tmp_path: Path) -> None:
     out = _mpirun_8(driver, tmp_path, [str(s) for s in scripts])
     assert "FAIL" not in out and "Traceback" not in out, out[-4000:]
     for page in pages:
-        assert out.count(f"== done {page.stem} ==") == 8, f"{page.name} did not finish: {out[-4000:]}"
+        done = out.count(f"== done {page.stem} ==")
+        assert done == 8, f"{page.name} finished on {done} of 8 ranks: {out[-4000:]}"
         for text, count in PAGE_OUTPUT.get(page.name, []):
             assert out.count(text) == count, f"{page.name} printed {text!r} {out.count(text)} times"
 
