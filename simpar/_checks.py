@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["axis", "instance", "integer", "ints", "path", "positive_float_arg",
-           "positive_int_arg", "shown"]
+           "positive_int", "positive_int_arg", "shown"]
 
 
 def shown(value: object) -> str:
@@ -57,6 +57,21 @@ def integer(value: object, what: str, low: int | None = None, *, expected: str =
         raise TypeError(f"{what} must be {expected}, got {got(value)}")
     if low is not None and value < low:
         raise ValueError(f"{what} must be >= {low}, got {value}")
+    return int(value)
+
+
+def positive_int(value: object, what: str, detail: str = "") -> int:
+    """``value`` as an int >= 1 (a numpy integer too, never a bool); ``detail`` follows "a
+    positive int" in the message (" (bytes per element)").
+
+    >>> positive_int(0, "Split: output_num")
+    Traceback (most recent call last):
+    ValueError: Split: output_num must be a positive int, got 0
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{what} must be a positive int{detail}, got {shown(value)}")
+    if value < 1:
+        raise ValueError(f"{what} must be a positive int{detail}, got {value!r}")
     return int(value)
 
 

@@ -37,13 +37,8 @@ from simpar.layout import distribute
 from simpar.nn.optim import Adam, Optimizer
 from simpar.nn.wrap import TrainOneStepCell
 
-__all__ = [
-    "CheckReport",
-    "Tolerance",
-    "check_against_single_device",
-    "default_tolerance",
-    "relative_error",
-]
+__all__ = ["CheckReport", "Tolerance", "check_against_single_device", "default_tolerance",
+           "relative_error"]
 
 
 # A gradient is compared relative to max(its largest value, this fraction of the model's

@@ -30,16 +30,17 @@ The same rounds serve every estimate: :func:`latency_rounds` and :func:`seconds`
 link :meth:`simpar.redistribution.Step.seconds` estimates with) read the table as the device
 profiles do.
 
-A leaf module: it imports nothing from simpar, so every layer may use it.
+A leaf module: it imports only :mod:`simpar._enums`, so every layer may use it.
 """
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from simpar._enums import StrEnum
 
 __all__ = ["ALPHA_SECONDS", "BANDWIDTH_BYTES_PER_S", "KINDS", "CollectiveKind", "StepKind",
            "broadcast_traffic", "by_function", "kind_of", "latency_rounds", "sample_ranks",
@@ -51,7 +52,7 @@ ALPHA_SECONDS = 5e-6
 BANDWIDTH_BYTES_PER_S = 25e9
 
 
-class StepKind(str, enum.Enum):
+class StepKind(StrEnum):
     """What one redistribution step does: a collective (named as MindSpore and CommTrace name
     them) or a local operation. Members compare equal to their values
     (``StepKind.SLICE == "Slice"``)."""
@@ -63,9 +64,6 @@ class StepKind(str, enum.Enum):
     ALL_TO_ALL_V = "AllToAllV"  # the direct exchange (simpar.comm.all_to_all_v)
     REDUCE_SCATTER = "ReduceScatter"
     ALL_REDUCE = "AllReduce"
-
-    def __str__(self) -> str:
-        return self.value
 
     @property
     def local(self) -> bool:

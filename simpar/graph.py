@@ -25,6 +25,14 @@ from simpar.parameter import Parameter
 __all__ = ["Graph", "Node", "Value", "current_scope", "record", "scope", "trace", "tracing"]
 
 
+def _arithmetic(op: type[Primitive], reflected: bool = False) -> Callable[[Value, Any], Any]:
+    """A :class:`Value` operator that records ``op`` on the value and the other operand
+    (the other operand first when ``reflected``: ``2 * v`` is ``Mul()(2, v)``)."""
+    if reflected:
+        return lambda value, other: op()(other, value)
+    return lambda value, other: op()(value, other)
+
+
 @dataclass(eq=False)
 class Value:
     """A tensor in a traced graph: global shape and dtype, and where it comes from."""
@@ -46,24 +54,13 @@ class Value:
     def __repr__(self) -> str:
         return f"%{self.id}:{self.name}{list(self.shape)}"
 
-    # MindSpore tensors support arithmetic; so do traced values.
-    def __add__(self, other: Any) -> Any:
-        return ops.Add()(self, other)
-
-    def __radd__(self, other: Any) -> Any:
-        return ops.Add()(other, self)
-
-    def __sub__(self, other: Any) -> Any:
-        return ops.Sub()(self, other)
-
-    def __mul__(self, other: Any) -> Any:
-        return ops.Mul()(self, other)
-
-    def __rmul__(self, other: Any) -> Any:
-        return ops.Mul()(other, self)
-
-    def __truediv__(self, other: Any) -> Any:
-        return ops.RealDiv()(self, other)
+    # MindSpore tensors support arithmetic; so do traced values: each operator records its op.
+    __add__ = _arithmetic(ops.Add)
+    __radd__ = _arithmetic(ops.Add, reflected=True)
+    __sub__ = _arithmetic(ops.Sub)
+    __mul__ = _arithmetic(ops.Mul)
+    __rmul__ = _arithmetic(ops.Mul, reflected=True)
+    __truediv__ = _arithmetic(ops.RealDiv)
 
 
 @dataclass(eq=False)

@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from simpar import _env, graph, nn
+from simpar._checks import positive_int_arg
 from simpar.cost import (
     CostModel,
     CostReport,
@@ -150,18 +151,8 @@ class ModelPlan:
 
 
 # ------------------------------------------------------------------ options
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {value}")
-    return value
-
-
 def _device_num(text: str) -> int:
-    value = _positive_int(text)
+    value = positive_int_arg(text)
     if value > _MAX_DEVICES:
         raise argparse.ArgumentTypeError(f"must be an int in [1, {_MAX_DEVICES}] (MindSpore's "
                                          f"device_num range), got {value}")
@@ -195,20 +186,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", type=_preset, default=None, choices=list(GPT_PRESETS),
                    help=f"GPT sizes (default {_DEFAULT_PRESET}); --layers, --hidden, --heads, "
                    "--seq and --vocab override it")
-    p.add_argument("--layers", type=_positive_int, default=None,
+    p.add_argument("--layers", type=positive_int_arg, default=None,
                    help="GPT: transformer blocks; MLP: hidden layers "
                    f"(default {_MLP_DEFAULTS['layers']})")
-    p.add_argument("--hidden", type=_positive_int, default=None,
+    p.add_argument("--hidden", type=positive_int_arg, default=None,
                    help=f"GPT: d_model; MLP: hidden width (default {_MLP_DEFAULTS['hidden']})")
-    p.add_argument("--heads", type=_positive_int, default=None,
+    p.add_argument("--heads", type=positive_int_arg, default=None,
                    help="GPT: attention heads; must divide --hidden")
-    p.add_argument("--seq", type=_positive_int, default=None, help="GPT: sequence length")
-    p.add_argument("--vocab", type=_positive_int, default=None, help="GPT: vocabulary size")
-    p.add_argument("--in-features", type=_positive_int, default=None,
+    p.add_argument("--seq", type=positive_int_arg, default=None, help="GPT: sequence length")
+    p.add_argument("--vocab", type=positive_int_arg, default=None, help="GPT: vocabulary size")
+    p.add_argument("--in-features", type=positive_int_arg, default=None,
                    help=f"MLP: input features (default {_MLP_DEFAULTS['in_features']})")
-    p.add_argument("--classes", type=_positive_int, default=None,
+    p.add_argument("--classes", type=positive_int_arg, default=None,
                    help=f"MLP: output classes (default {_MLP_DEFAULTS['classes']})")
-    p.add_argument("--batch", type=_positive_int, default=1024, help="global batch (default "
+    p.add_argument("--batch", type=positive_int_arg, default=1024, help="global batch (default "
                    "1024, Alpa's)")
     p.add_argument("--dtype", default="float32", choices=("float16", "float32", "float64"),
                    help="parameters and activations (default float32; float16 as "

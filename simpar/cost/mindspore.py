@@ -30,10 +30,10 @@ and :mod:`simpar.redistribution` (the collective kinds it prices live below both
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from simpar import _checks as checks
 from simpar.cost.mindspore_ops import (
     COST_FACTOR,
     DROPOUT_COST_RATE,
@@ -196,9 +196,7 @@ def fits(cost: MindSporeOpCost | MindSporeCost | float, ctx: CostModelContext | 
 
 
 def _check_device_num(func: str, device_num: object) -> None:
-    if isinstance(device_num, bool) or not isinstance(device_num, numbers.Integral) or \
-            device_num < 1:
-        raise ValueError(f"{func}: device_num must be a positive int, got {device_num!r}")
+    checks.positive_int(device_num, f"{func}: device_num")
 
 
 def edge_cost(cost: RedistributionCost, ctx: CostModelContext | None = None) -> MindSporeCost:

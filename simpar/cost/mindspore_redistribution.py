@@ -34,10 +34,10 @@ MindSpore's number in both modes. The factors 2.0 and 0.5 are ``ALLTOALL_SCALE_F
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
+from simpar import _checks as checks
 from simpar.redistribution import RedistributionPlan, Step
 
 __all__ = [
@@ -55,13 +55,7 @@ ALLGATHER_REDUCESCATTER_SCALE_FACTOR = 0.5
 
 
 def _check_itemsize(func: str, itemsize: object) -> int:
-    if isinstance(itemsize, bool) or not isinstance(itemsize, numbers.Integral):
-        raise TypeError(f"{func}: itemsize must be a positive int (bytes per element), got "
-                        f"{itemsize!r} of type {type(itemsize).__name__}")
-    if itemsize < 1:
-        raise ValueError(f"{func}: itemsize must be a positive int (bytes per element), got "
-                         f"{itemsize}")
-    return int(itemsize)
+    return checks.positive_int(itemsize, f"{func}: itemsize", " (bytes per element)")
 
 
 class RedistributionCost(NamedTuple):

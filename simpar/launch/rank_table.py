@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from simpar import _checks as checks
+
 __all__ = ["DEVICES_PER_SERVER", "RankTable", "RankTableDevice", "RankTableServer",
            "build_rank_table", "hosts_text", "read_rank_table", "write_rank_table"]
 
@@ -173,10 +175,8 @@ def build_rank_table(device_num: int, hosts: Sequence[tuple[str, int]] | None = 
     puts ranks 0..7 on server ``a`` and 8..15 on ``b``; ``build_rank_table(16)`` on host ``vm``
     gives two simulated servers ``vm#0`` and ``vm#1``.
     """
-    if isinstance(device_num, bool) or not isinstance(device_num, int) or device_num < 1:
-        raise ValueError(f"device_num must be a positive int, got {device_num!r}")
-    if devices_per_server < 1:
-        raise ValueError(f"devices_per_server must be a positive int, got {devices_per_server!r}")
+    checks.positive_int(device_num, "device_num")
+    checks.positive_int(devices_per_server, "devices_per_server")
     if hosts is None:
         hosts = [(socket.gethostname() or "localhost", device_num)]
     total = sum(slots for _, slots in hosts)

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar, overload
 
 import numpy as np
 
@@ -64,10 +64,39 @@ __all__ = ["OpSharding", "Primitive", "build_sharding", "recording", "register",
 _REGISTRY: dict[str, type[Primitive]] = {}
 
 
-def register(cls: type[Primitive]) -> type[Primitive]:
-    """Class decorator: make a primitive findable by name (``registry()["MatMul"]``)."""
-    _REGISTRY[cls.__name__] = cls
-    return cls
+_P = TypeVar("_P", bound="type[Primitive]")
+
+
+@overload
+def register(cls: _P, /) -> _P: ...
+@overload
+def register(*, mindspore_cost: CostClass = ..., elementwise: bool = ...
+             ) -> Callable[[_P], _P]: ...
+def register(cls: _P | None = None, /, **facts: Any) -> _P | Callable[[_P], _P]:
+    """Class decorator: make a primitive findable by name (``registry()["MatMul"]``).
+    ``@register(mindspore_cost=..., elementwise=...)`` also declares the op's facts
+    (:mod:`simpar.ops.facts`), as a class body may.
+
+    >>> @register(mindspore_cost=CostClass.RELU6, elementwise=True)
+    ... class Exp2(Primitive):
+    ...     pass
+    >>> Exp2.mindspore_cost, Exp2.undeclared_facts
+    (<CostClass.RELU6: 'ReLU6Cost'>, ())
+    >>> _ = _REGISTRY.pop("Exp2")
+    """
+    unknown = sorted(set(facts) - set(DEFAULTS))
+    if unknown:
+        raise TypeError(f"register: {unknown[0]!r} is not an op fact; the facts are "
+                        f"{', '.join(DEFAULTS)}")
+
+    def add(op: _P) -> _P:
+        for fact, value in facts.items():
+            setattr(op, fact, value)
+        op.undeclared_facts = tuple(f for f in op.undeclared_facts if f not in facts)
+        _REGISTRY[op.__name__] = op
+        return op
+
+    return add if cls is None else add(cls)
 
 
 def registry() -> dict[str, type[Primitive]]:
@@ -263,8 +292,8 @@ class Primitive:
     #: vocabulary-parallel cross entropy): see :meth:`OpSharding.share_axes`.
     whole_over_split_inputs: ClassVar[bool] = False
     #: The op's facts (:mod:`simpar.ops.facts`): which MindSpore cost class prices it and
-    #: whether MindSpore counts it elementwise. Each op declares them in its own body; they
-    #: are not inherited (:meth:`__init_subclass__`).
+    #: whether MindSpore counts it elementwise. Each op declares them where it registers
+    #: (:func:`register`) or in its own body; they are not inherited (:meth:`__init_subclass__`).
     mindspore_cost: ClassVar[CostClass] = CostClass.DEFAULT
     elementwise: ClassVar[bool] = False
     #: The facts this class's own body left out, which hold the defaults.

@@ -45,14 +45,27 @@ def _reshapes(out: tuple[int, ...], back: tuple[int, ...]
     return operator.methodcaller("reshape", out), operator.methodcaller("reshape", back)
 
 
+class _View(Primitive):
+    """An op whose per-rank forward and backward are its :meth:`local_view` pair."""
+
+    def local_view(self, sh: OpSharding) -> tuple[Callable[[np.ndarray], np.ndarray],
+                                                  Callable[[np.ndarray], np.ndarray]]:
+        raise NotImplementedError
+
+    def local_forward(self, sh: OpSharding, *xs: np.ndarray,
+                      collectives: Collectives = ONE_DEVICE) -> tuple[np.ndarray, Any]:
+        return self.local_view(sh)[0](xs[0]), None
+
+    def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray,
+                       collectives: Collectives = ONE_DEVICE) -> tuple[np.ndarray | None, ...]:
+        return (self.local_view(sh)[1](dy),)
+
+
 # ------------------------------------------------------------------ Transpose
-@register
-class Transpose(Primitive):
+@register(mindspore_cost=CostClass.TRANSPOSE, elementwise=False)
+class Transpose(_View):
     """Permute dimensions: output dim ``d`` is input dim ``perm[d]``. Always local: the tensor
     map is permuted with the dims (``Transpose((1, 0))`` of map [1, 0] gives [0, 1])."""
-
-    mindspore_cost = CostClass.TRANSPOSE
-    elementwise = False
 
     tape = Tape.NOTHING
     moves_values = True
@@ -97,14 +110,6 @@ class Transpose(Primitive):
         # into a BatchMatMul, it is one array too many (an upper bound, which a memory cap
         # can trust). On the GPT at batch 1 the views take a tenth off the step.
         return _transposes(self._perm(len(sh.input_shapes[0])))
-
-    def local_forward(self, sh: OpSharding, *xs: np.ndarray,
-                      collectives: Collectives = ONE_DEVICE) -> tuple[np.ndarray, Any]:
-        return self.local_view(sh)[0](xs[0]), None
-
-    def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray,
-                       collectives: Collectives = ONE_DEVICE) -> tuple[np.ndarray | None, ...]:
-        return (self.local_view(sh)[1](dy),)
 
     def flops(self, local_in: tuple[tuple[int, ...], ...], local_out: tuple[int, ...]) -> int:
         return 0
@@ -223,8 +228,8 @@ def _reshape_candidates(layout: TensorLayout) -> list[TensorLayout]:
     return out
 
 
-@register
-class Reshape(Primitive):
+@register(mindspore_cost=CostClass.RESHAPE, elementwise=False)
+class Reshape(_View):
     """Reshape to ``shape`` (``-1`` infers one dim). MindSpore passes the shape as a second
     input: ``Reshape()(x, (4, 8))``; simpar also takes it at construction, ``Reshape((4, 8))``.
 
@@ -232,9 +237,6 @@ class Reshape(Primitive):
     reshapes its (4, 4) block to (4, 1, 4). ``Reshape((128,))`` is not (a column cut does not
     stay contiguous): the input is first redistributed to the cheapest layout that works.
     """
-
-    mindspore_cost = CostClass.RESHAPE
-    elementwise = False
 
     tape = Tape.NOTHING
     moves_values = True
@@ -317,32 +319,19 @@ class Reshape(Primitive):
         mid = sh.in_layouts[0] if sh.inner_plan is None else sh.inner_plan.dst
         return _reshapes(sh.out.local_shape(), mid.local_shape())
 
-    def local_forward(self, sh: OpSharding, *xs: np.ndarray,
-                      collectives: Collectives = ONE_DEVICE) -> tuple[np.ndarray, Any]:
-        return self.local_view(sh)[0](xs[0]), None
-
-    def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray,
-                       collectives: Collectives = ONE_DEVICE) -> tuple[np.ndarray | None, ...]:
-        return (self.local_view(sh)[1](dy),)
-
 
 # ------------------------------------------------------------------ Concat and Split
-@register
+@register(mindspore_cost=CostClass.CONCAT, elementwise=False)
 class Concat(Primitive):
     """Concatenate the inputs along ``axis``, which must be unsplit in every strategy; the
     other dims' cuts must agree across inputs. ``Concat(axis=1).shard(((2, 1), (2, 1)))``."""
-
-    mindspore_cost = CostClass.CONCAT
-    elementwise = False
 
     n_inputs = 2
 
     def __init__(self, axis: int = 0, n_inputs: int = 2) -> None:
         super().__init__()
-        if isinstance(n_inputs, bool) or not isinstance(n_inputs, int) or n_inputs < 1:
-            raise ValueError(f"Concat: n_inputs must be a positive int, got {n_inputs!r}")
         self.axis = axis
-        self.n_inputs = n_inputs
+        self.n_inputs = checks.positive_int(n_inputs, "Concat: n_inputs")
 
     def attrs(self) -> dict[str, Any]:
         return {"axis": self.axis}
@@ -390,14 +379,11 @@ class Concat(Primitive):
         return 0
 
 
-@register
+@register(mindspore_cost=CostClass.SPLIT, elementwise=False)
 class Split(Primitive):
     """Split along ``axis`` into ``output_num`` equal outputs; ``axis`` must be unsplit.
     Every output keeps the input's tensor map: on (2, 4) with x (8, 16) cut (2, 4) and
     ``Split(axis=0, output_num=2)``, rank 5 returns two (2, 4) blocks of its (4, 4) shard."""
-
-    mindspore_cost = CostClass.SPLIT
-    elementwise = False
 
     tape = Tape.NOTHING
     moves_values = True
@@ -406,11 +392,8 @@ class Split(Primitive):
 
     def __init__(self, axis: int = 0, output_num: int = 1) -> None:
         super().__init__()
-        if isinstance(output_num, bool) or not isinstance(output_num, int) or output_num < 1:
-            raise ValueError(f"Split: output_num must be a positive int, got {output_num!r}")
         self.axis = axis
-        self.output_num = output_num
-        self.n_outputs = output_num
+        self.output_num = self.n_outputs = checks.positive_int(output_num, "Split: output_num")
 
     def attrs(self) -> dict[str, Any]:
         return {"axis": self.axis, "output_num": self.output_num}
@@ -462,7 +445,7 @@ class Split(Primitive):
 
 
 # ------------------------------------------------------------------ Assign
-@register
+@register(mindspore_cost=CostClass.ASSIGN, elementwise=False)
 class Assign(Primitive):
     """MindSpore's ``Assign(variable, value)``, as the value-returning op: the output is
     ``value`` (in the variable's dtype), with the variable's shape.
@@ -481,9 +464,6 @@ class Assign(Primitive):
     ``value`` gets none (``gives_gradient`` is False for it), so nothing upstream of ``value``
     is trained through an Assign.
     """
-
-    mindspore_cost = CostClass.ASSIGN
-    elementwise = False
 
     tape = Tape.NOTHING
 

@@ -87,12 +87,9 @@ class _Binary(Primitive):
         return ga, gb
 
 
-@register
+@register(mindspore_cost=CostClass.TENSOR_ADD, elementwise=False)
 class Add(_Binary):
     """``x + y``."""
-
-    mindspore_cost = CostClass.TENSOR_ADD
-    elementwise = False
 
     tape = Tape.NOTHING   # dy is both gradients
     fn = staticmethod(np.add)
@@ -103,12 +100,9 @@ class Add(_Binary):
         return dy, dy
 
 
-@register
+@register(mindspore_cost=CostClass.SUB, elementwise=False)
 class Sub(_Binary):
     """``x - y``."""
-
-    mindspore_cost = CostClass.SUB
-    elementwise = False
 
     tape = Tape.NOTHING   # dy and -dy
     fn = staticmethod(np.subtract)
@@ -119,12 +113,9 @@ class Sub(_Binary):
         return dy, -dy if need[1] else None
 
 
-@register
+@register(mindspore_cost=CostClass.MUL, elementwise=False)
 class Mul(_Binary):
     """``x * y``."""
-
-    mindspore_cost = CostClass.MUL
-    elementwise = False
 
     tape = Tape.INPUTS   # dy times the other input
     fn = staticmethod(np.multiply)
@@ -135,12 +126,9 @@ class Mul(_Binary):
         return dy * y if need[0] else None, dy * x if need[1] else None
 
 
-@register
+@register(mindspore_cost=CostClass.DIV, elementwise=False)
 class RealDiv(_Binary):
     """``x / y``."""
-
-    mindspore_cost = CostClass.DIV
-    elementwise = False
 
     tape = Tape.INPUTS   # dy / y and -dy x / y^2
     fn = staticmethod(np.divide)
@@ -161,7 +149,7 @@ def _floor_divide(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return np.asarray(np.floor_divide(x, y))
 
 
-@register
+@register(mindspore_cost=CostClass.FLOOR_DIV, elementwise=False)
 class FloorDiv(_Binary):
     """``floor(x / y)`` with numpy broadcasting (MindSpore's FloorDiv); integer inputs divide
     exactly, rounding toward minus infinity.
@@ -176,9 +164,6 @@ class FloorDiv(_Binary):
     here, keeps nothing from the forward and runs no collective, and an input replicated over
     some device axes needs no gradient AllReduce.
     """
-
-    mindspore_cost = CostClass.FLOOR_DIV
-    elementwise = False
 
     nondiff_inputs = (0, 1)
     tape = Tape.NOTHING
@@ -207,13 +192,10 @@ def _all_but(ndim: int, axis: int) -> tuple[int, ...]:
     return tuple(d for d in range(ndim) if d != axis)
 
 
-@register
+@register(mindspore_cost=CostClass.BIAS_ADD, elementwise=False)
 class BiasAdd(Primitive):
     """``x + bias`` along the channel dimension: dim 1 for ``data_format="NCHW"`` (MindSpore's
     default, also 2-D inputs), the last dim for ``"NHWC"``."""
-
-    mindspore_cost = CostClass.BIAS_ADD
-    elementwise = False
 
     tape = Tape.NOTHING   # dy, and dy summed over all but the channel
     n_inputs = 2
@@ -267,7 +249,7 @@ class BiasAdd(Primitive):
                       "{x0} += " + bias)
 
 
-@register
+@register(mindspore_cost=CostClass.PRELU, elementwise=False)
 class PReLU(Primitive):
     """Parametric ReLU (MindSpore's PReLU): ``x`` where ``x > 0``, else ``weight[c] * x`` for
     the element's channel ``c``. ``x`` is (N, C, ...) of rank >= 2; ``weight`` is (C,), one
@@ -286,9 +268,6 @@ class PReLU(Primitive):
     matrix [2, 4, 1, 1]; rank 5 (coordinate (1, 1, 0, 0)) holds x[2:4, 2:4] and weight[2:4],
     and its weight gradient is summed with rank 1's (the ranks that share channels 2..3).
     """
-
-    mindspore_cost = CostClass.PRELU
-    elementwise = False
 
     n_inputs = 2
 
@@ -366,13 +345,10 @@ class _Unary(Primitive):
         return self.flops_per_element * math.prod(local_out)
 
 
-@register
+@register(mindspore_cost=CostClass.CAST, elementwise=False)
 class Identity(_Unary):
     """``x`` unchanged. Sharded, it moves ``x`` to the strategy's layout: ``Cell.shard`` and
     :func:`simpar.parallel.reshard` insert it (MindSpore's ``reshard``)."""
-
-    mindspore_cost = CostClass.CAST
-    elementwise = False
 
     output_aliases_input = True
 
@@ -386,12 +362,9 @@ class Identity(_Unary):
         return (dy,)
 
 
-@register
+@register(mindspore_cost=CostClass.SQRT, elementwise=True)
 class ReLU(_Unary):
     """``max(x, 0)``."""
-
-    mindspore_cost = CostClass.SQRT
-    elementwise = True
 
     def kernel(self, *xs: np.ndarray) -> np.ndarray:
         return np.maximum(xs[0], 0)
@@ -405,13 +378,10 @@ _GELU_C = math.sqrt(2.0 / math.pi)
 _GELU_A = 0.044715
 
 
-@register
+@register(mindspore_cost=CostClass.GELU, elementwise=True)
 class GeLU(_Unary):
     """Gaussian error linear unit, tanh form (MindSpore's GeLU primitive):
     ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``."""
-
-    mindspore_cost = CostClass.GELU
-    elementwise = True
 
     # A program's forward keeps x and the tanh for the backward (not the output, which the
     # backward does not read): no second tanh, the dearest part of the gradient.
@@ -474,12 +444,9 @@ def _gelu_tanh(x: np.ndarray) -> np.ndarray:
 GELU = GeLU
 
 
-@register
+@register(mindspore_cost=CostClass.SQRT, elementwise=True)
 class Tanh(_Unary):
     """``tanh(x)``."""
-
-    mindspore_cost = CostClass.SQRT
-    elementwise = True
 
     flops_per_element = 4
 
@@ -494,12 +461,9 @@ class Tanh(_Unary):
         return (g,)
 
 
-@register
+@register(mindspore_cost=CostClass.SQRT, elementwise=True)
 class Sigmoid(_Unary):
     """``1 / (1 + exp(-x))``."""
-
-    mindspore_cost = CostClass.SQRT
-    elementwise = True
 
     flops_per_element = 4
 
@@ -518,12 +482,9 @@ class Sigmoid(_Unary):
         return (g,)
 
 
-@register
+@register(mindspore_cost=CostClass.RELU6, elementwise=True)
 class Abs(_Unary):
     """``|x|``. The gradient is ``sign(x) * dy``, so 0 at ``x == 0`` (MindSpore's AbsGrad)."""
-
-    mindspore_cost = CostClass.RELU6
-    elementwise = True
 
     def kernel(self, *xs: np.ndarray) -> np.ndarray:
         return np.abs(xs[0])
@@ -533,15 +494,13 @@ class Abs(_Unary):
         return (dy * np.sign(xs[0]),)
 
 
-@register
+@register(mindspore_cost=CostClass.RELU6, elementwise=True)
 class Square(_Unary):
     """``x * x``."""
 
-    mindspore_cost = CostClass.RELU6
-    elementwise = True
-
     def kernel(self, *xs: np.ndarray) -> np.ndarray:
-        return np.square(xs[0])
+        x = xs[0]
+        return x * x
 
     def vjp(self, xs: Sequence[np.ndarray], y: np.ndarray, dy: np.ndarray
             ) -> tuple[np.ndarray | None, ...]:
@@ -553,13 +512,10 @@ class Square(_Unary):
 _CASTS = ("float32", "float64", "int32", "int64")
 
 
-@register
+@register(mindspore_cost=CostClass.CAST, elementwise=True)
 class Cast(Primitive):
     """Convert to ``dst_type`` (one of float32, float64, int32, int64). MindSpore passes the
     type as a second input; simpar takes it as an attribute: ``Cast("float32")``."""
-
-    mindspore_cost = CostClass.CAST
-    elementwise = True
 
     n_inputs = 1
 

@@ -1,31 +1,31 @@
 """What an op declares about itself for the layers above it: its *facts*.
 
-Each primitive class says, in its own body, which MindSpore cost class prices it and whether
-MindSpore counts it elementwise::
+Each primitive class says, where it registers (or in its own body), which MindSpore cost
+class prices it and whether MindSpore counts it elementwise::
 
-    @register
+    @register(mindspore_cost=CostClass.SQRT, elementwise=True)
     class ReLU(_Unary):
-        mindspore_cost = CostClass.SQRT
-        elementwise = True
+        ...
 
 The op owns the membership ("ReLU is priced by SqrtCost"); the cost model owns what a class
 means (SqrtCost's formulas, in :mod:`simpar.cost.mindspore_ops`), and the searches read
 ``op.elementwise``. A fact is not inherited: a subclass is another op (its name is its class
 name, as MindSpore keys its tables by name), so it declares its facts again or gets the
 defaults (:data:`DEFAULTS`). Every registered op declares every fact, the default included
-(tests/test_op_facts.py). This module imports nothing of simpar.
+(tests/test_op_facts.py). This module imports only :mod:`simpar._enums`.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping
 from types import MappingProxyType
+
+from simpar._enums import StrEnum
 
 __all__ = ["DEFAULTS", "CostClass", "undeclared"]
 
 
-class CostClass(str, enum.Enum):
+class CostClass(StrEnum):
     """A MindSpore ``OperatorCost`` subclass (``operator_costmodel.h``): the class whose
     formulas price an op, as the op's ``OperatorInfo`` picks it. The value is MindSpore's
     class name; ``DEFAULT`` is simpar's rule for an op MindSpore has no class for.
@@ -61,9 +61,6 @@ class CostClass(str, enum.Enum):
     DROPOUT = "DropOutCost"
     RESHAPE = "ReshapeCost"
     DEFAULT = "simpar default"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 #: Every fact an op declares, with the value an op that does not declare it gets.

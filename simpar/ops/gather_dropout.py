@@ -39,7 +39,7 @@ _INDEX_DTYPES = ("int32", "int64")
 
 
 # ------------------------------------------------------------------ Gather
-@register
+@register(mindspore_cost=CostClass.GATHER, elementwise=False)
 class Gather(Primitive):
     """Rows (slices along ``axis``) of ``params`` picked by integer ``indices``.
 
@@ -50,9 +50,6 @@ class Gather(Primitive):
     rank 5 is the cotangent of those ids scattered into rows 4..7, then summed over [1, 5]
     (the table's replicas along the id axis).
     """
-
-    mindspore_cost = CostClass.GATHER
-    elementwise = False
 
     tape = Tape.INDICES
 
@@ -195,7 +192,7 @@ def _check_seed(v: object, what: str) -> int:
     return int(v)
 
 
-@register
+@register(mindspore_cost=CostClass.DROPOUT, elementwise=False)
 class Dropout(Primitive):
     """Zero each element with probability ``1 - keep_prob`` and scale the kept ones by
     ``1 / keep_prob``.
@@ -212,9 +209,6 @@ class Dropout(Primitive):
     x[4:8, 4:8] and hashes the global flat indices 16 * r + c for r in 4..7, c in 4..7, so its
     mask is exactly ``mask[4:8, 4:8]`` of the one-device mask.
     """
-
-    mindspore_cost = CostClass.DROPOUT
-    elementwise = False
 
     tape = Tape.MASK
 

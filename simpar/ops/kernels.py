@@ -6,13 +6,14 @@ backward needs (:func:`gradient_needed`, set by the runtime with :func:`needing`
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from simpar._enums import StrEnum
 
 __all__ = ["INLINE_NAMES", "Inline", "Tape", "gradient_needed", "needing", "shape_only"]
 
@@ -64,7 +65,7 @@ class Inline:
 INLINE_NAMES: dict[str, Any] = {"_sum": np.add.reduce}
 
 
-class Tape(str, enum.Enum):
+class Tape(StrEnum):
     """What an op's forward keeps for its backward (``Primitive.tape``), as its
     ``local_forward`` saves it: the cost model counts activation memory from it."""
 
@@ -76,9 +77,6 @@ class Tape(str, enum.Enum):
     INPUT_AND_NEW = "input+new"          # GeLU: x and the tanh it computed from x
     MASK = "mask"                        # Dropout: one byte per element of input 0
     INDICES = "indices"                  # Gather: input 1 (the ids)
-
-    def __str__(self) -> str:
-        return self.value
 
 
 def shape_only(shape: tuple[int, ...], dtype: Any) -> np.ndarray:

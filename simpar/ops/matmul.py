@@ -158,12 +158,9 @@ def _unbroadcast(g: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     return np.asarray(g.sum(axis=axes, keepdims=True) if axes else g)
 
 
-@register
+@register(mindspore_cost=CostClass.MATMUL, elementwise=False)
 class MatMul(_MatMulBase):
     """``C = A @ B`` on 2-D inputs (``transpose_a``/``transpose_b`` as in MindSpore)."""
-
-    mindspore_cost = CostClass.MATMUL
-    elementwise = False
 
     def infer_shape(self, *shapes: tuple[int, ...]) -> tuple[int, ...]:
         a, b = shapes
@@ -179,12 +176,9 @@ class MatMul(_MatMulBase):
         return IterSpace((a, b), ("i", "j"), ("i", "k", "j"))
 
 
-@register
+@register(mindspore_cost=CostClass.MATMUL, elementwise=False)
 class BatchMatMul(_MatMulBase):
     """``C[..., i, j] = A[..., i, k] @ B[..., k, j]`` with numpy broadcasting of batch dims."""
-
-    mindspore_cost = CostClass.MATMUL
-    elementwise = False
 
     def infer_shape(self, *shapes: tuple[int, ...]) -> tuple[int, ...]:
         a, b = shapes

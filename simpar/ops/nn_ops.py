@@ -49,6 +49,26 @@ def _identity(x: np.ndarray, how: str, what: str) -> np.ndarray:
     return x
 
 
+def _row_statistics(sh: OpSharding, axes: Sequence[int], rows: int,
+                    forward: Sequence[tuple[str, int, str]],
+                    backward: Sequence[tuple[str, int, str]]) -> OpSharding:
+    """``sh`` with the AllReduces that complete per-row statistics over input 0's ``axes``
+    where device axes cut them (Softmax's max and sum, LayerNorm's mean and variance): one per
+    ``(what, numbers per row, how)`` of ``forward`` and ``backward``, over ``rows`` local rows,
+    in the order the kernel reduces. ``sh`` itself when no device axis cuts ``axes``."""
+    group = sh.device_axes_cutting([f"d{a}" for a in axes])
+    if not group:
+        return sh
+    dm = sh.device_matrix
+
+    def specs(items: Sequence[tuple[str, int, str]]) -> tuple[CommSpec, ...]:
+        return tuple(CommSpec(ALL_REDUCE, dm, group, per_row * rows, what, how=how)
+                     for what, per_row, how in items)
+
+    return dataclasses.replace(sh, internal_forward=specs(forward),
+                               internal_backward=specs(backward))
+
+
 def _group_reduce(sh: OpSharding, specs: Sequence[CommSpec], collectives: Collectives
                   ) -> _Reduce:
     """The hook that completes the kernel's local reductions: its k-th call runs ``specs[k]``
@@ -156,19 +176,14 @@ class _SoftmaxBase(Primitive):
                   enable_alltoall: bool = False) -> OpSharding:
         sh = super()._sharding(shapes, strat, out_strategy, device_num, enable_alltoall)
         axes = self._axes(shapes[0])
-        group = sh.device_axes_cutting([f"d{a}" for a in axes])
-        if not group:
-            return sh
         local = sh.in_layouts[0].local_shape()
         rows = math.prod(n for d, n in enumerate(local) if d not in axes)
-        dm = sh.device_matrix
-        fwd = (CommSpec(ALL_REDUCE, dm, group, rows, f"{self.name}: max over the split axis",
-                        how="max"),
-               CommSpec(ALL_REDUCE, dm, group, rows,
-                        f"{self.name}: sum of exp over the split axis"))
         what = "sum of dy" if self.log else "sum of y*dy"
-        bwd = (CommSpec(ALL_REDUCE, dm, group, rows, f"{self.name}: {what} over the split axis"),)
-        return dataclasses.replace(sh, internal_forward=fwd, internal_backward=bwd)
+        return _row_statistics(
+            sh, axes, rows,
+            forward=((f"{self.name}: max over the split axis", 1, "max"),
+                     (f"{self.name}: sum of exp over the split axis", 1, "sum")),
+            backward=((f"{self.name}: {what} over the split axis", 1, "sum"),))
 
     def local_forward(self, sh: OpSharding, *xs: np.ndarray,
                       collectives: Collectives = ONE_DEVICE) -> tuple[np.ndarray, Any]:
@@ -184,7 +199,7 @@ class _SoftmaxBase(Primitive):
                               _group_reduce(sh, sh.internal_backward, collectives)),)
 
 
-@register
+@register(mindspore_cost=CostClass.SOFTMAX, elementwise=True)
 class Softmax(_SoftmaxBase):
     """``exp(x - max) / sum(exp(x - max))`` along ``axis`` (an int or a tuple of ints).
 
@@ -196,9 +211,6 @@ class Softmax(_SoftmaxBase):
     ``dx = y * (dy - AllReduce(sum_local(y * dy)))``, again 4 numbers per rank.
     """
 
-    mindspore_cost = CostClass.SOFTMAX
-    elementwise = True
-
     def _check_axis(self, axis: object) -> int | tuple[int, ...]:
         if isinstance(axis, (tuple, list)):
             if not axis:
@@ -208,7 +220,7 @@ class Softmax(_SoftmaxBase):
         return _check_int_attr(self.name, "axis", axis)
 
 
-@register
+@register(mindspore_cost=CostClass.SOFTMAX, elementwise=True)
 class LogSoftmax(_SoftmaxBase):
     """``x - max - log(sum(exp(x - max)))`` along ``axis`` (an int, as in MindSpore).
 
@@ -217,9 +229,6 @@ class LogSoftmax(_SoftmaxBase):
     ``LogSoftmax().shard(((2, 4),))`` over (8, 16), each of the three AllReduces carries the 4
     per-row numbers of rows 4..7 among ranks [4, 5, 6, 7].
     """
-
-    mindspore_cost = CostClass.SOFTMAX
-    elementwise = True
 
     log = True
 
@@ -269,7 +278,7 @@ def _ln_geometry(x: tuple[int, ...], begin_norm_axis: int, begin_params_axis: in
     return tuple(range(bna, len(x))), tuple(range(bpa)), math.prod(x[bna:])
 
 
-@register
+@register(mindspore_cost=CostClass.LAYER_NORM, elementwise=False)
 class LayerNorm(Primitive):
     """``(x - mean) / sqrt(var + epsilon) * gamma + beta``; mean and variance over the dims
     ``begin_norm_axis..``, ``gamma``/``beta`` of shape ``x.shape[begin_params_axis:]``.
@@ -286,9 +295,6 @@ class LayerNorm(Primitive):
     (8 numbers, ``g = dy * gamma``); gamma's and beta's gradients are this rank's
     contributions, completed by the framework's AllReduce over ranks [1, 5] (the row split).
     """
-
-    mindspore_cost = CostClass.LAYER_NORM
-    elementwise = False
 
     tape = Tape.NEW_LIKE_INPUT
 
@@ -359,16 +365,12 @@ class LayerNorm(Primitive):
                   enable_alltoall: bool = False) -> OpSharding:
         sh = super()._sharding(shapes, strat, out_strategy, device_num, enable_alltoall)
         axes, _, _ = self._geometry(shapes[0])
-        group = sh.device_axes_cutting([f"d{a}" for a in axes])
-        if not group:
-            return sh
         rows = math.prod(sh.in_layouts[0].local_shape()[:axes[0]])
-        dm = sh.device_matrix
-        fwd = (CommSpec(ALL_REDUCE, dm, group, rows, "LayerNorm: row sums (mean)"),
-               CommSpec(ALL_REDUCE, dm, group, rows, "LayerNorm: squared deviations (var)"))
-        bwd = (CommSpec(ALL_REDUCE, dm, group, 2 * rows,
-                        "LayerNorm: row sums of g and g*xhat"),)
-        return dataclasses.replace(sh, internal_forward=fwd, internal_backward=bwd)
+        return _row_statistics(
+            sh, axes, rows,
+            forward=(("LayerNorm: row sums (mean)", 1, "sum"),
+                     ("LayerNorm: squared deviations (var)", 1, "sum")),
+            backward=(("LayerNorm: row sums of g and g*xhat", 2, "sum"),))
 
     def local_forward(self, sh: OpSharding, *xs: np.ndarray,
                       collectives: Collectives = ONE_DEVICE) -> tuple[np.ndarray, Any]:
@@ -431,7 +433,7 @@ def _batch_norm_grad(dy: np.ndarray, xhat: np.ndarray, rstd: np.ndarray, scale: 
 _BN_PARAMS = ("scale", "bias", "mean", "variance")
 
 
-@register
+@register(mindspore_cost=CostClass.BATCH_NORM, elementwise=False)
 class BatchNorm(Primitive):
     """Batch normalisation over the channel dimension (MindSpore's BatchNorm, data format
     NCHW): inputs ``x`` (N, C, H, W) or (N, C) and ``scale``, ``bias``, ``mean``,
@@ -459,9 +461,6 @@ class BatchNorm(Primitive):
     framework's AllReduce over the same ranks (their replicas). In inference mode, or with only
     C cut, nothing is communicated forward or in dx's backward.
     """
-
-    mindspore_cost = CostClass.BATCH_NORM
-    elementwise = False
 
     tape = Tape.NEW_LIKE_INPUT
 
@@ -612,7 +611,7 @@ def _cross_entropy_grad(p: np.ndarray, own: np.ndarray | None, idx: np.ndarray,
     return g
 
 
-@register
+@register(mindspore_cost=CostClass.SOFTMAX_CROSS_ENTROPY, elementwise=False)
 class SparseSoftmaxCrossEntropyWithLogits(Primitive):
     """Mean over the batch of ``-log softmax(logits)[i, labels[i]]`` (MindSpore with
     ``is_grad=False``): logits (N, C) float, labels (N,) int32/int64, a 0-d output.
@@ -633,9 +632,6 @@ class SparseSoftmaxCrossEntropyWithLogits(Primitive):
     :attr:`OpSharding.share_axes`). Labels outside ``[0, C)`` raise ValueError naming the
     label.
     """
-
-    mindspore_cost = CostClass.SOFTMAX_CROSS_ENTROPY
-    elementwise = False
 
     tape = Tape.NEW_LIKE_INPUT
 

@@ -180,7 +180,7 @@ def _keep_dims(lay: TensorLayout, axes: tuple[int, ...], shape: tuple[int, ...])
     return TensorLayout(lay.device_matrix, tmap, shape, lay.partial)
 
 
-@register
+@register(mindspore_cost=CostClass.REDUCE_SUM, elementwise=False)
 class ReduceSum(_Reduce):
     """Sum over ``axis`` (``()``/``None``: every axis); ``keep_dims`` keeps them with size 1.
 
@@ -188,9 +188,6 @@ class ReduceSum(_Reduce):
     [2, 4]; rank 5, at coordinate (1, 1), sums x[4:8, 4:8] over columns into a partial (4,)
     vector, and one AllReduce over ranks [4, 5, 6, 7] completes output rows 4..7.
     """
-
-    mindspore_cost = CostClass.REDUCE_SUM
-    elementwise = False
 
     def _reduce(self, x: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
         return np.asarray(np.sum(x, axis=axes, dtype=x.dtype, keepdims=self.keep_dims))
@@ -203,7 +200,7 @@ class ReduceSum(_Reduce):
         return (np.broadcast_to(self._expand(dy, x.shape), x.shape).astype(x.dtype),)
 
 
-@register
+@register(mindspore_cost=CostClass.REDUCE_MEAN, elementwise=False)
 class ReduceMean(_Reduce):
     """Mean over ``axis`` (float inputs). With a reduced dim cut, every rank sums its slice
     and divides by the *global* count, so the AllReduce(sum) of the output plan completes it.
@@ -212,9 +209,6 @@ class ReduceMean(_Reduce):
     coordinate (1, 1) holds x[2:4, 3:6] and yields ``x[2:4, 3:6].sum(0) / 8``, a partial
     (3,) vector summed over ranks [1, 3, 5, 7].
     """
-
-    mindspore_cost = CostClass.REDUCE_MEAN
-    elementwise = False
 
     tape = Tape.NOTHING
 
@@ -258,7 +252,7 @@ class ReduceMean(_Reduce):
         return math.prod(local_in[0]) + math.prod(local_out)
 
 
-@register
+@register(mindspore_cost=CostClass.REDUCE_MAX, elementwise=False)
 class ReduceMax(_Reduce):
     """Maximum over ``axis``. With a reduced dim cut, each rank takes the max of its slice and
     one AllReduce(max) inside the op gives every rank of the group the global max.
@@ -269,9 +263,6 @@ class ReduceMax(_Reduce):
     ranks, then each rank routes it to its positions equal to the max (all ties, undivided;
     see the module docstring).
     """
-
-    mindspore_cost = CostClass.REDUCE_MAX
-    elementwise = False
 
     reduce_kind = "max"
     empty_error = "max"

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from simpar import _checks as checks
+
 __all__ = ["IterSpace", "Strategy", "StrategyError", "as_strategy", "check_device_num",
            "dim_names", "divisors", "iteration_cuts"]
 
@@ -78,9 +80,7 @@ def as_strategy(strategy: object, op: str, what: str) -> Strategy:
 
 
 def check_device_num(device_num: int, op: str) -> None:
-    if isinstance(device_num, bool) or not isinstance(device_num, (int, np.integer)) or \
-            device_num < 1:
-        raise ValueError(f"{op}: device_num must be a positive int, got {device_num!r}")
+    checks.positive_int(device_num, f"{op}: device_num")
 
 
 def iteration_cuts(op: str, space: IterSpace, strat: Strategy,

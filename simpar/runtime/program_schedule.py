@@ -10,12 +10,12 @@ model reads the same list.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from simpar._enums import StrEnum
 from simpar.collective_kinds import traffic
 from simpar.ops.comm_spec import CommSpec, action_comm, plan_comm
 from simpar.redistribution import StepKind
@@ -26,16 +26,13 @@ from simpar.runtime.lowered import LoweredGraph
 __all__ = ["ProgramStep", "Role", "schedule"]
 
 
-class Role(str, enum.Enum):
+class Role(StrEnum):
     """What a :class:`ProgramStep` does."""
 
     COMPUTE = "compute"            # an op's local kernel on this rank's shards
     REDISTRIBUTE = "redistribute"  # moving an input to the layout its op needs (or Reshape's)
     OP_COLLECTIVE = "op-collective"  # the op's own: finishing partial outputs, split statistics
     MIRROR = "mirror"              # one fused AllReduce of parameters' gradients
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True, slots=True)

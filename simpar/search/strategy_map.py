@@ -15,7 +15,6 @@ prints as a table, and round-trips through JSON::
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -23,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from simpar._enums import StrEnum
 from simpar.graph import Graph, Value
 from simpar.layout import TensorLayout
 from simpar.ops.strategy import Strategy, as_strategy
@@ -33,7 +33,7 @@ __all__ = ["MAP_MODES", "OpStrategy", "Source", "StrategyMap", "lay_out_by_consu
 MAP_MODES = ("stand_alone", "data_parallel", "semi_auto_parallel", "auto_parallel")
 
 
-class Source(str, enum.Enum):
+class Source(StrEnum):
     """Where an op's strategy came from. The values are the strings simpar has always
     printed, and compare equal to them ("annotated" is a strategy set with ``.shard()``)."""
 
@@ -42,9 +42,6 @@ class Source(str, enum.Enum):
     DATA_PARALLEL = "data_parallel"
     SEARCHED = "searched"
     FILE = "file"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True, slots=True)
