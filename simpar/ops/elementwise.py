@@ -368,8 +368,8 @@ class _Unary(Primitive):
 
 @register
 class Identity(_Unary):
-    """``x`` unchanged. Sharded, it moves ``x`` to the strategy's layout: ``Cell.shard`` and
-    :func:`simpar.parallel.reshard` insert it (MindSpore's ``reshard``)."""
+    """``x`` unchanged. Sharded, it moves ``x`` to the strategy's layout: ``Cell.shard``
+    inserts it on the cell's annotated inputs, as MindSpore's ``reshard`` does."""
 
     mindspore_cost = CostClass.CAST
     elementwise = False
