@@ -14,8 +14,8 @@ parallel and the same steps on one device, and compares, for every parameter and
     print(report)            # one row per parameter: worst rank, Δparam, Δgrad, verdict
     assert report.passed     # the same verdict on every rank
 
-The tolerances follow the dtype and the optimizer (:func:`default_tolerance`; the README's
-"The single-device check" says why). Every comparison fails on a non-finite value: a NaN or an
+The tolerances follow the dtype and the optimizer (:func:`default_tolerance`;
+docs/check.md#tolerances says why). Every comparison fails on a non-finite value: a NaN or an
 infinity on either side counts as an infinite difference (Python's ``max`` silently drops
 NaN, so nothing here relies on it).
 """

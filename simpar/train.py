@@ -84,8 +84,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="default 3e-3 (Adam, AdamW) / 0.1 (Momentum, SGD)")
     p.add_argument("--optimizer", default="adam", choices=("adam", "adamw", "momentum", "sgd"))
     p.add_argument("--dtype", default="float64", choices=("float32", "float64"),
-                   help="the check's tolerance follows the dtype and optimizer (README, 'The "
-                   "single-device check')")
+                   help="the check's tolerance follows the dtype and optimizer "
+                   "(docs/check.md#tolerances)")
     p.add_argument("--gradients-mean", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--save-every", type=int, default=0, metavar="N",
                    help="save a distributed checkpoint every N steps into --ckpt-dir "

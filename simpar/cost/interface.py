@@ -190,7 +190,7 @@ class SimparCostModel:
                ) -> float:
         """Bytes per rank: each trainable parameter's shard (positions ``parameters``) with
         its gradient and the optimizer's state, each ``frozen`` one's shard alone, and what the
-        op's tape keeps for the backward (:class:`~simpar.ops.Tape`). Inputs in
+        op's tape keeps for the backward (:class:`~simpar.ops.kernels.Tape`). Inputs in
         ``kept_elsewhere`` (a producer's tape holds the same array, or a parameter another op
         counts) and parameters are not counted as activations. (``involved`` is MindSpore's.)
         An estimate per op: :func:`~simpar.cost.model.evaluate` counts a whole program's

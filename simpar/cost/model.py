@@ -320,8 +320,8 @@ def _kept(tape: str, node: Any, sh: Any, ins: list[tuple[Any, tuple[Any, ...]]],
           raws: list[tuple[Any, ...]], sizes: dict[tuple[Any, ...], int]
           ) -> list[tuple[Any, ...]]:
     """The arrays ``node``'s tape holds (naming new ones in ``sizes``). ``tape`` is the op's
-    ``simpar.ops.Tape`` (a str enum: compared by value, as this module sits below the ops'
-    package in import order)."""
+    :class:`simpar.ops.kernels.Tape` (a str enum, compared by value: this module reads the
+    program's records and imports no op)."""
     if tape in ("inputs+output", "inputs"):
         # A parameter's own shard is counted as a parameter; a redistributed copy is not it.
         kept = [key for v, key in ins if v.kind != "param" or key[0] == "redistributed"]

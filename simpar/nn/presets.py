@@ -10,8 +10,8 @@
   activations must be redistributed between them (an AllGather into the model-parallel layer,
   whose backward is a ReduceScatter; an AllToAll out of it).
 
-Ops left without a strategy take the one their producers' layouts imply (see
-:mod:`simpar.runtime.program`).
+Ops left without a strategy are filled in by sharding propagation
+(:mod:`simpar.search.propagation`).
 """
 
 from __future__ import annotations

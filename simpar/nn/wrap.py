@@ -5,14 +5,14 @@ context to a :class:`~simpar.runtime.ParallelProgram`, and gives every rank its 
 global initial parameters. Each call then runs forward, backward and the optimizer on this
 rank's shards and returns the global loss.
 
-Gradient seeding (see README, "gradient semantics"): the loss is replicated on ``r`` ranks,
-and every replica seeds the whole cotangent (the backward keeps it whole where the replicas
-compute alike, :mod:`simpar.cotangent`). With ``loss_repeated_mean`` the gradients,
-once each parameter's Mirror sums its pending parts, equal the single-device gradient of the
-global loss exactly; without it they are ``r`` times that (MindSpore sums the repeated
-losses' gradients then). With ``gradients_mean=False`` they are instead the sum over the ``D``
-data-parallel shards (``D`` = the cut of the batch dimension at the loss op), as data
-parallel training sums them.
+Gradient seeding (docs/design.md#gradient-semantics-the-backward-is-planned-with-layouts):
+the loss is replicated on ``r`` ranks, and every replica seeds the whole cotangent (the
+backward keeps it whole where the replicas compute alike, :mod:`simpar.cotangent`). With
+``loss_repeated_mean`` the gradients, once each parameter's Mirror sums its pending parts,
+equal the single-device gradient of the global loss exactly; without it they are ``r`` times
+that (MindSpore sums the repeated losses' gradients then). With ``gradients_mean=False`` they
+are instead the sum over the ``D`` data-parallel shards (``D`` = the cut of the batch dimension
+at the loss op), as data parallel training sums them.
 
 A network wrapped in :class:`~simpar.nn.auto_parallel.AutoParallel` (anywhere in the cell's
 network, at most once) brings its own settings: the cell takes its mode from the wrapper, and

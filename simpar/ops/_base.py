@@ -17,15 +17,16 @@ the op's canonical order; when the strategy uses fewer devices than ``device_num
 remaining factor is a *repeated calculation* axis put last (rightmost) in the device matrix,
 so that ``repeat`` consecutive ranks compute the same shard. MindSpore's default puts it
 first; simpar puts it last so that data-parallel-only ops line up with dp-outer, mp-inner
-hybrids (see README).
+hybrids (docs/design.md#repeated-calculation-goes-on-the-right).
 
-Gradients follow one rule everywhere (see README, "gradient semantics"): on every rank the
-backward computes that rank's *contribution*; contributions of a value replicated over some
-device axes sum, over those axes, to its true gradient. Run by itself, an op's replicated
-output's cotangent is therefore divided by its number of replicas, and an input's gradient is
-completed by an AllReduce over the input's replica axes (MindSpore's Mirror, for a
-parameter): :attr:`OpSharding.solo_backward`, planned by :mod:`simpar.cotangent` as a
-program's backward is.
+Run by itself (``run_op``; a cost model pricing one op), an op's backward computes on every
+rank that rank's *contribution*; contributions of a value replicated over some device axes
+sum, over those axes, to its true gradient. Its replicated output's cotangent is therefore
+divided by its number of replicas, and an input's gradient is completed by an AllReduce over
+the axes it is pending on (MindSpore's Mirror, for a parameter): :attr:`OpSharding.solo_backward`,
+planned by :func:`simpar.cotangent.solo_backward` as a program's backward is (a program keeps
+a cotangent whole where the replicas compute alike:
+docs/design.md#gradient-semantics-the-backward-is-planned-with-layouts).
 """
 
 from __future__ import annotations

@@ -347,8 +347,8 @@ class _Unary(Primitive):
 
 @register(mindspore_cost=CostClass.CAST, elementwise=False)
 class Identity(_Unary):
-    """``x`` unchanged. Sharded, it moves ``x`` to the strategy's layout: ``Cell.shard`` and
-    :func:`simpar.parallel.reshard` insert it (MindSpore's ``reshard``)."""
+    """``x`` unchanged. Sharded, it moves ``x`` to the strategy's layout: ``Cell.shard``
+    inserts it on the cell's annotated inputs, as MindSpore's ``reshard`` does."""
 
     output_aliases_input = True
 

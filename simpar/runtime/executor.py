@@ -21,7 +21,7 @@ runs its kernel calls and the actions its plan lists in the order
 :func:`simpar.runtime.program_schedule.schedule` lists their collectives (the schedule guard checks
 that, call by call).
 ``benchmarks/executor_overhead.py`` measures what the executor costs against the kernels it
-calls (README, "Performance, measured").
+calls (docs/performance.md#a-training-step-against-its-floor).
 """
 
 from __future__ import annotations

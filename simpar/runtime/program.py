@@ -5,8 +5,8 @@ It is a frozen value: every op's sharding and the redistributions feeding it, ev
 and parameter's layout (:class:`~simpar.runtime.lowered.LoweredGraph`), the backward plans
 lowering chose (:mod:`simpar.runtime.backward_plan`), the strategy map it came from.
 Execution is the per-rank program: forward runs each op's local kernel and collectives on
-this rank's shards; backward runs every op's VJP and every collective's adjoint in reverse,
-accumulating gradient *contributions* (see ``simpar/ops/_base.py``), then the Mirrors. What
+this rank's shards; backward runs every op's VJP in reverse with the actions the backward plan
+lists for each cotangent (whole or pending, :mod:`simpar.cotangent`), then the Mirrors. What
 running derives and keeps (compiled executors, schedules) lives in the program's
 :class:`~simpar.runtime.runner.ProgramRunner`, not in the program.
 

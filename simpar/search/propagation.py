@@ -7,8 +7,9 @@ An op the user annotated with ``.shard()`` keeps its strategy (semi_auto_paralle
 other op is reached by sharding propagation from the user's ops and the graph inputs (in the
 dataset strategy's layouts), forward and backward, and takes the candidate that moves the
 fewest bytes against its settled neighbours (ties: see
-:mod:`simpar.search.sharding_propagation`; README, "Unannotated ops are filled in by sharding
-propagation"). In data_parallel the same rule runs with parameters held whole. Parameters take
+:mod:`simpar.search.sharding_propagation`; why:
+docs/design.md#unannotated-ops-are-filled-in-by-sharding-propagation-the-one-propagation-in-simpar).
+In data_parallel the same rule runs with parameters held whole. Parameters take
 the layout of their ``parameter_plan`` or of their first settled reader.
 """
 
