@@ -60,14 +60,18 @@ def integer(value: object, what: str, low: int | None = None, *, expected: str =
     return int(value)
 
 
-def positive_int(value: object, what: str, detail: str = "") -> int:
+def positive_int(value: object, what: str, detail: str = "", where: str = "") -> int:
     """``value`` as an int >= 1 (a numpy integer too, never a bool); ``detail`` follows "a
-    positive int" in the message (" (bytes per element)").
+    positive int" in the message (" (bytes per element)"), ``where`` (the function or op)
+    precedes ``what``. Cheap when ``value`` is good: hot paths call it per candidate.
 
     >>> positive_int(0, "Split: output_num")
     Traceback (most recent call last):
     ValueError: Split: output_num must be a positive int, got 0
     """
+    if type(value) is int and value >= 1:
+        return value
+    what = f"{where}: {what}" if where else what
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{what} must be a positive int{detail}, got {shown(value)}")
     if value < 1:

@@ -1,10 +1,10 @@
 """simpar's modules import downward only, and never inside a function body.
 
-The layers, bottom first (see README, "Layers"): configuration and leaf helpers; the MPI
-package; meshes, layouts, parameters and the schedule guard; redistribution; operators; the
-traced graph; planners; lowering and execution; the op-level API; cells (and
-``simpar.auto_parallel``, which names ``simpar.nn``'s AutoParallel); the check and the data; the
-main job. A module may import its own layer or any layer below it.
+The layers, bottom first (docs/design.md#modules-import-downward-only): configuration and
+leaf helpers; the MPI package; meshes, layouts, parameters and the schedule guard;
+redistribution; operators; the traced graph; planners; lowering and execution; the op-level
+API; cells (and ``simpar.auto_parallel``, which names ``simpar.nn``'s AutoParallel); the check
+and the data; the main job. A module may import its own layer or any layer below it.
 """
 
 from __future__ import annotations
@@ -93,6 +93,15 @@ def test_imports_go_down_and_stay_at_module_level(path: pathlib.Path) -> None:
             problems.append(f"line {line}: imports {target} (layer {_layer(target)}) from "
                             f"layer {_layer(me)}")
     assert not problems, f"{me}: " + "; ".join(problems)
+
+
+#: The longest a module may be (issue 29): past it, a module holds more than one concept.
+MAX_LINES = 800
+
+
+def test_no_module_is_over_800_lines() -> None:
+    long = {_module(p): n for p in FILES if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert long == {}, f"split by concept: {long}"
 
 
 def test_the_checker_sees_an_upward_and_a_hidden_import() -> None:

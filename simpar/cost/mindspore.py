@@ -196,7 +196,7 @@ def fits(cost: MindSporeOpCost | MindSporeCost | float, ctx: CostModelContext | 
 
 
 def _check_device_num(func: str, device_num: object) -> None:
-    checks.positive_int(device_num, f"{func}: device_num")
+    checks.positive_int(device_num, "device_num", where=func)
 
 
 def edge_cost(cost: RedistributionCost, ctx: CostModelContext | None = None) -> MindSporeCost:

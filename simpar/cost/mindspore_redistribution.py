@@ -55,7 +55,7 @@ ALLGATHER_REDUCESCATTER_SCALE_FACTOR = 0.5
 
 
 def _check_itemsize(func: str, itemsize: object) -> int:
-    return checks.positive_int(itemsize, f"{func}: itemsize", " (bytes per element)")
+    return checks.positive_int(itemsize, "itemsize", " (bytes per element)", func)
 
 
 class RedistributionCost(NamedTuple):

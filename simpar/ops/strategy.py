@@ -80,7 +80,7 @@ def as_strategy(strategy: object, op: str, what: str) -> Strategy:
 
 
 def check_device_num(device_num: int, op: str) -> None:
-    checks.positive_int(device_num, f"{op}: device_num")
+    checks.positive_int(device_num, "device_num", where=op)
 
 
 def iteration_cuts(op: str, space: IterSpace, strat: Strategy,
