@@ -109,6 +109,18 @@ def test_the_built_in_ops_declare_the_facts_the_old_tables_held() -> None:
     assert {name for name in COST_CLASSES if ops[name].elementwise} == ELEMENTWISE
 
 
+def test_register_refuses_an_unknown_or_mistyped_fact() -> None:
+    with pytest.raises(TypeError, match=r"register: 'cost' is not an op fact; the facts are "
+                       r"mindspore_cost, elementwise"):
+        register(cost=CostClass.SQRT)  # type: ignore[call-overload]
+    with pytest.raises(TypeError, match=r"register: mindspore_cost must be a CostClass, got "
+                       r"'SqrtCost' of type str"):
+        register(mindspore_cost="SqrtCost")  # type: ignore[call-overload]
+    with pytest.raises(TypeError, match=r"register: elementwise must be a bool, got 1 of type "
+                       r"int"):
+        register(elementwise=1)  # type: ignore[call-overload]
+
+
 def test_a_subclass_is_another_op_and_inherits_no_fact() -> None:
     class Plus(Add):
         pass

@@ -89,6 +89,11 @@ def register(cls: _P | None = None, /, **facts: Any) -> _P | Callable[[_P], _P]:
     if unknown:
         raise TypeError(f"register: {unknown[0]!r} is not an op fact; the facts are "
                         f"{', '.join(DEFAULTS)}")
+    for fact, value in facts.items():
+        kind = type(DEFAULTS[fact])
+        if type(value) is not kind:
+            raise TypeError(f"register: {fact} must be a {kind.__name__}, got {value!r} of "
+                            f"type {type(value).__name__}")
 
     def add(op: _P) -> _P:
         for fact, value in facts.items():
