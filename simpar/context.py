@@ -4,7 +4,8 @@ Both contexts are process-global, as in MindSpore. Every call is validated as a 
 any value is applied, so a call that raises changes nothing. The entry points that plan read
 the immutable snapshots, :func:`auto_parallel_context` / :func:`algo_parameters`, once into a
 plan request (``simpar.search.request``); planners read the request only. This module imports
-no other (``simpar.cost_model_context`` shares its key-spec engine); ``simpar.comm`` reports
+no other but the key-spec engine it shares with ``simpar.cost_model_context``
+(:mod:`simpar._keyspec`); ``simpar.comm`` reports
 the MPI world through :func:`set_world` once MPI has started.
 
 Defaults and ranges follow the documented behaviour of MindSpore 2.2 and later (up to the
@@ -73,14 +74,29 @@ Where simpar decides differently from MindSpore, on purpose:
 
 from __future__ import annotations
 
-import difflib
 import math
-import numbers
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any
+
+from simpar._keyspec import (
+    Bounds,
+    ContextError,
+    ContextTypeError,
+    KeySpec,
+    NotHonouredWarning,
+    Writes,
+    check_key,
+    has_kind,
+    spec_defaults,
+    stage_call,
+    type_error,
+    unknown_key,
+    validate_value,
+    warn_not_honoured,
+)
 
 __all__ = ["AlgoParameters", "BUILTIN_SEARCH_MODES", "ContextError", "ContextTypeError",
            "NotHonouredWarning", "ParallelContext", "ParallelMode", "StrategyCkptConfig",
@@ -89,14 +105,6 @@ __all__ = ["AlgoParameters", "BUILTIN_SEARCH_MODES", "ContextError", "ContextTyp
            "register_search_mode", "reset_algo_parameters", "reset_auto_parallel_context",
            "scoped_auto_parallel_context", "search_modes", "set_algo_parameters",
            "set_auto_parallel_context", "set_world", "validate_against_world"]
-
-
-class ContextError(ValueError):
-    """A context key or value that is not allowed (unknown key, out of range, unknown mode)."""
-
-
-class ContextTypeError(TypeError):
-    """A context value of the wrong type, e.g. ``gradients_mean=1``."""
 
 
 class WorldMismatchError(ContextError):
@@ -187,122 +195,16 @@ class AlgoParameters:
         return self.tensor_slice_align_size if self.tensor_slice_align_enable else 1
 
 
-# ----------------------------------------------------------------------------------------------
-# The key-spec engine (simpar.cost_model_context validates its keys with it too).
-
-
-@dataclass(frozen=True, slots=True)
-class Bounds:
-    """A range of numbers, e.g. ``[1, 4096]``, ``(0, 1]`` or ``[0, inf)``."""
-
-    lo: float
-    hi: float
-    lo_open: bool = False
-    hi_open: bool = False
-
-    def __contains__(self, x: float) -> bool:
-        return ((self.lo < x if self.lo_open else self.lo <= x)
-                and (x < self.hi if self.hi_open else x <= self.hi))
-
-    def __str__(self) -> str:
-        return (f"{'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}"
-                f"{')' if self.hi_open else ']'}")
-
-
-Writes = list[tuple[str, Any]]  # (field, value); a field is a key or "key.sub_key"
-
-
-@dataclass(frozen=True, slots=True)
-class KeySpec:
-    """How one key is validated and where its value goes.
-
-    ``kind`` is the Python type the value must have; ``None`` leaves everything to ``check``.
-    ``fields`` maps a validated value onto state fields (default: the key itself); it sees
-    the state staged so far, and ``late`` keys are staged after all others in the call.
-    """
-
-    kind: type | None
-    default: Any
-    bounds: Bounds | None = None
-    choices: Callable[[], Sequence[Any]] | None = None
-    allowed: str = ""
-    check: Callable[[str, str, Any], Any] | None = None
-    fields: Callable[[Any, Mapping[str, Any]], Writes] | None = None
-    late: bool = False
-
-
-_NOUNS: dict[type, str] = {bool: "a bool", int: "an int", float: "a float", str: "a str"}
-
-# MindSpore's reason-free rejections deserve a reason here.
-_UNSUPPORTED: dict[tuple[str, Any], str] = {
-    ("parallel_mode", "hybrid_parallel"):
-        "is MindSpore's mode for hand-written communication, which simpar does not have "
-        "because its executor inserts every collective itself; use 'semi_auto_parallel' with "
-        ".shard() strategies for manual model parallelism"}
+# MindSpore's reason-free rejection deserves a reason here.
+_HYBRID = ("is MindSpore's mode for hand-written communication, which simpar does not have "
+           "because its executor inserts every collective itself; use 'semi_auto_parallel' with "
+           ".shard() strategies for manual model parallelism")
 
 #: The search modes simpar.search has a planner for (it checks so when imported): MindSpore's
 #: three, then simpar's ``exact``. :func:`register_search_mode` adds more.
 BUILTIN_SEARCH_MODES = ("recursive_programming", "dynamic_programming", "sharding_propagation",
                         "exact")
 _SEARCH_MODES: list[str] = list(BUILTIN_SEARCH_MODES)
-
-
-def _allowed(spec: KeySpec) -> str:
-    if spec.allowed:
-        return spec.allowed
-    if spec.choices is not None:
-        return "one of " + ", ".join(repr(c) for c in spec.choices())
-    noun = _NOUNS[spec.kind] if spec.kind is not None else "a valid value"
-    return f"{noun} in {spec.bounds}" if spec.bounds is not None else noun
-
-
-def _has_kind(value: object, kind: type) -> bool:
-    if isinstance(value, bool) or kind is bool:
-        return kind is bool and isinstance(value, bool)
-    if kind is int:
-        return isinstance(value, numbers.Integral)
-    if kind is float:
-        return isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral)
-    return isinstance(value, kind)
-
-
-def _type_error(func: str, key: str, allowed: str, value: object) -> ContextTypeError:
-    return ContextTypeError(f"{func}: {key} must be {allowed}, but got {value!r} of type "
-                            f"{type(value).__name__}.")
-
-
-def validate_value(func: str, key: str, spec: KeySpec, value: object) -> Any:
-    """Return ``value`` normalised (numpy scalars to Python ones), or raise naming ``key``."""
-    if spec.check is not None:
-        return spec.check(func, key, value)
-    assert spec.kind is not None, key
-    if not _has_kind(value, spec.kind):
-        raise _type_error(func, key, _allowed(spec), value)
-    plain: Any = spec.kind(value)
-    reason = _UNSUPPORTED.get((key, plain))
-    if reason is not None:
-        raise ContextError(f"{func}: {key}={plain!r} {reason}.")
-    if (spec.bounds is not None and plain not in spec.bounds) or (
-        spec.choices is not None and plain not in spec.choices()
-    ):
-        raise ContextError(f"{func}: {key} must be {_allowed(spec)}, but got {plain!r}.")
-    return plain
-
-
-def _unknown_key(func: str, key: str, known: Sequence[str], what: str = "key") -> ContextError:
-    close = difflib.get_close_matches(key, known, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return ContextError(f"{func}: unknown {what} {key!r}{hint}; the known {what}s are "
-                        f"{', '.join(sorted(known))}.")
-
-
-def check_key(func: str, key: object, known: Mapping[str, KeySpec]) -> str:
-    """``key`` if it names one of ``known``, else raise naming it (and the closest key)."""
-    if not isinstance(key, str):
-        raise _type_error(func, "the key", "a str", key)
-    if key not in known:
-        raise _unknown_key(func, key, list(known))
-    return key
 
 
 _CKPT_SPECS: dict[str, KeySpec] = {
@@ -314,11 +216,11 @@ _CKPT_SPECS: dict[str, KeySpec] = {
 
 def _check_ckpt_config(func: str, key: str, value: object) -> dict[str, Any]:
     if not isinstance(value, Mapping):
-        raise _type_error(func, key, f"a dict with keys from {', '.join(_CKPT_SPECS)}", value)
+        raise type_error(func, key, f"a dict with keys from {', '.join(_CKPT_SPECS)}", value)
     out = {}
     for sub, sub_value in value.items():
         if sub not in _CKPT_SPECS:
-            raise _unknown_key(func, str(sub), list(_CKPT_SPECS), what=f"{key} key")
+            raise unknown_key(func, str(sub), list(_CKPT_SPECS), what=f"{key} key")
         out[sub] = validate_value(func, f"{key}[{sub!r}]", _CKPT_SPECS[sub], sub_value)
     return out
 
@@ -349,11 +251,11 @@ def check_dataset_strategy(func: str, key: str, value: object
         return value
     if not isinstance(value, tuple) or not value or not all(isinstance(s, tuple) and s
                                                             for s in value):
-        raise _type_error(func, key, _DATASET_STRATEGY_ALLOWED, value)
+        raise type_error(func, key, _DATASET_STRATEGY_ALLOWED, value)
     for s in value:
         for cut in s:
-            if not _has_kind(cut, int):
-                raise _type_error(func, key, _DATASET_STRATEGY_ALLOWED, value)
+            if not has_kind(cut, int):
+                raise type_error(func, key, _DATASET_STRATEGY_ALLOWED, value)
             if cut < 1:
                 raise ContextError(f"{func}: {key} must be {_DATASET_STRATEGY_ALLOWED}, "
                                    f"but got {value!r} (cut {cut} is not positive).")
@@ -380,7 +282,8 @@ def _old_search_mode_fields(value: str, staged: Mapping[str, Any]) -> Writes:
 
 
 _AUTO_SPECS: dict[str, KeySpec] = {
-    "parallel_mode": KeySpec(str, ParallelMode.STAND_ALONE, choices=lambda: ParallelMode.MODES),
+    "parallel_mode": KeySpec(str, ParallelMode.STAND_ALONE, choices=lambda: ParallelMode.MODES,
+                             unsupported=(("hybrid_parallel", _HYBRID),)),
     # None = unset: follows the MPI world once known, else MindSpore's 1 and 0.
     "device_num": KeySpec(int, None, bounds=Bounds(1, 4096)),
     "global_rank": KeySpec(int, None, bounds=Bounds(0, 4095)),
@@ -418,8 +321,8 @@ _TIME_LIMIT_ALLOWED = "None (no limit) or a finite number of seconds > 0"
 def _check_time_limit(func: str, key: str, value: object) -> float | None:
     if value is None:
         return None
-    if not (_has_kind(value, int) or _has_kind(value, float)):
-        raise _type_error(func, key, _TIME_LIMIT_ALLOWED, value)
+    if not (has_kind(value, int) or has_kind(value, float)):
+        raise type_error(func, key, _TIME_LIMIT_ALLOWED, value)
     seconds = float(value)  # type: ignore[arg-type]
     if not (math.isfinite(seconds) and seconds > 0):
         raise ContextError(f"{func}: {key} must be {_TIME_LIMIT_ALLOWED}, but got {value!r}.")
@@ -439,10 +342,6 @@ _ALGO_SPECS: dict[str, KeySpec] = {
     "exact_time_limit": KeySpec(None, _ALGO.exact_time_limit, allowed=_TIME_LIMIT_ALLOWED,
                                 check=_check_time_limit),
 }
-
-
-class NotHonouredWarning(UserWarning):
-    """A key was set to a value that simpar accepts (MindSpore's) but does not act on yet."""
 
 
 # State fields that simpar validates but does not act on yet when they differ from their
@@ -467,59 +366,11 @@ def _not_honoured(staged: Mapping[str, Any]) -> dict[str, str]:
     return out
 
 
-def warn_not_honoured(func: str, specs: Mapping[str, KeySpec], staged: Mapping[str, Any],
-                      reasons: Mapping[str, str], warned: set[str]) -> None:
-    """Warn once per process (``warned``) for each key of ``reasons`` that ``staged`` sets
-    away from its default: simpar accepts the value but does not act on it yet."""
-    for key, why in reasons.items():
-        if key in specs and key not in warned and staged[key] != specs[key].default:
-            warned.add(key)
-            warnings.warn(f"{func}: {key}={staged[key]!r} is accepted but not honoured yet: "
-                          f"{why}", NotHonouredWarning, stacklevel=3)
-
-
-def spec_defaults(specs: Mapping[str, KeySpec]) -> dict[str, Any]:
-    """Every key's default, e.g. ``{"fully_use_devices": False, ...}``."""
-    return {key: spec.default for key, spec in specs.items()}
-
-
 _AUTO_DEFAULTS: Mapping[str, Any] = {**spec_defaults(_AUTO_SPECS), "explicit": frozenset()}
 _auto: dict[str, Any] = dict(_AUTO_DEFAULTS)
 _algo: dict[str, Any] = spec_defaults(_ALGO_SPECS)
 
 _world: tuple[int, int] | None = None  # (world_size, world_rank), set by simpar.comm
-
-
-def stage_call(func: str, keys: Mapping[str, KeySpec], state: Mapping[str, Any],
-               kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """Validate a whole call and return the new state, leaving ``state`` untouched."""
-    for key in kwargs:
-        if key not in keys:
-            raise _unknown_key(func, key, list(keys))
-    staged = dict(state)
-    written: dict[str, tuple[str, Any]] = {}  # field -> (key, value) that wrote it
-    for key in sorted(kwargs, key=lambda k: keys[k].late):
-        spec, given = keys[key], kwargs[key]
-        value = validate_value(func, key, spec, given)
-        writes = spec.fields(value, staged) if spec.fields is not None else [(key, value)]
-        for field, new in writes:
-            if field in written and _read(staged, field) != new:
-                other, other_given = written[field]
-                raise ContextError(f"{func}: {other}={other_given!r} and {key}={given!r} "
-                                   f"contradict each other; pass only one of them.")
-            written[field] = (key, given)
-            _write(staged, field, new)
-    return staged
-
-
-def _read(state: Mapping[str, Any], field: str) -> Any:
-    key, _, sub = field.partition(".")
-    return getattr(state[key], sub) if sub else state[key]
-
-
-def _write(state: dict[str, Any], field: str, value: Any) -> None:
-    key, _, sub = field.partition(".")
-    state[key] = replace(state[key], **{sub: value}) if sub else value
 
 
 # ----------------------------------------------------------------------------------------------
@@ -529,8 +380,8 @@ def _write(state: dict[str, Any], field: str, value: Any) -> None:
 def _check_world_args(func: str, world_size: object, world_rank: object) -> None:
     size = validate_value(func, "world_size", _AUTO_SPECS["device_num"], world_size)
     allowed = f"an int in [0, {size - 1}] for a world of {size} ranks"
-    if not _has_kind(world_rank, int):
-        raise _type_error(func, "world_rank", allowed, world_rank)
+    if not has_kind(world_rank, int):
+        raise type_error(func, "world_rank", allowed, world_rank)
     if not 0 <= int(world_rank) < size:  # type: ignore[call-overload]
         raise ContextError(f"{func}: world_rank must be {allowed}, but got {world_rank!r}.")
 
@@ -725,7 +576,7 @@ def register_search_mode(name: str, honoured: bool = False) -> None:
     True
     """
     if not isinstance(name, str):
-        raise _type_error("register_search_mode", "name", "a str", name)
+        raise type_error("register_search_mode", "name", "a str", name)
     if not name or not name.replace("_", "").isalnum():
         raise ContextError(f"register_search_mode: name must be a non-empty identifier such as "
                            f"'exact_search', but got {name!r}.")

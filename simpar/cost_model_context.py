@@ -57,7 +57,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-from simpar.context import (
+from simpar._keyspec import (
     Bounds,
     ContextTypeError,
     KeySpec,

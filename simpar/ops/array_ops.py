@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 
 from simpar import _checks as checks
-from simpar.collective_kinds import sample_ranks
 from simpar.layout import TensorLayout
 from simpar.ops._base import OpSharding, Primitive, build_sharding, register
 from simpar.ops.comm_spec import ONE_DEVICE, Collectives
@@ -299,8 +298,7 @@ class Reshape(_View):
             if out is None:
                 continue
             p = plan(src, mid, enable_alltoall)
-            cost = max(p.recv_bytes(r, 1) for r in sample_ranks(src.device_num)) if any(
-                not s.kind.local for s in p.steps) else 0
+            cost = p.busiest_bytes(1)
             if best is None or cost < best[0]:
                 best = (cost, mid, out, p)
             if cost == 0:  # nothing is cheaper, and the first of equals is kept

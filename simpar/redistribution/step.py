@@ -89,8 +89,11 @@ class Step:
         """Estimated time: latency per round plus the busiest rank's bytes over bandwidth."""
         if self.kind.local:
             return 0.0
-        busiest = max(max(self.recv_elements(r), self.send_elements(r))
-                      for r in sample_ranks(self.src.device_num))
+        if not KINDS[self.kind].by_pieces:  # a collective: alike on every rank
+            busiest = self.recv_elements(0)
+        else:
+            busiest = max(max(self.recv_elements(r), self.send_elements(r))
+                          for r in sample_ranks(self.src.device_num))
         return seconds(self.kind, self.group_size, busiest * itemsize, alpha, bandwidth)
 
     def __str__(self) -> str:
@@ -106,6 +109,8 @@ class Step:
         return f"{self.kind}{axes}{extra} -> {self.dst}{recv}"
 
     def max_recv_elements(self) -> int:
+        if not KINDS[self.kind].by_pieces:  # a collective: alike on every rank
+            return self.recv_elements(0)
         return max(self.recv_elements(r) for r in sample_ranks(self.src.device_num))
 
 
@@ -124,6 +129,15 @@ class RedistributionPlan:
 
     def send_bytes(self, rank: int, itemsize: int) -> int:
         return sum(s.send_bytes(rank, itemsize) for s in self.steps)
+
+    def busiest_bytes(self, itemsize: int, sent: bool = False) -> int:
+        """The most bytes a rank receives over the plan (plus sends, if ``sent``), over
+        :func:`sample_ranks`. A collective moves as many bytes on every rank, so only a plan
+        with a direct exchange is asked rank by rank."""
+        if not any(KINDS[s.kind].by_pieces for s in self.steps):
+            return self.recv_bytes(0, itemsize) * (2 if sent else 1)
+        return max(self.recv_bytes(r, itemsize) + (self.send_bytes(r, itemsize) if sent else 0)
+                   for r in sample_ranks(self.src.device_num))
 
     def seconds(self, itemsize: int, alpha: float = ALPHA_SECONDS,
                 bandwidth: float = BANDWIDTH_BYTES_PER_S) -> float:

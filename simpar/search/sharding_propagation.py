@@ -41,7 +41,6 @@ import math
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from simpar.collective_kinds import sample_ranks
 from simpar.layout import TensorLayout
 from simpar.ops._base import OpSharding
 from simpar.ops.strategy import Strategy, StrategyError
@@ -74,8 +73,7 @@ class MovedBytes:
     def edge(self, plan: RedistributionPlan, itemsize: int) -> float:
         if not plan.steps:
             return 0.0
-        return float(max(plan.recv_bytes(r, 1) + plan.send_bytes(r, 1)
-                         for r in sample_ranks(plan.src.device_num)))
+        return float(plan.busiest_bytes(1, sent=True))
 
     def program(self, program: Any) -> float:
         raise NotImplementedError("MovedBytes prices redistributions only, not programs")
