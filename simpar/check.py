@@ -340,7 +340,7 @@ def check_against_single_device(train: TrainOneStepCell,
     param_diff, param_tol = {}, {}
     for name in names:
         diff, scale = _against_rank_0(train.params[name], twin.params if twin else None, name,
-                                      prog.param_layouts[name], rank, prog.device_num)
+                                      prog.storage_layout(name), rank, prog.device_num)
         param_diff[name] = diff / scale
         param_tol[name] = tolerance.rtol + tolerance.param_atol / scale
 
@@ -355,7 +355,7 @@ def check_against_single_device(train: TrainOneStepCell,
         ref_loss[0], ref_grads = twin.value_and_grad(*data[0], step=train.step_count)
     ref_loss = _from_rank_0(ref_loss, prog.device_num)
     grad_names = sorted(grads)
-    measured = {name: _against_rank_0(grads[name], ref_grads, name, prog.param_layouts[name],
+    measured = {name: _against_rank_0(grads[name], ref_grads, name, prog.storage_layout(name),
                                       rank, prog.device_num) for name in grad_names}
     # A gradient that is zero in exact arithmetic (a bias the loss cannot see) is pure
     # round-off on both sides; measured against its own size it would differ by O(1). So

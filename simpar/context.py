@@ -33,6 +33,13 @@ strategy_ckpt_config            (see note)                 load_file="", save_fi
 dataset_strategy                ``"data_parallel"``        "full_batch", or ((int, ...), ...)
 full_batch                      False                      bool; a view of dataset_strategy
 enable_alltoall                 False                      bool
+enable_parallel_optimizer       False                      bool (:mod:`simpar.optimizer_parallel`)
+parallel_optimizer_config       (see note)                 parallel_optimizer_threshold=64 (KB,
+                                                           int >= 0), optimizer_weight_shard_size
+                                                           =-1 (or int >= 2; 1 warns, ignored),
+                                                           optimizer_level="level1" (level1-3),
+                                                           gradient_accumulation_shard (a view:
+                                                           True is level2)
 pipeline_stages                 1                          only 1 (no pipeline parallelism)
 strategy_ckpt_load_file/_save   ""                         str; views of strategy_ckpt_config
 auto_parallel_search_mode       (search_mode)              old name of search_mode
@@ -99,7 +106,8 @@ from simpar._keyspec import (
 )
 
 __all__ = ["AlgoParameters", "BUILTIN_SEARCH_MODES", "ContextError", "ContextTypeError",
-           "NotHonouredWarning", "ParallelContext", "ParallelMode", "StrategyCkptConfig",
+           "NotHonouredWarning", "ParallelContext", "ParallelMode", "ParallelOptimizerConfig",
+           "StrategyCkptConfig",
            "WorldMismatchError", "algo_parameters", "auto_parallel_context",
            "check_dataset_strategy", "get_algo_parameters", "get_auto_parallel_context",
            "register_search_mode", "reset_algo_parameters", "reset_auto_parallel_context",
@@ -139,6 +147,27 @@ class StrategyCkptConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ParallelOptimizerConfig:
+    """The ``parallel_optimizer_config`` dict as a value (MindSpore's keys and defaults):
+    parameters under ``parallel_optimizer_threshold`` KB stay whole, each parameter is spread
+    over ``optimizer_weight_shard_size`` ranks (-1: its whole repeated group), and
+    ``optimizer_level`` says what is sliced (:mod:`simpar.optimizer_parallel`).
+    ``gradient_accumulation_shard`` is a view: True exactly when the level is ``"level2"``."""
+
+    parallel_optimizer_threshold: int = 64
+    optimizer_weight_shard_size: int = -1
+    optimizer_level: str = "level1"
+
+    @property
+    def gradient_accumulation_shard(self) -> bool:
+        return self.optimizer_level == "level2"
+
+    def as_dict(self) -> dict[str, Any]:
+        """The MindSpore-shaped dict, ``gradient_accumulation_shard`` included."""
+        return {**asdict(self), "gradient_accumulation_shard": self.gradient_accumulation_shard}
+
+
+@dataclass(frozen=True, slots=True)
 class ParallelContext:
     """An immutable snapshot of the auto-parallel context, with unset values resolved.
 
@@ -164,6 +193,8 @@ class ParallelContext:
     pipeline_stages: int
     device_num_is_set: bool
     global_rank_is_set: bool
+    enable_parallel_optimizer: bool = False
+    parallel_optimizer_config: ParallelOptimizerConfig = ParallelOptimizerConfig()
     #: The keys the user set (views name the key they write), e.g. ``{"dataset_strategy"}``.
     explicit: frozenset[str] = frozenset()
 
@@ -262,6 +293,60 @@ def check_dataset_strategy(func: str, key: str, value: object
     return tuple(tuple(int(cut) for cut in s) for s in value)
 
 
+_LEVELS = ("level1", "level2", "level3")
+_OPT_SPECS: dict[str, KeySpec] = {
+    "gradient_accumulation_shard": KeySpec(bool, False),
+    "parallel_optimizer_threshold": KeySpec(int, 64, bounds=Bounds(0, math.inf)),
+    "optimizer_weight_shard_size": KeySpec(
+        int, -1, check=lambda f, k, v: _check_shard_size(f, k, v)),
+    "optimizer_level": KeySpec(str, "level1", choices=lambda: _LEVELS),
+}
+_SHARD_SIZE_ALLOWED = "-1 (the whole repeated group) or an int >= 1"
+
+
+def _check_shard_size(func: str, key: str, value: object) -> int:
+    if not has_kind(value, int):
+        raise type_error(func, key, _SHARD_SIZE_ALLOWED, value)
+    size = int(value)  # type: ignore[call-overload]
+    if size != -1 and size < 1:
+        raise ContextError(f"{func}: {key} must be {_SHARD_SIZE_ALLOWED}, but got {size}.")
+    if size == 1:   # MindSpore warns and keeps its default too
+        warnings.warn(f"{func}: {key}=1 slices nothing and is ignored, as in MindSpore; the "
+                      "whole repeated group (-1) is used", UserWarning, stacklevel=5)
+        return -1
+    return size
+
+
+def _check_optimizer_config(func: str, key: str, value: object) -> dict[str, Any]:
+    """The ``parallel_optimizer_config`` dict validated: its keys are MindSpore's four, and
+    ``gradient_accumulation_shard=True`` is ``optimizer_level="level2"`` (MindSpore refuses
+    the two together with another level)."""
+    if not isinstance(value, Mapping):
+        raise type_error(func, key, f"a dict with keys from {', '.join(_OPT_SPECS)}", value)
+    out = {}
+    for sub, sub_value in value.items():
+        if sub not in _OPT_SPECS:
+            raise unknown_key(func, str(sub), list(_OPT_SPECS), what=f"{key} key")
+        out[sub] = validate_value(func, f"{key}[{sub!r}]", _OPT_SPECS[sub], sub_value)
+    level = out.get("optimizer_level")
+    if out.get("gradient_accumulation_shard") and level not in (None, "level2"):
+        raise ContextError(f"{func}: {key} sets optimizer_level={level!r} and "
+                           "gradient_accumulation_shard=True, which means level2; pass one "
+                           "of them.")
+    return out
+
+
+def _optimizer_fields(value: dict[str, Any], staged: Mapping[str, Any]) -> Writes:
+    """Each key into the config; ``gradient_accumulation_shard`` into the level (True:
+    level2; False: level1 where it was level2, else the level stays)."""
+    value = dict(value)
+    shard = value.pop("gradient_accumulation_shard", None)
+    if shard is not None and "optimizer_level" not in value:
+        now = staged["parallel_optimizer_config"].optimizer_level
+        value["optimizer_level"] = "level2" if shard else ("level1" if now == "level2" else now)
+    return [(f"parallel_optimizer_config.{sub}", v) for sub, v in value.items()]
+
+
 def _ckpt_fields(value: dict[str, Any], staged: Mapping[str, Any]) -> Writes:
     return [(f"strategy_ckpt_config.{sub}", v) for sub, v in value.items()]
 
@@ -295,6 +380,10 @@ _AUTO_SPECS: dict[str, KeySpec] = {
                                     fields=_ckpt_fields),
     "dataset_strategy": KeySpec(None, "data_parallel", check=check_dataset_strategy),
     "enable_alltoall": KeySpec(bool, False),
+    "enable_parallel_optimizer": KeySpec(bool, False),
+    "parallel_optimizer_config": KeySpec(None, ParallelOptimizerConfig(),
+                                         check=_check_optimizer_config,
+                                         fields=_optimizer_fields),
     "pipeline_stages": KeySpec(int, 1, bounds=Bounds(1, 1),
                                allowed="1 (simpar does not implement pipeline parallelism)"),
 }
@@ -519,6 +608,8 @@ def get_auto_parallel_context(key: str) -> Any:
     ctx = auto_parallel_context()
     if key == "strategy_ckpt_config":
         return ctx.strategy_ckpt_config.as_dict()
+    if key == "parallel_optimizer_config":
+        return ctx.parallel_optimizer_config.as_dict()
     if key.startswith("strategy_ckpt_"):
         return getattr(ctx.strategy_ckpt_config, key.removeprefix("strategy_ckpt_"))
     return getattr(ctx, "search_mode" if key == "auto_parallel_search_mode" else key)

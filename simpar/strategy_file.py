@@ -59,6 +59,7 @@ from simpar._env import write_atomically
 from simpar.graph import Graph, Node, Value
 from simpar.layout import TensorLayout
 from simpar.ops.strategy import StrategyError
+from simpar.optimizer_parallel import ParamShard
 from simpar.search import OpStrategy, Source, StrategyMap, dataset_layouts
 from simpar.search.strategy_map import MAP_MODES
 
@@ -182,7 +183,8 @@ def _document(smap: StrategyMap, graph: Graph | None, search_mode: str | None,
         "current_stage": 1,
         "parallel_strategy_item": {name: _strategy_item(s.in_strategy)
                                    for name, s in smap.ops.items()},
-        "parallel_layout_item": {name: _layout_item(name, lay, smap.device_num)
+        "parallel_layout_item": {name: _layout_item(name, lay, smap.device_num,
+                                                    smap.shards.get(name))
                                  for name, lay in params.items()},
     }
     outs = {name: _strategy_item(s.out_strategy) for name, s in smap.ops.items()
@@ -235,8 +237,12 @@ def _check_map_fits_graph(smap: StrategyMap, graph: Graph) -> None:
                                  "for another shape")
 
 
-def _layout_item(name: str, lay: TensorLayout, device_num: int) -> dict[str, Any]:
-    """MindSpore's ``parallel_layout_item`` entry for a parameter held in ``lay``."""
+def _layout_item(name: str, lay: TensorLayout, device_num: int,
+                 shard: ParamShard | None = None) -> dict[str, Any]:
+    """MindSpore's ``parallel_layout_item`` entry for a parameter held in ``lay``; under
+    optimizer parallel (``shard``), ``opt_weight_shard_size`` is the number of ranks its
+    slices are spread over and ``opt_weight_shard_step`` the rank stride of its repeated
+    group, as MindSpore writes them (0 and 0 for a parameter kept whole)."""
     if lay.partial:
         raise ValueError(f"save_strategy: parameter {name!r} has layout {lay}, with pending "
                          f"sums (partial {list(lay.partial)}); a parameter's layout is whole")
@@ -244,9 +250,13 @@ def _layout_item(name: str, lay: TensorLayout, device_num: int) -> dict[str, Any
         raise ValueError(f"save_strategy: parameter {name!r} has layout {lay} over "
                          f"{lay.device_num} devices, but the strategy map is for {device_num}")
     dev_matrix, tensor_map = _one_axis_per_dim(name, lay)
+    step = size = 0
+    if shard is not None:
+        group = lay.replica_group(0)
+        size, step = shard.size, (group[-1] - group[0]) // (len(group) - 1)
     return {"dev_matrix": dev_matrix, "tensor_map": tensor_map, "tensor_shape": list(lay.shape),
             "param_split_shape": [], "indices_offset": [], "field": 0,
-            "opt_weight_shard_step": 0, "opt_weight_shard_size": 0}
+            "opt_weight_shard_step": step, "opt_weight_shard_size": size}
 
 
 def _one_axis_per_dim(name: str, lay: TensorLayout) -> tuple[list[int], list[int]]:
@@ -304,7 +314,8 @@ def load_strategy(path: str | os.PathLike[str], graph: Graph | None = None,
     ``simpar.inputs``; a plain MindSpore file has none, and with ``graph`` and
     ``dataset_strategy`` they are the dataset's layouts (see the module docstring). MindSpore's
     optimizer weight sharding (``opt_weight_shard_*``) is read and ignored: it does not change
-    the layout the forward reads, and simpar has none.
+    the layout the forward reads, and simpar's optimizer parallel follows the context's
+    settings when a file is loaded (``simpar.search.shard_optimizer``).
 
     >>> smap = load_strategy("strategy.json", graph, device_num=8)  # doctest: +SKIP
     >>> smap.ops["Default/network-MLP/fc1-Dense/MatMul-op0"].in_strategy  # doctest: +SKIP

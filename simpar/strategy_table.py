@@ -73,12 +73,19 @@ def strategy_table(program: ParallelProgram, fold_blocks: bool = False) -> str:
                       "from 0 to 23; -opN numbers are the first block's)")
         table = folded
     mirrors: dict[int, int] = {}
+    scattered: dict[int, int] = {}   # optimizer parallel: reduce-scattered into slices
     for name in program.param_layouts:
+        shard = program.param_shards.get(name)
+        if shard is not None:
+            scattered[shard.size] = scattered.get(shard.size, 0) + 1
+            continue
         g = len(program.mirror_group(name, 0))
         mirrors[g] = mirrors.get(g, 0) + 1
     sync = "  parameter gradients: " + ", ".join(
-        f"{n} synced over {g} ranks" if g > 1 else f"{n} sharded (no Mirror)"
-        for g, n in sorted(mirrors.items()))
+        [f"{n} synced over {g} ranks" if g > 1 else f"{n} sharded (no Mirror)"
+         for g, n in sorted(mirrors.items())]
+        + [f"{n} reduce-scattered into optimizer slices over {g} ranks"
+           for g, n in sorted(scattered.items())])
     header = ["op", "strategy", "out map", "forward", "backward", "repeated", "set by"]
     return "\n".join([title, *columns([header, *table]), sync])
 

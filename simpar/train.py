@@ -87,6 +87,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the check's tolerance follows the dtype and optimizer "
                    "(docs/check.md#tolerances)")
     p.add_argument("--gradients-mean", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--optimizer-shard", default="off",
+                   choices=("off", "level1", "level2", "level3"),
+                   help="optimizer parallel (MindSpore's enable_parallel_optimizer): slice "
+                        "each weight ranks hold alike, its optimizer state and gradient, and "
+                        "at level3 drop the gathered weight after the forward")
+    p.add_argument("--micro-batches", type=int, default=1, metavar="N",
+                   help="gradient accumulation (MindSpore's GradAccumulation): each step runs "
+                        "N micro-batches of --batch-size / N and sums their gradients")
+    p.add_argument("--optimizer-shard-threshold", type=int, default=64, metavar="KB",
+                   help="parameters under this many KB stay whole (MindSpore's "
+                        "parallel_optimizer_threshold; default 64)")
     p.add_argument("--save-every", type=int, default=0, metavar="N",
                    help="save a distributed checkpoint every N steps into --ckpt-dir "
                    "(D/step_000010, ...; 0: never)")
@@ -118,6 +129,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.seed < 0:
         p.error(f"--seed must be >= 0, got {args.seed}")
+    if args.micro_batches < 1:
+        p.error(f"--micro-batches must be >= 1, got {args.micro_batches}")
+    if args.batch_size % args.micro_batches:
+        p.error(f"--micro-batches {args.micro_batches} must divide --batch-size "
+                f"{args.batch_size} (each step splits the batch into micro-batches)")
+    if args.optimizer_shard_threshold < 0:
+        p.error(f"--optimizer-shard-threshold must be >= 0 KB, got "
+                f"{args.optimizer_shard_threshold}")
     if args.model == "gpt" and args.d_model % args.n_heads:
         p.error(f"--n-heads {args.n_heads} must divide --d-model {args.d_model} (each head "
                 f"gets d_model / n_heads features)")
@@ -184,6 +203,31 @@ def _unwritable_dir(path: str) -> str | None:
     if not os.access(parent, os.W_OK | os.X_OK):
         return f"{parent} is not writable"
     return None
+
+
+def optimizer_shard_line(train: nn.TrainOneStepCell) -> str:
+    """One line on what optimizer parallel slices: how many parameters (and of how many
+    trainable), over how many ranks, and the bytes they keep whole."""
+    prog = train.program
+    assert prog is not None
+    trainable = [n for n, v in prog.param_values.items()
+                 if v.param is not None and v.param.requires_grad]
+    sliced = [n for n in trainable if n in prog.param_shards]
+    sizes = sorted({prog.param_shards[n].size for n in sliced})
+    whole = sum(prog.param_layouts[n].local_size() * prog.param_values[n].dtype.itemsize
+                for n in trainable if n not in prog.param_shards)
+    level = next((str(prog.param_shards[n].level) for n in sliced), "off")
+    return (f"optimizer parallel {level}: {len(sliced)} of {len(trainable)} trainable "
+            f"parameters sliced over {'/'.join(map(str, sizes)) or '-'} ranks; "
+            f"{whole} bytes per rank stay whole")
+
+
+def _optimizer_config(args: argparse.Namespace) -> dict[str, Any]:
+    """``parallel_optimizer_config`` for ``--optimizer-shard`` (its level; "off" keeps
+    MindSpore's default level, unused)."""
+    level = "level1" if args.optimizer_shard == "off" else args.optimizer_shard
+    return {"optimizer_level": level,
+            "parallel_optimizer_threshold": args.optimizer_shard_threshold}
 
 
 def mesh(args: argparse.Namespace, world: int) -> tuple[int, int]:
@@ -269,9 +313,11 @@ def batch_shapes(args: argparse.Namespace) -> list[tuple[tuple[int, ...], Any]]:
             ((args.batch_size,), np.dtype(np.int32))]
 
 
-def build(args: argparse.Namespace, mode: str, device_num: int) -> nn.TrainOneStepCell:
+def build(args: argparse.Namespace, mode: str, device_num: int, accumulate: bool = True
+          ) -> nn.TrainOneStepCell:
     """The training cell for these options; in semi_auto_parallel its ops carry the preset's
-    strategies for ``device_num`` ranks (:func:`mesh` says which)."""
+    strategies for ``device_num`` ranks (:func:`mesh` says which). ``accumulate`` False
+    leaves out ``--micro-batches`` (the single-device check's reference: one whole batch)."""
     dtype = np.dtype(args.dtype)
     loss = nn.SoftmaxCrossEntropyWithLogits()
     model: nn.Cell
@@ -289,8 +335,10 @@ def build(args: argparse.Namespace, mode: str, device_num: int) -> nn.TrainOneSt
         else:
             assert isinstance(model, nn.MLP)
             presets.megatron_mlp(model, dp, mp)
-    net = nn.WithLossCell(model, loss)
+    net: nn.Cell = nn.WithLossCell(model, loss)
     params = net.trainable_params()
+    if accumulate and args.micro_batches > 1:
+        net = nn.GradAccumulation(net, args.micro_batches)
     lr = learning_rate(args)
     opt: nn.Optimizer = {"adam": lambda: nn.Adam(params, lr),
                          "adamw": lambda: nn.AdamW(params, lr),
@@ -323,8 +371,7 @@ def batches(args: argparse.Namespace) -> Any:
 def my_rows(train: nn.TrainOneStepCell, rank: int) -> tuple[int, int] | None:
     """The batch rows this rank holds when the dataset strategy cuts only the batch
     dimension (then it loads just those), else None (it loads the global batch)."""
-    assert train.program is not None
-    lays = train.program.input_layouts()
+    lays = train.batch_layouts()
     if any(c != 1 for lay in lays for c in lay.cuts[1:]):
         return None
     rows = {lay.slice_of(rank)[0] for lay in lays if lay.ndim}
@@ -376,7 +423,9 @@ def main(argv: list[str] | None = None) -> int:
         simpar.set_auto_parallel_context(parallel_mode=args.parallel_mode,
                                          device_num=device_num,
                                          gradients_mean=args.gradients_mean,
-                                         enable_alltoall=True, search_mode=args.search_mode)
+                                         enable_alltoall=True, search_mode=args.search_mode,
+                                         enable_parallel_optimizer=args.optimizer_shard != "off",
+                                         parallel_optimizer_config=_optimizer_config(args))
         set_search_cost_model(SimparCostModel(
             args.profile if args.profile != "none" else "cpu-local", optimizer(args)))
         comm.check_context()
@@ -407,6 +456,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.profile.name if args.profile != 'none' else 'cpu-local'} profile, "
             f"dataset {dataset_strategy(args, dp, mp, world)}")
     print_strategy_table(train) if rank == 0 else None
+    if args.optimizer_shard != "off":
+        say(optimizer_shard_line(train))
     if args.parallel_mode == "auto_parallel" and args.profile != "none" and rank == 0:
         print(why_it_won(args, train, world))
     say(f"\nplanned in {t_build:.2f} s; training {args.steps} steps of {args.batch_size} x "
@@ -478,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     report = None
     if not args.no_check:
         report = check_against_single_device(
-            train, lambda: build(args, "stand_alone", 1),
+            train, lambda: build(args, "stand_alone", 1, accumulate=False),
             [get_batch(k) for k in range(args.steps)], losses=losses)
         summary.update(_check_fields(report))
     if args.out and rank == 0:

@@ -382,9 +382,6 @@ def test_bad_comm_fusion_and_transformer_opt() -> None:
     (lambda n: n.pipeline(2), "AutoParallel.pipeline: stages=2, but simpar has no pipeline "
                               "parallelism"),
     (lambda n: n.pipeline(stages=4, scheduler="gpipe"), "stages=4"),
-    (lambda n: n.hsdp(), "AutoParallel.hsdp: simpar has no optimizer parallelism"),
-    (lambda n: n.hsdp(shard_size=2, threshold=0, optimizer_level="level3"),
-     "AutoParallel.hsdp"),
     (lambda n: n.no_init_parameters_in_compile(),
      "AutoParallel.no_init_parameters_in_compile: simpar initialises each rank's parameter "
      "blocks"),

@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, ...]] = [
      "simpar.collective_kinds"),
     ("simpar.comm",),
     ("simpar.mesh", "simpar.layout", "simpar.parameter", "simpar.schedule"),
-    ("simpar.redistribution", "simpar.cotangent"),
+    ("simpar.redistribution", "simpar.cotangent", "simpar.optimizer_parallel"),
     ("simpar.ops",),
     ("simpar.graph",),
     ("simpar.search", "simpar.cost", "simpar.strategy_file"),

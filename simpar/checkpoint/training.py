@@ -32,15 +32,16 @@ _MESSAGE_BYTES = 1024
 def _training_layouts(train: TrainOneStepCell) -> dict[str, TensorLayout]:
     """The tensors of a built training cell's checkpoint: every parameter
     (``params/<name>``) and every optimizer state slot (``opt/<name>/<slot>``, in its
-    parameter's layout)."""
+    parameter's storage layout)."""
     program = train.program
     if program is None:
         raise ValueError("TrainOneStepCell checkpoint: the cell has not been built; call it "
                          "(or build) on a batch first")
-    out = {f"params/{name}": lay for name, lay in program.param_layouts.items()}
+    # A parameter optimizer parallel slices is stored, and its state kept, as its slice.
+    out = {f"params/{name}": program.storage_layout(name) for name in program.param_layouts}
     for name, slots in train.optimizer.state.items():
         for slot in slots:
-            out[f"opt/{name}/{slot}"] = program.param_layouts[name]
+            out[f"opt/{name}/{slot}"] = program.storage_layout(name)
     return out
 
 

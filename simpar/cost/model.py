@@ -66,6 +66,11 @@ class _Program(Protocol):  # simpar.runtime.ParallelProgram, as this module read
     def param_values(self) -> Mapping[str, Any]: ...
 
     @property
+    def param_shards(self) -> Mapping[str, Any]: ...
+
+    def storage_layout(self, name: str) -> Any: ...
+
+    @property
     def grad_nodes(self) -> frozenset[int]: ...
 
     def schedule(self, rank: int) -> Sequence[Any]: ...
@@ -216,11 +221,11 @@ def evaluate(program: _Program, profile: str | DeviceProfile = "cpu-local",
 def _optimizer_seconds(program: _Program, optimizer: str, prof: DeviceProfile) -> float:
     """The update of every trainable parameter's shard: a few memory-bound numpy kernels."""
     seconds = 0.0
-    for name, lay in program.param_layouts.items():
+    for name in program.param_layouts:
         v = program.param_values[name]
         if v.param is None or not v.param.requires_grad:
             continue
-        nbytes = lay.local_size() * v.dtype.itemsize
+        nbytes = program.storage_layout(name).local_size() * v.dtype.itemsize
         seconds += (OPTIMIZER_KERNELS[optimizer] * prof.array_op_overhead
                     + OPTIMIZER_PASSES[optimizer] * nbytes / prof.memory_bandwidth)
     return seconds
@@ -261,9 +266,9 @@ def _kernel_bytes(op: Any) -> int:
 
 def _memory_of(program: _Program, rank: int, optimizer: str, prof: DeviceProfile) -> MemoryRow:
     params = grads = 0
-    for name, lay in program.param_layouts.items():
+    for name in program.param_layouts:   # stored as their optimizer slices, if sliced
         v = program.param_values[name]
-        nbytes = lay.local_size() * v.dtype.itemsize
+        nbytes = program.storage_layout(name).local_size() * v.dtype.itemsize
         params += nbytes
         if v.param is not None and v.param.requires_grad:
             grads += nbytes
@@ -279,6 +284,12 @@ def _memory_of(program: _Program, rank: int, optimizer: str, prof: DeviceProfile
         ins = []
         for k, (v, lay) in enumerate(zip(node.inputs, sh.in_layouts)):
             key = storage.get(v.id, ("value", v.id))
+            shard = program.param_shards.get(v.name) if v.kind == "param" else None
+            if shard is not None:
+                # A sliced weight, gathered whole for the forward: a tape that keeps it
+                # keeps the gathered copy, unless level3 drops it (gathered again later).
+                key = ("gathered", v.id) if not shard.level.regathers else ("dropped", v.id)
+                sizes.setdefault(("dropped", v.id), 0)
             if s.in_plans[k].steps:
                 key = ("redistributed", node.id, k)
             sizes.setdefault(key, lay.local_size() * v.dtype.itemsize)
@@ -324,7 +335,8 @@ def _kept(tape: str, node: Any, sh: Any, ins: list[tuple[Any, tuple[Any, ...]]],
     program's records and imports no op)."""
     if tape in ("inputs+output", "inputs"):
         # A parameter's own shard is counted as a parameter; a redistributed copy is not it.
-        kept = [key for v, key in ins if v.kind != "param" or key[0] == "redistributed"]
+        kept = [key for v, key in ins
+                if v.kind != "param" or key[0] in ("redistributed", "gathered")]
         return kept + raws if tape == "inputs+output" else kept
     if tape == "output":
         return raws
@@ -335,7 +347,8 @@ def _kept(tape: str, node: Any, sh: Any, ins: list[tuple[Any, tuple[Any, ...]]],
     first = sh.in_layouts[0].local_size()
     if tape == "input+new":
         sizes[("new", node.id)] = first * node.inputs[0].dtype.itemsize
-        return [key for v, key in ins[:1] if v.kind != "param" or key[0] == "redistributed"
+        return [key for v, key in ins[:1]
+                if v.kind != "param" or key[0] in ("redistributed", "gathered")
                 ] + [("new", node.id)]
     if tape == "new-like-input":
         sizes[("new", node.id)] = first * node.inputs[0].dtype.itemsize

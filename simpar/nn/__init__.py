@@ -3,6 +3,7 @@
 
 from simpar.nn.auto_parallel import AutoParallel
 from simpar.nn.cell import Cell, Parameter, initializer
+from simpar.nn.grad_accumulation import GradAccumulation
 from simpar.nn.layers import (
     GPT,
     MLP,
@@ -35,6 +36,7 @@ __all__ = [
     "Dropout",
     "Embedding",
     "FeedForward",
+    "GradAccumulation",
     "L1Loss",
     "LayerNorm",
     "MSELoss",

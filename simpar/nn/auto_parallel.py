@@ -45,7 +45,7 @@ from typing import Any
 
 from simpar import context, graph
 from simpar.layout import Layout
-from simpar.nn.cell import Cell
+from simpar.nn.cell import Cell, Wrapper
 from simpar.search import registered_searches
 
 __all__ = ["AutoParallel", "OperatorStrategyPathError"]
@@ -96,7 +96,7 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-class AutoParallel(Cell):
+class AutoParallel(Wrapper):
     """Wrap the top-level network with its parallel configuration (MindSpore 2.x's
     ``mindspore.parallel.auto_parallel.AutoParallel``).
 
@@ -124,7 +124,6 @@ class AutoParallel(Cell):
     _settings: dict[str, Any]
 
     def __init__(self, network: Cell, parallel_mode: str = "semi_auto") -> None:
-        super().__init__()
         if not isinstance(network, Cell):
             hint = (" MindSpore's functional form, AutoParallel(train_step), has no simpar "
                     "equivalent: wrap the network with its loss instead and train it with "
@@ -140,12 +139,15 @@ class AutoParallel(Cell):
         if parallel_mode not in _MINDSPORE_MODES and parallel_mode not in registered_searches():
             raise ValueError(f"AutoParallel: the argument 'parallel_mode' must be one of "
                              f"{_allowed_modes()}, but got the value : {parallel_mode!r}.")
-        self.network = network
+        super().__init__(network)
         self._parallel_mode = parallel_mode
         # MindSpore's defaults for the wrapper (not the global context's).
         self._settings = {"dataset_strategy": "data_parallel", "gradients_mean": False,
                           "gradient_fp32_sync": True, "loss_repeated_mean": True,
-                          "pipeline_stages": 1}
+                          "pipeline_stages": 1, "enable_parallel_optimizer": False,
+                          "parallel_optimizer_config": {
+                              "optimizer_level": "level1", "parallel_optimizer_threshold": 64,
+                              "optimizer_weight_shard_size": -1}}
         self._files: dict[str, Any] = {"load_file": "", "save_file": "",
                                        "only_trainable_params": True}
 
@@ -205,21 +207,6 @@ class AutoParallel(Cell):
                 _ACTIVE.pop()
 
     # ------------------------------------------------------------------ as a Cell
-    @property
-    def _scope_name(self) -> str:
-        # Transparent: the network takes the wrapper's place in the scope names, so its ops
-        # are named as without the wrapper ("Default/network-WithLossCell/...").
-        return str(getattr(self.network, "_scope_name", "network"))
-
-    @_scope_name.setter
-    def _scope_name(self, name: str) -> None:
-        object.__setattr__(self.network, "_scope_name", name)
-
-    def cells_and_names(self, prefix: str = "") -> Iterator[tuple[str, Cell]]:
-        # MindSpore's auto_prefix=False: the parameters keep the names they have in network.
-        yield prefix, self
-        yield from self.network.cells_and_names(prefix)
-
     def shard(self, in_strategy: Any, out_strategy: Any = None,
               parameter_plan: Any = None) -> Cell:
         raise ValueError("AutoParallel.shard: the wrapper has no strategy of its own; shard the "
@@ -233,9 +220,6 @@ class AutoParallel(Cell):
                 "would be ignored. They apply while nn.TrainOneStepCell compiles it "
                 "(nn.TrainOneStepCell(parallel_net, optimizer); only one AutoParallel per "
                 "training cell), or inside `with parallel_net.parallel_context():`")
-        return self.network(*args)
-
-    def construct(self, *args: Any) -> Any:
         return self.network(*args)
 
     def __repr__(self) -> str:
@@ -310,8 +294,11 @@ class AutoParallel(Cell):
 
     def hsdp(self, shard_size: int = -1, threshold: int = 64,
              optimizer_level: str = "level1") -> None:
-        """Optimizer parallelism (MindSpore's ``enable_parallel_optimizer``): not in simpar.
-        The arguments are checked as MindSpore checks them, then ``NotImplementedError``."""
+        """Optimizer parallel (MindSpore's ``enable_parallel_optimizer``): each trainable
+        parameter that ranks hold alike is stored, updated and has its gradient reduced in
+        slices over ``shard_size`` of those ranks (-1: all of them); parameters under
+        ``threshold`` KB stay whole; ``optimizer_level`` as :mod:`simpar.optimizer_parallel`
+        describes. The arguments are checked as MindSpore checks them."""
         if not _is_int(shard_size) or (shard_size <= 0 and shard_size != -1):
             raise ValueError(f"For 'AutoParallel.hsdp', the argument 'shard_size' must be a "
                              f"positive integer or -1, but got {shard_size!r}.")
@@ -321,11 +308,11 @@ class AutoParallel(Cell):
         if optimizer_level not in _OPTIMIZER_LEVELS:
             raise ValueError(f"For 'AutoParallel.hsdp', the argument 'optimizer_level' must be "
                              f"one of {list(_OPTIMIZER_LEVELS)}, but got {optimizer_level!r}.")
-        raise NotImplementedError(
-            "AutoParallel.hsdp: simpar has no optimizer parallelism (sharding of optimizer "
-            "states, weights or gradients across data-parallel ranks); each rank keeps the "
-            "optimizer state of its own parameter shards, which the operator strategies "
-            "already split (replicated parameters are replicated with their state)")
+        self._settings["enable_parallel_optimizer"] = True
+        # Every key given, so that the global context cannot reach the wrapped network.
+        self._settings["parallel_optimizer_config"] = {
+            "optimizer_level": optimizer_level, "parallel_optimizer_threshold": int(threshold),
+            "optimizer_weight_shard_size": int(shard_size)}
 
     def comm_fusion(self, config: dict[str, Any] | None) -> None:
         """Communication fusion settings. simpar always fuses each step's Mirror AllReduces

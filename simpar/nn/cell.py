@@ -16,7 +16,7 @@ import numpy as np
 from simpar import graph, ops
 from simpar.parameter import Parameter, initializer
 
-__all__ = ["Cell", "Parameter", "initializer"]
+__all__ = ["Cell", "Parameter", "Wrapper", "initializer"]
 
 
 class Cell:
@@ -125,6 +125,37 @@ class Cell:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+class Wrapper(Cell):
+    """A Cell around one ``network`` that adds settings, not computation (``AutoParallel``,
+    ``GradAccumulation``): transparent in names, as MindSpore's ``auto_prefix=False`` is.
+    The network takes the wrapper's place in the scope names, so its ops are named as without
+    the wrapper, and its parameters keep the names they have in ``network``."""
+
+    network: Cell
+
+    def __init__(self, network: Cell) -> None:
+        super().__init__()
+        self.network = network
+
+    @property
+    def _scope_name(self) -> str:
+        return str(getattr(self.network, "_scope_name", "network"))
+
+    @_scope_name.setter
+    def _scope_name(self, name: str) -> None:
+        object.__setattr__(self.network, "_scope_name", name)
+
+    def cells_and_names(self, prefix: str = "") -> Iterator[tuple[str, Cell]]:
+        yield prefix, self
+        yield from self.network.cells_and_names(prefix)
+
+    def construct(self, *args: Any) -> Any:
+        return self.network(*args)
+
+    def __call__(self, *args: Any) -> Any:
+        return self.network(*args)   # no scope of its own
 
 
 def _reshard_inputs(cell: Any, args: Sequence[Any]) -> tuple[Any, ...]:

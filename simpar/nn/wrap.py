@@ -34,11 +34,12 @@ from simpar import comm, context, graph
 from simpar.layout import TensorLayout, shard_index, take_shard
 from simpar.nn.auto_parallel import AutoParallel
 from simpar.nn.cell import Cell
+from simpar.nn.grad_accumulation import GradAccumulation
 from simpar.nn.optim import Optimizer
 from simpar.redistribution import execute, plan
 from simpar.runtime.lowering import lower
 from simpar.runtime.program import ParallelProgram
-from simpar.search import PlanRequest, plan_request, request_from_context
+from simpar.search import PlanRequest, complete_plan, plan_request, request_from_context
 from simpar.seed import get_seed
 from simpar.strategy_file import load_strategy, save_strategy
 
@@ -99,6 +100,9 @@ class TrainOneStepCell:
                                  f"pass None, {own!r} or 'stand_alone' (the single-device twin)")
             self.mode = parallel_mode or own
         self.seed = get_seed() if seed is None else seed
+        accumulation = _grad_accumulation_of(network)
+        #: Micro-batches per step (a GradAccumulation in ``network``; 1 without).
+        self.micro_batches = accumulation.micro_size if accumulation is not None else 1
         self.program: ParallelProgram | None = None
         self._ctx: context.ParallelContext | None = None
         self._seed = 1.0
@@ -132,8 +136,9 @@ class TrainOneStepCell:
         files = ctx.strategy_ckpt_config if self.mode in (
             "semi_auto_parallel", "auto_parallel") else context.StrategyCkptConfig()
         if files.load_file:
-            smap = load_strategy(files.load_file, g, request.device_num, mode=self.mode,
-                                 dataset_strategy=ctx.dataset_strategy)
+            smap = complete_plan(request, load_strategy(
+                files.load_file, g, request.device_num, mode=self.mode,
+                dataset_strategy=ctx.dataset_strategy))
         else:
             smap = plan_request(request)
         if files.save_file:
@@ -150,23 +155,36 @@ class TrainOneStepCell:
         if world > 1:  # shapes decide the program: every rank must trace the same
             comm.check_context()  # device_num against the world, once: the request has it
             comm.check_same_arrays("TrainOneStepCell.build", [("data", data), ("label", label)])
-        g = graph.trace(self.network, [(data.shape, data.dtype), (label.shape, label.dtype)],
-                        ["data", "label"])
-        request = request_from_context(g, cell=self.network, mode=self.mode)
+        m = self.micro_batches
+        for what, x in (("data", data), ("label", label)):
+            if x.ndim == 0 or x.shape[0] % m:
+                raise ValueError(f"For micro batch initialization, the 0th dimension shape of "
+                                 f"input({x.shape[0] if x.ndim else 'a scalar'}) must be divided "
+                                 f"by micro size({m}): GradAccumulation splits the {what} of "
+                                 f"shape {x.shape} into {m} micro-batches")
+        # The program is one micro-batch's (the whole batch's without accumulation).
+        g = graph.trace(self.network, [((x.shape[0] // m, *x.shape[1:]), x.dtype)
+                                       for x in (data, label)], ["data", "label"])
+        request = request_from_context(g, cell=self.network, mode=self.mode, micro_batches=m)
         self.program = self._plan(ctx, request)
         rank = comm.get_rank() if request.device_num > 1 else 0
         trainable = {p.name for p in self.optimizer.parameters}
-        for name, lay in self.program.param_layouts.items():
+        for name in self.program.param_layouts:
             v = self.program.param_values[name]
             assert v.param is not None
-            # This rank draws its own block only: never the whole parameter.
+            # This rank draws its own block only (its optimizer slice, when the optimizer is
+            # parallel): never the whole parameter.
+            lay = self.program.storage_layout(name)
             self.params[name] = v.param.initial_value(self.seed, lay.slice_of(rank))
             if name not in trainable and v.param.requires_grad:
                 raise ValueError(f"TrainOneStepCell: parameter {name} is trainable but not "
                                  "in the optimizer's params")
         self.optimizer.init_state({n: self.params[n] for n in self.optimizer.names()})
-        self._feed = tuple((lay, *shard_index(lay, rank))
-                           for lay in self.program.input_layouts())
+        # Where this rank's part of the whole batch sits: the micro-batch's layout over m times
+        # the rows (each rank then splits its part into m, as MindSpore's _MicroBatch does).
+        self._feed = tuple((full, *shard_index(full, rank)) for full in (
+            lay.with_shape((lay.shape[0] * m, *lay.shape[1:])) if lay.ndim else lay
+            for lay in self.program.input_layouts()))
         self._seed = self.loss_seed()
         return self.program
 
@@ -243,15 +261,47 @@ class TrainOneStepCell:
     def _step(self, prog: ParallelProgram, local_in: list[np.ndarray], step: int | None,
               checked: Callable[[], None] | None = None
               ) -> tuple[float, dict[str, np.ndarray]]:
-        outs, tape = prog.forward(local_in, self.params,
-                                  step=self.step_count if step is None else step)
-        if checked is not None:   # the batch check: it raises before anything is used
-            checked()
-        loss = outs[0]
-        seed = np.full(loss.shape, self._seed, dtype=loss.dtype)
-        return float(loss), prog.backward(tape, [seed])
+        step = self.step_count if step is None else step
+        m = self.micro_batches
+        if m == 1:
+            outs, tape = prog.forward(local_in, self.params, step=step)
+            if checked is not None:   # the batch check: it raises before anything is used
+                checked()
+            loss = outs[0]
+            seed = np.full(loss.shape, self._seed, dtype=loss.dtype)
+            return float(loss), prog.backward(tape, [seed])
+        # Gradient accumulation: each micro-batch's gradients (seeded 1/m, MindSpore's sens),
+        # summed; then the step's one synchronisation. Micro-batch k numbers its dropout
+        # masks m * step + k.
+        parts = [np.split(x, m, axis=0) for x in local_in]
+        losses: list[float] = []
+        total: dict[str, np.ndarray] = {}
+        for k in range(m):
+            outs, tape = prog.forward([p[k] for p in parts], self.params, step=m * step + k)
+            if checked is not None and k == 0:
+                checked()
+            loss = outs[0]
+            losses.append(float(loss))
+            seed = np.full(loss.shape, self._seed / m, dtype=loss.dtype)
+            for name, g in prog.backward(tape, [seed]).items():
+                if name not in total:
+                    total[name] = g if g.flags.writeable else g.copy()
+                else:
+                    total[name] += g
+            del tape
+        return float(np.mean(losses)), prog.sync(total)
 
     # ------------------------------------------------------------ inspection
+    def batch_layouts(self) -> list[TensorLayout]:
+        """The layouts of the whole batch's inputs (``build`` first): the program's, over
+        ``micro_batches`` times the rows with gradient accumulation (each rank's part then
+        splits into the micro-batches)."""
+        if self.program is None:
+            raise ValueError("TrainOneStepCell.batch_layouts: the cell has not been built; "
+                             "call it (or build) on a batch first")
+        return [lay for lay, _, _ in self._feed]
+
+    # ------------------------------------------------------------ inspection (context)
     def _built_context(self, what: str) -> context.ParallelContext:
         if self._ctx is None:
             raise ValueError(f"TrainOneStepCell.{what}: the cell has not been built; call it "
@@ -272,7 +322,8 @@ class TrainOneStepCell:
         """Every parameter assembled to its global value (collective: every rank calls)."""
         assert self.program is not None
         out = {}
-        for name, lay in self.program.param_layouts.items():
+        for name in self.program.param_layouts:
+            lay = self.program.storage_layout(name)
             if self.program.device_num == 1 or lay.replicated() == lay:
                 out[name] = self.params[name].copy()  # a snapshot, not the live shard
                 continue
@@ -287,6 +338,17 @@ def _agreed(what: str, x: np.ndarray, lay: TensorLayout) -> tuple[str, np.ndarra
     if tuple(x.shape) == lay.shape:
         return what, x
     return f"{what} (this rank's slice; shape)", np.asarray(x.shape, dtype=np.int64)
+
+
+def _grad_accumulation_of(network: Cell) -> GradAccumulation | None:
+    """The GradAccumulation wrapper inside ``network`` (itself included), if any; more than
+    one would leave the number of micro-batches unclear."""
+    found = [cell for _, cell in network.cells_and_names() if isinstance(cell, GradAccumulation)]
+    found = [c for k, c in enumerate(found) if all(c is not d for d in found[:k])]
+    if len(found) > 1:
+        raise ValueError(f"TrainOneStepCell: the network holds {len(found)} GradAccumulation "
+                         f"wrappers ({', '.join(map(repr, found))}); wrap the network once")
+    return found[0] if found else None
 
 
 def _auto_parallel_of(network: Cell) -> AutoParallel | None:

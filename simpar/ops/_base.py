@@ -544,6 +544,18 @@ class Primitive:
             return y, (tuple(shape_only(x.shape, x.dtype) for x in xs), None)
         return y, (xs, y)
 
+    def keeps_input(self, k: int) -> bool:
+        """Whether the tape :meth:`local_forward` returns holds input ``k`` itself (the array
+        it was given): what the cost model counts among the activations, and what
+        optimizer-parallel level3 gathers again for the backward when it drops a weight.
+        By :attr:`tape`: every input for ``INPUTS``/``INPUTS_AND_OUTPUT``, input 0 for
+        ``INPUT_AND_NEW``, the indices (input 1) for ``INDICES``; an op whose own tape keeps
+        an input otherwise says so (LayerNorm's gamma)."""
+        tape = self.tape
+        if tape in (Tape.INPUTS_AND_OUTPUT, Tape.INPUTS):
+            return True
+        return (tape is Tape.INPUT_AND_NEW and k == 0) or (tape is Tape.INDICES and k == 1)
+
     def local_backward(self, sh: OpSharding, saved: Any, dy: Any,
                        collectives: Collectives = ONE_DEVICE) -> tuple[np.ndarray | None, ...]:
         """Gradient contributions of every input from the tape and the raw output's

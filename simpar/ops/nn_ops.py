@@ -298,6 +298,9 @@ class LayerNorm(Primitive):
 
     tape = Tape.NEW_LIKE_INPUT
 
+    def keeps_input(self, k: int) -> bool:
+        return k == 1   # gamma the backward scales by, beside its own xhat and rstd
+
     n_inputs = 3
 
     def __init__(self, begin_norm_axis: int = 1, begin_params_axis: int = 1,
@@ -463,6 +466,9 @@ class BatchNorm(Primitive):
     """
 
     tape = Tape.NEW_LIKE_INPUT
+
+    def keeps_input(self, k: int) -> bool:
+        return k == 1   # the scale the backward scales by, beside its own xhat and rstd
 
     n_inputs = 5
     nondiff_inputs = (3, 4)
@@ -634,6 +640,9 @@ class SparseSoftmaxCrossEntropyWithLogits(Primitive):
     """
 
     tape = Tape.NEW_LIKE_INPUT
+
+    def keeps_input(self, k: int) -> bool:
+        return k == 1   # the labels, as they are when the class dimension is whole
 
     n_inputs = 2
     nondiff_inputs = (1,)

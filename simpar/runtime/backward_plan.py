@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from simpar.collective_kinds import kind_of, traffic
 from simpar.cotangent import (
@@ -24,6 +24,7 @@ from simpar.cotangent import (
     cotangent_actions,
     op_backward,
 )
+from simpar.redistribution import RedistributionPlan, plan
 from simpar.runtime.lowered import LoweredGraph
 
 __all__ = ["BackwardPlan", "NodeBackward", "backward_traffic", "plan_backward"]
@@ -47,11 +48,15 @@ class NodeBackward:
 class BackwardPlan:
     """The planned backward of a program: per node that runs backward its
     :class:`NodeBackward`, and per trainable parameter the axes (of its layout, as ``frame``
-    writes it) over which its gradient is pending: its Mirror's."""
+    writes it) over which its gradient is pending: its Mirror's. A parameter optimizer
+    parallel slices has its gradient completed by ``shard_syncs[name]`` instead: from pending
+    over those axes to its shard (a ReduceScatter over the shard's ranks, and an AllReduce
+    over the rest of its pending axes when the shard covers fewer)."""
 
     nodes: Mapping[int, NodeBackward]
     params: Mapping[str, Pending]
     frame: Frame
+    shard_syncs: Mapping[str, RedistributionPlan] = field(default_factory=dict)
 
     def mirror_group(self, lowered: LoweredGraph, name: str, rank: int) -> tuple[int, ...]:
         """The ranks whose gradients of parameter ``name`` its Mirror sums (``(rank,)``: no
@@ -66,7 +71,7 @@ class BackwardPlan:
         gradients one AllReduce sums over that group, in the program's parameter order."""
         buckets: dict[tuple[tuple[int, ...], str], list[str]] = {}
         for name, v in lowered.param_values.items():
-            if v.param is None or not v.param.requires_grad:
+            if v.param is None or not v.param.requires_grad or name in self.shard_syncs:
                 continue
             group = self.mirror_group(lowered, name, rank)
             if len(group) > 1:
@@ -138,7 +143,10 @@ def _plan(lowered: LoweredGraph, seeded: tuple[bool, ...], eager: bool) -> Backw
         nodes[node.id] = NodeBackward(ob, needs, edges, align_sum, align_new)
     params = {name: pending.get(v.id, frozenset()) for name, v in lowered.param_values.items()
               if v.param is not None and v.param.requires_grad}
-    return BackwardPlan(nodes, params, frame)
+    syncs = {name: plan(frame.of(lowered.param_layouts[name]).with_partial_axes(
+                 sorted(params[name])), shard.layout, lowered.enable_alltoall)
+             for name, shard in lowered.param_shards.items() if name in params}
+    return BackwardPlan(nodes, params, frame, syncs)
 
 
 def backward_traffic(lowered: LoweredGraph, bplan: BackwardPlan) -> tuple[int, int]:
@@ -160,6 +168,11 @@ def backward_traffic(lowered: LoweredGraph, bplan: BackwardPlan) -> tuple[int, i
             sent += kind_of(kind).traffic(group, size)  # a direct exchange: its size
             calls += 1
     for name, axes in bplan.params.items():
+        sync = bplan.shard_syncs.get(name)
+        if sync is not None:   # a direct exchange's bytes are its size, as above
+            sent += sum(st.send_bytes(0, 1) for st in sync.steps if not st.kind.local)
+            calls += sum(1 for st in sync.steps if not st.kind.local)
+            continue
         if not axes:
             continue
         lay = bplan.frame.of(lowered.param_layouts[name])

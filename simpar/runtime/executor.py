@@ -102,6 +102,38 @@ class _Mirror(NamedTuple):
     run: comm.Prepared          # the bucket's AllReduce, prepared
 
 
+class _Dropped:
+    """What a level3 tape holds in place of a weight the forward gathered (one per
+    parameter): the backward gathers the weight again and puts it back (:func:`_rehold`)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<dropped {self.name}>"
+
+
+def _unhold(tape: Any, x: np.ndarray, marker: _Dropped) -> Any:
+    """``tape`` with every entry that is ``x`` itself (in nested tuples) replaced by
+    ``marker``: the tape no longer keeps the gathered weight alive."""
+    if tape is x:
+        return marker
+    if isinstance(tape, tuple):
+        return tuple(_unhold(t, x, marker) for t in tape)
+    return tape
+
+
+def _rehold(tape: Any, marker: _Dropped, x: np.ndarray) -> Any:
+    """:func:`_unhold` undone with the weight gathered again."""
+    if tape is marker:
+        return x
+    if isinstance(tape, tuple):
+        return tuple(_rehold(t, marker, x) for t in tape)
+    return tape
+
+
 def mirror_announcement(group: tuple[int, ...], names: Sequence[str]
                         ) -> tuple[str, tuple[int, ...], tuple[str, ...]]:
     """What a Mirror announces to the schedule guard (compared by value): its group and its
@@ -147,7 +179,8 @@ class _Source:
 
     def __init__(self, header: str) -> None:
         self.lines = [header]
-        self.names: dict[str, Any] = {"_zeros": np.zeros, **INLINE_NAMES}
+        self.names: dict[str, Any] = {"_zeros": np.zeros, "_unhold": _unhold,
+                                      "_rehold": _rehold, **INLINE_NAMES}
         self._bound: dict[int, str] = {}   # id of an object already named -> its name
 
     def bind(self, prefix: str, obj: Any) -> str:
@@ -220,6 +253,13 @@ class Executor:
                                 view is not None, plain, pre, post, inline, sh.op.tape))
         self.outputs = tuple(slot[v.id] for v in g.outputs)
         self.slot = slot
+        # Optimizer parallel: the slots of parameters stored in slices (gathered before
+        # their first use), and of those level3 drops after the forward and gathers again.
+        shards = program.param_shards
+        self._sharded = {s: name for s, name in self.params if name in shards}
+        self._regathered = {s: name for s, name in self._sharded.items()
+                            if shards[name].level.regathers}
+        self._dropped = {s: _Dropped(name) for s, name in self._regathered.items()}
         # Redistribution steps bound for this rank (redistribution.bind_step), made when the
         # code that calls them is first written: one per (step, direction, dtype), the step by
         # identity, as the schedule guard compares announcements (equal steps of two plans
@@ -229,11 +269,13 @@ class Executor:
         self._fwd = tuple(fwd)
         self._forward_fns: dict[bool, tuple[Callable[..., Any], str]] = {}
         #: The compiled backward per set of seeded outputs (built on first use): its steps,
-        #: last op first, and its Mirror buckets.
+        #: last op first, its Mirror buckets, and the steps completing each sliced
+        #: parameter's gradient into its slice.
         self.backwards: dict[tuple[bool, ...], tuple[tuple[_Backward, ...],
-                                                     tuple[_Mirror, ...]]] = {}
+                                                     tuple[_Mirror, ...],
+                                                     dict[str, Moves]]] = {}
         # The generated backward per (seeded, watched), with the records it was written from.
-        self._backward_fns: dict[tuple[tuple[bool, ...], bool],
+        self._backward_fns: dict[tuple[tuple[bool, ...], bool, bool],
                                  tuple[tuple[_Backward, ...], Callable[..., Any], str]] = {}
 
     @property
@@ -269,7 +311,7 @@ class Executor:
         seeded = tuple(seeded) if seeded is not None else (True,) * len(self.outputs)
         text = self._forward_fn(False)[1]
         if seeded in self.backwards:
-            text += "\n\n" + self._backward_fn(seeded, False)[2]
+            text += "\n\n" + self._backward_fn(seeded, False, True)[2]
         return text
 
     # ------------------------------------------------------------ forward
@@ -292,7 +334,9 @@ class Executor:
         for k, s in enumerate(self.inputs):
             src.add(f"v{s} = inputs[{k}]")
         for s, name in self.params:
-            src.add(f"v{s} = params[{name!r}]")
+            if s not in self._sharded:   # a sliced one is gathered before its first use
+                src.add(f"v{s} = params[{name!r}]")
+        gathered: set[int] = set()
         for s, c in self.consts:
             src.add(f"v{s} = {src.bind('C', c)}")
         sample = "watch.params = params; watch.sample(locals())"
@@ -302,6 +346,11 @@ class Executor:
             run = src.bind("R", r.run)
             node = self.program.steps[i].node
             src.add(f"# {node.name}: {node.op.name}")
+            for s in r.ins:
+                if s in self._sharded and s not in gathered:
+                    gathered.add(s)
+                    src.add(f"v{s} = " + self._moved(src, self._gather(self._sharded[s]),
+                                                     f"params[{self._sharded[s]!r}]"))
             names = []   # the kernel's arguments: values, or their redistributed copies
             for k, s in enumerate(r.ins):
                 if k < len(r.pre) and r.pre[k]:
@@ -329,6 +378,9 @@ class Executor:
                     src.add(f"t{r.keep} = " + self._tape(src, i, args, raw))
             else:
                 src.add(f"{raw}, {f't{r.keep}' if r.keep >= 0 else '_'} = {run}({args})")
+            for k in self._drops(i):   # level3: the tape lets go of the gathered weight
+                marker = src.bind("W", self._dropped[r.ins[k]])
+                src.add(f"t{r.keep} = _unhold(t{r.keep}, {names[k]}, {marker})")
             if raw == "r":   # each output after its own plan's steps
                 # An inline expression's product that its tape does not keep is the step's
                 # to reduce in place (a row-parallel MatMul's, before its AllReduce).
@@ -346,9 +398,25 @@ class Executor:
             if watched:
                 src.add(sample)
         untaped = {r.keep for r in self._fwd if r.view}
-        tapes = ", ".join("None" if k in untaped else f"t{k}" for k in range(n_tapes))
-        src.add(f"return [{', '.join(f'v{s}' for s in self.outputs)}], [{tapes}]")
+        tapes = [("None" if k in untaped else f"t{k}") for k in range(n_tapes)]
+        # The stored slices of the level3 weights, for the backward to gather again.
+        tapes += [f"params[{name!r}]" for name in self._regathered.values()]
+        src.add(f"return [{', '.join(f'v{s}' for s in self.outputs)}], [{', '.join(tapes)}]")
         return src.build("forward")
+
+    def _gather(self, name: str) -> Moves:
+        """The steps that make parameter ``name`` whole from its stored slice."""
+        dtype = self.program.param_values[name].dtype
+        return tuple((st, False, dtype) for st in self.program.weight_gathers[name].steps)
+
+    def _drops(self, i: int) -> list[int]:
+        """The inputs of op ``i`` whose tape holds a level3 weight the backward gathers
+        again: the op keeps a tape, keeps that input itself, and moves no input inside."""
+        r, sh = self._fwd[i], self.program.steps[i].sharding
+        if r.keep < 0 or r.view or sh.inner_plan is not None:
+            return []
+        return [k for k, s in enumerate(r.ins) if s in self._regathered
+                and sh.op.keeps_input(k)]
 
     def _tape(self, src: _Source, i: int, args: str, raw: str) -> str:
         """What plain op ``i``'s tape keeps, as its kind says (Primitive.local_forward's
@@ -400,7 +468,8 @@ class Executor:
 
     # ------------------------------------------------------------ backward
     def _compile_backward(self, bplan: BackwardPlan
-                          ) -> tuple[tuple[_Backward, ...], tuple[_Mirror, ...]]:
+                          ) -> tuple[tuple[_Backward, ...], tuple[_Mirror, ...],
+                                     dict[str, Moves]]:
         program = self.program
         bwd: list[_Backward] = []
         for i in reversed(range(len(program.steps))):
@@ -436,21 +505,30 @@ class Executor:
             mirrors.append(_Mirror(group, mirror_announcement(group, names), names, sizes,
                                    comm.prepare("all_reduce", (sum(sizes),), dtype, group,
                                                 consume=True)))
-        return tuple(bwd), tuple(mirrors)
+        syncs: dict[str, Moves] = {
+            name: tuple((st, False, program.param_values[name].dtype) for st in p.steps)
+            for name, p in bplan.shard_syncs.items()}
+        return tuple(bwd), tuple(mirrors), syncs
 
-    def _backward_fn(self, seeded: tuple[bool, ...], watched: bool
+    def _backward_fn(self, seeded: tuple[bool, ...], watched: bool, sync: bool
                      ) -> tuple[tuple[_Backward, ...], Callable[..., Any], str]:
-        records = self.backwards[seeded][0]
-        found = self._backward_fns.get((seeded, watched))
+        records, _, syncs = self.backwards[seeded]
+        found = self._backward_fns.get((seeded, watched, sync))
         if found is None or found[0] is not records:
-            found = self._backward_fns[seeded, watched] = (
-                records, *self._write_backward(records, seeded, watched))
+            # Without sync (a micro-batch before the step's last), the gradients that sync
+            # once per step stay whole and pending: level1's slices are cut after the last.
+            now = syncs if sync else {n: m for n, m in syncs.items()
+                                      if self.program.param_shards[n].level.per_micro_batch}
+            found = self._backward_fns[seeded, watched, sync] = (
+                records, *self._write_backward(records, seeded, watched, now))
         return found
 
     def _write_backward(self, records: tuple[_Backward, ...], seeded: tuple[bool, ...],
-                        watched: bool) -> tuple[Callable[..., Any], str]:
+                        watched: bool, syncs: dict[str, Moves]
+                        ) -> tuple[Callable[..., Any], str]:
         src = _Source("def backward(tape, seeds, watch):")
         held: set[int] = set()   # slots holding a gradient at this point of the code
+        gathered: set[int] = set()   # level3 weights gathered again (w{slot})
         taken: list[int] = []    # the slots the op being written consumes
 
         def take(s: int, acts: Actions, shape: tuple[int, ...], dtype: np.dtype) -> str:
@@ -469,6 +547,17 @@ class Executor:
                 src.add(f"g{s} = seeds[{k}]")
                 held.add(s)
         steps = self.program.steps
+        # A sliced parameter's gradient is complete after the last record adding to it: its
+        # sync (ReduceScatter into its slice) runs there. Level3 weights are gathered again
+        # before the first record whose tape dropped them, and let go after the last.
+        last_add = {inp.slot: j for j, r in enumerate(records) for inp in r.inputs
+                    if inp.slot in self._sharded and self._sharded[inp.slot] in syncs}
+        drops = {j: self._drops(len(steps) - 1 - j) for j, r in enumerate(records)
+                 if r.kernel is not None}
+        last_drop = {self._fwd[len(steps) - 1 - j].ins[k]: j
+                     for j, ks in drops.items() for k in ks}
+        extra = {s: len(self._tape_of) + n for n, s in enumerate(self._regathered)}
+        synced: set[int] = set()
         for j, r in enumerate(records):
             if r.kernel is None:
                 dropped = [s for s, _, _, _ in r.outs if s in held]
@@ -478,8 +567,19 @@ class Executor:
                 continue
             kernel = src.bind("K", r.kernel)
             taken.clear()
-            node = steps[len(steps) - 1 - j].node   # the records run last op first
+            i = len(steps) - 1 - j   # the records run last op first
+            node = steps[i].node
             src.add(f"# {node.name}: {node.op.name} backward")
+            for k in drops.get(j, ()):
+                s = self._fwd[i].ins[k]
+                name = self._regathered[s]
+                if s not in gathered:
+                    gathered.add(s)
+                    src.add(f"w{s} = " + self._moved(src, self._gather(name), f"tape[{extra[s]}]"))
+                pre = self._fwd[i].pre[k] if k < len(self._fwd[i].pre) else ()
+                marker = src.bind("W", self._dropped[s])
+                src.add(f"tape[{r.keep}] = _rehold(tape[{r.keep}], {marker}, "
+                        + self._moved(src, pre, f"w{s}") + ")")
             if r.multi:
                 draws = [take(*o) for o in r.outs]
                 draws.reverse()
@@ -521,6 +621,18 @@ class Executor:
                     src.add(f"g{s} = {before} + {new}")
                 else:
                     src.add(f"g{s} = g{s} + c")
+            if drops.get(j):
+                src.add(f"tape[{r.keep}] = None")   # the gathered weight goes with it
+                done = [s for s, last in last_drop.items() if last == j]
+                if done:
+                    src.add("del " + ", ".join(f"w{s}" for s in done))
+            for s, last in last_add.items():
+                if last == j and s in held:
+                    name = self._sharded[s]
+                    src.add(f"s{s} = " + self._moved(src, syncs[name], f"g{s}"))
+                    src.add(f"del g{s}")
+                    held.discard(s)
+                    synced.add(s)
             if watched:
                 src.add("watch.sample(tape, locals())")
         program = self.program
@@ -529,29 +641,61 @@ class Executor:
             if v.param is None or not v.param.requires_grad:
                 continue
             s = self.slot[v.id]
-            if s in held:
+            if s in synced:
+                src.add(f"out[{name!r}] = s{s}")
+            elif s in held:
                 # A broadcast view (ReduceMean's) is read-only: the caller gets its own copy.
                 src.add(f"out[{name!r}] = g{s} if g{s}.flags.writeable else g{s}.copy()")
-            else:
-                shape = program.param_layouts[name].local_shape()
+            else:   # no gradient reached it: zeros, in the layout it is returned in
+                lay = (program.storage_layout(name) if name in syncs
+                       else program.param_layouts[name])
+                shape = lay.local_shape()
                 src.add(f"out[{name!r}] = _zeros({shape!r}, {src.bind('D', v.dtype)})")
         src.add("return out")
         return src.build("backward")
 
     def backward(self, bplan: BackwardPlan, tape: list[Any],
-                 output_grads: Sequence[np.ndarray | None], watch: MemoryWatch | None
-                 ) -> dict[str, np.ndarray]:
+                 output_grads: Sequence[np.ndarray | None], watch: MemoryWatch | None,
+                 sync: bool = True) -> dict[str, np.ndarray]:
+        """The gradients of this rank's parameters. ``sync`` False (a micro-batch whose
+        gradients are summed with the others' before the step's one synchronisation): the
+        Mirrors and level1's slicing are left to :meth:`sync`."""
         seeded = tuple(g is not None for g in output_grads)
         if seeded not in self.backwards:
             self.backwards[seeded] = self._compile_backward(bplan)
-        mirrors = self.backwards[seeded][1]
-        run = self._backward_fn(seeded, watch is not None)[1]
+        run = self._backward_fn(seeded, watch is not None, sync)[1]
         # A value's cotangent has the value's dtype, whatever numpy's promotion made of the
         # contributions, so every collective moves the bytes the schedule lists. Seeds are
         # whole: every rank holds the output's whole cotangent.
         seeds = [None if g is None else np.asarray(g).astype(v.dtype, copy=False)
                  for v, g in zip(self.program.graph.outputs, output_grads)]
         out: dict[str, np.ndarray] = run(tape, seeds, watch)
+        return self._mirrors(seeded, out) if sync else out
+
+    def sync(self, seeded: Sequence[bool], grads: dict[str, np.ndarray]
+             ) -> dict[str, np.ndarray]:
+        """The step's one synchronisation of gradients summed over micro-batches (each left
+        pending by ``backward(..., sync=False)``): level1's slices cut, in parameter order,
+        then the Mirrors. A new dict; the arrays given may be written into."""
+        key = tuple(seeded)
+        _, _, syncs = self.backwards[key]
+        out = dict(grads)
+        for name in self.program.param_values:
+            moves = syncs.get(name)
+            if moves is not None and not self.program.param_shards[name].level.per_micro_batch:
+                x = out[name]
+                for step, adjoint, dtype in moves:
+                    bind = self._bound.get((id(step), adjoint, dtype, False))
+                    if bind is None:
+                        bind = self._bound[id(step), adjoint, dtype, False] = bind_step(
+                            step, adjoint, dtype, self.rank, False)
+                    x = bind(x)
+                out[name] = x
+        return self._mirrors(key, out)
+
+    def _mirrors(self, seeded: tuple[bool, ...], out: dict[str, np.ndarray]
+                 ) -> dict[str, np.ndarray]:
+        mirrors = self.backwards[seeded][1]
         # Mirror: one AllReduce per group of ranks and dtype, on all its parameters' gradients
         # at once (MindSpore fuses these AllReduces too); the sum completes every pending one.
         for _, announce, names, sizes, all_reduce in mirrors:

@@ -8,11 +8,12 @@ it once lowered.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from simpar.graph import Graph, Node, Value
 from simpar.layout import TensorLayout
 from simpar.ops._base import OpSharding
+from simpar.optimizer_parallel import ParamShard
 from simpar.redistribution import RedistributionPlan
 from simpar.search import Source
 
@@ -36,7 +37,10 @@ class LoweredGraph:
     """``graph`` lowered for ``device_num`` devices: its ops in trace order (``steps``), the
     layout of every value (by id) and of every parameter (by name). ``needs_grad`` holds the
     values on a path from a trainable parameter; ``grad_nodes`` the nodes reading one, whose
-    forward keeps a tape."""
+    forward keeps a tape. ``param_shards`` names the parameters optimizer parallel slices
+    (each stored as its shard's layout says, :mod:`simpar.optimizer_parallel`), and
+    ``weight_gathers`` the plan that makes each one whole again (its layout in
+    ``param_layouts``) before the forward's first use."""
 
     graph: Graph
     device_num: int
@@ -47,3 +51,14 @@ class LoweredGraph:
     needs_grad: frozenset[int] = frozenset()
     enable_alltoall: bool = False
     grad_nodes: frozenset[int] = frozenset()
+    param_shards: Mapping[str, ParamShard] = field(default_factory=dict)
+    weight_gathers: Mapping[str, RedistributionPlan] = field(default_factory=dict)
+    #: Micro-batches per training step (gradient accumulation): the graph is one
+    #: micro-batch's, and the gradients that sync once per step do so after the last.
+    micro_batches: int = 1
+
+    def storage_layout(self, name: str) -> TensorLayout:
+        """The layout parameter ``name`` is stored (and updated, and its optimizer state
+        kept) in: its shard's under optimizer parallel, else its own."""
+        shard = self.param_shards.get(name)
+        return shard.layout if shard is not None else self.param_layouts[name]

@@ -16,11 +16,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from simpar.graph import Graph
 from simpar.layout import TensorLayout
+from simpar.optimizer_parallel import ParamShard, slice_layout
 from simpar.redistribution import plan
 from simpar.runtime.backward_plan import BackwardPlan, plan_backward
 from simpar.runtime.lowered import LoweredGraph, OpStep
@@ -87,9 +88,12 @@ def lower(graph: Graph, strategy_map: StrategyMap, enable_alltoall: bool = False
         if any(v.id in needs for v in node.inputs):
             needs.update(v.id for v in node.outputs)
     grad_nodes = frozenset(n.id for n in graph.nodes if any(v.id in needs for v in n.inputs))
+    shards = _check_shards(smap, params)
+    gathers = {name: plan(shard.layout, params[name], enable_alltoall)
+               for name, shard in shards.items()}
     lowered = LoweredGraph(graph, device_num, tuple(steps), layouts, params,
                            {v.name: v for v in graph.params}, frozenset(needs),
-                           enable_alltoall, grad_nodes)
+                           enable_alltoall, grad_nodes, shards, gathers, smap.micro_batches)
     plans = _backward_plans(lowered, seeds)
     program = ParallelProgram(
         **{f.name: getattr(lowered, f.name) for f in dataclasses.fields(lowered)},
@@ -97,6 +101,22 @@ def lower(graph: Graph, strategy_map: StrategyMap, enable_alltoall: bool = False
         index_limits=_index_limits(lowered), runner=ProgramRunner(lowered, plans))
     _warn_if_nothing_is_parallel(program)
     return program
+
+
+def _check_shards(smap: StrategyMap, params: Mapping[str, TensorLayout]
+                  ) -> dict[str, ParamShard]:
+    """The map's optimizer shards, each checked to slice its parameter's layout as
+    :func:`~simpar.optimizer_parallel.slice_layout` does."""
+    for name, shard in smap.shards.items():
+        if name not in params:
+            raise ValueError(f"lower: the strategy map slices parameter {name!r} for the "
+                             "optimizer, but the graph has no such parameter")
+        expected = slice_layout(params[name], shard.size)
+        if shard.layout != expected:
+            raise ValueError(f"lower: parameter {name}'s optimizer shard {shard.layout} is not "
+                             f"its layout {params[name]} sliced over {shard.size} ranks "
+                             f"({expected}); plan it with simpar.search.shard_optimizer")
+    return dict(smap.shards)
 
 
 def _backward_plans(lowered: LoweredGraph, seeds: Iterable[Sequence[bool]] | None

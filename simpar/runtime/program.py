@@ -192,6 +192,12 @@ class ParallelProgram(LoweredGraph):
         gradient shard, completed by its Mirror AllReduce."""
         return self.runner.backward(tape, output_grads)
 
+    def sync(self, grads: dict[str, np.ndarray], seeded: Sequence[bool] | None = None
+             ) -> dict[str, np.ndarray]:
+        """With micro-batches: the step's one synchronisation of the gradients summed over
+        them (:meth:`ProgramRunner.sync`)."""
+        return self.runner.sync(grads, seeded)
+
 
 def _kinds(actions: Sequence[Action]) -> list[StepKind]:
     """The collectives planned backward actions run."""

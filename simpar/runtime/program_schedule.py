@@ -32,7 +32,9 @@ class Role(StrEnum):
     COMPUTE = "compute"            # an op's local kernel on this rank's shards
     REDISTRIBUTE = "redistribute"  # moving an input to the layout its op needs (or Reshape's)
     OP_COLLECTIVE = "op-collective"  # the op's own: finishing partial outputs, split statistics
-    MIRROR = "mirror"              # one fused AllReduce of parameters' gradients
+    MIRROR = "mirror"              # one fused AllReduce of parameters' gradients, or the
+    #                                ReduceScatter of a sliced parameter's (optimizer parallel)
+    GATHER = "weight-gather"       # a sliced parameter made whole before its use
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +62,9 @@ class ProgramStep:
     reason: str = ""
     runs: object = field(default=None, compare=False, repr=False)
     adjoint: bool = False
+    #: Run once per step, after the last micro-batch's backward, on the gradients summed
+    #: over them (the Mirrors, level1's slicing); with one micro-batch, where it stands.
+    deferred: bool = False
 
     def __str__(self) -> str:
         phase = "bwd" if self.backward else "fwd"
@@ -80,7 +85,8 @@ class _Builder:
                                       flops=flops))
 
     def collectives(self, role: Role, op: str, label: str, specs: Sequence[CommSpec],
-                    itemsize: int, first_in_place: bool = False) -> None:
+                    itemsize: int, first_in_place: bool = False, deferred: bool = False
+                    ) -> None:
         """``first_in_place``: the first collective writes into its input (an AllReduce the
         executor hands the op's fresh product to): no result beside it."""
         for k, spec in enumerate(specs):
@@ -96,7 +102,7 @@ class _Builder:
                 len(self.steps), self.backward, role, op, where, spec.kind,
                 spec.group(self.rank), spec.recv_bytes(self.rank, itemsize),
                 spec.elements * itemsize, result * itemsize, 0, spec.reason, spec.runs,
-                spec.adjoint))
+                spec.adjoint, deferred))
 
 
 def schedule(program: LoweredGraph, bplan: BackwardPlan, rank: int) -> tuple[ProgramStep, ...]:
@@ -105,8 +111,16 @@ def schedule(program: LoweredGraph, bplan: BackwardPlan, rank: int) -> tuple[Pro
     the executor's generated code step for step; :mod:`simpar.schedule` checks that they
     agree."""
     b = _Builder(rank)
+    shards = program.param_shards
+    gathered: set[str] = set()
     for s in program.steps:
         node, sh = s.node, s.sharding
+        for v in node.inputs:   # optimizer parallel: the weight's slices gathered first
+            if v.kind == "param" and v.name in shards and v.name not in gathered:
+                gathered.add(v.name)
+                b.collectives(Role.GATHER, node.name, f"{v.name}:gather",
+                              plan_comm(program.weight_gathers[v.name], "gather the weight's "
+                                        "optimizer slices", False), v.dtype.itemsize)
         for k, (v, p) in enumerate(zip(node.inputs, s.in_plans)):
             b.collectives(Role.REDISTRIBUTE, node.name, f"{node.name}:input{k}",
                           plan_comm(p, f"input {k}", False), v.dtype.itemsize)
@@ -123,11 +137,36 @@ def schedule(program: LoweredGraph, bplan: BackwardPlan, rank: int) -> tuple[Pro
                           f"{node.name}/{sh.op.name}:output{k if k else ''}",
                           plan_comm(p, "output", True), v.dtype.itemsize, in_place)
     b.backward = True
+    regathered: set[str] = set()
+    # A sliced parameter's gradient is completed after the node whose backward adds its last
+    # contribution; with micro-batches, level1's waits for the step's one synchronisation.
+    accumulating = program.micro_batches > 1
+    once = [name for name in program.param_values if name in bplan.shard_syncs and
+            accumulating and not shards[name].level.per_micro_batch]
+    last_add = {}
+    for s in reversed(program.steps):
+        nb = bplan.nodes.get(s.node.id)
+        for k, v in enumerate(s.node.inputs):
+            if nb is not None and nb.needs[k] and v.kind == "param" and v.name in shards \
+                    and v.name not in once:
+                last_add[v.name] = s.node.id
     for s in reversed(program.steps):
         node, sh = s.node, s.sharding
         nb = bplan.nodes.get(node.id)
         if nb is None:
             continue
+        for k, v in enumerate(node.inputs):   # level3: the dropped weight gathered again
+            if v.kind == "param" and v.name in shards and shards[v.name].level.regathers \
+                    and node.id in program.grad_nodes and sh.inner_plan is None \
+                    and sh.op.keeps_input(k):
+                if v.name not in regathered:
+                    regathered.add(v.name)
+                    b.collectives(Role.GATHER, node.name, f"{v.name}:gather-again",
+                                  plan_comm(program.weight_gathers[v.name], "gather the "
+                                            "weight level3 dropped", False), v.dtype.itemsize)
+                b.collectives(Role.REDISTRIBUTE, node.name, f"{node.name}:input{k}-again",
+                              plan_comm(s.in_plans[k], f"input {k} again", False),
+                              v.dtype.itemsize)
         in_size, out_size = node.inputs[0].dtype.itemsize, node.outputs[0].dtype.itemsize
         for k in reversed(range(len(sh.outputs))):
             b.collectives(Role.OP_COLLECTIVE, node.name,
@@ -147,6 +186,18 @@ def schedule(program: LoweredGraph, bplan: BackwardPlan, rank: int) -> tuple[Pro
                 b.collectives(Role.REDISTRIBUTE, node.name, f"{node.name}:input{k}-adjoint",
                               action_comm(nb.edges[k], f"adjoint of input {k}", False),
                               v.dtype.itemsize)
+        done = sorted({v.name for v in node.inputs if last_add.get(v.name) == node.id},
+                      key=[v.name for v in node.inputs].index)
+        for name in done:   # a sliced parameter's gradient, complete: into its slice
+            b.collectives(Role.MIRROR, "", f"Mirror:{name}",
+                          plan_comm(bplan.shard_syncs[name], f"gradient of {name} into its "
+                                    "optimizer slice", False),
+                          program.param_values[name].dtype.itemsize)
+    for name in once:   # level1 under micro-batches: the summed gradient into its slice
+        b.collectives(Role.MIRROR, "", f"Mirror:{name}",
+                      plan_comm(bplan.shard_syncs[name], f"gradient of {name} into its "
+                                "optimizer slice", False),
+                      program.param_values[name].dtype.itemsize, deferred=True)
     for group, dtype, names in bplan.mirror_buckets(program, rank):
         elements = sum(program.param_layouts[n].local_size() for n in names)
         nbytes = elements * np.dtype(dtype).itemsize
@@ -155,7 +206,7 @@ def schedule(program: LoweredGraph, bplan: BackwardPlan, rank: int) -> tuple[Pro
             len(b.steps), True, Role.MIRROR, "", f"Mirror:{len(names)} params",
             StepKind.ALL_REDUCE, group, traffic(StepKind.ALL_REDUCE, len(group), nbytes), nbytes,
             0, 0, f"gradients of {', '.join(names)} (sum over their replicas)",
-            mirror_announcement(group, names)))
+            mirror_announcement(group, names), deferred=accumulating))
     return tuple(b.steps)
 
 

@@ -44,7 +44,7 @@ class ProgramRunner:
         self.backward_plans = backward_plans
         self._executors: dict[int, Executor] = {}
         self._schedules: dict[tuple[int, Seeds], tuple[ProgramStep, ...]] = {}
-        self._guarded: dict[tuple[int, Seeds, bool], tuple[ProgramStep, ...]] = {}
+        self._guarded: dict[tuple[int, Seeds, str], tuple[ProgramStep, ...]] = {}
 
     def backward_plan(self, seeded: Sequence[bool] | None = None) -> BackwardPlan:
         """The backward lowering planned for the outputs ``seeded`` says get a cotangent
@@ -71,16 +71,22 @@ class ProgramRunner:
                                                        self.backward_plan(key[1]), rank)
         return found
 
-    def collectives(self, rank: int, seeded: Sequence[bool] | None, backward: bool
+    def collectives(self, rank: int, seeded: Sequence[bool] | None, phase: str
                     ) -> tuple[ProgramStep, ...]:
-        """The schedule's collectives of one direction (what the guard checks), built once
-        per (rank, seeds, direction): every training step reuses them."""
-        key = (rank, seeds_of(seeded, len(self.lowered.graph.outputs)), backward)
+        """The schedule's collectives of one phase (what the guard checks): ``"forward"``,
+        ``"backward"`` (without the ``deferred`` steps when micro-batches accumulate) or
+        ``"sync"`` (those), built once per (rank, seeds, phase): every step reuses them."""
+        key = (rank, seeds_of(seeded, len(self.lowered.graph.outputs)), phase)
         found = self._guarded.get(key)
         if found is None:
-            found = self._guarded[key] = tuple(
-                s for s in self.schedule(rank, key[1])
-                if s.backward == backward and s.collective is not None)
+            steps = [s for s in self.schedule(rank, key[1]) if s.collective is not None]
+            if phase == "forward":
+                found = tuple(s for s in steps if not s.backward)
+            elif phase == "backward":
+                found = tuple(s for s in steps if s.backward and not s.deferred)
+            else:
+                found = tuple(s for s in steps if s.deferred)
+            self._guarded[key] = found
         return found
 
     def executor(self, rank: int) -> Executor:
@@ -105,7 +111,7 @@ class ProgramRunner:
         the same plan, so shapes agree by construction (and the check would double the
         number of collectives)."""
         rank = self._rank()
-        expected = self.collectives(rank, None, backward=False)
+        expected = self.collectives(rank, None, "forward")
         with comm.validation_disabled(), training_step(step), \
                 schedule.following(expected, "forward"):
             return self.executor(rank).forward(local_inputs, local_params, current_watch())
@@ -113,10 +119,25 @@ class ProgramRunner:
     def backward(self, tape: list[Any], output_grads: Sequence[np.ndarray | None]
                  ) -> dict[str, np.ndarray]:
         """The reverse pass from the outputs' cotangents: each trainable parameter's
-        gradient shard, completed by its Mirror AllReduce."""
+        gradient shard, completed by its Mirror AllReduce (or reduce-scattered into its
+        optimizer slice). With micro-batches (``micro_batches > 1``) the gradients that sync
+        once per step come back pending: sum them over the step's micro-batches and pass the
+        sum to :meth:`sync`."""
         rank = self._rank()
         seeded = [g is not None for g in output_grads]
-        expected = self.collectives(rank, seeded, backward=True)
+        expected = self.collectives(rank, seeded, "backward")
+        accumulating = self.lowered.micro_batches > 1
         with comm.validation_disabled(), schedule.following(expected, "backward"):
             return self.executor(rank).backward(self.backward_plan(seeded), tape,
-                                                output_grads, current_watch())
+                                                output_grads, current_watch(),
+                                                sync=not accumulating)
+
+    def sync(self, grads: dict[str, np.ndarray], seeded: Sequence[bool] | None = None
+             ) -> dict[str, np.ndarray]:
+        """The step's one synchronisation of gradients summed over its micro-batches (from
+        :meth:`backward`): the Mirrors, and level1's slicing."""
+        rank = self._rank()
+        key = seeds_of(seeded, len(self.lowered.graph.outputs))
+        expected = self.collectives(rank, key, "sync")
+        with comm.validation_disabled(), schedule.following(expected, "sync"):
+            return self.executor(rank).sync(key, grads)

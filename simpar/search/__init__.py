@@ -24,13 +24,16 @@ from simpar.search.auto import (
 )
 from simpar.search.cost_graph import CostGraph, brute_force, build_cost_graph
 from simpar.search.planner import (
+    OptimizerShardWarning,
     Planner,
     check_builtin_searches,
+    complete_plan,
     plan_request,
     plan_strategies,
     register_search,
     registered_searches,
     search_for,
+    shard_optimizer,
 )
 from simpar.search.propagation import follow_producers
 from simpar.search.request import (
@@ -53,10 +56,12 @@ __all__ = [
     "MODES",
     "CostGraph",
     "OpStrategy",
+    "OptimizerShardWarning",
     "PlanRequest",
     "Planner",
     "Source",
     "StrategyMap",
+    "complete_plan",
     "dataset_layouts",
     "brute_force",
     "build_cost_graph",
@@ -68,5 +73,6 @@ __all__ = [
     "registered_searches",
     "request_from_context",
     "search_for",
+    "shard_optimizer",
     "set_search_cost_model",
 ]

@@ -15,17 +15,22 @@ their planners when imported and checks that none is missing.
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from simpar.context import BUILTIN_SEARCH_MODES, register_search_mode
 from simpar.graph import Graph
+from simpar.optimizer_parallel import ParamFacts, shard_parameters
 from simpar.search.propagation import follow_producers
 from simpar.search.request import PlanRequest, request_from_context
 from simpar.search.strategy_map import StrategyMap
 
-__all__ = ["PlanRequest", "Planner", "check_builtin_searches", "plan_request", "plan_strategies",
-           "register_search", "registered_searches", "search_for"]
+__all__ = ["OptimizerShardWarning", "PlanRequest", "Planner", "check_builtin_searches",
+           "complete_plan",
+           "plan_request", "plan_strategies", "register_search", "registered_searches",
+           "search_for", "shard_optimizer"]
 
 #: A planner: pure, no MPI; it returns a strategy for every node of ``request.graph``.
 Planner = Callable[[PlanRequest], StrategyMap]
@@ -74,8 +79,53 @@ def plan_request(request: PlanRequest) -> StrategyMap:
     search registered for ``request.search_mode`` in auto_parallel, else the user's
     strategies with the fill-in (:func:`~simpar.search.propagation.follow_producers`)."""
     if request.mode == "auto_parallel":
-        return search_for(request.search_mode)(request)
-    return follow_producers(request)
+        smap = search_for(request.search_mode)(request)
+    else:
+        smap = follow_producers(request)
+    return complete_plan(request, smap)
+
+
+def complete_plan(request: PlanRequest, smap: StrategyMap) -> StrategyMap:
+    """``smap`` (searched, propagated or loaded from a strategy file) with the request's
+    dimensions beyond the cuts: the optimizer slices (:func:`shard_optimizer`) and the
+    micro-batches per step."""
+    smap = shard_optimizer(request, smap)
+    if request.micro_batches != smap.micro_batches:
+        smap = dataclasses.replace(smap, micro_batches=request.micro_batches)
+    return smap
+
+
+class OptimizerShardWarning(UserWarning):
+    """Optimizer parallel leaves a parameter whole that its settings would slice (MindSpore
+    warns so too): a shard size that does not divide its group, or rows that do not divide."""
+
+
+def shard_optimizer(request: PlanRequest, smap: StrategyMap) -> StrategyMap:
+    """``smap`` with every parameter laid out and each one ``request.optimizer`` slices
+    recorded (:func:`~simpar.optimizer_parallel.shard_parameters`); unchanged when optimizer
+    parallel is off. Warns once naming the parameters left whole for a reason other than the
+    threshold or being untrainable."""
+    if not request.optimizer.enabled:
+        return smap
+    g = request.graph
+    layouts = []
+    for node in g.nodes:
+        chosen = smap.ops[node.name]
+        layouts.append(node.op.sharding([v.shape for v in node.inputs], request.device_num,
+                                        chosen.in_strategy, chosen.out_strategy,
+                                        request.enable_alltoall).in_layouts)
+    smap = smap.complete(g, layouts)
+    facts = {v.name: ParamFacts(smap.params[v.name], v.dtype.itemsize,
+                                v.param is not None and v.param.requires_grad)
+             for v in g.params}
+    shards, whole = shard_parameters(facts, request.optimizer)
+    odd = {n: why for n, why in whole.items() if "threshold" not in why and
+           why != "not trainable" and "no two ranks" not in why}
+    if odd:
+        listed = "; ".join(f"{n}: {why}" for n, why in list(odd.items())[:4])
+        warnings.warn(f"optimizer parallel ({request.optimizer.level}) leaves {len(odd)} "
+                      f"parameters whole: {listed}", OptimizerShardWarning, stacklevel=3)
+    return dataclasses.replace(smap, shards=shards)
 
 
 def plan_strategies(graph: Graph, device_num: int, mode: str,

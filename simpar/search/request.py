@@ -28,6 +28,7 @@ from simpar.cost.interface import CostModel, MindSporeCostModel, SimparCostModel
 from simpar.cost_model_context import cost_model_context, get_search_cost_model
 from simpar.graph import Graph
 from simpar.layout import TensorLayout
+from simpar.optimizer_parallel import OptimizerParallel
 
 __all__ = ["MODES", "PlanRequest", "dataset_layouts", "parameter_plans", "request_from_context"]
 
@@ -44,7 +45,9 @@ class PlanRequest:
     """What every planner is given. ``input_layouts`` has one layout per graph input (the
     dataset strategy already applied); ``parameter_plan`` maps parameter names to cuts, checked
     against the graph's parameters; ``search_mode`` names the auto_parallel search;
-    ``memory_capacity`` is the bytes per rank a plan may need (None: the cost model's own)."""
+    ``memory_capacity`` is the bytes per rank a plan may need (None: the cost model's own);
+    ``optimizer`` the optimizer-parallel settings (:mod:`simpar.optimizer_parallel`);
+    ``micro_batches`` how many micro-batches a step runs (the graph is one micro-batch's)."""
 
     graph: Graph = field(compare=False, repr=False)
     device_num: int
@@ -56,6 +59,8 @@ class PlanRequest:
     algo: AlgoParameters = AlgoParameters()
     cost_model: CostModel = field(default_factory=_simpar_model)
     memory_capacity: float | None = None
+    optimizer: OptimizerParallel = OptimizerParallel()
+    micro_batches: int = 1
 
 
 def request_from_context(graph: Graph, *, cell: Any = None,
@@ -64,7 +69,9 @@ def request_from_context(graph: Graph, *, cell: Any = None,
                          dataset_strategy: Any = None, enable_alltoall: bool | None = None,
                          search_mode: str | None = None, cost_model: CostModel | None = None,
                          algo: Mapping[str, Any] | None = None,
-                         unset: Mapping[str, Any] | None = None) -> PlanRequest:
+                         unset: Mapping[str, Any] | None = None,
+                         optimizer: OptimizerParallel | None = None,
+                         micro_batches: int = 1) -> PlanRequest:
     """The request to plan ``graph``: every argument left None is the context's.
 
     ``mode`` and ``device_num`` default to ``parallel_mode`` and ``device_num`` (which the
@@ -76,7 +83,8 @@ def request_from_context(graph: Graph, *, cell: Any = None,
     defaults so). The cost model is ``cost_model``, else :func:`set_search_cost_model`'s, else
     MindSpore's when a key of its objective was set, else simpar's on ``cpu-local``; the
     memory cap is ``device_memory_capacity`` when set, else the model's own
-    (:mod:`simpar.cost_model_context`).
+    (:mod:`simpar.cost_model_context`). ``optimizer`` defaults to the context's
+    ``enable_parallel_optimizer`` and ``parallel_optimizer_config`` (off on one device).
 
     >>> request_from_context(g, mode="semi_auto_parallel", device_num=8)  # doctest: +SKIP
     PlanRequest(device_num=8, mode='semi_auto_parallel', input_layouts=(...), ...)
@@ -111,10 +119,28 @@ def request_from_context(graph: Graph, *, cell: Any = None,
         model = replace(model, ctx=settings)
     cap = (settings.device_memory_capacity if settings.memory_capacity_changed
            else float(model.memory_capacity))
+    if optimizer is None:
+        optimizer = _optimizer_settings(ctx, device_num)
     return PlanRequest(graph, device_num, mode, layouts, plans,
                        bool(given("enable_alltoall", enable_alltoall)),
                        str(given("search_mode", search_mode)),
-                       replace(algo_parameters(), **(algo or {})), model, cap)
+                       replace(algo_parameters(), **(algo or {})), model, cap, optimizer,
+                       micro_batches)
+
+
+def _optimizer_settings(ctx: Any, device_num: int) -> OptimizerParallel:
+    """The context's optimizer-parallel settings for ``device_num`` devices; a shard size
+    that does not divide ``device_num`` can divide no parameter's repeated group."""
+    config = ctx.parallel_optimizer_config
+    if not ctx.enable_parallel_optimizer or device_num == 1:
+        return OptimizerParallel()
+    size = config.optimizer_weight_shard_size
+    if size != -1 and (size > device_num or device_num % size):
+        raise ValueError(f"parallel_optimizer_config: optimizer_weight_shard_size {size} does "
+                         f"not divide device_num {device_num}, so it divides no parameter's "
+                         f"group of ranks; use -1 (each parameter's whole group) or a divisor "
+                         f"of {device_num}")
+    return OptimizerParallel(config.optimizer_level, size, config.parallel_optimizer_threshold)
 
 
 def _check_parameter_plan(graph: Graph, plans: Mapping[str, tuple[int, ...]]) -> None:

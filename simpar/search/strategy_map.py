@@ -26,6 +26,7 @@ from simpar._enums import StrEnum
 from simpar.graph import Graph, Value
 from simpar.layout import TensorLayout
 from simpar.ops.strategy import Strategy, as_strategy
+from simpar.optimizer_parallel import ParamShard
 
 __all__ = ["MAP_MODES", "OpStrategy", "Source", "StrategyMap", "lay_out_by_consumer"]
 
@@ -104,7 +105,13 @@ class StrategyMap:
     ``optimality_gap`` says how sure the search that made it is: 0.0 when its objective is the
     proven optimum, ``g`` in (0, 1] when a time-limited exact search stopped early (the optimum
     costs at least ``1 - g`` of this plan's objective), None when the planner proves nothing.
-    Two maps that choose the same strategies are equal whatever their gaps."""
+    Two maps that choose the same strategies are equal whatever their gaps.
+
+    ``shards`` holds, per parameter that optimizer parallel slices, its
+    :class:`~simpar.optimizer_parallel.ParamShard` (the level, and the slice each rank
+    stores); a parameter it does not name is stored in its own layout. ``micro_batches`` is
+    how many micro-batches a training step runs (gradient accumulation); the graph is one
+    micro-batch's."""
 
     device_num: int
     mode: str
@@ -112,6 +119,8 @@ class StrategyMap:
     params: Mapping[str, TensorLayout] = field(default_factory=dict)
     inputs: Mapping[str, TensorLayout] = field(default_factory=dict)
     optimality_gap: float | None = None
+    shards: Mapping[str, ParamShard] = field(default_factory=dict)
+    micro_batches: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.device_num, bool) or not isinstance(self.device_num,
@@ -124,13 +133,17 @@ class StrategyMap:
             raise ValueError(f"StrategyMap: mode must be one of {list(MAP_MODES)}, got "
                              f"{self.mode!r}")
         for name, what in (("ops", OpStrategy), ("params", TensorLayout),
-                           ("inputs", TensorLayout)):
+                           ("inputs", TensorLayout), ("shards", ParamShard)):
             table = getattr(self, name)
             for key, value in table.items():
                 if not isinstance(value, what):
                     raise TypeError(f"StrategyMap: {name}[{key!r}] must be a "
                                     f"{what.__name__}, got {type(value).__name__}")
             object.__setattr__(self, name, MappingProxyType(dict(table)))
+        if isinstance(self.micro_batches, bool) or not isinstance(
+                self.micro_batches, (int, np.integer)) or self.micro_batches < 1:
+            raise ValueError(f"StrategyMap: micro_batches must be an int >= 1, got "
+                             f"{self.micro_batches!r}")
         gap = self.optimality_gap
         if gap is not None:
             if isinstance(gap, bool) or not isinstance(gap, (int, float, np.floating)) or \
@@ -143,8 +156,9 @@ class StrategyMap:
         if not isinstance(other, StrategyMap):
             return NotImplemented
         return (self.device_num, self.mode, dict(self.ops), dict(self.params),
-                dict(self.inputs)) == (other.device_num, other.mode, dict(other.ops),
-                                       dict(other.params), dict(other.inputs))
+                dict(self.inputs), dict(self.shards), self.micro_batches) == (
+                    other.device_num, other.mode, dict(other.ops), dict(other.params),
+                    dict(other.inputs), dict(other.shards), other.micro_batches)
 
     __hash__ = None  # type: ignore[assignment]  # holds mappings; compare, don't hash
 
@@ -168,11 +182,13 @@ class StrategyMap:
     def __str__(self) -> str:
         by_source = ", ".join(f"{self.count(s)} {s}" for s in Source if self.count(s))
         gap = (f", optimality gap {self.optimality_gap:.2%}" if self.optimality_gap else "")
+        micro = f", {self.micro_batches} micro-batches" if self.micro_batches > 1 else ""
         lines = [f"StrategyMap: {self.mode}, {self.device_num} devices, {len(self.ops)} ops "
-                 f"({by_source}), {len(self.params)} parameters{gap}"]
+                 f"({by_source}), {len(self.params)} parameters{gap}{micro}"]
         lines += [f"  {name}: {s}" for name, s in self.ops.items()]
         lines += [f"  param {name}: {lay}" for name, lay in self.params.items()]
         lines += [f"  input {name}: {lay}" for name, lay in self.inputs.items()]
+        lines += [f"  optimizer shard {name}: {s}" for name, s in self.shards.items()]
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -184,6 +200,11 @@ class StrategyMap:
                              "inputs": {n: lay.to_dict() for n, lay in self.inputs.items()}}
         if self.optimality_gap is not None:
             d["optimality_gap"] = self.optimality_gap
+        if self.micro_batches > 1:
+            d["micro_batches"] = self.micro_batches
+        if self.shards:
+            d["shards"] = {n: {"level": str(s.level), "size": s.size,
+                               "layout": s.layout.to_dict()} for n, s in self.shards.items()}
         return d
 
     @classmethod
@@ -202,4 +223,7 @@ class StrategyMap:
                    {n: OpStrategy.from_dict(s) for n, s in d.get("ops", {}).items()},
                    {n: TensorLayout.from_dict(v) for n, v in d.get("params", {}).items()},
                    {n: TensorLayout.from_dict(v) for n, v in d.get("inputs", {}).items()},
-                   d.get("optimality_gap"))
+                   d.get("optimality_gap"),
+                   {n: ParamShard(s["level"], int(s["size"]), TensorLayout.from_dict(s["layout"]))
+                    for n, s in d.get("shards", {}).items()},
+                   int(d.get("micro_batches", 1)))
