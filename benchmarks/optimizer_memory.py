@@ -1,4 +1,4 @@
-"""Memory per rank under optimizer parallel: measured and predicted, for each level.
+"""Memory per rank under optimizer parallel and recomputation: measured and predicted.
 
     mpirun -n 8 python benchmarks/optimizer_memory.py            # the table, into RESULTS.md
     mpirun -n 8 python benchmarks/optimizer_memory.py --no-write
@@ -6,7 +6,8 @@
 The main job's GPT (``python -m simpar.train`` defaults: sequence 32, d_model 64, 2 layers,
 8 heads, float64, Adam) trained data parallel on every rank of the job, without optimizer
 parallel and with each level, at a threshold of 0 KB (every parameter sliced that can be) and
-at MindSpore's default of 64 KB. Per rank, after one step, it measures:
+at MindSpore's default of 64 KB, and with every block recomputed (``Cell.recompute()``). Per
+rank, after one step, it measures:
 
 * state: the bytes of the parameters, the gradients of the step and Adam's two moments the
   rank holds (the arrays themselves, ``nbytes``), against stand-alone's, which one process
@@ -46,15 +47,19 @@ SEQ, D_MODEL, LAYERS, HEADS, BATCH, SEED = 32, 64, 2, 8, 8, 0
 KiB = 1024
 
 
-def _cell(mode: str, level: str | None, threshold: int) -> nn.TrainOneStepCell:
+def _cell(mode: str, level: str | None, threshold: int, recompute: bool = False
+          ) -> nn.TrainOneStepCell:
     simpar.reset_auto_parallel_context()
     keys: dict[str, Any] = {"parallel_mode": mode, "gradients_mean": True}
     if level is not None:
         keys.update(enable_parallel_optimizer=True, parallel_optimizer_config={
             "optimizer_level": level, "parallel_optimizer_threshold": threshold})
     simpar.set_auto_parallel_context(**keys)
-    net = nn.WithLossCell(nn.GPT(VOCAB_SIZE, SEQ, D_MODEL, LAYERS, HEADS, dtype=np.float64),
-                          nn.SoftmaxCrossEntropyWithLogits())
+    gpt = nn.GPT(VOCAB_SIZE, SEQ, D_MODEL, LAYERS, HEADS, dtype=np.float64)
+    if recompute:
+        for block in gpt.blocks:
+            block.recompute()
+    net = nn.WithLossCell(gpt, nn.SoftmaxCrossEntropyWithLogits())
     return nn.TrainOneStepCell(net, nn.Adam(net.trainable_params(), 1e-3), parallel_mode=mode,
                                seed=SEED)
 
@@ -66,10 +71,11 @@ def _state(train: nn.TrainOneStepCell) -> int:
             + sum(a.nbytes for slots in train.optimizer.state.values() for a in slots.values()))
 
 
-def measure(mode: str, level: str | None, threshold: int) -> tuple[int, int, int, str]:
+def measure(mode: str, level: str | None, threshold: int, recompute: bool = False
+            ) -> tuple[int, int, int, str]:
     """(state bytes, measured peak, predicted peak, what stays whole) on this rank."""
     corpus = CharCorpus(seed=SEED)
-    train = _cell(mode, level, threshold)
+    train = _cell(mode, level, threshold, recompute)
     train(*corpus.batch(0, BATCH, SEQ))
     state = _state(train)
     batch = corpus.batch(1, BATCH, SEQ)
@@ -102,18 +108,21 @@ def main() -> int:
     rows = [["stand_alone (1 process)", "-", f"{alone[0] / KiB:.1f}", "1.000",
              f"{alone[1] / KiB:.1f}", f"{alone[2] / KiB:.1f}", "-"]]
     verdict = ""
-    for level, threshold in [(None, 0), ("level1", 0), ("level2", 0), ("level3", 0),
-                             ("level3", 64)]:
-        state, peak, predicted, note = measure("data_parallel", level, threshold)
+    for level, threshold, recompute in [(None, 0, False), ("level1", 0, False),
+                                        ("level2", 0, False), ("level3", 0, False),
+                                        ("level3", 64, False), (None, 0, True),
+                                        ("level3", 0, True)]:
+        state, peak, predicted, note = measure("data_parallel", level, threshold, recompute)
         worst = comm.all_gather(np.array([state, peak, predicted], dtype=np.int64)
                                 ).reshape(n, 3)
         r = int(np.argmax(worst[:, 0]))  # the rank holding the most state
         state, peak, predicted = (int(x) for x in worst[r])
-        name = f"data_parallel, {level or 'no optimizer parallel'}"
+        name = (f"data_parallel, {level or 'no optimizer parallel'}"
+                f"{', blocks recomputed' if recompute else ''}")
         rows.append([name, f"{threshold} KB" if level else "-", f"{state / KiB:.1f}",
                      f"{state / alone_state:.3f}", f"{peak / KiB:.1f}",
                      f"{predicted / KiB:.1f}", note])
-        if level == "level3" and threshold == 0:
+        if level == "level3" and threshold == 0 and not recompute:
             bound = alone_state / n * 1.05
             verdict = (f"level3 at threshold 0 on {n} ranks holds {state} bytes of parameters, "
                        f"gradients and Adam state on its fullest rank: "
@@ -127,7 +136,7 @@ def main() -> int:
         print(table)
         print(verdict)
         if not args.no_write:
-            write_section("optimizer parallel: memory per rank", "\n\n".join([
+            write_section("optimizer parallel and recomputation: memory per rank", "\n\n".join([
                 f"`mpirun -n {n} python {SCRIPT}` ({today()}): the main job's GPT (sequence "
                 f"{SEQ}, d_model {D_MODEL}, {LAYERS} layers, float64, Adam), data parallel on "
                 f"{n} ranks, after one step. state: the parameters, the step's gradients and "

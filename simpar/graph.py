@@ -22,7 +22,8 @@ from simpar import ops
 from simpar.ops._base import Primitive, recording
 from simpar.parameter import Parameter
 
-__all__ = ["Graph", "Node", "Value", "current_scope", "record", "scope", "trace", "tracing"]
+__all__ = ["Graph", "Node", "RecomputeSegment", "Value", "current_scope", "record",
+           "recompute_scope", "scope", "trace", "tracing"]
 
 
 def _arithmetic(op: type[Primitive], reflected: bool = False) -> Callable[[Value, Any], Any]:
@@ -73,6 +74,8 @@ class Node:
     inputs: tuple[Value, ...]
     outputs: tuple[Value, ...] = ()
     name: str = ""
+    #: The recomputed Cell it was recorded in (its index in ``Graph.segments``), or -1.
+    segment: int = -1
 
     def __repr__(self) -> str:
         ins = ", ".join(repr(v) for v in self.inputs)
@@ -80,15 +83,31 @@ class Node:
         return f"{outs} = {self.op!r}({ins})"
 
 
+@dataclass(frozen=True)
+class RecomputeSegment:
+    """The ops one Cell marked with ``Cell.recompute()`` recorded (a run of nodes, in trace
+    order): its scope name, the nodes, and MindSpore's two switches. ``mp_comm``: the
+    collectives of its ops' redistributions run again in the backward (else their results
+    are kept from the forward); ``opt_comm``: optimizer-parallel weights it reads are gathered
+    again (else the gathered copy is kept)."""
+
+    name: str
+    nodes: tuple[int, ...]
+    mp_comm: bool = True
+    opt_comm: bool = False
+
+
 @dataclass
 class Graph:
-    """A traced global graph."""
+    """A traced global graph; ``segments`` are the Cells marked for recomputation, each
+    with the nodes it recorded."""
 
     inputs: list[Value] = field(default_factory=list)
     params: list[Value] = field(default_factory=list)
     consts: list[Value] = field(default_factory=list)
     nodes: list[Node] = field(default_factory=list)
     outputs: list[Value] = field(default_factory=list)
+    segments: list[RecomputeSegment] = field(default_factory=list)
 
     def consumers(self) -> dict[int, list[tuple[Node, int]]]:
         """For every value id, the (node, input position) pairs that read it."""
@@ -112,6 +131,8 @@ class _Tracer:
         self.op_count = 0
         self.scopes: list[str] = ["Default"]
         self.params: dict[int, Value] = {}
+        self.segment = -1          # the recomputed Cell being traced (outermost), or -1
+        self.traced_cells: set[int] = set()   # ids of marked Cells whose construct ran
 
     def new_value(self, shape: Sequence[int], dtype: Any, kind: str, name: str,
                   **kw: Any) -> Value:
@@ -170,6 +191,35 @@ def scope(name: str) -> Iterator[None]:
         t.scopes.pop()
 
 
+@contextmanager
+def recompute_scope(cell: Any, mp_comm: bool, opt_comm: bool) -> Iterator[None]:
+    """Record the ops traced inside as one recomputed segment (``Cell.recompute()``); inside
+    another segment, the outer one holds them (MindSpore configures recomputation once per
+    Cell hierarchy)."""
+    t = _tracer()
+    if t is None:
+        yield
+        return
+    t.traced_cells.add(id(cell))
+    if t.segment >= 0:
+        yield
+        return
+    t.segment = len(t.graph.segments)
+    first = len(t.graph.nodes)
+    try:
+        yield
+    finally:
+        nodes = tuple(range(first, len(t.graph.nodes)))
+        t.graph.segments.append(RecomputeSegment("/".join(t.scopes), nodes, mp_comm, opt_comm))
+        t.segment = -1
+
+
+def traced_cells() -> set[int]:
+    """Ids of the Cells marked for recomputation whose ``construct`` this trace ran."""
+    t = _tracer()
+    return set(t.traced_cells) if t is not None else set()
+
+
 def current_scope() -> str:
     """The scope path ops recorded now would get (``"Default/network-WithLossCell/..."``)."""
     t = _tracer()
@@ -185,7 +235,7 @@ def record(op: Primitive, args: Sequence[Any]) -> Any:
     shapes = [v.shape for v in inputs]
     out_shape = snapshot.infer_shape(*shapes)
     node = Node(len(t.graph.nodes), snapshot, inputs,
-                name="/".join(t.scopes) + f"/{op.name}-op{t.op_count}")
+                name="/".join(t.scopes) + f"/{op.name}-op{t.op_count}", segment=t.segment)
     t.op_count += 1
     first_float = next((v.dtype for v in inputs if v.dtype.kind == "f"), inputs[0].dtype)
     dtype = snapshot.output_dtype(first_float)
@@ -218,4 +268,15 @@ def trace(fn: Callable[..., Any], input_specs: Sequence[tuple[Sequence[int], Any
             t.graph.outputs = [t.as_value(o) for o in outs]
     finally:
         _state.tracer = None
+    cells = getattr(fn, "cells_and_names", None)
+    if callable(cells):
+        unused = [path or "the network itself" for path, cell in cells()
+                  if getattr(cell, "recompute_settings", None) is not None
+                  and id(cell) not in t.traced_cells]
+        if unused:
+            raise ValueError(f"recompute: the Cell {unused[0]!r} is marked with "
+                             f"Cell.recompute(), but its construct never ran while the network "
+                             f"was traced, so it is not in the graph and nothing of it could be "
+                             f"recomputed ({len(unused)} such Cells); call recompute() on Cells "
+                             "the network uses")
     return t.graph

@@ -92,6 +92,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="optimizer parallel (MindSpore's enable_parallel_optimizer): slice "
                         "each weight ranks hold alike, its optimizer state and gradient, and "
                         "at level3 drop the gathered weight after the forward")
+    p.add_argument("--recompute", action="store_true",
+                   help="recompute every GPT block (every MLP layer but the last) in the "
+                        "backward: MindSpore's Cell.recompute()")
     p.add_argument("--micro-batches", type=int, default=1, metavar="N",
                    help="gradient accumulation (MindSpore's GradAccumulation): each step runs "
                         "N micro-batches of --batch-size / N and sums their gradients")
@@ -313,11 +316,12 @@ def batch_shapes(args: argparse.Namespace) -> list[tuple[tuple[int, ...], Any]]:
             ((args.batch_size,), np.dtype(np.int32))]
 
 
-def build(args: argparse.Namespace, mode: str, device_num: int, accumulate: bool = True
+def build(args: argparse.Namespace, mode: str, device_num: int, reference: bool = False
           ) -> nn.TrainOneStepCell:
     """The training cell for these options; in semi_auto_parallel its ops carry the preset's
-    strategies for ``device_num`` ranks (:func:`mesh` says which). ``accumulate`` False
-    leaves out ``--micro-batches`` (the single-device check's reference: one whole batch)."""
+    strategies for ``device_num`` ranks (:func:`mesh` says which). ``reference`` leaves out
+    ``--micro-batches`` and ``--recompute`` (the single-device check's reference: one whole
+    batch, every activation kept)."""
     dtype = np.dtype(args.dtype)
     loss = nn.SoftmaxCrossEntropyWithLogits()
     model: nn.Cell
@@ -335,9 +339,12 @@ def build(args: argparse.Namespace, mode: str, device_num: int, accumulate: bool
         else:
             assert isinstance(model, nn.MLP)
             presets.megatron_mlp(model, dp, mp)
+    if args.recompute and not reference:
+        for cell in (model.blocks if isinstance(model, nn.GPT) else model.layers[:-1]):
+            cell.recompute()
     net: nn.Cell = nn.WithLossCell(model, loss)
     params = net.trainable_params()
-    if accumulate and args.micro_batches > 1:
+    if not reference and args.micro_batches > 1:
         net = nn.GradAccumulation(net, args.micro_batches)
     lr = learning_rate(args)
     opt: nn.Optimizer = {"adam": lambda: nn.Adam(params, lr),
@@ -529,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
     report = None
     if not args.no_check:
         report = check_against_single_device(
-            train, lambda: build(args, "stand_alone", 1, accumulate=False),
+            train, lambda: build(args, "stand_alone", 1, reference=True),
             [get_batch(k) for k in range(args.steps)], losses=losses)
         summary.update(_check_fields(report))
     if args.out and rank == 0:

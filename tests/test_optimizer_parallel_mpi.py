@@ -1,16 +1,18 @@
-"""Optimizer parallel and gradient accumulation on real MPI ranks against the single-device
-run (mpirun -n 2, 4 or 8).
+"""Optimizer parallel, gradient accumulation and recomputation on real MPI ranks against the
+single-device run (mpirun -n 2, 4 or 8).
 
-Every (model, strategy, level, micro-batches) trains ``STEPS`` Adam steps with every
-trainable parameter sliced (threshold 0) and is compared on every rank with one device run
-on the whole batch: the losses, every stored slice against its part of the single-device
+Every (model, strategy, level, micro-batches, recompute) trains ``STEPS`` Adam steps with
+every trainable parameter sliced (threshold 0) and is compared on every rank with one device
+run on the whole batch: the losses, every stored slice against its part of the single-device
 parameter, and the collectives of one step read from the trace, each matched to the schedule
-step that ran it. The same strategy and micro-batches without optimizer parallel are traced
+step that ran it. Recomputation marks every GPT block (every MLP layer but the last).
+
+The same strategy, micro-batches and recomputation without optimizer parallel are traced
 too: its Mirror AllReduces must have become ReduceScatters into the slices (once per step at
 level1, once per micro-batch at level2 and level3), and AllGathers must make each weight
-whole before each micro-batch's forward uses it (and, at level3, again in its backward).
-Without optimizer parallel, micro-batches sum their gradients and sync once per step: the
-Mirrors run as often as with one micro-batch.
+whole before each micro-batch's forward uses it (and, at level3, again in its backward,
+once per recomputed Cell that reads it). Without optimizer parallel, micro-batches sum their
+gradients and sync once per step: the Mirrors run as often as with one micro-batch.
 
     mpirun -n 8 python -m pytest tests/test_optimizer_parallel_mpi.py -q --with-mpi -m mpi
 """
@@ -60,8 +62,8 @@ def _batch(model: str, step: int) -> tuple[np.ndarray, np.ndarray]:
     return CharCorpus(seed=SEED).batch(step, BATCH, GPT_SIZES["seq_length"])
 
 
-def _train(model: str, kind: str, level: str | None, micro: int = 1, steps: int = STEPS
-           ) -> tuple[nn.TrainOneStepCell, list[float], list[Any]]:
+def _train(model: str, kind: str, level: str | None, micro: int = 1, steps: int = STEPS,
+           recompute: bool = False) -> tuple[nn.TrainOneStepCell, list[float], list[Any]]:
     """Train ``steps`` steps; returns the cell, its losses and the events of TRACED_STEP."""
     n = comm.get_group_size()
     simpar.reset_auto_parallel_context()
@@ -83,6 +85,9 @@ def _train(model: str, kind: str, level: str | None, micro: int = 1, steps: int 
         config.update(enable_parallel_optimizer=True, parallel_optimizer_config={
             "optimizer_level": level, "parallel_optimizer_threshold": 0})
     simpar.set_auto_parallel_context(**config)
+    if recompute:
+        for part in (net.blocks if isinstance(net, nn.GPT) else net.layers[:-1]):
+            part.recompute()
     cell: nn.Cell = nn.WithLossCell(net, loss)
     opt = nn.Adam(cell.trainable_params(), LR[model])
     if micro > 1:
@@ -125,34 +130,37 @@ def _worst(problems: list[str]) -> list[str]:
 
 # Every level with 1, 2 and 4 micro-batches on Megatron's hybrid (model-parallel weights and
 # data-parallel ones), every level on data parallel, and accumulation alone.
-CASES = ([(m, "hybrid", lv, micro) for m in ("mlp", "gpt") for lv in LEVELS
-          for micro in (1, 2, 4)]
-         + [(m, "dp", lv, 1) for m in ("mlp", "gpt") for lv in LEVELS]
-         + [(m, kind, None, micro) for m in ("mlp", "gpt") for kind in ("dp", "hybrid")
-            for micro in (2, 4)])
+CASES = ([(m, "hybrid", lv, micro, rc) for m in ("mlp", "gpt") for lv in LEVELS
+          for micro in (1, 2, 4) for rc in (False, True)]
+         + [(m, "dp", lv, 1, False) for m in ("mlp", "gpt") for lv in LEVELS]
+         + [(m, kind, None, micro, False) for m in ("mlp", "gpt") for kind in ("dp", "hybrid")
+            for micro in (2, 4)]
+         + [(m, "hybrid", None, 1, True) for m in ("mlp", "gpt")])
 
 
 @cache
-def _plain(model: str, kind: str, micro: int) -> tuple[nn.TrainOneStepCell, list[Any]]:
-    """The same strategy and micro-batches without optimizer parallel: its cell and traced
-    step."""
-    train, _, events = _train(model, kind, None, micro, steps=TRACED_STEP + 1)
+def _plain(model: str, kind: str, micro: int, recompute: bool
+           ) -> tuple[nn.TrainOneStepCell, list[Any]]:
+    """The same strategy, micro-batches and recomputation without optimizer parallel: its
+    cell and traced step."""
+    train, _, events = _train(model, kind, None, micro, TRACED_STEP + 1, recompute)
     return train, events
 
 
-@pytest.mark.parametrize(("model", "kind", "level", "micro"), CASES,
-                         ids=[f"{m}-{k}-{lv}-micro{mb}" for m, k, lv, mb in CASES])
+@pytest.mark.parametrize(("model", "kind", "level", "micro", "recompute"), CASES,
+                         ids=[f"{m}-{k}-{lv}-micro{mb}{'-recompute' if rc else ''}"
+                              for m, k, lv, mb, rc in CASES])
 def test_sliced_training_matches_one_device_on_every_rank(model: str, kind: str,
-                                                          level: str | None,
-                                                          micro: int) -> None:
+                                                          level: str | None, micro: int,
+                                                          recompute: bool) -> None:
     rank = comm.get_rank()
-    with abort_job_on_error(f"{model} {kind} {level} micro {micro}"):
+    with abort_job_on_error(f"{model} {kind} {level} micro {micro} recompute {recompute}"):
         ref_losses, ref_params = _reference(model)
-        train, losses, events = _train(model, kind, level, micro)
-        plain_train, plain_events = _plain(model, kind, micro)
+        train, losses, events = _train(model, kind, level, micro, STEPS, recompute)
+        plain_train, plain_events = _plain(model, kind, micro, recompute)
         plain = _roles(plain_train, plain_events)
         if micro > 1:   # the Mirrors of one micro-batch's run: once per step either way
-            once_train, once_events = _plain(model, kind, 1)
+            once_train, once_events = _plain(model, kind, 1, recompute)
             once = _roles(once_train, once_events)
     prog = train.program
     assert prog is not None
@@ -223,6 +231,8 @@ def test_sliced_training_matches_one_device_on_every_rank(model: str, kind: str,
                         f"parameters and {micro} micro-batches")
     again = roles[True, str(Role.GATHER), "AllGather"]
     kept = _kept_weights(train) * micro
+    if recompute and len(prog.segments) != (GPT_SIZES["n_layers"] if model == "gpt" else 2):
+        problems.append(f"rank {rank}: {len(prog.segments)} recomputed Cells")
     if level == "level3" and again != kept:
         problems.append(f"rank {rank}: level3 gathered {again} weights again in the backward; "
                         f"{kept} ops keep a weight for their backward")
@@ -248,14 +258,21 @@ def _step(train: nn.TrainOneStepCell, event: Any) -> Any:
 
 
 def _kept_weights(train: nn.TrainOneStepCell) -> int:
-    """How many sliced weights some op's tape keeps (level3 gathers each once again)."""
+    """How many sliced weights level3 gathers again per micro-batch: each one an op's tape
+    keeps outside a recomputed Cell, and each one a recomputed Cell reads (once per Cell)."""
     prog = train.program
     assert prog is not None
     names = set()
-    for s in prog.steps:
+    for i, s in enumerate(prog.steps):
+        if prog.segment_of(i) is not None:
+            continue
         for k, v in enumerate(s.node.inputs):
             if v.kind == "param" and v.name in prog.param_shards and \
                     s.node.id in prog.grad_nodes and s.sharding.inner_plan is None and \
                     s.node.op.keeps_input(k):
                 names.add(v.name)
-    return len(names)
+    read = sum(len({v.name for i in range(seg.first, seg.last + 1)
+                    for v in prog.steps[i].node.inputs
+                    if v.kind == "param" and v.name in prog.param_shards})
+               for seg in prog.segments)
+    return len(names) + read

@@ -68,6 +68,12 @@ class _Program(Protocol):  # simpar.runtime.ParallelProgram, as this module read
     @property
     def param_shards(self) -> Mapping[str, Any]: ...
 
+    @property
+    def segments(self) -> Sequence[Any]: ...
+
+    @property
+    def layouts(self) -> Mapping[int, Any]: ...
+
     def storage_layout(self, name: str) -> Any: ...
 
     @property
@@ -279,7 +285,13 @@ def _memory_of(program: _Program, rank: int, optimizer: str, prof: DeviceProfile
     storage: dict[int, tuple[Any, ...]] = {}
     sizes: dict[tuple[Any, ...], int] = {}
     kept: set[tuple[Any, ...]] = set()
-    for s in program.steps:
+    # A recomputed Cell keeps only its inputs; its ops' tapes live again, one Cell at a
+    # time, while the backward runs through it.
+    segment_of = {i: n for n, seg in enumerate(program.segments)
+                  for i in range(seg.first, seg.last + 1)}
+    made_in: dict[int, int] = {}          # value id -> the segment that made it
+    again: dict[int, set[tuple[Any, ...]]] = {}   # segment -> the arrays its tapes hold
+    for i, s in enumerate(program.steps):
         node, sh = s.node, s.sharding
         ins = []
         for k, (v, lay) in enumerate(zip(node.inputs, sh.in_layouts)):
@@ -302,10 +314,28 @@ def _memory_of(program: _Program, rank: int, optimizer: str, prof: DeviceProfile
             raws.append(raw_key)
             storage[v.id] = ("value", v.id) if out_plan.steps else raw_key
             sizes.setdefault(storage[v.id], out.local_size() * v.dtype.itemsize)
+        seg = segment_of.get(i)
+        if seg is not None:
+            _segment_keeps(program, program.segments[seg], node, s, ins,
+                           [v for v in node.inputs if made_in.get(v.id) != seg],
+                           storage, sizes, kept)
+            made_in.update((v.id, seg) for v in node.outputs)
         if node.id not in program.grad_nodes:
             continue
-        kept.update(_kept(node.op.tape, node, sh, ins, raws, sizes))
+        if seg is None:
+            kept.update(_kept(node.op.tape, node, sh, ins, raws, sizes))
+        else:   # recomputed: a level3 weight is gathered again, and its tape holds the copy
+            regathered = []
+            for v, key in ins:
+                if key[0] == "dropped":
+                    key = ("gathered", v.id)
+                    sizes[key] = program.param_layouts[v.name].local_size() * v.dtype.itemsize
+                regathered.append((v, key))
+            again.setdefault(seg, set()).update(
+                _kept(node.op.tape, node, sh, regathered, raws, sizes))
     activations = sum(sizes[key] for key in kept)
+    rerun = max((sum(sizes[key] for key in keys - kept) for keys in again.values()),
+                default=0)
     # A collective holds its input and its result at once; a Mirror packs its gradients into
     # a bucket (a copy) and sums it in place, so it holds the bucket only.
     buffer = max((s.buffer_bytes + s.result_bytes for s in program.schedule(rank)
@@ -319,12 +349,37 @@ def _memory_of(program: _Program, rank: int, optimizer: str, prof: DeviceProfile
                           for k, (v, lay) in enumerate(zip(s.node.inputs, s.sharding.in_layouts))
                           if s.node.op.gives_gradient(k, v.dtype)
                           and (v.kind != "param" or s.in_plans[k].steps))
-                    for s in program.steps if s.node.id in program.grad_nodes), default=0)
+                    for s in program.steps if s.node.id in program.grad_nodes),
+                   default=0) + rerun
     largest = max((lay.local_size() * program.param_values[n].dtype.itemsize
                    for n, lay in program.param_layouts.items()), default=0)
     return MemoryRow(rank, params, grads, OPTIMIZER_STATE[optimizer] * grads, activations,
                      buffer, prof.memory_capacity, backward,
                      OPTIMIZER_TEMPORARIES[optimizer] * largest)
+
+
+def _segment_keeps(program: _Program, seg: Any, node: Any, step: Any,
+                   ins: list[tuple[Any, tuple[Any, ...]]], outside: list[Any],
+                   storage: dict[int, tuple[Any, ...]], sizes: dict[tuple[Any, ...], int],
+                   kept: set[tuple[Any, ...]]) -> None:
+    """What a recomputed Cell keeps through the forward for one of its ops: each input made
+    outside the Cell (a sliced weight's gathered copy unless it is gathered again; a
+    parameter's own shard is counted as a parameter), and without ``mp_comm`` the moved
+    copies of its inputs."""
+    for k, (v, key) in enumerate(ins):
+        if v in outside:
+            if v.kind == "param":
+                shard = program.param_shards.get(v.name)
+                if shard is not None and not (seg.opt_comm or shard.level.regathers):
+                    kept.add(("gathered", v.id))
+                    sizes.setdefault(("gathered", v.id), program.param_layouts[
+                        v.name].local_size() * v.dtype.itemsize)
+                continue
+            orig = storage.get(v.id, ("value", v.id))
+            sizes.setdefault(orig, program.layouts[v.id].local_size() * v.dtype.itemsize)
+            kept.add(orig)
+        if not seg.mp_comm and step.in_plans[k].steps:
+            kept.add(key)
 
 
 def _kept(tape: str, node: Any, sh: Any, ins: list[tuple[Any, tuple[Any, ...]]],

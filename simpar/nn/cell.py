@@ -29,6 +29,8 @@ class Cell:
 
     _params: dict[str, Parameter]
     _cells: dict[str, Cell]
+    #: Set by :meth:`recompute`: (mp_comm_recompute, parallel_optimizer_comm_recompute).
+    recompute_settings: tuple[bool, bool] | None = None
     in_strategy: tuple[tuple[int, ...] | None, ...] | None
     parameter_plan: dict[str, tuple[int, ...]]
     training: bool
@@ -111,6 +113,37 @@ class Cell:
         object.__setattr__(self, "parameter_plan", plan)
         return self
 
+    # -- recomputation
+    def recompute(self, **kwargs: Any) -> Cell:
+        """Recompute this Cell in the backward (MindSpore's ``Cell.recompute``): its forward
+        keeps only its inputs, and the backward runs its forward again, collectives
+        included, before its VJPs; the gradients are bitwise those without.
+
+        ``mp_comm_recompute`` (default True): the collectives of its ops' redistributions
+        run again; False keeps their results from the forward. ``parallel_optimizer_comm_
+        recompute`` (default False): weights optimizer parallel slices are gathered again;
+        False keeps the gathered copy (level3 gathers again anyway). As in MindSpore, a Cell
+        inside a recomputed Cell is recomputed with it, and a second call changes nothing.
+
+        >>> from simpar import nn
+        >>> block = nn.Dense(4, 4).recompute()
+        >>> block.recompute_settings
+        (True, False)
+        """
+        known = ("mp_comm_recompute", "parallel_optimizer_comm_recompute")
+        for key, value in kwargs.items():
+            if key not in known:
+                raise ValueError(f"For 'recompute', keyword {key!r} is not recognized! The "
+                                 f"key kwargs must be {' or '.join(map(repr, known))}.")
+            if not isinstance(value, bool):
+                raise TypeError(f"For 'recompute', the argument {key!r} must be bool, but got "
+                                f"{value!r} of type {type(value).__name__}.")
+        if self.recompute_settings is None:
+            object.__setattr__(self, "recompute_settings", (
+                kwargs.get("mp_comm_recompute", True),
+                kwargs.get("parallel_optimizer_comm_recompute", False)))
+        return self
+
     # -- running
     def construct(self, *args: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__} must implement construct")
@@ -121,7 +154,10 @@ class Cell:
         with graph.scope(f"{getattr(self, '_scope_name', 'network')}-{type(self).__name__}"):
             if self.in_strategy is not None:
                 args = _reshard_inputs(self, args)
-            return self.construct(*args)
+            if self.recompute_settings is None:
+                return self.construct(*args)
+            with graph.recompute_scope(self, *self.recompute_settings):
+                return self.construct(*args)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -39,7 +39,7 @@ from simpar.ops._base import Primitive
 from simpar.ops.kernels import INLINE_NAMES, Inline, Tape, shape_only
 from simpar.redistribution import ALL_REDUCE, RedistributionPlan, Step, bind_step, execute
 from simpar.runtime.backward_plan import BackwardPlan
-from simpar.runtime.lowered import LoweredGraph
+from simpar.runtime.lowered import LoweredGraph, Segment
 from simpar.runtime.memory import MemoryWatch
 from simpar.runtime.op_runner import OpRunner
 
@@ -260,6 +260,9 @@ class Executor:
         self._regathered = {s: name for s, name in self._sharded.items()
                             if shards[name].level.regathers}
         self._dropped = {s: _Dropped(name) for s, name in self._regathered.items()}
+        #: Per op index in a recomputed Cell: (the segment's number, the segment).
+        self._segment_at = {i: (n, seg) for n, seg in enumerate(program.segments)
+                            for i in range(seg.first, seg.last + 1)}
         # Redistribution steps bound for this rank (redistribution.bind_step), made when the
         # code that calls them is first written: one per (step, direction, dtype), the step by
         # identity, as the schedule guard compares announcements (equal steps of two plans
@@ -346,16 +349,27 @@ class Executor:
             run = src.bind("R", r.run)
             node = self.program.steps[i].node
             src.add(f"# {node.name}: {node.op.name}")
+            n, seg = self._segment_at.get(i, (-1, None))
+            if seg is not None and i == seg.first:   # a recomputed Cell keeps its inputs
+                src.add(f"S{n} = {{}}")
+                for key, expr in self._segment_inputs(n, gathered):
+                    src.add(f"S{n}[{key!r}] = {expr}")
+            if seg is not None:   # its ops keep no tape: the backward runs them again
+                r = r._replace(keep=-1)
             for s in r.ins:
                 if s in self._sharded and s not in gathered:
                     gathered.add(s)
                     src.add(f"v{s} = " + self._moved(src, self._gather(self._sharded[s]),
                                                      f"params[{self._sharded[s]!r}]"))
+                    if seg is not None and not self._regathers(seg, s):
+                        src.add(f"S{n}[{('v', s)!r}] = v{s}")
             names = []   # the kernel's arguments: values, or their redistributed copies
             for k, s in enumerate(r.ins):
                 if k < len(r.pre) and r.pre[k]:
                     src.add(f"m{k} = " + self._moved(src, r.pre[k], f"v{s}"))
                     names.append(f"m{k}")
+                    if seg is not None and not seg.mp_comm:   # kept, not moved again
+                        src.add(f"S{n}[{('m', i, k)!r}] = m{k}")
                 else:
                     names.append(f"v{s}")
             args = ", ".join(names)
@@ -365,7 +379,8 @@ class Executor:
                 src.add(f"{raw} = {run}({args})")
             elif r.inline is not None:
                 xs = {f"x{k}": name for k, name in enumerate(names)}
-                if r.inline.update is not None and self._updates(i, reads, producer):
+                if r.inline.update is not None and seg is None and \
+                        self._updates(i, reads, producer):
                     src.add(r.inline.update.format(**xs))
                     src.add(f"{raw} = {names[0]}")
                 else:
@@ -390,6 +405,8 @@ class Executor:
                     part = "r" if r.out >= 0 else f"r[{k}]"
                     steps = r.post[k] if k < len(r.post) else ()
                     src.add(f"v{s} = " + self._moved(src, steps, part, fresh))
+                    if seg is not None and not seg.mp_comm and steps:
+                        src.add(f"S{n}[{('o', i, k)!r}] = v{s}")
             temps = [n for n in names if n.startswith("m")] + (["r"] if raw == "r" else [])
             dead = sorted({s for s in r.ins if last.get(s) == i} - kept_to_end)
             dead += [s for s in r.outs if s not in last and s not in kept_to_end]
@@ -397,10 +414,12 @@ class Executor:
                 src.add("del " + ", ".join([*temps, *(f"v{s}" for s in dead)]))
             if watched:
                 src.add(sample)
-        untaped = {r.keep for r in self._fwd if r.view}
+        untaped = {r.keep for i, r in enumerate(self._fwd) if r.view or i in self._segment_at}
         tapes = [("None" if k in untaped else f"t{k}") for k in range(n_tapes)]
-        # The stored slices of the level3 weights, for the backward to gather again.
+        # The stored slices of the level3 weights, for the backward to gather again; what
+        # each recomputed Cell keeps.
         tapes += [f"params[{name!r}]" for name in self._regathered.values()]
+        tapes += [f"S{n}" for n in range(len(self.program.segments))]
         src.add(f"return [{', '.join(f'v{s}' for s in self.outputs)}], [{', '.join(tapes)}]")
         return src.build("forward")
 
@@ -409,11 +428,80 @@ class Executor:
         dtype = self.program.param_values[name].dtype
         return tuple((st, False, dtype) for st in self.program.weight_gathers[name].steps)
 
+    def _recompute(self, n: int, tape: list[Any]) -> None:
+        """Run recomputed Cell ``n``'s forward again from what it kept, and put its ops'
+        tapes where the backward reads them. Every collective runs as the schedule lists it
+        (its redistributions' only with ``mp_comm``, the sliced weights' gathers when
+        :meth:`_regathers`); the values are bitwise the first forward's."""
+        seg = self.program.segments[n]
+        kept: dict[Any, Any] = tape[len(self._tape_of) + len(self._regathered) + n]
+        vals: dict[int, Any] = {}
+
+        def moved(steps: Moves, x: Any) -> Any:
+            for step, adjoint, dtype in steps:
+                key = (id(step), adjoint, dtype, False)
+                bound = self._bound.get(key)
+                if bound is None:
+                    bound = self._bound[key] = bind_step(step, adjoint, dtype, self.rank)
+                x = bound(x)
+            return x
+
+        for i in range(seg.first, seg.last + 1):
+            r, sh = self._fwd[i], self.program.steps[i].sharding
+            for s in r.ins:
+                if ("p", s) in kept and s not in vals:
+                    vals[s] = moved(self._gather(self._sharded[s]), kept["p", s])
+            args = []
+            for k, s in enumerate(r.ins):
+                x = vals[s] if s in vals else kept["v", s]
+                if k < len(r.pre) and r.pre[k]:
+                    x = moved(r.pre[k], x) if seg.mp_comm else kept["m", i, k]
+                args.append(x)
+            if r.view:
+                y, made = r.run(*args), None
+            elif r.plain:   # the kernel and its tape, as Primitive.local_forward gives them
+                y, made = sh.op.local_forward(sh, *args, collectives=self._runners[i])
+            else:
+                y, made = r.run(*args)
+            ys = (y,) if r.out >= 0 else tuple(y)
+            for k, s in enumerate(r.outs):
+                post = r.post[k] if k < len(r.post) else ()
+                vals[s] = (moved(post, ys[k]) if seg.mp_comm else kept["o", i, k]) if post \
+                    else ys[k]
+            if r.keep >= 0:
+                tape[r.keep] = made
+
+    def _regathers(self, seg: Segment, s: int) -> bool:
+        """Whether recomputing ``seg`` gathers sliced weight ``s`` again (level3, or the
+        Cell's ``parallel_optimizer_comm_recompute``) rather than keep the gathered copy."""
+        return seg.opt_comm or self.program.param_shards[self._sharded[s]].level.regathers
+
+    def _segment_inputs(self, n: int, gathered: set[int]) -> list[tuple[tuple[Any, ...], str]]:
+        """What recomputed Cell ``n`` keeps when its first op is reached: each value its ops
+        read that none of them makes (``("v", slot)``), and each sliced weight's slice it
+        gathers again (``("p", slot)``); a weight gathered inside it is kept when gathered."""
+        seg = self.program.segments[n]
+        made = {s for i in range(seg.first, seg.last + 1) for s in self._fwd[i].outs}
+        out, seen = [], set()
+        for i in range(seg.first, seg.last + 1):
+            for s in self._fwd[i].ins:
+                if s in made or s in seen:
+                    continue
+                seen.add(s)
+                if s not in self._sharded:
+                    out.append((("v", s), f"v{s}"))
+                elif self._regathers(seg, s):
+                    out.append((("p", s), f"params[{self._sharded[s]!r}]"))
+                elif s in gathered:
+                    out.append((("v", s), f"v{s}"))
+        return out
+
     def _drops(self, i: int) -> list[int]:
         """The inputs of op ``i`` whose tape holds a level3 weight the backward gathers
-        again: the op keeps a tape, keeps that input itself, and moves no input inside."""
+        again: the op keeps a tape, keeps that input itself, and moves no input inside (and
+        is not recomputed: its tape then comes from the recomputation)."""
         r, sh = self._fwd[i], self.program.steps[i].sharding
-        if r.keep < 0 or r.view or sh.inner_plan is not None:
+        if r.keep < 0 or r.view or sh.inner_plan is not None or i in self._segment_at:
             return []
         return [k for k, s in enumerate(r.ins) if s in self._regathered
                 and sh.op.keeps_input(k)]
@@ -558,7 +646,17 @@ class Executor:
                      for j, ks in drops.items() for k in ks}
         extra = {s: len(self._tape_of) + n for n, s in enumerate(self._regathered)}
         synced: set[int] = set()
+        # A recomputed Cell runs its forward again before the first of its ops' VJPs, and
+        # lets go of the tapes that made after the last.
+        in_seg = [(j, self._segment_at[len(steps) - 1 - j][0]) for j, r in enumerate(records)
+                  if r.kernel is not None and len(steps) - 1 - j in self._segment_at]
+        rerun = {n: j for j, n in reversed(in_seg)}
+        release = {n: j for j, n in in_seg}
         for j, r in enumerate(records):
+            for n, at in rerun.items():
+                if at == j:
+                    src.add(f"# recompute {self.program.segments[n].name}")
+                    src.add(f"{src.bind('X', functools.partial(self._recompute, n))}(tape)")
             if r.kernel is None:
                 dropped = [s for s, _, _, _ in r.outs if s in held]
                 held.difference_update(dropped)
@@ -626,6 +724,13 @@ class Executor:
                 done = [s for s, last in last_drop.items() if last == j]
                 if done:
                     src.add("del " + ", ".join(f"w{s}" for s in done))
+            for n, at in release.items():
+                if at == j:
+                    seg = self.program.segments[n]
+                    keeps = [self._fwd[i].keep for i in range(seg.first, seg.last + 1)
+                             if self._fwd[i].keep >= 0]
+                    where = len(self._tape_of) + len(self._regathered) + n
+                    src.add("; ".join(f"tape[{k}] = None" for k in [*keeps, where]))
             for s, last in last_add.items():
                 if last == j and s in held:
                     name = self._sharded[s]

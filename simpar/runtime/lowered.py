@@ -17,7 +17,7 @@ from simpar.optimizer_parallel import ParamShard
 from simpar.redistribution import RedistributionPlan
 from simpar.search import Source
 
-__all__ = ["LoweredGraph", "OpStep"]
+__all__ = ["LoweredGraph", "OpStep", "Segment"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +30,24 @@ class OpStep:
     in_plans: tuple[RedistributionPlan, ...]
     chosen: Source
     repeat: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """A recomputed Cell in the program: its ops are steps ``first..last`` (a run), and the
+    backward runs their forward again before the VJP of ``last``. ``mp_comm``: their
+    redistributions' collectives run again (else the moved arrays are kept); ``opt_comm``:
+    sliced weights they read are gathered again (else the gathered copy is kept; level3
+    gathers again anyway)."""
+
+    name: str
+    first: int
+    last: int
+    mp_comm: bool = True
+    opt_comm: bool = False
+
+    def __contains__(self, index: int) -> bool:
+        return self.first <= index <= self.last
 
 
 @dataclass(frozen=True)
@@ -56,6 +74,11 @@ class LoweredGraph:
     #: Micro-batches per training step (gradient accumulation): the graph is one
     #: micro-batch's, and the gradients that sync once per step do so after the last.
     micro_batches: int = 1
+    segments: tuple[Segment, ...] = ()
+
+    def segment_of(self, index: int) -> Segment | None:
+        """The recomputed segment op ``index`` (its step's place) belongs to, if any."""
+        return next((seg for seg in self.segments if index in seg), None)
 
     def storage_layout(self, name: str) -> TensorLayout:
         """The layout parameter ``name`` is stored (and updated, and its optimizer state

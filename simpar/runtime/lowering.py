@@ -24,7 +24,7 @@ from simpar.layout import TensorLayout
 from simpar.optimizer_parallel import ParamShard, slice_layout
 from simpar.redistribution import plan
 from simpar.runtime.backward_plan import BackwardPlan, plan_backward
-from simpar.runtime.lowered import LoweredGraph, OpStep
+from simpar.runtime.lowered import LoweredGraph, OpStep, Segment
 from simpar.runtime.program import IndexLimits, ParallelProgram
 from simpar.runtime.runner import ProgramRunner, Seeds, seeds_of
 from simpar.search import StrategyMap, parameter_plans, plan_strategies
@@ -93,7 +93,8 @@ def lower(graph: Graph, strategy_map: StrategyMap, enable_alltoall: bool = False
                for name, shard in shards.items()}
     lowered = LoweredGraph(graph, device_num, tuple(steps), layouts, params,
                            {v.name: v for v in graph.params}, frozenset(needs),
-                           enable_alltoall, grad_nodes, shards, gathers, smap.micro_batches)
+                           enable_alltoall, grad_nodes, shards, gathers, smap.micro_batches,
+                           _segments(graph, smap))
     plans = _backward_plans(lowered, seeds)
     program = ParallelProgram(
         **{f.name: getattr(lowered, f.name) for f in dataclasses.fields(lowered)},
@@ -101,6 +102,24 @@ def lower(graph: Graph, strategy_map: StrategyMap, enable_alltoall: bool = False
         index_limits=_index_limits(lowered), runner=ProgramRunner(lowered, plans))
     _warn_if_nothing_is_parallel(program)
     return program
+
+
+def _segments(graph: Graph, smap: StrategyMap) -> tuple[Segment, ...]:
+    """The map's recomputed Cells as runs of the program's steps (a node's step is its
+    index: the steps are the nodes in trace order)."""
+    by_name = {seg.name: seg for seg in graph.segments}
+    out = []
+    for name in smap.recompute:
+        seg = by_name.get(name)
+        if seg is None:
+            raise ValueError(f"lower: the strategy map recomputes {name!r}, which is no "
+                             f"recomputed Cell of this graph ({sorted(by_name) or 'none'})")
+        if not seg.nodes:
+            continue   # a Cell that recorded no op: nothing to run again
+        first, last = seg.nodes[0], seg.nodes[-1]
+        assert seg.nodes == tuple(range(first, last + 1)), name   # a Cell's ops are a run
+        out.append(Segment(name, first, last, seg.mp_comm, seg.opt_comm))
+    return tuple(out)
 
 
 def _check_shards(smap: StrategyMap, params: Mapping[str, TensorLayout]

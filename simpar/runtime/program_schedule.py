@@ -21,7 +21,7 @@ from simpar.ops.comm_spec import CommSpec, action_comm, plan_comm
 from simpar.redistribution import StepKind
 from simpar.runtime.backward_plan import BackwardPlan
 from simpar.runtime.executor import mirror_announcement, sums_output_in_place
-from simpar.runtime.lowered import LoweredGraph
+from simpar.runtime.lowered import LoweredGraph, OpStep
 
 __all__ = ["ProgramStep", "Role", "schedule"]
 
@@ -113,29 +113,13 @@ def schedule(program: LoweredGraph, bplan: BackwardPlan, rank: int) -> tuple[Pro
     b = _Builder(rank)
     shards = program.param_shards
     gathered: set[str] = set()
-    for s in program.steps:
-        node, sh = s.node, s.sharding
-        for v in node.inputs:   # optimizer parallel: the weight's slices gathered first
-            if v.kind == "param" and v.name in shards and v.name not in gathered:
-                gathered.add(v.name)
-                b.collectives(Role.GATHER, node.name, f"{v.name}:gather",
-                              plan_comm(program.weight_gathers[v.name], "gather the weight's "
-                                        "optimizer slices", False), v.dtype.itemsize)
-        for k, (v, p) in enumerate(zip(node.inputs, s.in_plans)):
-            b.collectives(Role.REDISTRIBUTE, node.name, f"{node.name}:input{k}",
-                          plan_comm(p, f"input {k}", False), v.dtype.itemsize)
-        in_size, out_size = node.inputs[0].dtype.itemsize, node.outputs[0].dtype.itemsize
-        b.collectives(Role.REDISTRIBUTE, node.name, f"{node.name}/{sh.op.name}:redistribute",
-                      sh.inner_comm(), in_size)
-        b.compute(node.name, sh.local_flops())
-        b.collectives(Role.OP_COLLECTIVE, node.name, f"{node.name}/{sh.op.name}",
-                      sh.internal_forward, out_size if _on_output(sh.internal_forward)
-                      else in_size)
-        in_place = sums_output_in_place(sh, node.id in program.grad_nodes)
-        for k, (v, (_, _, p)) in enumerate(zip(node.outputs, sh.outputs)):
-            b.collectives(Role.OP_COLLECTIVE, node.name,
-                          f"{node.name}/{sh.op.name}:output{k if k else ''}",
-                          plan_comm(p, "output", True), v.dtype.itemsize, in_place)
+    for i, s in enumerate(program.steps):
+        # optimizer parallel: each weight's slices gathered before its first use
+        first = [v.name for v in s.node.inputs if v.kind == "param" and v.name in shards
+                 and v.name not in gathered]
+        gathered.update(first)
+        kept = s.node.id in program.grad_nodes and program.segment_of(i) is None
+        _forward_op(b, program, s, first, True, kept)
     b.backward = True
     regathered: set[str] = set()
     # A sliced parameter's gradient is completed after the node whose backward adds its last
@@ -150,15 +134,32 @@ def schedule(program: LoweredGraph, bplan: BackwardPlan, rank: int) -> tuple[Pro
             if nb is not None and nb.needs[k] and v.kind == "param" and v.name in shards \
                     and v.name not in once:
                 last_add[v.name] = s.node.id
-    for s in reversed(program.steps):
+    # A recomputed Cell runs its forward again before the first of its ops' VJPs.
+    first_vjp: dict[int, int] = {}
+    for i in reversed(range(len(program.steps))):
+        seg = program.segment_of(i)
+        if seg is not None and program.steps[i].node.id in bplan.nodes \
+                and id(seg) not in first_vjp:
+            first_vjp[id(seg)] = i
+    for i, s in reversed(list(enumerate(program.steps))):
         node, sh = s.node, s.sharding
         nb = bplan.nodes.get(node.id)
         if nb is None:
             continue
+        seg = program.segment_of(i)
+        if seg is not None and first_vjp.get(id(seg)) == i:
+            again: set[str] = set()
+            for k in range(seg.first, seg.last + 1):
+                step = program.steps[k]
+                weights = [v.name for v in step.node.inputs if v.kind == "param"
+                           and v.name in shards and v.name not in again
+                           and (seg.opt_comm or shards[v.name].level.regathers)]
+                again.update(weights)
+                _forward_op(b, program, step, weights, seg.mp_comm, False)
         for k, v in enumerate(node.inputs):   # level3: the dropped weight gathered again
             if v.kind == "param" and v.name in shards and shards[v.name].level.regathers \
                     and node.id in program.grad_nodes and sh.inner_plan is None \
-                    and sh.op.keeps_input(k):
+                    and sh.op.keeps_input(k) and seg is None:
                 if v.name not in regathered:
                     regathered.add(v.name)
                     b.collectives(Role.GATHER, node.name, f"{v.name}:gather-again",
@@ -208,6 +209,38 @@ def schedule(program: LoweredGraph, bplan: BackwardPlan, rank: int) -> tuple[Pro
             0, 0, f"gradients of {', '.join(names)} (sum over their replicas)",
             mirror_announcement(group, names), deferred=accumulating))
     return tuple(b.steps)
+
+
+def _forward_op(b: _Builder, program: LoweredGraph, s: OpStep, gathers: Sequence[str],
+                moves: bool, kept: bool) -> None:
+    """One op's forward steps: the gathers of the sliced weights named in ``gathers``, its
+    inputs' redistributions and its output plans (when ``moves``; a recomputed Cell with
+    ``mp_comm_recompute=False`` keeps their results), its own collectives and its kernel.
+    ``kept``: its tape is kept (an AllReduce may then not sum its product in place)."""
+    node, sh = s.node, s.sharding
+    for name in gathers:
+        v = program.param_values[name]
+        b.collectives(Role.GATHER, node.name, f"{name}:gather",
+                      plan_comm(program.weight_gathers[name], "gather the weight's "
+                                "optimizer slices", False), v.dtype.itemsize)
+    if moves:
+        for k, (v, p) in enumerate(zip(node.inputs, s.in_plans)):
+            b.collectives(Role.REDISTRIBUTE, node.name, f"{node.name}:input{k}",
+                          plan_comm(p, f"input {k}", False), v.dtype.itemsize)
+    in_size, out_size = node.inputs[0].dtype.itemsize, node.outputs[0].dtype.itemsize
+    b.collectives(Role.REDISTRIBUTE, node.name, f"{node.name}/{sh.op.name}:redistribute",
+                  sh.inner_comm(), in_size)
+    b.compute(node.name, sh.local_flops())
+    b.collectives(Role.OP_COLLECTIVE, node.name, f"{node.name}/{sh.op.name}",
+                  sh.internal_forward, out_size if _on_output(sh.internal_forward)
+                  else in_size)
+    if not moves:
+        return
+    in_place = sums_output_in_place(sh, kept)
+    for k, (v, (_, _, p)) in enumerate(zip(node.outputs, sh.outputs)):
+        b.collectives(Role.OP_COLLECTIVE, node.name,
+                      f"{node.name}/{sh.op.name}:output{k if k else ''}",
+                      plan_comm(p, "output", True), v.dtype.itemsize, in_place)
 
 
 def _on_output(specs: Sequence[CommSpec]) -> bool:

@@ -114,7 +114,10 @@ class ProgramRunner:
         expected = self.collectives(rank, None, "forward")
         with comm.validation_disabled(), training_step(step), \
                 schedule.following(expected, "forward"):
-            return self.executor(rank).forward(local_inputs, local_params, current_watch())
+            outs, tape = self.executor(rank).forward(local_inputs, local_params,
+                                                     current_watch())
+        tape.append(step)   # a recomputed Cell's dropout masks are the forward's
+        return outs, tape
 
     def backward(self, tape: list[Any], output_grads: Sequence[np.ndarray | None]
                  ) -> dict[str, np.ndarray]:
@@ -127,7 +130,8 @@ class ProgramRunner:
         seeded = [g is not None for g in output_grads]
         expected = self.collectives(rank, seeded, "backward")
         accumulating = self.lowered.micro_batches > 1
-        with comm.validation_disabled(), schedule.following(expected, "backward"):
+        with comm.validation_disabled(), training_step(tape[-1]), \
+                schedule.following(expected, "backward"):
             return self.executor(rank).backward(self.backward_plan(seeded), tape,
                                                 output_grads, current_watch(),
                                                 sync=not accumulating)

@@ -87,11 +87,12 @@ def plan_request(request: PlanRequest) -> StrategyMap:
 
 def complete_plan(request: PlanRequest, smap: StrategyMap) -> StrategyMap:
     """``smap`` (searched, propagated or loaded from a strategy file) with the request's
-    dimensions beyond the cuts: the optimizer slices (:func:`shard_optimizer`) and the
-    micro-batches per step."""
+    dimensions beyond the cuts: the optimizer slices (:func:`shard_optimizer`), the
+    micro-batches per step and the recomputed Cells."""
     smap = shard_optimizer(request, smap)
-    if request.micro_batches != smap.micro_batches:
-        smap = dataclasses.replace(smap, micro_batches=request.micro_batches)
+    if (request.micro_batches, request.recompute) != (smap.micro_batches, smap.recompute):
+        smap = dataclasses.replace(smap, micro_batches=request.micro_batches,
+                                   recompute=request.recompute)
     return smap
 
 

@@ -47,7 +47,9 @@ class PlanRequest:
     against the graph's parameters; ``search_mode`` names the auto_parallel search;
     ``memory_capacity`` is the bytes per rank a plan may need (None: the cost model's own);
     ``optimizer`` the optimizer-parallel settings (:mod:`simpar.optimizer_parallel`);
-    ``micro_batches`` how many micro-batches a step runs (the graph is one micro-batch's)."""
+    ``micro_batches`` how many micro-batches a step runs (the graph is one micro-batch's);
+    ``recompute`` the recomputed Cells (``graph.segments`` names: the backward runs their
+    forward again)."""
 
     graph: Graph = field(compare=False, repr=False)
     device_num: int
@@ -61,6 +63,7 @@ class PlanRequest:
     memory_capacity: float | None = None
     optimizer: OptimizerParallel = OptimizerParallel()
     micro_batches: int = 1
+    recompute: tuple[str, ...] = ()
 
 
 def request_from_context(graph: Graph, *, cell: Any = None,
@@ -71,7 +74,8 @@ def request_from_context(graph: Graph, *, cell: Any = None,
                          algo: Mapping[str, Any] | None = None,
                          unset: Mapping[str, Any] | None = None,
                          optimizer: OptimizerParallel | None = None,
-                         micro_batches: int = 1) -> PlanRequest:
+                         micro_batches: int = 1,
+                         recompute: tuple[str, ...] | None = None) -> PlanRequest:
     """The request to plan ``graph``: every argument left None is the context's.
 
     ``mode`` and ``device_num`` default to ``parallel_mode`` and ``device_num`` (which the
@@ -84,7 +88,8 @@ def request_from_context(graph: Graph, *, cell: Any = None,
     MindSpore's when a key of its objective was set, else simpar's on ``cpu-local``; the
     memory cap is ``device_memory_capacity`` when set, else the model's own
     (:mod:`simpar.cost_model_context`). ``optimizer`` defaults to the context's
-    ``enable_parallel_optimizer`` and ``parallel_optimizer_config`` (off on one device).
+    ``enable_parallel_optimizer`` and ``parallel_optimizer_config`` (off on one device);
+    ``recompute`` to every Cell the user marked with ``Cell.recompute()``.
 
     >>> request_from_context(g, mode="semi_auto_parallel", device_num=8)  # doctest: +SKIP
     PlanRequest(device_num=8, mode='semi_auto_parallel', input_layouts=(...), ...)
@@ -125,7 +130,19 @@ def request_from_context(graph: Graph, *, cell: Any = None,
                        bool(given("enable_alltoall", enable_alltoall)),
                        str(given("search_mode", search_mode)),
                        replace(algo_parameters(), **(algo or {})), model, cap, optimizer,
-                       micro_batches)
+                       micro_batches, _recompute(graph, recompute))
+
+
+def _recompute(graph: Graph, names: tuple[str, ...] | None) -> tuple[str, ...]:
+    """The recomputed segments: ``names``, each one of ``graph``'s, or all of them."""
+    known = [seg.name for seg in graph.segments]
+    if names is None:
+        return tuple(known)
+    bad = [n for n in names if n not in known]
+    if bad:
+        raise ValueError(f"recompute: {bad[0]!r} is no recomputable Cell of this graph; it has "
+                         f"{known or 'none (mark Cells with Cell.recompute())'}")
+    return tuple(names)
 
 
 def _optimizer_settings(ctx: Any, device_num: int) -> OptimizerParallel:

@@ -111,7 +111,7 @@ class StrategyMap:
     :class:`~simpar.optimizer_parallel.ParamShard` (the level, and the slice each rank
     stores); a parameter it does not name is stored in its own layout. ``micro_batches`` is
     how many micro-batches a training step runs (gradient accumulation); the graph is one
-    micro-batch's."""
+    micro-batch's. ``recompute`` names the recomputed Cells (the graph's segments)."""
 
     device_num: int
     mode: str
@@ -121,6 +121,7 @@ class StrategyMap:
     optimality_gap: float | None = None
     shards: Mapping[str, ParamShard] = field(default_factory=dict)
     micro_batches: int = 1
+    recompute: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.device_num, bool) or not isinstance(self.device_num,
@@ -156,9 +157,11 @@ class StrategyMap:
         if not isinstance(other, StrategyMap):
             return NotImplemented
         return (self.device_num, self.mode, dict(self.ops), dict(self.params),
-                dict(self.inputs), dict(self.shards), self.micro_batches) == (
+                dict(self.inputs), dict(self.shards), self.micro_batches,
+                tuple(self.recompute)) == (
                     other.device_num, other.mode, dict(other.ops), dict(other.params),
-                    dict(other.inputs), dict(other.shards), other.micro_batches)
+                    dict(other.inputs), dict(other.shards), other.micro_batches,
+                    tuple(other.recompute))
 
     __hash__ = None  # type: ignore[assignment]  # holds mappings; compare, don't hash
 
@@ -189,6 +192,7 @@ class StrategyMap:
         lines += [f"  param {name}: {lay}" for name, lay in self.params.items()]
         lines += [f"  input {name}: {lay}" for name, lay in self.inputs.items()]
         lines += [f"  optimizer shard {name}: {s}" for name, s in self.shards.items()]
+        lines += [f"  recompute {name}" for name in self.recompute]
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -202,6 +206,8 @@ class StrategyMap:
             d["optimality_gap"] = self.optimality_gap
         if self.micro_batches > 1:
             d["micro_batches"] = self.micro_batches
+        if self.recompute:
+            d["recompute"] = list(self.recompute)
         if self.shards:
             d["shards"] = {n: {"level": str(s.level), "size": s.size,
                                "layout": s.layout.to_dict()} for n, s in self.shards.items()}
@@ -226,4 +232,5 @@ class StrategyMap:
                    d.get("optimality_gap"),
                    {n: ParamShard(s["level"], int(s["size"]), TensorLayout.from_dict(s["layout"]))
                     for n, s in d.get("shards", {}).items()},
-                   int(d.get("micro_batches", 1)))
+                   int(d.get("micro_batches", 1)),
+                   tuple(str(n) for n in d.get("recompute", ())))
