@@ -42,6 +42,7 @@ from simpar.runtime.backward_plan import BackwardPlan
 from simpar.runtime.lowered import LoweredGraph, Segment
 from simpar.runtime.memory import MemoryWatch
 from simpar.runtime.op_runner import OpRunner
+from simpar.runtime.tapes import Dropped, rehold, unhold
 
 __all__ = ["Executor", "mirror_announcement", "sums_output_in_place"]
 
@@ -102,38 +103,6 @@ class _Mirror(NamedTuple):
     run: comm.Prepared          # the bucket's AllReduce, prepared
 
 
-class _Dropped:
-    """What a level3 tape holds in place of a weight the forward gathered (one per
-    parameter): the backward gathers the weight again and puts it back (:func:`_rehold`)."""
-
-    __slots__ = ("name",)
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __repr__(self) -> str:
-        return f"<dropped {self.name}>"
-
-
-def _unhold(tape: Any, x: np.ndarray, marker: _Dropped) -> Any:
-    """``tape`` with every entry that is ``x`` itself (in nested tuples) replaced by
-    ``marker``: the tape no longer keeps the gathered weight alive."""
-    if tape is x:
-        return marker
-    if isinstance(tape, tuple):
-        return tuple(_unhold(t, x, marker) for t in tape)
-    return tape
-
-
-def _rehold(tape: Any, marker: _Dropped, x: np.ndarray) -> Any:
-    """:func:`_unhold` undone with the weight gathered again."""
-    if tape is marker:
-        return x
-    if isinstance(tape, tuple):
-        return tuple(_rehold(t, marker, x) for t in tape)
-    return tape
-
-
 def mirror_announcement(group: tuple[int, ...], names: Sequence[str]
                         ) -> tuple[str, tuple[int, ...], tuple[str, ...]]:
     """What a Mirror announces to the schedule guard (compared by value): its group and its
@@ -179,8 +148,8 @@ class _Source:
 
     def __init__(self, header: str) -> None:
         self.lines = [header]
-        self.names: dict[str, Any] = {"_zeros": np.zeros, "_unhold": _unhold,
-                                      "_rehold": _rehold, **INLINE_NAMES}
+        self.names: dict[str, Any] = {"_zeros": np.zeros, "_unhold": unhold,
+                                      "_rehold": rehold, **INLINE_NAMES}
         self._bound: dict[int, str] = {}   # id of an object already named -> its name
 
     def bind(self, prefix: str, obj: Any) -> str:
@@ -259,7 +228,7 @@ class Executor:
         self._sharded = {s: name for s, name in self.params if name in shards}
         self._regathered = {s: name for s, name in self._sharded.items()
                             if shards[name].level.regathers}
-        self._dropped = {s: _Dropped(name) for s, name in self._regathered.items()}
+        self._dropped = {s: Dropped(name) for s, name in self._regathered.items()}
         #: Per op index in a recomputed Cell: (the segment's number, the segment).
         self._segment_at = {i: (n, seg) for n, seg in enumerate(program.segments)
                             for i in range(seg.first, seg.last + 1)}
