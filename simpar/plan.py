@@ -54,6 +54,7 @@ from simpar.cost import (
     load_profile,
     profile_names,
 )
+from simpar.optimizer_parallel import OptimizerLevel, OptimizerParallel
 from simpar.runtime import NothingParallelWarning, ParallelProgram, lower
 from simpar.search import StrategyMap, plan_request, registered_searches, request_from_context
 from simpar.search.exact import TimeLimitWarning, describe_gap
@@ -124,6 +125,10 @@ class PlanOptions:
     enable_alltoall: bool = False
     preset: str | None = None
     time_limit: float | None = None     # search_mode exact: seconds (None: no limit)
+    optimizer_shard: str = "off"        # the memory dimensions: optimizer parallel level,
+    optimizer_shard_threshold: int = 64  # its threshold (KB),
+    recompute: bool = False             # every block (MLP layer but the last) recomputed,
+    micro_batches: int = 1              # and micro-batches per step
 
     def describe(self) -> str:
         if self.model == "gpt":
@@ -228,6 +233,17 @@ def _parser() -> argparse.ArgumentParser:
                    help="redistribute with AllToAll (default off, MindSpore's default and "
                    "benchmarks/search.py's: moves are then priced in bulk, several times "
                    "faster on large plans)")
+    p.add_argument("--optimizer-shard", default="off",
+                   choices=("off", "level1", "level2", "level3"),
+                   help="optimizer parallel: slice each weight ranks hold alike, with its "
+                        "gradient and optimizer state (MindSpore's optimizer_level)")
+    p.add_argument("--optimizer-shard-threshold", type=int, default=64, metavar="KB",
+                   help="parameters under this many KB stay whole (default 64)")
+    p.add_argument("--recompute", action="store_true",
+                   help="recompute every block (every MLP layer but the last) in the backward")
+    p.add_argument("--micro-batches", type=positive_int_arg, default=1, metavar="M",
+                   help="micro-batches per step (gradient accumulation); --batch is the "
+                        "whole step's")
     p.add_argument("--out", default=None, help="write the plan as JSON to this file")
     p.add_argument("--quiet", action="store_true",
                    help="no progress on stderr (the plan still prints)")
@@ -257,7 +273,15 @@ def parse_args(argv: Sequence[str] | None) -> tuple[PlanOptions, argparse.Namesp
         batch=args.batch, device_num=args.device_num, search_mode=search, profile=profile,
         dtype=args.dtype, cost_model=args.cost_model, optimizer=args.optimizer,
         dataset_strategy=args.dataset_strategy, enable_alltoall=args.enable_alltoall,
-        time_limit=args.time_limit)
+        time_limit=args.time_limit, optimizer_shard=args.optimizer_shard,
+        optimizer_shard_threshold=args.optimizer_shard_threshold, recompute=args.recompute,
+        micro_batches=args.micro_batches)
+    if args.optimizer_shard_threshold < 0:
+        p.error(f"argument --optimizer-shard-threshold: must be >= 0 KB, got "
+                f"{args.optimizer_shard_threshold}")
+    if args.batch % args.micro_batches:
+        p.error(f"argument --micro-batches: {args.micro_batches} does not divide --batch "
+                f"{args.batch}")
     if args.model == "gpt":
         base = GPT_PRESETS[args.preset or _DEFAULT_PRESET]
         sizes = {k: getattr(args, k) if getattr(args, k) is not None else getattr(base, k)
@@ -273,10 +297,13 @@ def parse_args(argv: Sequence[str] | None) -> tuple[PlanOptions, argparse.Namesp
         sizes = {k: getattr(args, k) if getattr(args, k) is not None else _MLP_DEFAULTS[k]
                  for k in ("in_features", "hidden", "classes", "layers")}
         opts = PlanOptions("mlp", **sizes, **common)
-    if args.dataset_strategy == "data_parallel" and args.batch % args.device_num:
+    if args.dataset_strategy == "data_parallel" and (args.batch // args.micro_batches) % \
+            args.device_num:
+        micro = f" in {args.micro_batches} micro-batches" if args.micro_batches > 1 else ""
         p.error(f"argument --batch: {args.batch} does not split over --device-num "
-                f"{args.device_num} under --dataset-strategy data_parallel; use a multiple of "
-                f"{args.device_num}, or --dataset-strategy full_batch")
+                f"{args.device_num}{micro} under --dataset-strategy data_parallel; use a "
+                f"multiple of {args.device_num * args.micro_batches}, or --dataset-strategy "
+                "full_batch")
     if args.out is not None:
         problem = _env.unwritable_file(pathlib.Path(args.out))
         if problem:
@@ -295,14 +322,20 @@ def build_network(opts: PlanOptions) -> tuple[nn.Cell, list[_Spec]]:
     dtype = np.dtype(opts.dtype)
     model: nn.Cell
     specs: list[_Spec]
+    batch = opts.batch // opts.micro_batches   # the graph is one micro-batch's
     if opts.model == "gpt":
         model = nn.GPT(opts.vocab, opts.seq, opts.hidden, opts.layers, opts.heads, dtype=dtype)
-        ids: _Spec = ((opts.batch, opts.seq), np.dtype(np.int32))
+        ids: _Spec = ((batch, opts.seq), np.dtype(np.int32))
         specs = [ids, ids]
+        blocks: list[nn.Cell] = list(model.blocks)
     else:
         model = nn.MLP(opts.in_features, opts.hidden, opts.classes, n_hidden=opts.layers,
                        dtype=dtype)
-        specs = [((opts.batch, opts.in_features), dtype), ((opts.batch,), np.dtype(np.int32))]
+        specs = [((batch, opts.in_features), dtype), ((batch,), np.dtype(np.int32))]
+        blocks = list(model.layers[:-1])
+    if opts.recompute:
+        for block in blocks:
+            block.recompute()
     return nn.WithLossCell(model, nn.SoftmaxCrossEntropyWithLogits()), specs
 
 
@@ -332,7 +365,10 @@ def make_plan(opts: PlanOptions) -> ModelPlan:
         g, cell=net, device_num=opts.device_num, mode="auto_parallel",
         dataset_strategy=opts.dataset_strategy, enable_alltoall=opts.enable_alltoall,
         search_mode=opts.search_mode, cost_model=search_model(opts),
-        algo={"exact_time_limit": opts.time_limit})
+        algo={"exact_time_limit": opts.time_limit}, micro_batches=opts.micro_batches,
+        optimizer=OptimizerParallel(None if opts.optimizer_shard == "off"
+                                    else OptimizerLevel(opts.optimizer_shard), -1,
+                                    opts.optimizer_shard_threshold))
     with warnings.catch_warnings():  # the summary gives the gap
         warnings.simplefilter("ignore", TimeLimitWarning)
         smap = plan_request(request)
@@ -494,6 +530,19 @@ def _progress(shown: bool) -> Iterator[None]:
             lg.propagate = propagate
 
 
+def _dimensions(opts: PlanOptions) -> str:
+    """The memory dimensions asked for, as the first line names them ("" for none)."""
+    parts = []
+    if opts.optimizer_shard != "off":
+        parts.append(f"optimizer parallel {opts.optimizer_shard} (threshold "
+                     f"{opts.optimizer_shard_threshold} KB)")
+    if opts.recompute:
+        parts.append("every block recomputed")
+    if opts.micro_batches > 1:
+        parts.append(f"{opts.micro_batches} micro-batches")
+    return "; " + ", ".join(parts) if parts else ""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     opts, args = parse_args(argv)
@@ -501,7 +550,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"simpar plan: {opts.describe()}, batch {opts.batch}, {opts.device_num} devices, "
           f"search {opts.search_mode}{limit} minimising {opts.cost_model}'s cost model"
           + (f" on {opts.profile.name}" if opts.cost_model == "simpar" else "")
-          + f", dataset {opts.dataset_strategy}", flush=True)
+          + f", dataset {opts.dataset_strategy}" + _dimensions(opts), flush=True)
     with _progress(not args.quiet):
         try:
             plan = make_plan(opts)

@@ -143,7 +143,7 @@ def test_a_recomputed_block_keeps_only_its_input() -> None:
         held = _held(tape, train.params, prog.graph.consts)
         sizes[recompute] = sum(a.nbytes for a in held)
         if recompute:
-            kept = tape[len(tape) - 1 - len(prog.segments):-1]   # each block's kept inputs
+            kept = tape[len(tape) - len(prog.segments):]   # each block's kept inputs
             for block in kept:
                 arrays = _held([block], train.params, prog.graph.consts)
                 # The residual stream entering the block: one (B, T, D) array, nothing else.

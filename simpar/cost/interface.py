@@ -24,7 +24,7 @@ program's ops under several models side by side.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -66,8 +66,8 @@ class CostModel(Protocol):
     def memory(self, sharding: OpSharding, parameters: Collection[int], itemsize: int,
                kept_elsewhere: Collection[int] = ...,
                input_itemsizes: Sequence[int] | None = ...,
-               involved: Collection[int] | None = ..., frozen: Collection[int] = ...
-               ) -> float: ...
+               involved: Collection[int] | None = ..., frozen: Collection[int] = ...,
+               *args: Any) -> float: ...
 
     def keeps_output(self, op: Any, n_inputs: int, parameters: Collection[int],
                      involved: Collection[int], kept_elsewhere: Collection[int]) -> bool: ...
@@ -183,16 +183,24 @@ class SimparCostModel:
         """The profile's device memory."""
         return float(self._profile.memory_capacity)
 
+    #: :meth:`memory` prices optimizer slices and recomputation (``sliced``, ``recomputed``).
+    prices_memory_dimensions = True
+
     def memory(self, sharding: OpSharding, parameters: Collection[int], itemsize: int,
                kept_elsewhere: Collection[int] = frozenset(),
                input_itemsizes: Sequence[int] | None = None,
-               involved: Collection[int] | None = None, frozen: Collection[int] = ()
-               ) -> float:
+               involved: Collection[int] | None = None, frozen: Collection[int] = (),
+               sliced: Mapping[int, tuple[int, bool]] | None = None,
+               recomputed: tuple[bool, bool] = (False, False)) -> float:
         """Bytes per rank: each trainable parameter's shard (positions ``parameters``) with
         its gradient and the optimizer's state, each ``frozen`` one's shard alone, and what the
         op's tape keeps for the backward (:class:`~simpar.ops.kernels.Tape`). Inputs in
         ``kept_elsewhere`` (a producer's tape holds the same array, or a parameter another op
         counts) and parameters are not counted as activations. (``involved`` is MindSpore's.)
+        ``sliced`` maps a parameter position optimizer parallel slices to (the ranks its
+        slices spread over, whether the tape keeps the gathered copy: the op keeps that input
+        and the level is not 3); ``recomputed`` is (the op is recomputed: its tape is not
+        kept, whether it opens the recomputed Cell: its input 0 is what the Cell keeps).
         An estimate per op: :func:`~simpar.cost.model.evaluate` counts a whole program's
         arrays once each and adds the transient buffers."""
         sh = sharding
@@ -200,7 +208,12 @@ class SimparCostModel:
         ins = [lay.local_size() * b for lay, b in zip(sh.in_layouts, sizes)]
         outs = sum(raw.local_size() * itemsize for raw, _, _ in sh.outputs)
         copies = 2 + OPTIMIZER_STATE[self.optimizer]
-        total = float(sum(copies * ins[i] for i in parameters) + sum(ins[i] for i in frozen))
+        total = float(sum(ins[i] for i in frozen))
+        for i in parameters:
+            ranks, gathered = (sliced or {}).get(i, (1, False))
+            total += copies * ins[i] / ranks + (ins[i] if gathered else 0)
+        if recomputed[0]:
+            return total + (ins[0] if recomputed[1] and sh.in_layouts else 0)
         skip = {*parameters, *frozen, *kept_elsewhere}
         tape = str(sh.op.tape)
         total += sum(ins[k] for k in _tape_inputs(tape, [k for k in range(len(ins))

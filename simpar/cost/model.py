@@ -74,6 +74,9 @@ class _Program(Protocol):  # simpar.runtime.ParallelProgram, as this module read
     @property
     def layouts(self) -> Mapping[int, Any]: ...
 
+    @property
+    def micro_batches(self) -> int: ...
+
     def storage_layout(self, name: str) -> Any: ...
 
     @property
@@ -208,7 +211,8 @@ def evaluate(program: _Program, profile: str | DeviceProfile = "cpu-local",
     per_rank: dict[int, tuple[float, dict[str, list[float]], float]] = {}
     memory = []
     for rank in sample_ranks(program.device_num):
-        per_rank[rank] = _time_of(program.schedule(rank), by_name, prof)
+        per_rank[rank] = _time_of(program.schedule(rank), by_name, prof,
+                                  program.micro_batches)
         memory.append(_memory_of(program, rank, optimizer, prof))
     slowest = max(per_rank, key=lambda r: (per_rank[r][0], -r))
     total, ops, grad_sync = per_rank[slowest]
@@ -237,21 +241,24 @@ def _optimizer_seconds(program: _Program, optimizer: str, prof: DeviceProfile) -
     return seconds
 
 
-def _time_of(steps: Sequence[Any], by_name: Mapping[str, Any], prof: DeviceProfile
-             ) -> tuple[float, dict[str, list[float]], float]:
-    """(step seconds, {op: [compute, op comm, redistribution]}, gradient-sync seconds)."""
+def _time_of(steps: Sequence[Any], by_name: Mapping[str, Any], prof: DeviceProfile,
+             micro_batches: int = 1) -> tuple[float, dict[str, list[float]], float]:
+    """(step seconds, {op: [compute, op comm, redistribution]}, gradient-sync seconds): every
+    step once per micro-batch, but the ``deferred`` ones once per step."""
     ops = {name: [0.0, 0.0, 0.0] for name in by_name}
     grad_sync = 0.0
     for s in steps:
+        times = 1 if s.deferred else micro_batches
         if s.collective is None:
             op = by_name[s.op]
             dtype = op.node.outputs[0].dtype
             nbytes = _kernel_bytes(op)
-            scale = 2 if s.backward else 1
-            ops[s.op][0] += prof.compute_seconds(s.flops, scale * nbytes, dtype)
+            # A backward kernel moves twice the bytes; a recomputed forward's, once.
+            scale = 2 if s.backward and s.reason != "recompute" else 1
+            ops[s.op][0] += times * prof.compute_seconds(s.flops, scale * nbytes, dtype)
             continue
-        seconds = prof.step_collective_seconds(str(s.collective), s.group, s.buffer_bytes,
-                                               s.recv_bytes)
+        seconds = times * prof.step_collective_seconds(str(s.collective), s.group,
+                                                       s.buffer_bytes, s.recv_bytes)
         if s.role == "mirror":
             grad_sync += seconds
         else:

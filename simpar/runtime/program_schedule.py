@@ -80,9 +80,9 @@ class _Builder:
         self.rank, self.backward = rank, False
         self.steps: list[ProgramStep] = []
 
-    def compute(self, op: str, flops: int) -> None:
+    def compute(self, op: str, flops: int, reason: str = "") -> None:
         self.steps.append(ProgramStep(len(self.steps), self.backward, Role.COMPUTE, op, op, None,
-                                      flops=flops))
+                                      flops=flops, reason=reason))
 
     def collectives(self, role: Role, op: str, label: str, specs: Sequence[CommSpec],
                     itemsize: int, first_in_place: bool = False, deferred: bool = False
@@ -230,7 +230,7 @@ def _forward_op(b: _Builder, program: LoweredGraph, s: OpStep, gathers: Sequence
     in_size, out_size = node.inputs[0].dtype.itemsize, node.outputs[0].dtype.itemsize
     b.collectives(Role.REDISTRIBUTE, node.name, f"{node.name}/{sh.op.name}:redistribute",
                   sh.inner_comm(), in_size)
-    b.compute(node.name, sh.local_flops())
+    b.compute(node.name, sh.local_flops(), "recompute" if b.backward else "")
     b.collectives(Role.OP_COLLECTIVE, node.name, f"{node.name}/{sh.op.name}",
                   sh.internal_forward, out_size if _on_output(sh.internal_forward)
                   else in_size)

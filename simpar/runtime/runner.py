@@ -23,10 +23,19 @@ from simpar.runtime.program_schedule import ProgramStep
 from simpar.runtime.program_schedule import schedule as schedule_of
 from simpar.seed import training_step
 
-__all__ = ["ProgramRunner", "Seeds", "seeds_of"]
+__all__ = ["ProgramRunner", "Seeds", "StepTape", "seeds_of"]
 
 #: Which outputs get a cotangent, one flag per graph output.
 Seeds = tuple[bool, ...]
+
+
+class StepTape(list[Any]):
+    """A forward's tape (a list, as the executor made it) and the step number the forward
+    ran under, for a backward that runs a recomputed Cell's forward again."""
+
+    def __init__(self, tape: list[Any], step: int) -> None:
+        super().__init__(tape)
+        self.step = step
 
 
 def seeds_of(seeded: Sequence[bool] | None, n_outputs: int) -> Seeds:
@@ -116,8 +125,7 @@ class ProgramRunner:
                 schedule.following(expected, "forward"):
             outs, tape = self.executor(rank).forward(local_inputs, local_params,
                                                      current_watch())
-        tape.append(step)   # a recomputed Cell's dropout masks are the forward's
-        return outs, tape
+        return outs, StepTape(tape, step)
 
     def backward(self, tape: list[Any], output_grads: Sequence[np.ndarray | None]
                  ) -> dict[str, np.ndarray]:
@@ -130,7 +138,8 @@ class ProgramRunner:
         seeded = [g is not None for g in output_grads]
         expected = self.collectives(rank, seeded, "backward")
         accumulating = self.lowered.micro_batches > 1
-        with comm.validation_disabled(), training_step(tape[-1]), \
+        # A recomputed Cell draws the forward's dropout masks: the forward's step number.
+        with comm.validation_disabled(), training_step(getattr(tape, "step", 0)), \
                 schedule.following(expected, "backward"):
             return self.executor(rank).backward(self.backward_plan(seeded), tape,
                                                 output_grads, current_watch(),

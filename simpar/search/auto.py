@@ -55,7 +55,8 @@ def pricer_of(request: PlanRequest) -> Pricer:
     return Pricer(request.graph, request.device_num, request.cost_model,
                   request.input_layouts, request.parameter_plan, request.enable_alltoall,
                   request.algo.elementwise_op_strategy_follow, algo=request.algo,
-                  memory_capacity=request.memory_capacity)
+                  memory_capacity=request.memory_capacity, optimizer=request.optimizer,
+                  recompute=request.recompute)
 
 
 def cost_graph_of(request: PlanRequest) -> CostGraph:
@@ -64,7 +65,8 @@ def cost_graph_of(request: PlanRequest) -> CostGraph:
                             input_layouts=request.input_layouts,
                             parameter_plan=request.parameter_plan,
                             enable_alltoall=request.enable_alltoall, algo=request.algo,
-                            memory_capacity=request.memory_capacity)
+                            memory_capacity=request.memory_capacity,
+                            optimizer=request.optimizer, recompute=request.recompute)
 
 
 def exact_planner(request: PlanRequest) -> StrategyMap:

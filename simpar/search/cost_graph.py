@@ -33,6 +33,7 @@ from simpar.graph import Graph, Node
 from simpar.layout import TensorLayout
 from simpar.ops._base import OpSharding
 from simpar.ops.strategy import Strategy, StrategyError
+from simpar.optimizer_parallel import OptimizerParallel
 from simpar.search.pricing import ELEMENTWISE_OPS, Pricer, Site, algo_or_context, canonical
 from simpar.search.request import dataset_layouts
 
@@ -144,9 +145,12 @@ def build_cost_graph(graph: Graph, device_num: int, model: CostModel,
                      input_layouts: Sequence[TensorLayout] | None = None,
                      parameter_plan: Mapping[str, Sequence[int]] | None = None,
                      algo: AlgoParameters | None = None,
-                     memory_capacity: float | None = None) -> CostGraph:
+                     memory_capacity: float | None = None,
+                     optimizer: OptimizerParallel | None = None,
+                     recompute: Sequence[str] = ()) -> CostGraph:
     """The cost graph of ``graph`` on ``device_num`` devices under ``model``, within
-    ``memory_capacity`` bytes per rank (None: the model's own).
+    ``memory_capacity`` bytes per rank (None: the model's own), with the memory of the
+    ``optimizer`` slices and the ``recompute``-d Cells priced (a model that prices them).
 
     Candidates come from each op's ``candidate_strategies`` under the algo parameters
     ``algo`` (None: the context's, :func:`~simpar.search.pricing.algo_or_context`;
@@ -172,7 +176,8 @@ def build_cost_graph(graph: Graph, device_num: int, model: CostModel,
                                         dataset_strategy)
     pricer = Pricer(graph, device_num, model, input_layouts, parameter_plan, enable_alltoall,
                     algo.elementwise_op_strategy_follow, algo=algo,
-                    memory_capacity=memory_capacity)
+                    memory_capacity=memory_capacity, optimizer=optimizer,
+                    recompute=recompute)
     nodes: list[CostNode] = []
     priced: dict[tuple[Any, ...], tuple[tuple[OpSharding, ...], tuple[float, ...],
                                         tuple[float, ...]]] = {}

@@ -20,7 +20,7 @@ programming and sharding propagation ask only for what they visit.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,7 @@ from simpar.layout import TensorLayout, block_key
 from simpar.mesh import DeviceMesh
 from simpar.ops._base import OpSharding, registry
 from simpar.ops.strategy import Strategy, StrategyError
+from simpar.optimizer_parallel import OptimizerParallel, ParamFacts, shard_parameters
 from simpar.redistribution import RedistributionPlan, plan
 from simpar.search.moves import COLUMNS, decode, move_steps, plan_signatures, signature_of
 
@@ -185,8 +186,16 @@ class Pricer:
                  parameter_plan: Mapping[str, Sequence[int]] | None = None,
                  enable_alltoall: bool = False, follow: bool = False,
                  user_strategies: bool = True, *, algo: AlgoParameters | None = None,
-                 memory_capacity: float | None = None) -> None:
+                 memory_capacity: float | None = None,
+                 optimizer: OptimizerParallel | None = None,
+                 recompute: Collection[str] = ()) -> None:
         self.graph, self.device_num, self.model = graph, device_num, model
+        # The memory dimensions, for a model that prices them: optimizer slices, and the
+        # recomputed Cells (their nodes, and the first of each).
+        self.optimizer = optimizer or OptimizerParallel()
+        recomputed = [seg for seg in graph.segments if seg.name in set(recompute)]
+        self._recomputed = {i for seg in recomputed for i in seg.nodes}
+        self._opens = {seg.nodes[0] for seg in recomputed if seg.nodes}
         self.enable_alltoall = enable_alltoall
         self.algo = algo_or_context(algo)
         self.memory_capacity = float(model.memory_capacity if memory_capacity is None
@@ -208,7 +217,8 @@ class Pricer:
         for n, node in enumerate(graph.nodes):
             roles = _memory_roles(node, counted, involved, kept, array)
             mine = {k: inputs[v.id] for k, v in enumerate(node.inputs) if v.id in inputs}
-            signature = _signature(node, inputs, self.plans, roles)
+            signature = (_signature(node, inputs, self.plans, roles),
+                         n in self._recomputed, n in self._opens)
             site = Site(n, node, signature, kinds.setdefault(signature, len(kinds)),
                         tuple(tuple(v.shape) for v in node.inputs), roles,
                         user_strategies and node.op.in_strategy is not None, mine)
@@ -253,6 +263,23 @@ class Pricer:
         self._fine_mesh = DeviceMesh((self._power[0],) * self._power[1]) if self._power and \
             self._power[1] else None
 
+    def _sliced(self, site: Site, sh: OpSharding) -> dict[int, tuple[int, bool]]:
+        """Per new trainable parameter optimizer parallel slices under this sharding: (the
+        ranks its slices spread over, whether this op's tape keeps the gathered copy)."""
+        if not self.optimizer.enabled:
+            return {}
+        out = {}
+        for k in site.positions("new"):
+            v = site.node.inputs[k]
+            shards, _ = shard_parameters({v.name: ParamFacts(sh.in_layouts[k], v.dtype.itemsize,
+                                                             True)}, self.optimizer)
+            shard = shards.get(v.name)
+            if shard is not None:
+                out[k] = (shard.size, site.node.op.keeps_input(k)
+                          and not shard.level.regathers
+                          and site.index not in self._recomputed)
+        return out
+
     def candidates(self, n: int, fully_use_devices: bool) -> list[Strategy]:
         """Op ``n``'s candidate strategies under the algo parameters' slice alignment."""
         site = self.sites[n]
@@ -291,9 +318,15 @@ class Pricer:
             for k, lay in site.inputs.items():  # a graph input arrives in the dataset's layout
                 cost += self.move(lay, sh.in_layouts[k], node.inputs[k].dtype.itemsize)
             involved = {k for k, (_, i) in enumerate(site.roles) if i}
-            memory = self.model.memory(sh, site.positions("new"), itemsize,
-                                       site.positions("held"), in_sizes, involved,
-                                       site.positions("frozen"))
+            if getattr(self.model, "prices_memory_dimensions", False):
+                memory = self.model.memory(
+                    sh, site.positions("new"), itemsize, site.positions("held"), in_sizes,
+                    involved, site.positions("frozen"), self._sliced(site, sh),
+                    (n in self._recomputed, n in self._opens))
+            else:
+                memory = self.model.memory(sh, site.positions("new"), itemsize,
+                                           site.positions("held"), in_sizes, involved,
+                                           site.positions("frozen"))
             found = Priced(sh, cost, memory)
         self._priced[key] = found
         return found
