@@ -165,7 +165,15 @@ class TrainOneStepCell:
         # The program is one micro-batch's (the whole batch's without accumulation).
         g = graph.trace(self.network, [((x.shape[0] // m, *x.shape[1:]), x.dtype)
                                        for x in (data, label)], ["data", "label"])
-        request = request_from_context(g, cell=self.network, mode=self.mode, micro_batches=m)
+        try:
+            request = request_from_context(g, cell=self.network, mode=self.mode,
+                                           micro_batches=m)
+        except ValueError as e:
+            if m == 1:
+                raise
+            raise ValueError(f"{e} (GradAccumulation: each of the {m} micro-batches has "
+                             f"{data.shape[0] // m} of the batch's {data.shape[0]} rows)"
+                             ) from None
         self.program = self._plan(ctx, request)
         rank = comm.get_rank() if request.device_num > 1 else 0
         trainable = {p.name for p in self.optimizer.parameters}
