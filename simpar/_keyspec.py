@@ -18,7 +18,7 @@ from typing import Any
 
 __all__ = ["Bounds", "ContextError", "ContextTypeError", "KeySpec", "NotHonouredWarning",
            "Writes", "check_key", "has_kind", "spec_defaults", "stage_call", "type_error",
-           "unknown_key", "validate_value", "warn_not_honoured"]
+           "unknown_key", "validate_dict", "validate_value", "warn_not_honoured"]
 
 
 class ContextError(ValueError):
@@ -132,6 +132,20 @@ def unknown_key(func: str, key: str, known: Sequence[str], what: str = "key") ->
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return ContextError(f"{func}: unknown {what} {key!r}{hint}; the known {what}s are "
                         f"{', '.join(sorted(known))}.")
+
+
+def validate_dict(func: str, key: str, value: object, specs: Mapping[str, KeySpec]
+                  ) -> dict[str, Any]:
+    """A dict-valued key (``strategy_ckpt_config``, ``parallel_optimizer_config``): each of
+    its keys one of ``specs``, each value validated as ``key['sub']``."""
+    if not isinstance(value, Mapping):
+        raise type_error(func, key, f"a dict with keys from {', '.join(specs)}", value)
+    out = {}
+    for sub, sub_value in value.items():
+        if sub not in specs:
+            raise unknown_key(func, str(sub), list(specs), what=f"{key} key")
+        out[sub] = validate_value(func, f"{key}[{sub!r}]", specs[sub], sub_value)
+    return out
 
 
 def check_key(func: str, key: object, known: Mapping[str, KeySpec]) -> str:

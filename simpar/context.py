@@ -100,7 +100,7 @@ from simpar._keyspec import (
     spec_defaults,
     stage_call,
     type_error,
-    unknown_key,
+    validate_dict,
     validate_value,
     warn_not_honoured,
 )
@@ -246,14 +246,7 @@ _CKPT_SPECS: dict[str, KeySpec] = {
 
 
 def _check_ckpt_config(func: str, key: str, value: object) -> dict[str, Any]:
-    if not isinstance(value, Mapping):
-        raise type_error(func, key, f"a dict with keys from {', '.join(_CKPT_SPECS)}", value)
-    out = {}
-    for sub, sub_value in value.items():
-        if sub not in _CKPT_SPECS:
-            raise unknown_key(func, str(sub), list(_CKPT_SPECS), what=f"{key} key")
-        out[sub] = validate_value(func, f"{key}[{sub!r}]", _CKPT_SPECS[sub], sub_value)
-    return out
+    return validate_dict(func, key, value, _CKPT_SPECS)
 
 
 _DATASET_STRATEGY_WORDS = ("full_batch", "data_parallel")
@@ -321,13 +314,7 @@ def _check_optimizer_config(func: str, key: str, value: object) -> dict[str, Any
     """The ``parallel_optimizer_config`` dict validated: its keys are MindSpore's four, and
     ``gradient_accumulation_shard=True`` is ``optimizer_level="level2"`` (MindSpore refuses
     the two together with another level)."""
-    if not isinstance(value, Mapping):
-        raise type_error(func, key, f"a dict with keys from {', '.join(_OPT_SPECS)}", value)
-    out = {}
-    for sub, sub_value in value.items():
-        if sub not in _OPT_SPECS:
-            raise unknown_key(func, str(sub), list(_OPT_SPECS), what=f"{key} key")
-        out[sub] = validate_value(func, f"{key}[{sub!r}]", _OPT_SPECS[sub], sub_value)
+    out = validate_dict(func, key, value, _OPT_SPECS)
     level = out.get("optimizer_level")
     if out.get("gradient_accumulation_shard") and level not in (None, "level2"):
         raise ContextError(f"{func}: {key} sets optimizer_level={level!r} and "

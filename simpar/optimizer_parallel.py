@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from simpar._enums import StrEnum
 from simpar.layout import TensorLayout
 
-__all__ = ["OptimizerLevel", "OptimizerParallel", "ParamShard", "ParamFacts",
+__all__ = ["LEVELS", "OptimizerLevel", "OptimizerParallel", "ParamShard", "ParamFacts",
            "shard_parameters", "slice_layout"]
 
 
@@ -69,6 +69,7 @@ class OptimizerLevel(StrEnum):
         return self is OptimizerLevel.LEVEL3
 
 
+#: The ``optimizer_level`` values (simpar.context keeps its own copy: it imports no layer above).
 LEVELS = tuple(level.value for level in OptimizerLevel)
 
 

@@ -391,6 +391,8 @@ def test_level3_drops_the_weight_every_keeping_tape_holds() -> None:
     for a, b in itertools.zip_longest(_flatten(rehold(dropped, marker, w)), _flatten(tape)):
         assert a is b
     assert simpar.optimizer_parallel.OptimizerLevel.LEVEL3.regathers
+    # context keeps its own copy of the level names (it imports nothing above it).
+    assert context._LEVELS == simpar.optimizer_parallel.LEVELS
 
 
 def test_the_strategy_file_records_mindspores_opt_weight_shard_fields(tmp_path: Any) -> None:
@@ -431,6 +433,7 @@ def test_micro_batches_give_the_whole_batch_loss_and_gradients(micro: int) -> No
     assert split.program.graph.inputs[0].shape == (8 // micro, 16)   # one micro-batch's
     assert abs(loss - loss_m) <= 1e-12 * abs(loss)
     for name, g in grads.items():
+        assert np.isfinite(g).all()   # assert_allclose takes NaN == NaN
         np.testing.assert_allclose(grads_m[name], g, rtol=1e-10, atol=1e-14)
     # Training steps stay equal too.
     for k in range(3):

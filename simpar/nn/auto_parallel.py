@@ -46,6 +46,7 @@ from typing import Any
 from simpar import context, graph
 from simpar.layout import Layout
 from simpar.nn.cell import Cell, Wrapper
+from simpar.optimizer_parallel import LEVELS
 from simpar.search import registered_searches
 
 __all__ = ["AutoParallel", "OperatorStrategyPathError"]
@@ -57,7 +58,6 @@ _MINDSPORE_MODES: dict[str, tuple[str, str | None]] = {
     "recursive_programming": ("auto_parallel", "recursive_programming"),
 }
 _SCHEDULERS = ("1f1b", "gpipe", "seqpipe", "seqvpp", "seqsmartvpp", "zero_bubble_v")
-_OPTIMIZER_LEVELS = ("level1", "level2", "level3")
 _OPERATOR_FILES = ("operator strategy files (MindSpore's per-operator layout files) are not "
                    "supported; save_param_strategy_file and load_param_strategy_file write "
                    "and read MindSpore's strategy file (strategy_ckpt_config), which holds "
@@ -305,9 +305,9 @@ class AutoParallel(Wrapper):
         if not _is_int(threshold) or threshold < 0:
             raise ValueError(f"For 'AutoParallel.hsdp', the argument 'threshold' must be a "
                              f"positive integer or 0, but got {threshold!r}.")
-        if optimizer_level not in _OPTIMIZER_LEVELS:
+        if optimizer_level not in LEVELS:
             raise ValueError(f"For 'AutoParallel.hsdp', the argument 'optimizer_level' must be "
-                             f"one of {list(_OPTIMIZER_LEVELS)}, but got {optimizer_level!r}.")
+                             f"one of {list(LEVELS)}, but got {optimizer_level!r}.")
         self._settings["enable_parallel_optimizer"] = True
         # Every key given, so that the global context cannot reach the wrapped network.
         self._settings["parallel_optimizer_config"] = {

@@ -266,12 +266,24 @@ class Executor:
         bound call each: ``B3(B2(x))``. ``consume``: nothing else holds ``x``, so the first
         step may write into it (an AllReduce sums in place)."""
         for step, adjoint, dtype in steps:
-            key = (id(step), adjoint, dtype, consume)   # the program keeps its steps alive
-            run = self._bound.get(key)
-            if run is None:
-                run = self._bound[key] = bind_step(step, adjoint, dtype, self.rank, consume)
-            x = f"{src.bind('B', run)}({x})"
+            x = f"{src.bind('B', self._bind(step, adjoint, dtype, consume))}({x})"
             consume = False
+        return x
+
+    def _bind(self, step: Step, adjoint: bool, dtype: np.dtype | None, consume: bool = False
+              ) -> Callable[[np.ndarray], np.ndarray]:
+        """``step`` bound for this rank (:func:`bind_step`), once per (step, direction,
+        dtype, consume); the step by identity (the program keeps its steps alive)."""
+        key = (id(step), adjoint, dtype, consume)
+        run = self._bound.get(key)
+        if run is None:
+            run = self._bound[key] = bind_step(step, adjoint, dtype, self.rank, consume)
+        return run
+
+    def _run(self, steps: Moves, x: np.ndarray) -> np.ndarray:
+        """``steps`` run on ``x`` now, each bound as the generated code binds it."""
+        for step, adjoint, dtype in steps:
+            x = self._bind(step, adjoint, dtype)(x)
         return x
 
     def _actions(self, src: _Source, actions: Actions, dtype: np.dtype | None, x: str) -> str:
@@ -405,26 +417,16 @@ class Executor:
         seg = self.program.segments[n]
         kept: dict[Any, Any] = tape[len(self._tape_of) + len(self._regathered) + n]
         vals: dict[int, Any] = {}
-
-        def moved(steps: Moves, x: Any) -> Any:
-            for step, adjoint, dtype in steps:
-                key = (id(step), adjoint, dtype, False)
-                bound = self._bound.get(key)
-                if bound is None:
-                    bound = self._bound[key] = bind_step(step, adjoint, dtype, self.rank)
-                x = bound(x)
-            return x
-
         for i in range(seg.first, seg.last + 1):
             r, sh = self._fwd[i], self.program.steps[i].sharding
             for s in r.ins:
                 if ("p", s) in kept and s not in vals:
-                    vals[s] = moved(self._gather(self._sharded[s]), kept["p", s])
+                    vals[s] = self._run(self._gather(self._sharded[s]), kept["p", s])
             args = []
             for k, s in enumerate(r.ins):
                 x = vals[s] if s in vals else kept["v", s]
                 if k < len(r.pre) and r.pre[k]:
-                    x = moved(r.pre[k], x) if seg.mp_comm else kept["m", i, k]
+                    x = self._run(r.pre[k], x) if seg.mp_comm else kept["m", i, k]
                 args.append(x)
             if r.view:
                 y, made = r.run(*args), None
@@ -435,8 +437,10 @@ class Executor:
             ys = (y,) if r.out >= 0 else tuple(y)
             for k, s in enumerate(r.outs):
                 post = r.post[k] if k < len(r.post) else ()
-                vals[s] = (moved(post, ys[k]) if seg.mp_comm else kept["o", i, k]) if post \
-                    else ys[k]
+                if not post:
+                    vals[s] = ys[k]
+                else:
+                    vals[s] = self._run(post, ys[k]) if seg.mp_comm else kept["o", i, k]
             if r.keep >= 0:
                 tape[r.keep] = made
 
@@ -757,14 +761,7 @@ class Executor:
         for name in self.program.param_values:
             moves = syncs.get(name)
             if moves is not None and not self.program.param_shards[name].level.per_micro_batch:
-                x = out[name]
-                for step, adjoint, dtype in moves:
-                    bind = self._bound.get((id(step), adjoint, dtype, False))
-                    if bind is None:
-                        bind = self._bound[id(step), adjoint, dtype, False] = bind_step(
-                            step, adjoint, dtype, self.rank, False)
-                    x = bind(x)
-                out[name] = x
+                out[name] = self._run(moves, out[name])
         return self._mirrors(key, out)
 
     def _mirrors(self, seeded: tuple[bool, ...], out: dict[str, np.ndarray]

@@ -190,15 +190,9 @@ def schedule(program: LoweredGraph, bplan: BackwardPlan, rank: int) -> tuple[Pro
         done = sorted({v.name for v in node.inputs if last_add.get(v.name) == node.id},
                       key=[v.name for v in node.inputs].index)
         for name in done:   # a sliced parameter's gradient, complete: into its slice
-            b.collectives(Role.MIRROR, "", f"Mirror:{name}",
-                          plan_comm(bplan.shard_syncs[name], f"gradient of {name} into its "
-                                    "optimizer slice", False),
-                          program.param_values[name].dtype.itemsize)
+            _slice_gradient(b, program, bplan, name, False)
     for name in once:   # level1 under micro-batches: the summed gradient into its slice
-        b.collectives(Role.MIRROR, "", f"Mirror:{name}",
-                      plan_comm(bplan.shard_syncs[name], f"gradient of {name} into its "
-                                "optimizer slice", False),
-                      program.param_values[name].dtype.itemsize, deferred=True)
+        _slice_gradient(b, program, bplan, name, True)
     for group, dtype, names in bplan.mirror_buckets(program, rank):
         elements = sum(program.param_layouts[n].local_size() for n in names)
         nbytes = elements * np.dtype(dtype).itemsize
@@ -209,6 +203,15 @@ def schedule(program: LoweredGraph, bplan: BackwardPlan, rank: int) -> tuple[Pro
             0, 0, f"gradients of {', '.join(names)} (sum over their replicas)",
             mirror_announcement(group, names), deferred=accumulating))
     return tuple(b.steps)
+
+
+def _slice_gradient(b: _Builder, program: LoweredGraph, bplan: BackwardPlan, name: str,
+                    deferred: bool) -> None:
+    """The collectives that complete sliced parameter ``name``'s gradient into its slice."""
+    b.collectives(Role.MIRROR, "", f"Mirror:{name}",
+                  plan_comm(bplan.shard_syncs[name], f"gradient of {name} into its optimizer "
+                            "slice", False),
+                  program.param_values[name].dtype.itemsize, deferred=deferred)
 
 
 def _forward_op(b: _Builder, program: LoweredGraph, s: OpStep, gathers: Sequence[str],
