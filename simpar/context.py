@@ -50,6 +50,11 @@ auto_parallel_search_mode       (search_mode)              old name of search_mo
 simpar's own ``exact_time_limit`` (None, or seconds > 0) bounds ``search_mode="exact"``: when
 it runs out, the search returns its best plan with the optimality gap and warns
 (``simpar.search.exact.TimeLimitWarning``), or raises ``TimeoutError`` when it has none.
+simpar's own ``memory_dimensions`` (:data:`MEMORY_DIMENSIONS`) lets auto_parallel choose the
+optimizer level, the recomputed Cells and the micro-batches with the cuts
+(:mod:`simpar.search.dimensions`): "fixed" (the default, as MindSpore: the user's), "when_needed"
+(search them only when the user's settings leave no plan within the memory cap), "search"
+(always the fastest combination that fits).
 
 Two defaults moved, and simpar follows the newer value of each. ``search_mode``: MindSpore 2.0
 (and the older C++ ``Reset``) ``"dynamic_programming"``, 2.2 and later
@@ -106,6 +111,7 @@ from simpar._keyspec import (
 )
 
 __all__ = ["AlgoParameters", "BUILTIN_SEARCH_MODES", "ContextError", "ContextTypeError",
+           "MEMORY_DIMENSIONS",
            "NotHonouredWarning", "ParallelContext", "ParallelMode", "ParallelOptimizerConfig",
            "StrategyCkptConfig",
            "WorldMismatchError", "algo_parameters", "auto_parallel_context",
@@ -219,6 +225,7 @@ class AlgoParameters:
     tensor_slice_align_enable: bool = False
     tensor_slice_align_size: int = 16
     exact_time_limit: float | None = None  # simpar's own: seconds for search_mode "exact"
+    memory_dimensions: str = "fixed"       # simpar's own: MEMORY_DIMENSIONS
 
     @property
     def slice_align(self) -> int:
@@ -236,6 +243,9 @@ _HYBRID = ("is MindSpore's mode for hand-written communication, which simpar doe
 BUILTIN_SEARCH_MODES = ("recursive_programming", "dynamic_programming", "sharding_propagation",
                         "exact")
 _SEARCH_MODES: list[str] = list(BUILTIN_SEARCH_MODES)
+#: ``set_algo_parameters(memory_dimensions=...)``: whether auto_parallel chooses the optimizer
+#: level, the recomputed Cells and the micro-batches ("fixed": never; see the module).
+MEMORY_DIMENSIONS = ("fixed", "when_needed", "search")
 
 
 _CKPT_SPECS: dict[str, KeySpec] = {
@@ -417,6 +427,8 @@ _ALGO_SPECS: dict[str, KeySpec] = {
                                        bounds=Bounds(1, 1024)),
     "exact_time_limit": KeySpec(None, _ALGO.exact_time_limit, allowed=_TIME_LIMIT_ALLOWED,
                                 check=_check_time_limit),
+    "memory_dimensions": KeySpec(str, _ALGO.memory_dimensions,
+                                 choices=lambda: MEMORY_DIMENSIONS),
 }
 
 

@@ -34,6 +34,7 @@ from simpar.collective_kinds import traffic
 from simpar.cost import mindspore as ms
 from simpar.cost.model import OPTIMIZER_STATE, evaluate
 from simpar.cost.profile import DeviceProfile, load_profile
+from simpar.cost.step_price import step_op_seconds
 from simpar.cost_model_context import CostModelContext, cost_model_context
 from simpar.mesh import DeviceMesh
 from simpar.ops._base import OpSharding
@@ -122,6 +123,13 @@ class SimparCostModel:
             if mirror is not None:  # the Mirror of a replicated parameter
                 seconds += self._mirror_seconds(mirror, itemsize)
         return seconds
+
+    def step_op(self, sharding: OpSharding, parameters: Collection[int], itemsize: int,
+                input_itemsizes: Sequence[int] | None = None, **dimensions: Any) -> float:
+        """The op's share of a whole step with the memory dimensions (``shards``,
+        ``micro_batches``, ``recomputed``): :func:`~simpar.cost.step_price.step_op_seconds`."""
+        return step_op_seconds(self, sharding, parameters, itemsize, input_itemsizes,
+                               **dimensions)
 
     def _mirror_seconds(self, spec: CommSpec, itemsize: int) -> float:
         """A parameter's share of the fused gradient AllReduce: its bytes at the link's

@@ -40,6 +40,7 @@ from simpar.redistribution import execute, plan
 from simpar.runtime.lowering import lower
 from simpar.runtime.program import ParallelProgram
 from simpar.search import PlanRequest, complete_plan, plan_request, request_from_context
+from simpar.search.dimensions import MICRO_BATCH_CHOICES, graph_of
 from simpar.seed import get_seed
 from simpar.strategy_file import load_strategy, save_strategy
 
@@ -103,7 +104,12 @@ class TrainOneStepCell:
         accumulation = _grad_accumulation_of(network)
         #: Micro-batches per step (a GradAccumulation in ``network``; 1 without).
         self.micro_batches = accumulation.micro_size if accumulation is not None else 1
+        #: Whether auto_parallel may choose the micro-batches (no GradAccumulation fixes them).
+        self._choose_micro = accumulation is None
         self.program: ParallelProgram | None = None
+        #: How auto_parallel chose the memory dimensions (memory_dimensions not "fixed"):
+        #: a :class:`~simpar.search.dimensions.DimensionSearch`, else None.
+        self.program_dimensions: Any = None
         self._ctx: context.ParallelContext | None = None
         self._seed = 1.0
         self.params: dict[str, np.ndarray] = {}
@@ -141,12 +147,15 @@ class TrainOneStepCell:
                 dataset_strategy=ctx.dataset_strategy))
         else:
             smap = plan_request(request)
+        g = graph_of(request, smap)
         if files.save_file:
             save_strategy(files.save_file, smap, g, search_mode=request.search_mode if
                           self.mode == "auto_parallel" else None,
                           cost_model=request.cost_model.name,
                           only_trainable_params=files.only_trainable_params)
-        return lower(g, smap, request.enable_alltoall)
+        self.micro_batches = smap.micro_batches
+        self.program_dimensions = smap.dimensions
+        return lower(graph_of(request, smap), smap, request.enable_alltoall)
 
     def _build(self, ctx: context.ParallelContext, data: np.ndarray, label: np.ndarray
                ) -> ParallelProgram:
@@ -162,12 +171,18 @@ class TrainOneStepCell:
                                  f"input({x.shape[0] if x.ndim else 'a scalar'}) must be divided "
                                  f"by micro size({m}): GradAccumulation splits the {what} of "
                                  f"shape {x.shape} into {m} micro-batches")
-        # The program is one micro-batch's (the whole batch's without accumulation).
-        g = graph.trace(self.network, [((x.shape[0] // m, *x.shape[1:]), x.dtype)
-                                       for x in (data, label)], ["data", "label"])
+        # The program is one micro-batch's (the whole batch's without accumulation); when
+        # auto_parallel chooses the micro-batches, one graph per count on offer.
+        counts = [m]
+        if self.mode == "auto_parallel" and self._choose_micro and \
+                context.algo_parameters().memory_dimensions != "fixed":
+            counts = [c for c in MICRO_BATCH_CHOICES if data.shape[0] % c == 0]
+        graphs = {c: graph.trace(self.network, [((x.shape[0] // c, *x.shape[1:]), x.dtype)
+                                                for x in (data, label)], ["data", "label"])
+                  for c in counts}
         try:
-            request = request_from_context(g, cell=self.network, mode=self.mode,
-                                           micro_batches=m)
+            request = request_from_context(graphs[m], cell=self.network, mode=self.mode,
+                                           micro_batches=m, micro_graphs=graphs)
         except ValueError as e:
             if m == 1:
                 raise
@@ -175,6 +190,7 @@ class TrainOneStepCell:
                              f"{data.shape[0] // m} of the batch's {data.shape[0]} rows)"
                              ) from None
         self.program = self._plan(ctx, request)
+        m = self.micro_batches   # the plan's (auto_parallel may have chosen it)
         rank = comm.get_rank() if request.device_num > 1 else 0
         trainable = {p.name for p in self.optimizer.parameters}
         for name in self.program.param_layouts:

@@ -56,7 +56,8 @@ def pricer_of(request: PlanRequest) -> Pricer:
                   request.input_layouts, request.parameter_plan, request.enable_alltoall,
                   request.algo.elementwise_op_strategy_follow, algo=request.algo,
                   memory_capacity=request.memory_capacity, optimizer=request.optimizer,
-                  recompute=request.recompute)
+                  recompute=request.recompute, micro_batches=request.micro_batches,
+                  step_objective=request.step_objective)
 
 
 def cost_graph_of(request: PlanRequest) -> CostGraph:
@@ -66,7 +67,9 @@ def cost_graph_of(request: PlanRequest) -> CostGraph:
                             parameter_plan=request.parameter_plan,
                             enable_alltoall=request.enable_alltoall, algo=request.algo,
                             memory_capacity=request.memory_capacity,
-                            optimizer=request.optimizer, recompute=request.recompute)
+                            optimizer=request.optimizer, recompute=request.recompute,
+                            micro_batches=request.micro_batches,
+                            step_objective=request.step_objective)
 
 
 def exact_planner(request: PlanRequest) -> StrategyMap:

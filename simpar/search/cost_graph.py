@@ -147,10 +147,13 @@ def build_cost_graph(graph: Graph, device_num: int, model: CostModel,
                      algo: AlgoParameters | None = None,
                      memory_capacity: float | None = None,
                      optimizer: OptimizerParallel | None = None,
-                     recompute: Sequence[str] = ()) -> CostGraph:
+                     recompute: Sequence[str] = (), micro_batches: int = 1,
+                     step_objective: bool = False) -> CostGraph:
     """The cost graph of ``graph`` on ``device_num`` devices under ``model``, within
     ``memory_capacity`` bytes per rank (None: the model's own), with the memory of the
     ``optimizer`` slices and the ``recompute``-d Cells priced (a model that prices them).
+    ``step_objective``: the costs are a whole step's of ``micro_batches`` micro-batches with
+    the memory dimensions' time (:mod:`simpar.cost.step_price`).
 
     Candidates come from each op's ``candidate_strategies`` under the algo parameters
     ``algo`` (None: the context's, :func:`~simpar.search.pricing.algo_or_context`;
@@ -177,7 +180,8 @@ def build_cost_graph(graph: Graph, device_num: int, model: CostModel,
     pricer = Pricer(graph, device_num, model, input_layouts, parameter_plan, enable_alltoall,
                     algo.elementwise_op_strategy_follow, algo=algo,
                     memory_capacity=memory_capacity, optimizer=optimizer,
-                    recompute=recompute)
+                    recompute=recompute, micro_batches=micro_batches,
+                    step_objective=step_objective)
     nodes: list[CostNode] = []
     priced: dict[tuple[Any, ...], tuple[tuple[OpSharding, ...], tuple[float, ...],
                                         tuple[float, ...]]] = {}
@@ -258,6 +262,9 @@ def _edge_matrix(pricer: Pricer, e: int, producers: Sequence[OpSharding],
         return tuple(tuple(pricer.edge_cost(e, pc, cc) for cc in consumers) for pc in producers)
     matrix = pricer.move_matrix([pc.outputs[se.output][1] for pc in producers],
                                 [cc.in_layouts[se.input] for cc in consumers], se.itemsize)
+    factor = pricer.edge_factor(e)
+    if factor != 1.0:
+        matrix = matrix * factor
     return tuple(map(tuple, matrix.tolist()))
 
 

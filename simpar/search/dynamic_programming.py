@@ -569,4 +569,4 @@ def _no_available_cost(cg: CostGraph, least: tuple[int, ...] | None) -> NoAvaila
         f"bytes, strategy {strategy}, in the plan of least memory). Use more devices, smaller "
         "shapes, or raise "
         "the capacity (device_memory_capacity in set_cost_model_context, or the profile's "
-        "memory_capacity).")
+        "memory_capacity).", need)

@@ -43,6 +43,7 @@ import numpy as np
 
 from simpar.layout import TensorLayout
 from simpar.search.cost_graph import CostEdge, CostGraph
+from simpar.search.pricing import NoAvailableCost
 
 __all__ = ["ExactSolution", "TimeLimitWarning", "describe_gap", "product_variables",
            "solve_exact"]
@@ -194,8 +195,8 @@ def _refuse(result: Any, time_limit: float | None, when: str) -> NoReturn:
     """Raise for a HiGHS ``result`` without a solution: a timeout or an infeasible model."""
     if result.status == 1:   # a time (or iteration) limit, no solution
         raise _timeout(time_limit, when, str(result.message))
-    raise ValueError(f"search_mode 'exact': no strategy satisfies every constraint "
-                     f"({result.message})")
+    raise NoAvailableCost(f"search_mode 'exact': no strategy satisfies every constraint "
+                          f"({result.message})")
 
 
 def _timeout(time_limit: float | None, when: str, message: str) -> TimeoutError:

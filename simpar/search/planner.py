@@ -23,6 +23,7 @@ from typing import Any
 from simpar.context import BUILTIN_SEARCH_MODES, register_search_mode
 from simpar.graph import Graph
 from simpar.optimizer_parallel import ParamFacts, shard_parameters
+from simpar.search.dimensions import search_dimensions
 from simpar.search.propagation import follow_producers
 from simpar.search.request import PlanRequest, request_from_context
 from simpar.search.strategy_map import StrategyMap
@@ -78,6 +79,8 @@ def plan_request(request: PlanRequest) -> StrategyMap:
     """Every op's strategy, every parameter's and input's layout, for ``request``: the
     search registered for ``request.search_mode`` in auto_parallel, else the user's
     strategies with the fill-in (:func:`~simpar.search.propagation.follow_producers`)."""
+    if request.mode == "auto_parallel" and request.algo.memory_dimensions != "fixed":
+        return search_dimensions(request, search_for(request.search_mode), complete_plan)
     if request.mode == "auto_parallel":
         smap = search_for(request.search_mode)(request)
     else:

@@ -33,7 +33,7 @@ from simpar.layout import TensorLayout, block_key
 from simpar.mesh import DeviceMesh
 from simpar.ops._base import OpSharding, registry
 from simpar.ops.strategy import Strategy, StrategyError
-from simpar.optimizer_parallel import OptimizerParallel, ParamFacts, shard_parameters
+from simpar.optimizer_parallel import OptimizerParallel, ParamFacts, ParamShard, shard_parameters
 from simpar.redistribution import RedistributionPlan, plan
 from simpar.search.moves import COLUMNS, decode, move_steps, plan_signatures, signature_of
 
@@ -48,7 +48,12 @@ ELEMENTWISE_OPS = frozenset(name for name, op in registry().items() if op.elemen
 
 
 class NoAvailableCost(ValueError):
-    """No plan fits the memory cap (MindSpore: "No available cost")."""
+    """No plan fits the memory cap (MindSpore: "No available cost"). ``memory``: the bytes
+    per rank of the plan refused (or the least any plan needs), when known."""
+
+    def __init__(self, message: str, memory: float | None = None) -> None:
+        super().__init__(message)
+        self.memory = memory
 
 
 @dataclass(frozen=True)
@@ -188,14 +193,22 @@ class Pricer:
                  user_strategies: bool = True, *, algo: AlgoParameters | None = None,
                  memory_capacity: float | None = None,
                  optimizer: OptimizerParallel | None = None,
-                 recompute: Collection[str] = ()) -> None:
+                 recompute: Collection[str] = (), micro_batches: int = 1,
+                 step_objective: bool = False) -> None:
         self.graph, self.device_num, self.model = graph, device_num, model
+        # The whole step's seconds, with the memory dimensions' time (a model with
+        # ``step_op``): what the search of the memory dimensions compares across them.
+        self.step_objective = step_objective and hasattr(model, "step_op")
+        self.micro_batches = micro_batches
+        self._scale = micro_batches if self.step_objective else 1
         # The memory dimensions, for a model that prices them: optimizer slices, and the
         # recomputed Cells (their nodes, and the first of each).
         self.optimizer = optimizer or OptimizerParallel()
         recomputed = [seg for seg in graph.segments if seg.name in set(recompute)]
         self._recomputed = {i for seg in recomputed for i in seg.nodes}
         self._opens = {seg.nodes[0] for seg in recomputed if seg.nodes}
+        # A recomputed Cell with mp_comm_recompute moves its inputs again: their forward.
+        self._rerun = {i for seg in recomputed if seg.mp_comm for i in seg.nodes}
         self.enable_alltoall = enable_alltoall
         self.algo = algo_or_context(algo)
         self.memory_capacity = float(model.memory_capacity if memory_capacity is None
@@ -218,7 +231,7 @@ class Pricer:
             roles = _memory_roles(node, counted, involved, kept, array)
             mine = {k: inputs[v.id] for k, v in enumerate(node.inputs) if v.id in inputs}
             signature = (_signature(node, inputs, self.plans, roles),
-                         n in self._recomputed, n in self._opens)
+                         n in self._recomputed, n in self._opens, n in self._rerun)
             site = Site(n, node, signature, kinds.setdefault(signature, len(kinds)),
                         tuple(tuple(v.shape) for v in node.inputs), roles,
                         user_strategies and node.op.in_strategy is not None, mine)
@@ -263,9 +276,9 @@ class Pricer:
         self._fine_mesh = DeviceMesh((self._power[0],) * self._power[1]) if self._power and \
             self._power[1] else None
 
-    def _sliced(self, site: Site, sh: OpSharding) -> dict[int, tuple[int, bool]]:
-        """Per new trainable parameter optimizer parallel slices under this sharding: (the
-        ranks its slices spread over, whether this op's tape keeps the gathered copy)."""
+    def _slices(self, site: Site, sh: OpSharding) -> dict[int, ParamShard]:
+        """Per new trainable parameter, the slice optimizer parallel gives it under this
+        sharding."""
         if not self.optimizer.enabled:
             return {}
         out = {}
@@ -273,12 +286,16 @@ class Pricer:
             v = site.node.inputs[k]
             shards, _ = shard_parameters({v.name: ParamFacts(sh.in_layouts[k], v.dtype.itemsize,
                                                              True)}, self.optimizer)
-            shard = shards.get(v.name)
-            if shard is not None:
-                out[k] = (shard.size, site.node.op.keeps_input(k)
-                          and not shard.level.regathers
-                          and site.index not in self._recomputed)
+            if v.name in shards:
+                out[k] = shards[v.name]
         return out
+
+    def _sliced(self, site: Site, slices: Mapping[int, ParamShard]
+                ) -> dict[int, tuple[int, bool]]:
+        """Per sliced parameter: (the ranks its slices spread over, whether this op's tape
+        keeps the gathered copy)."""
+        return {k: (shard.size, site.node.op.keeps_input(k) and not shard.level.regathers
+                    and site.index not in self._recomputed) for k, shard in slices.items()}
 
     def candidates(self, n: int, fully_use_devices: bool) -> list[Strategy]:
         """Op ``n``'s candidate strategies under the algo parameters' slice alignment."""
@@ -314,14 +331,21 @@ class Pricer:
             itemsize = node.outputs[0].dtype.itemsize
             in_sizes = tuple(v.dtype.itemsize for v in node.inputs)
             params = site.params
-            cost = self.model.op(sh, params, itemsize, in_sizes)
+            slices = self._slices(site, sh)
+            if self.step_objective:
+                cost = self.model.step_op(  # type: ignore[attr-defined]
+                    sh, site.positions("new"), itemsize, in_sizes,
+                    shards={k: (s.level, s.size) for k, s in slices.items()},
+                    micro_batches=self.micro_batches, recomputed=n in self._recomputed)
+            else:
+                cost = self.model.op(sh, params, itemsize, in_sizes)
             for k, lay in site.inputs.items():  # a graph input arrives in the dataset's layout
                 cost += self.move(lay, sh.in_layouts[k], node.inputs[k].dtype.itemsize)
             involved = {k for k, (_, i) in enumerate(site.roles) if i}
             if getattr(self.model, "prices_memory_dimensions", False):
                 memory = self.model.memory(
                     sh, site.positions("new"), itemsize, site.positions("held"), in_sizes,
-                    involved, site.positions("frozen"), self._sliced(site, sh),
+                    involved, site.positions("frozen"), self._sliced(site, slices),
                     (n in self._recomputed, n in self._opens))
             else:
                 memory = self.model.memory(sh, site.positions("new"), itemsize,
@@ -339,12 +363,21 @@ class Pricer:
         return plan(src, dst, self.enable_alltoall)
 
     def move(self, src: TensorLayout, dst: TensorLayout, itemsize: int) -> float:
-        """The model's cost of redistributing a value from ``src`` to ``dst``."""
+        """The model's cost of redistributing a value from ``src`` to ``dst`` (every
+        micro-batch's, under the step objective)."""
+        return self._scale * self._move(src, dst, itemsize)
+
+    def _move(self, src: TensorLayout, dst: TensorLayout, itemsize: int) -> float:
         key = (self._key(src), self._key(dst), itemsize)
         found = self._moves.get(key)
         if found is None:
             found = self._moves[key] = self.model.edge(self.plan(src, dst), itemsize)
         return found
+
+    def edge_factor(self, e: int) -> float:
+        """What edge ``e``'s move is multiplied by beyond the micro-batches: 1.5 into an op a
+        Cell recomputes with mp_comm_recompute (its forward half runs again), else 1."""
+        return 1.5 if self.step_objective and self.edges[e].consumer in self._rerun else 1.0
 
     def move_matrix(self, srcs: Sequence[TensorLayout], dsts: Sequence[TensorLayout],
                     itemsize: int) -> np.ndarray:
@@ -367,9 +400,10 @@ class Pricer:
         ud = [dsts[n] for n in d_first.values()]
         bulk = getattr(self.model, "edge_prices", None)
         if self._fine_mesh is None or self.enable_alltoall or bulk is None:
-            unique = np.array([[self.move(s, d, itemsize) for d in ud] for s in us])
+            unique = np.array([[self._move(s, d, itemsize) for d in ud] for s in us])
         else:
             unique = self._signature_matrix(us, ud, itemsize, bulk)
+        unique = unique * self._scale if self._scale != 1 else unique
         s_at = {key: n for n, key in enumerate(s_first)}
         d_at = {key: n for n, key in enumerate(d_first)}
         return unique[np.ix_([s_at[key] for key in s_keys], [d_at[key] for key in d_keys])]
@@ -389,7 +423,7 @@ class Pricer:
             src, dst = srcs[at // len(dsts)], dsts[at % len(dsts)]
             planned = signature_of(self.plan(src, dst), p, k)
             assert planned == decode(rows[at], ndim), (src, dst, planned)
-            assert prices[at] == self.move(src, dst, itemsize), (src, dst, prices[at])
+            assert prices[at] == self._move(src, dst, itemsize), (src, dst, prices[at])
         return prices.reshape(len(srcs), len(dsts))
 
     @property
@@ -404,7 +438,7 @@ class Pricer:
         dst = consumer.in_layouts[edge.input]
         if edge.follows:
             return 0.0 if not self.plan(src, dst).steps else math.inf
-        return self.move(src, dst, edge.itemsize)
+        return self.edge_factor(e) * self.move(src, dst, edge.itemsize)
 
     def total(self, strategies: Sequence[OpSharding]) -> float:
         """The objective of one sharding per op: their costs and every edge's move."""
@@ -440,7 +474,7 @@ def check_memory(pricer: Pricer, shardings: Sequence[OpSharding], search: str) -
             f"memory capacity of {capacity:.0f} (Failure: Out of memory!); the op that needs "
             f"most of it is {pricer.sites[worst].name} ({mems[worst]:.0f} bytes, strategy "
             f"{[list(c) for c in shardings[worst].strategy]}). dynamic_programming searches "
-            "under the cap; or use more devices")
+            "under the cap; or use more devices", memory)
     return memory
 
 

@@ -49,7 +49,13 @@ class PlanRequest:
     ``optimizer`` the optimizer-parallel settings (:mod:`simpar.optimizer_parallel`);
     ``micro_batches`` how many micro-batches a step runs (the graph is one micro-batch's);
     ``recompute`` the recomputed Cells (``graph.segments`` names: the backward runs their
-    forward again)."""
+    forward again).
+
+    Under ``set_algo_parameters(memory_dimensions=...)`` other than "fixed", ``searched``
+    names the dimensions auto_parallel chooses ("optimizer", "recompute", "micro_batches":
+    those the user left unset), ``micro_graphs`` holds the graph of one micro-batch for each
+    micro-batch count it may choose, and ``step_objective`` prices a whole step with the
+    memory dimensions' time (:mod:`simpar.search.dimensions`)."""
 
     graph: Graph = field(compare=False, repr=False)
     device_num: int
@@ -64,6 +70,9 @@ class PlanRequest:
     optimizer: OptimizerParallel = OptimizerParallel()
     micro_batches: int = 1
     recompute: tuple[str, ...] = ()
+    searched: frozenset[str] = frozenset()
+    micro_graphs: Mapping[int, Graph] = field(default_factory=dict, compare=False, repr=False)
+    step_objective: bool = False
 
 
 def request_from_context(graph: Graph, *, cell: Any = None,
@@ -75,7 +84,8 @@ def request_from_context(graph: Graph, *, cell: Any = None,
                          unset: Mapping[str, Any] | None = None,
                          optimizer: OptimizerParallel | None = None,
                          micro_batches: int = 1,
-                         recompute: tuple[str, ...] | None = None) -> PlanRequest:
+                         recompute: tuple[str, ...] | None = None,
+                         micro_graphs: Mapping[int, Graph] | None = None) -> PlanRequest:
     """The request to plan ``graph``: every argument left None is the context's.
 
     ``mode`` and ``device_num`` default to ``parallel_mode`` and ``device_num`` (which the
@@ -90,6 +100,10 @@ def request_from_context(graph: Graph, *, cell: Any = None,
     (:mod:`simpar.cost_model_context`). ``optimizer`` defaults to the context's
     ``enable_parallel_optimizer`` and ``parallel_optimizer_config`` (off on one device);
     ``recompute`` to every Cell the user marked with ``Cell.recompute()``.
+    ``micro_graphs`` maps each micro-batch count auto_parallel may choose to its graph (under
+    ``memory_dimensions`` "when_needed" or "search"; ``graph`` is ``micro_batches``'s); the
+    optimizer level is searched unless ``enable_parallel_optimizer`` was set, the recomputed
+    Cells among those marked.
 
     >>> request_from_context(g, mode="semi_auto_parallel", device_num=8)  # doctest: +SKIP
     PlanRequest(device_num=8, mode='semi_auto_parallel', input_layouts=(...), ...)
@@ -124,13 +138,28 @@ def request_from_context(graph: Graph, *, cell: Any = None,
         model = replace(model, ctx=settings)
     cap = (settings.device_memory_capacity if settings.memory_capacity_changed
            else float(model.memory_capacity))
+    searched: set[str] = set()
+    algos = replace(algo_parameters(), **(algo or {}))
+    if mode == "auto_parallel" and algos.memory_dimensions != "fixed":
+        if optimizer is None and "enable_parallel_optimizer" not in ctx.explicit and \
+                device_num > 1:
+            searched.add("optimizer")
+        if graph.segments:
+            searched.add("recompute")
+        if len(micro_graphs or {}) > 1:
+            searched.add("micro_batches")
     if optimizer is None:
         optimizer = _optimizer_settings(ctx, device_num)
+    if "optimizer" in searched:   # off, with the config's threshold for the levels tried
+        config = ctx.parallel_optimizer_config
+        optimizer = OptimizerParallel(None, config.optimizer_weight_shard_size
+                                      if device_num % max(config.optimizer_weight_shard_size, 1)
+                                      == 0 else -1, config.parallel_optimizer_threshold)
     return PlanRequest(graph, device_num, mode, layouts, plans,
                        bool(given("enable_alltoall", enable_alltoall)),
-                       str(given("search_mode", search_mode)),
-                       replace(algo_parameters(), **(algo or {})), model, cap, optimizer,
-                       micro_batches, _recompute(graph, recompute))
+                       str(given("search_mode", search_mode)), algos, model, cap, optimizer,
+                       micro_batches, _recompute(graph, recompute), frozenset(searched),
+                       dict(micro_graphs or {micro_batches: graph}))
 
 
 def _recompute(graph: Graph, names: tuple[str, ...] | None) -> tuple[str, ...]:

@@ -111,7 +111,8 @@ class StrategyMap:
     :class:`~simpar.optimizer_parallel.ParamShard` (the level, and the slice each rank
     stores); a parameter it does not name is stored in its own layout. ``micro_batches`` is
     how many micro-batches a training step runs (gradient accumulation); the graph is one
-    micro-batch's. ``recompute`` names the recomputed Cells (the graph's segments)."""
+    micro-batch's. ``recompute`` names the recomputed Cells (the graph's segments);
+    ``dimensions`` says how auto_parallel chose these three, when it did."""
 
     device_num: int
     mode: str
@@ -122,6 +123,9 @@ class StrategyMap:
     shards: Mapping[str, ParamShard] = field(default_factory=dict)
     micro_batches: int = 1
     recompute: tuple[str, ...] = ()
+    #: How auto_parallel chose the memory dimensions, when it did
+    #: (:class:`~simpar.search.dimensions.DimensionSearch`; not saved, not compared).
+    dimensions: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.device_num, bool) or not isinstance(self.device_num,

@@ -1,0 +1,297 @@
+"""auto_parallel's choice of the memory dimensions with the cuts: the optimizer-parallel level,
+the recomputed Cells and the number of micro-batches (``set_algo_parameters(
+memory_dimensions="search" | "when_needed")``, simpar's own; MindSpore leaves all three to the
+user).
+
+The request names what may be chosen (``PlanRequest.searched``: what the user left unset) and
+holds one micro-batch's graph for every micro-batch count on offer (``micro_graphs``). Every
+combination is planned by the request's own search (its ``search_mode``), under the memory
+cap, with the whole step as the objective (:mod:`simpar.cost.step_price`: every micro-batch's
+kernels and moves, each level's ReduceScatters and AllGathers against the AllReduce they
+replace, a recomputed Cell's second forward, the optimizer's update of what each rank stores),
+so that the cuts are chosen for the dimensions and the dimensions compared on one scale. The
+fastest combination that fits wins; ties go to the simpler one (fewer micro-batches, a lower
+level, fewer recomputed Cells).
+
+The optimizer level is one for the whole network (MindSpore's ``optimizer_level`` is global
+too; its threshold still leaves small parameters whole). Which Cells recompute: with
+search_mode "exact" and at most :data:`EXHAUSTIVE_SEGMENTS` marked Cells, every subset is
+planned, so that the result is the proven optimum over cuts x level x recomputed Cells x
+micro-batches. Otherwise it plans none and all of them (recomputing everything can pay when
+the memory it frees lets faster cuts fit) and, when only recomputation fits, the fewest Cells
+in trace order that fit (found by bisection on the memory of the all-recomputed plan's cuts,
+then planned): the identical blocks of a transformer all save and cost alike.
+
+>>> set_algo_parameters(memory_dimensions="search")         # doctest: +SKIP
+>>> smap = plan_request(request)                            # doctest: +SKIP
+>>> print(smap.dimensions.table())                          # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from simpar.graph import Graph
+from simpar.optimizer_parallel import OptimizerLevel
+from simpar.search.auto import pricer_of
+from simpar.search.pricing import NoAvailableCost
+from simpar.search.request import PlanRequest
+from simpar.search.strategy_map import StrategyMap
+
+__all__ = ["EXHAUSTIVE_SEGMENTS", "MICRO_BATCH_CHOICES", "Alternative", "DimensionSearch",
+           "graph_of", "search_dimensions"]
+
+#: The micro-batch counts training offers the search (those that divide the batch).
+MICRO_BATCH_CHOICES = (1, 2, 4, 8)
+
+#: Up to this many recomputable Cells, search_mode "exact" plans every subset of them.
+EXHAUSTIVE_SEGMENTS = 4
+
+Planner = Callable[[PlanRequest], StrategyMap]
+Completer = Callable[[PlanRequest, StrategyMap], StrategyMap]
+
+
+@dataclass(frozen=True, slots=True)
+class Alternative:
+    """One combination of the memory dimensions as its search planned it: the step objective
+    (seconds) and the bytes per rank of its plan, or why no plan fits (``seconds`` None;
+    ``memory`` then the refused plan's, or the least any plan needs, when known)."""
+
+    micro_batches: int
+    level: OptimizerLevel | None
+    recompute: tuple[str, ...]
+    segments: int
+    seconds: float | None
+    memory: float | None
+    why: str = ""
+
+    @property
+    def fits(self) -> bool:
+        return self.seconds is not None
+
+    @property
+    def key(self) -> tuple[int, OptimizerLevel | None, tuple[str, ...]]:
+        return (self.micro_batches, self.level, self.recompute)
+
+    def describe(self) -> str:
+        """``level3, 2/4 Cells recomputed, 8 micro-batches``."""
+        return (f"{self.level or 'optimizer parallel off'}, "
+                f"{len(self.recompute)}/{self.segments} Cells recomputed, "
+                f"{self.micro_batches} micro-batch{'es' if self.micro_batches > 1 else ''}")
+
+
+@dataclass(frozen=True)
+class DimensionSearch:
+    """What the search of the memory dimensions planned: ``chosen`` among ``alternatives``
+    (trace order of the search), under ``capacity`` bytes per rank; ``searched`` the
+    dimensions it chose (empty when the user's settings fitted under "when_needed")."""
+
+    chosen: Alternative | None
+    alternatives: tuple[Alternative, ...]
+    capacity: float
+    searched: frozenset[str]
+
+    @property
+    def least_memory(self) -> Alternative | None:
+        known = [a for a in self.alternatives if a.memory is not None]
+        return min(known, key=lambda a: a.memory or 0.0) if known else None
+
+    def binding(self) -> list[str]:
+        """For the chosen combination (else the one of least memory), each searched dimension
+        and what relaxing it one notch does: a dimension binds when the plan would no longer
+        fit (or, when nothing fits, would need more memory)."""
+        at = self.chosen or self.least_memory
+        if at is None:
+            return []
+        rows = {a.key: a for a in self.alternatives}
+        lines = []
+        relax: list[tuple[str, tuple[int, OptimizerLevel | None, tuple[str, ...]] | None]] = []
+        if "optimizer" in self.searched:
+            levels = [None, *OptimizerLevel]
+            below = levels[levels.index(at.level) - 1] if at.level is not None else None
+            relax.append(("optimizer level", (at.micro_batches, below, at.recompute)
+                          if at.level is not None else None))
+        if "recompute" in self.searched:
+            relax.append(("recomputation", (at.micro_batches, at.level, ())
+                          if at.recompute else None))
+        if "micro_batches" in self.searched:
+            fewer = [a.micro_batches for a in self.alternatives
+                     if a.micro_batches < at.micro_batches]
+            relax.append(("micro-batches", (max(fewer), at.level, at.recompute)
+                          if fewer else None))
+        for name, key in relax:
+            if key is None:
+                lines.append(f"{name}: at its least ({at.describe()}), not binding")
+                continue
+            other = rows.get(key)
+            if other is None:
+                lines.append(f"{name}: not relaxed (that combination was not planned)")
+                continue
+            if other.memory is None or at.memory is None:
+                lines.append(f"{name}: {'binds' if not other.fits else 'does not bind'} "
+                             f"(relaxed to {_notch(name, other)}: "
+                             f"{'no plan fits' if not other.fits else 'fits'})")
+                continue
+            more = other.memory - at.memory
+            binds = (not other.fits) if at.fits else more > 0
+            lines.append(f"{name}: {'binds' if binds else 'does not bind'} (relaxed to "
+                         f"{_notch(name, other)}: {_bytes(other.memory)} per rank, "
+                         f"{'+' if more >= 0 else '-'}{_bytes(abs(more))}"
+                         f"{'' if other.fits else ', over the cap'})")
+        return lines
+
+    def table(self) -> str:
+        """The alternatives, one line each: predicted step, memory, verdict."""
+        rows = [["micro-batches", "optimizer", "recomputed", "step (objective)", "memory/rank",
+                 "verdict"]]
+        for a in self.alternatives:
+            rows.append([str(a.micro_batches), str(a.level or "off"),
+                         f"{len(a.recompute)}/{a.segments}" + (
+                             f" ({', '.join(n.rsplit('/', 1)[-1] for n in a.recompute)})"
+                             if 0 < len(a.recompute) < a.segments else ""),
+                         "-" if a.seconds is None else f"{a.seconds * 1e3:.3f} ms",
+                         "-" if a.memory is None else _bytes(a.memory),
+                         ("CHOSEN" if a == self.chosen else "fits") if a.fits
+                         else f"over the cap of {_bytes(self.capacity)}"
+                         if a.memory is not None else a.why.split(";")[0][:60]])
+        widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
+        return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
+                         for r in rows)
+
+
+def _bytes(n: float) -> str:
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _notch(name: str, a: Alternative) -> str:
+    if name == "optimizer level":
+        return str(a.level or "off")
+    if name == "recomputation":
+        return "no Cell recomputed"
+    return f"{a.micro_batches} micro-batches"
+
+
+def graph_of(request: PlanRequest, smap: StrategyMap) -> Graph:
+    """The graph ``smap`` plans: one micro-batch's of the micro-batch count it chose."""
+    return request.micro_graphs.get(smap.micro_batches, request.graph)
+
+
+def search_dimensions(request: PlanRequest, inner: Planner, complete: Completer
+                      ) -> StrategyMap:
+    """The plan of ``request`` with the memory dimensions chosen (see the module): ``inner``
+    plans one combination's cuts, ``complete`` adds its dimensions to the map. The map's
+    ``dimensions`` holds the :class:`DimensionSearch`; :class:`NoAvailableCost` (with the
+    search as its ``search`` attribute) when no combination fits."""
+    capacity = pricer_of(request).memory_capacity
+    if request.algo.memory_dimensions == "when_needed":
+        smap, row = _attempt(request, inner, complete)
+        if smap is not None:
+            found = DimensionSearch(row, (row,), capacity, frozenset())
+            return dataclasses.replace(smap, dimensions=found)
+    searched = request.searched
+    counts = sorted(request.micro_graphs) if "micro_batches" in searched else [
+        request.micro_batches]
+    levels: Sequence[OptimizerLevel | None] = [None, *OptimizerLevel] if \
+        "optimizer" in searched else [request.optimizer.level]
+    rows: list[Alternative] = []
+    best: tuple[float, StrategyMap, Alternative] | None = None
+    for m in counts:
+        for level in levels:
+            try:
+                combination = _combination(request, m, level)
+            except ValueError as e:   # the micro-batch does not split as the dataset does
+                rows.append(Alternative(m, level, (), len(request.graph.segments), None, None,
+                                        f"the inputs do not split: {e}"))
+                continue
+            for smap, row in _recompute_options(combination, inner, complete):
+                rows.append(row)
+                if smap is not None and row.seconds is not None and (
+                        best is None or row.seconds < best[0] * (1 - 1e-12)):
+                    best = (row.seconds, smap, row)
+    found = DimensionSearch(best[2] if best else None, tuple(rows), capacity, searched)
+    if best is None:
+        least = found.least_memory
+        err = NoAvailableCost(
+            f"No available cost: no combination of the memory dimensions fits the capacity of "
+            f"{capacity:.0f} bytes per rank ({len(rows)} planned"
+            + (f"; the least memory is {least.memory:.0f} bytes, with {least.describe()}"
+               if least is not None and least.memory is not None else "")
+            + "). " + "; ".join(found.binding()), least.memory if least else None)
+        err.search = found  # type: ignore[attr-defined]
+        raise err
+    return dataclasses.replace(best[1], dimensions=found)
+
+
+def _combination(request: PlanRequest, m: int, level: OptimizerLevel | None) -> PlanRequest:
+    """The request of ``m`` micro-batches and optimizer ``level``, priced as a whole step."""
+    g = request.micro_graphs.get(m, request.graph)
+    layouts = tuple(lay.with_shape(v.shape) for lay, v in zip(request.input_layouts, g.inputs))
+    optimizer = dataclasses.replace(request.optimizer, level=level) if \
+        "optimizer" in request.searched else request.optimizer
+    return dataclasses.replace(request, graph=g, input_layouts=layouts, micro_batches=m,
+                               optimizer=optimizer, step_objective=True,
+                               recompute=() if "recompute" in request.searched
+                               else request.recompute)
+
+
+def _recompute_options(request: PlanRequest, inner: Planner, complete: Completer
+                       ) -> list[tuple[StrategyMap | None, Alternative]]:
+    """The recomputed-Cell choices planned for one combination (see the module)."""
+    names = tuple(seg.name for seg in request.graph.segments)
+    if "recompute" not in request.searched:
+        return [_attempt(request, inner, complete)]
+    if request.search_mode == "exact" and len(names) <= EXHAUSTIVE_SEGMENTS:
+        return [_attempt(dataclasses.replace(request, recompute=subset), inner, complete)
+                for k in range(len(names) + 1)
+                for subset in itertools.combinations(names, k)]
+    plain = _attempt(request, inner, complete)
+    every = _attempt(dataclasses.replace(request, recompute=names), inner, complete)
+    if plain[0] is not None or every[0] is None or len(names) == 1:
+        return [plain, every]
+    # The fewest Cells, in trace order, that bring the all-recomputed cuts under the cap.
+    pricer = pricer_of(request)
+    smap = every[0]
+    strategies = [smap.ops[node.name].in_strategy for node in request.graph.nodes]
+
+    def fits(k: int) -> bool:
+        priced = pricer_of(dataclasses.replace(request, recompute=names[:k]))
+        shardings = [priced.sharding(n, s) for n, s in enumerate(strategies)]
+        return None not in shardings and priced.memory(
+            shardings) <= pricer.memory_capacity  # type: ignore[arg-type]
+
+    lo, hi = 0, len(names)   # fits(hi), not fits(lo)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    if hi == len(names):
+        return [plain, every]
+    fewest = _attempt(dataclasses.replace(request, recompute=names[:hi]), inner, complete)
+    return [plain, fewest, every]
+
+
+def _attempt(request: PlanRequest, inner: Planner, complete: Completer
+             ) -> tuple[StrategyMap | None, Alternative]:
+    """``request`` planned by ``inner`` and priced as a whole step (None and the reason when
+    no plan fits)."""
+    segments = len(request.graph.segments)
+    head = (request.micro_batches, request.optimizer.level, request.recompute, segments)
+    try:
+        smap = complete(request, inner(request))
+    except NoAvailableCost as e:
+        return None, Alternative(*head, None, e.memory, str(e))
+    priced = pricer_of(dataclasses.replace(request, step_objective=True))
+    shardings = [priced.sharding(n, smap.ops[node.name].in_strategy)
+                 for n, node in enumerate(request.graph.nodes)]
+    if None in shardings:   # a strategy file's or user's strategy the pricer refuses
+        return smap, Alternative(*head, None, None, "not priced")
+    memory = priced.memory(shardings)  # type: ignore[arg-type]
+    if memory > priced.memory_capacity:
+        return None, Alternative(*head, None, memory, "over the cap")
+    return smap, Alternative(*head, priced.total(shardings),  # type: ignore[arg-type]
+                             memory)

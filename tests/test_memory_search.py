@@ -1,0 +1,192 @@
+"""auto_parallel's search of the memory dimensions (simpar.search.dimensions), pure: which
+combination it chooses under a cap, that search_mode "exact" proves the optimum over every
+combination, how far the other searches land from it, the step objective it compares them
+on, and the errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+
+import simpar
+from simpar import graph, nn
+from simpar.cost.interface import SimparCostModel
+from simpar.cost_model_context import reset_cost_model_context, set_cost_model_context
+from simpar.optimizer_parallel import OptimizerLevel
+from simpar.search import plan_request, request_from_context
+from simpar.search.auto import cost_graph_of, pricer_of
+from simpar.search.dimensions import graph_of
+from simpar.search.pricing import NoAvailableCost
+
+DEVICES = 4
+MICRO = (1, 2)
+
+
+@pytest.fixture(autouse=True)
+def _clean() -> Any:
+    simpar.reset_auto_parallel_context()
+    simpar.reset_algo_parameters()
+    reset_cost_model_context()
+    yield
+    simpar.reset_auto_parallel_context()
+    simpar.reset_algo_parameters()
+    reset_cost_model_context()
+
+
+def _request(search_mode: str, capacity: float | None, dimensions: str = "search",
+             recompute: bool = True, **config: Any) -> Any:
+    """A one-block GPT on 4 devices, its block a recompute candidate, 1 or 2 micro-batches."""
+    graphs, net = {}, None
+    for m in MICRO:
+        model = nn.GPT(64, 8, 16, 1, 2, dtype=np.float32)
+        if recompute:
+            model.blocks[0].recompute()
+        net = nn.WithLossCell(model, nn.SoftmaxCrossEntropyWithLogits())
+        ids = ((8 // m, 8), np.dtype(np.int32))
+        graphs[m] = graph.trace(net, [ids, ids], ["data", "label"])
+    simpar.set_algo_parameters(memory_dimensions=dimensions)
+    simpar.set_auto_parallel_context(parallel_optimizer_config={
+        "parallel_optimizer_threshold": 0}, **config)
+    if capacity is not None:
+        set_cost_model_context(device_memory_capacity=capacity)
+    return request_from_context(graphs[1], cell=net, device_num=DEVICES, mode="auto_parallel",
+                                search_mode=search_mode,
+                                cost_model=SimparCostModel("cpu-local", "adam"),
+                                micro_graphs=graphs)
+
+
+@functools.cache
+def _planned(search_mode: str, capacity: float) -> tuple[Any, Any]:
+    """(request, plan) of :func:`_request` with the dimensions searched (pure: cached)."""
+    request = _request(search_mode, capacity)
+    smap = plan_request(request)
+    simpar.reset_auto_parallel_context()
+    simpar.reset_algo_parameters()
+    reset_cost_model_context()
+    return request, smap
+
+
+def test_the_request_names_what_the_user_left_unset() -> None:
+    assert _request("dynamic_programming", None).searched == {"optimizer", "recompute",
+                                                              "micro_batches"}
+    fixed = _request("dynamic_programming", None, enable_parallel_optimizer=True,
+                     recompute=False)
+    assert fixed.searched == {"micro_batches"}
+    assert fixed.optimizer.level == OptimizerLevel.LEVEL1
+    assert _request("dynamic_programming", None, dimensions="fixed").searched == frozenset()
+
+
+def test_without_a_binding_cap_the_plain_plan_wins() -> None:
+    smap = plan_request(_request("dynamic_programming", None))
+    found = smap.dimensions
+    chosen = found.chosen
+    assert (chosen.micro_batches, chosen.level, chosen.recompute) == (1, None, ())
+    assert (smap.micro_batches, smap.recompute, dict(smap.shards)) == (1, (), {})
+    # Every combination was planned and fits; the others cost more.
+    assert len(found.alternatives) == len(MICRO) * 4 * 2
+    assert all(a.fits for a in found.alternatives)
+    assert chosen.seconds == min(a.seconds for a in found.alternatives)
+
+
+# Caps (bytes per rank): none binds; only recomputation fits at one micro-batch; only
+# optimizer parallel, recomputation and two micro-batches together fit.
+CAPS = (1e9, 30000.0, 27000.0)
+
+
+@pytest.mark.parametrize("capacity", CAPS)
+def test_exact_proves_the_optimum_of_every_combination(capacity: float) -> None:
+    request, smap = _planned("exact", capacity)
+    found = smap.dimensions
+    fitting = [a for a in found.alternatives if a.fits]
+    # Every level x subset of the one Cell x micro-batch count was planned by the ILP.
+    assert {a.key for a in found.alternatives} == {
+        (m, lv, rc) for m in MICRO for lv in (None, *OptimizerLevel)
+        for rc in ((), (request.graph.segments[0].name,))}
+    assert found.chosen.seconds == min(a.seconds for a in fitting)
+    assert found.chosen.memory <= capacity
+    # The map is the chosen combination's, on that micro-batch count's graph.
+    assert graph_of(request, smap) is request.micro_graphs[found.chosen.micro_batches]
+    assert smap.recompute == found.chosen.recompute
+    assert {s.level for s in smap.shards.values()} <= {found.chosen.level}
+    if capacity == 27000:   # all three dimensions are needed
+        assert (found.chosen.micro_batches, found.chosen.recompute != ()) == (2, True)
+        assert found.chosen.level is not None
+
+
+@pytest.mark.parametrize("capacity", CAPS)
+def test_dynamic_programming_reaches_the_exact_optimum(capacity: float) -> None:
+    best = _planned("exact", capacity)[1].dimensions.chosen
+    dp = _planned("dynamic_programming", capacity)[1].dimensions.chosen
+    assert dp.seconds == pytest.approx(best.seconds, rel=1e-9)
+
+
+@pytest.mark.parametrize("capacity", CAPS)
+def test_recursive_programming_fits_and_is_never_better_than_exact(capacity: float) -> None:
+    best = _planned("exact", capacity)[1].dimensions.chosen
+    rp = _planned("recursive_programming", capacity)[1].dimensions.chosen
+    assert rp.memory <= capacity
+    assert rp.seconds >= best.seconds * (1 - 1e-9)
+
+
+def test_the_objective_is_the_cost_graph_of_the_chosen_combination() -> None:
+    """The seconds compared are what the search minimised: the cost graph of the chosen
+    combination, whole step, priced with its micro-batches, level and recomputed Cells."""
+    request, smap = _planned("exact", 27000.0)
+    chosen = smap.dimensions.chosen
+    g = graph_of(request, smap)
+    again = dataclasses.replace(
+        request, graph=g, micro_batches=chosen.micro_batches, recompute=chosen.recompute,
+        step_objective=True, input_layouts=tuple(lay.with_shape(v.shape) for lay, v in zip(
+            request.input_layouts, g.inputs)),
+        optimizer=dataclasses.replace(request.optimizer, level=chosen.level))
+    cg = cost_graph_of(again)
+    pricer = pricer_of(again)
+    choice = []
+    for node, cnode in zip(g.nodes, cg.nodes):
+        strategy = smap.ops[node.name].in_strategy
+        choice.append(next(k for k, c in enumerate(cnode.candidates) if c.strategy == strategy))
+    assert cg.total(choice) == pytest.approx(chosen.seconds, rel=1e-12)
+    assert cg.memory(choice) == pytest.approx(chosen.memory, rel=1e-12)
+    # More micro-batches and a level cost time on the same cuts: the objective prices them.
+    plain = dataclasses.replace(again, micro_batches=1, optimizer=request.optimizer,
+                                recompute=())
+    shardings = [pricer.sharding(n, smap.ops[node.name].in_strategy)
+                 for n, node in enumerate(g.nodes)]
+    assert pricer_of(plain).total(shardings) < pricer.total(shardings)
+
+
+def test_when_needed_keeps_the_users_settings_that_fit() -> None:
+    fits = plan_request(_request("dynamic_programming", None, "when_needed")).dimensions
+    assert fits.searched == frozenset() and len(fits.alternatives) == 1
+    tight = plan_request(_request("dynamic_programming", 27000.0, "when_needed")).dimensions
+    assert tight.chosen == _planned("dynamic_programming", 27000.0)[1].dimensions.chosen
+    assert tight.searched == {"optimizer", "recompute", "micro_batches"}
+    assert tight.chosen.memory <= 27000
+
+
+def test_nothing_fits_says_the_least_memory_and_which_dimensions_bind() -> None:
+    with pytest.raises(NoAvailableCost, match="no combination of the memory dimensions") as e:
+        plan_request(_request("dynamic_programming", 1.0))
+    found = e.value.search
+    least = found.least_memory
+    assert e.value.memory == least.memory and math.isfinite(least.memory)
+    assert least.micro_batches == 2 and least.recompute
+    lines = found.binding()
+    assert [line.split(":")[0] for line in lines] == ["optimizer level", "recomputation",
+                                                      "micro-batches"]
+    assert "recomputation: binds" in "\n".join(lines)
+    assert "micro-batches: binds" in "\n".join(lines)
+    assert "over the cap" in found.table()
+
+
+def test_memory_dimensions_takes_only_its_values() -> None:
+    with pytest.raises(ValueError, match="memory_dimensions must be one of 'fixed', "
+                                         "'when_needed', 'search', but got 'always'"):
+        simpar.set_algo_parameters(memory_dimensions="always")
+    with pytest.raises(TypeError, match="memory_dimensions"):
+        simpar.set_algo_parameters(memory_dimensions=True)
