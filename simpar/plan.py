@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -57,6 +58,7 @@ from simpar.cost import (
 from simpar.optimizer_parallel import OptimizerLevel, OptimizerParallel
 from simpar.runtime import NothingParallelWarning, ParallelProgram, lower
 from simpar.search import StrategyMap, plan_request, registered_searches, request_from_context
+from simpar.search.dimensions import DimensionSearch, graph_of
 from simpar.search.exact import TimeLimitWarning, describe_gap
 from simpar.strategy_table import strategy_table
 
@@ -128,7 +130,8 @@ class PlanOptions:
     optimizer_shard: str = "off"        # the memory dimensions: optimizer parallel level,
     optimizer_shard_threshold: int = 64  # its threshold (KB),
     recompute: bool = False             # every block (MLP layer but the last) recomputed,
-    micro_batches: int = 1              # and micro-batches per step
+    micro_batches: int = 1              # and micro-batches per step;
+    memory_dimensions: str = "fixed"    # whether the search chooses them (set_algo_parameters)
 
     def describe(self) -> str:
         if self.model == "gpt":
@@ -244,6 +247,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batches", type=positive_int_arg, default=1, metavar="M",
                    help="micro-batches per step (gradient accumulation); --batch is the "
                         "whole step's")
+    p.add_argument("--memory-dimensions", default="fixed",
+                   choices=("fixed", "when_needed", "search"),
+                   help="let the search choose the optimizer level, the recomputed blocks and "
+                        f"the micro-batches ({', '.join(map(str, PLAN_MICRO_BATCHES))}) with "
+                        "the cuts, always or when nothing fits; --optimizer-shard LEVEL and "
+                        "--micro-batches M > 1 fix theirs")
     p.add_argument("--out", default=None, help="write the plan as JSON to this file")
     p.add_argument("--quiet", action="store_true",
                    help="no progress on stderr (the plan still prints)")
@@ -275,7 +284,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[PlanOptions, argparse.Namesp
         dataset_strategy=args.dataset_strategy, enable_alltoall=args.enable_alltoall,
         time_limit=args.time_limit, optimizer_shard=args.optimizer_shard,
         optimizer_shard_threshold=args.optimizer_shard_threshold, recompute=args.recompute,
-        micro_batches=args.micro_batches)
+        micro_batches=args.micro_batches, memory_dimensions=args.memory_dimensions)
     if args.optimizer_shard_threshold < 0:
         p.error(f"argument --optimizer-shard-threshold: must be >= 0 KB, got "
                 f"{args.optimizer_shard_threshold}")
@@ -315,14 +324,20 @@ def parse_args(argv: Sequence[str] | None) -> tuple[PlanOptions, argparse.Namesp
 _Spec = tuple[tuple[int, ...], np.dtype]
 
 
-def build_network(opts: PlanOptions) -> tuple[nn.Cell, list[_Spec]]:
+#: The micro-batch counts simpar.plan offers the search of the memory dimensions.
+PLAN_MICRO_BATCHES = (1, 2, 4, 8, 16)
+
+
+def build_network(opts: PlanOptions, micro_batches: int | None = None
+                  ) -> tuple[nn.Cell, list[_Spec]]:
     """The model with its loss (``WithLossCell``, as the main job trains it) and the global
     input specs ``(data, label)``. Nothing of the model's size is allocated: the Parameters
     hold initializers, drawn only when a rank takes its shard."""
     dtype = np.dtype(opts.dtype)
     model: nn.Cell
     specs: list[_Spec]
-    batch = opts.batch // opts.micro_batches   # the graph is one micro-batch's
+    # The graph is one micro-batch's (of ``micro_batches``, default the options').
+    batch = opts.batch // (micro_batches or opts.micro_batches)
     if opts.model == "gpt":
         model = nn.GPT(opts.vocab, opts.seq, opts.hidden, opts.layers, opts.heads, dtype=dtype)
         ids: _Spec = ((batch, opts.seq), np.dtype(np.int32))
@@ -333,7 +348,7 @@ def build_network(opts: PlanOptions) -> tuple[nn.Cell, list[_Spec]]:
                        dtype=dtype)
         specs = [((batch, opts.in_features), dtype), ((batch,), np.dtype(np.int32))]
         blocks = list(model.layers[:-1])
-    if opts.recompute:
+    if opts.recompute or opts.memory_dimensions != "fixed":   # (a candidate when searched)
         for block in blocks:
             block.recompute()
     return nn.WithLossCell(model, nn.SoftmaxCrossEntropyWithLogits()), specs
@@ -353,6 +368,11 @@ def make_plan(opts: PlanOptions) -> ModelPlan:
     t = time.perf_counter()
     net, specs = build_network(opts)
     g = graph.trace(net, specs, ["data", "label"])
+    graphs = {opts.micro_batches: g}
+    if opts.memory_dimensions != "fixed" and opts.micro_batches == 1:  # one per count on offer
+        for m in PLAN_MICRO_BATCHES[1:]:
+            if opts.batch % m == 0:
+                graphs[m] = graph.trace(*build_network(opts, m), ["data", "label"])
     parameters = sum(math.prod(v.shape) for v in g.params)
     parameter_bytes = sum(math.prod(v.shape) * v.dtype.itemsize for v in g.params)
     seconds["trace"] = time.perf_counter() - t
@@ -365,13 +385,18 @@ def make_plan(opts: PlanOptions) -> ModelPlan:
         g, cell=net, device_num=opts.device_num, mode="auto_parallel",
         dataset_strategy=opts.dataset_strategy, enable_alltoall=opts.enable_alltoall,
         search_mode=opts.search_mode, cost_model=search_model(opts),
-        algo={"exact_time_limit": opts.time_limit}, micro_batches=opts.micro_batches,
+        algo={"exact_time_limit": opts.time_limit,
+              "memory_dimensions": opts.memory_dimensions},
+        micro_batches=opts.micro_batches, micro_graphs=graphs,
         optimizer=OptimizerParallel(None if opts.optimizer_shard == "off"
                                     else OptimizerLevel(opts.optimizer_shard), -1,
                                     opts.optimizer_shard_threshold))
+    if opts.memory_dimensions != "fixed" and opts.optimizer_shard == "off":
+        request = dataclasses.replace(request, searched=request.searched | {"optimizer"})
     with warnings.catch_warnings():  # the summary gives the gap
         warnings.simplefilter("ignore", TimeLimitWarning)
         smap = plan_request(request)
+    g = graph_of(request, smap)
     seconds["search"] = time.perf_counter() - t
     log.info("searched in %.1f s; lowering", seconds["search"])
     t = time.perf_counter()
@@ -530,6 +555,22 @@ def _progress(shown: bool) -> Iterator[None]:
             lg.propagate = propagate
 
 
+def dimensions_report(found: DimensionSearch) -> str:
+    """The combinations of the memory dimensions planned, the chosen one (or the least
+    memory reachable) and which dimensions bind."""
+    least = found.least_memory
+    if found.chosen is not None:
+        head = f"memory dimensions: chose {found.chosen.describe()}"
+    elif least is not None and least.memory is not None:
+        head = (f"memory dimensions: nothing fits; the least memory per rank reachable is "
+                f"{_bytes(least.memory)}, with {least.describe()}")
+    else:
+        head = "memory dimensions: nothing fits"
+    return "\n".join([f"{head} (search objective: the whole step, {found.capacity:.0f} "
+                      "bytes per rank)", found.table(),
+                      *(f"  {line}" for line in found.binding())])
+
+
 def _dimensions(opts: PlanOptions) -> str:
     """The memory dimensions asked for, as the first line names them ("" for none)."""
     parts = []
@@ -540,6 +581,8 @@ def _dimensions(opts: PlanOptions) -> str:
         parts.append("every block recomputed")
     if opts.micro_batches > 1:
         parts.append(f"{opts.micro_batches} micro-batches")
+    if opts.memory_dimensions != "fixed":
+        parts.append(f"memory dimensions searched ({opts.memory_dimensions})")
     return "; " + ", ".join(parts) if parts else ""
 
 
@@ -555,6 +598,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             plan = make_plan(opts)
         except (ValueError, ImportError, TimeoutError) as error:
+            found = getattr(error, "search", None)
+            if found is not None:
+                print(dimensions_report(found))
             print(f"{PROG}: error: no plan: {error}", file=sys.stderr)
             return 1
     print(f"model: {_count(plan.parameters)} parameters ({_bytes(plan.parameter_bytes)} in "
@@ -563,6 +609,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for note in plan.notes:
         print(f"  note: {note}: the search found no split worth its communication")
     print(summary(plan))
+    if plan.strategy_map.dimensions is not None:
+        print(dimensions_report(plan.strategy_map.dimensions))
     if args.out is not None:
         try:
             write_json(args.out, to_json(plan, shlex.join([*PROG.split(), *argv])))

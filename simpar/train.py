@@ -36,7 +36,7 @@ from simpar._checks import positive_float_arg
 from simpar.check import CheckReport, check_against_single_device
 from simpar.context import ContextError
 from simpar.cost import CostReport, SimparCostModel, load_profile, profile_names
-from simpar.cost_model_context import set_search_cost_model
+from simpar.cost_model_context import set_cost_model_context, set_search_cost_model
 from simpar.dataset import VOCAB_SIZE, CharCorpus, random_classification
 from simpar.nn import presets
 from simpar.runtime.lowering import build_program
@@ -98,6 +98,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--micro-batches", type=int, default=1, metavar="N",
                    help="gradient accumulation (MindSpore's GradAccumulation): each step runs "
                         "N micro-batches of --batch-size / N and sums their gradients")
+    p.add_argument("--memory-dimensions", default="fixed",
+                   choices=("fixed", "when_needed", "search"),
+                   help="auto_parallel: let the search choose the optimizer level, which "
+                        "blocks recompute and the micro-batches (1, 2, 4, 8) with the cuts, "
+                        "always ('search') or when the plan does not fit ('when_needed'); "
+                        "--optimizer-shard LEVEL and --micro-batches N > 1 fix theirs")
+    p.add_argument("--device-memory-capacity", type=float, default=None, metavar="BYTES",
+                   help="the memory cap per rank the search plans under (MindSpore's "
+                        "device_memory_capacity; default: the profile's)")
     p.add_argument("--optimizer-shard-threshold", type=int, default=64, metavar="KB",
                    help="parameters under this many KB stay whole (MindSpore's "
                         "parallel_optimizer_threshold; default 64)")
@@ -137,6 +146,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.batch_size % args.micro_batches:
         p.error(f"--micro-batches {args.micro_batches} must divide --batch-size "
                 f"{args.batch_size} (each step splits the batch into micro-batches)")
+    if args.device_memory_capacity is not None and not args.device_memory_capacity > 0:
+        p.error(f"--device-memory-capacity must be > 0 bytes, got "
+                f"{args.device_memory_capacity}")
+    if args.memory_dimensions != "fixed" and args.parallel_mode != "auto_parallel":
+        p.error(f"--memory-dimensions {args.memory_dimensions} lets auto_parallel's search "
+                f"choose them; --parallel-mode is {args.parallel_mode}")
     if args.optimizer_shard_threshold < 0:
         p.error(f"--optimizer-shard-threshold must be >= 0 KB, got "
                 f"{args.optimizer_shard_threshold}")
@@ -206,6 +221,18 @@ def _unwritable_dir(path: str) -> str | None:
     if not os.access(parent, os.W_OK | os.X_OK):
         return f"{parent} is not writable"
     return None
+
+
+def dimensions_table(train: nn.TrainOneStepCell) -> str:
+    """What the search chose for the memory dimensions, every combination it planned (the
+    step objective it minimised, the memory per rank), and which dimensions bind."""
+    found = train.program_dimensions
+    chosen = found.chosen
+    head = (f"\nmemory dimensions: the user's settings fit ({chosen.describe()})"
+            if not found.searched else
+            f"\nmemory dimensions searched ({', '.join(sorted(found.searched))}) under "
+            f"{found.capacity:.0f} bytes per rank: chose {chosen.describe()}")
+    return "\n".join([head, found.table(), *("  " + line for line in found.binding())])
 
 
 def optimizer_shard_line(train: nn.TrainOneStepCell) -> str:
@@ -339,7 +366,8 @@ def build(args: argparse.Namespace, mode: str, device_num: int, reference: bool 
         else:
             assert isinstance(model, nn.MLP)
             presets.megatron_mlp(model, dp, mp)
-    if args.recompute and not reference:
+    # Under --memory-dimensions every block is a candidate; the search picks which recompute.
+    if (args.recompute or args.memory_dimensions != "fixed") and not reference:
         for cell in (model.blocks if isinstance(model, nn.GPT) else model.layers[:-1]):
             cell.recompute()
     net: nn.Cell = nn.WithLossCell(model, loss)
@@ -431,8 +459,14 @@ def main(argv: list[str] | None = None) -> int:
                                          device_num=device_num,
                                          gradients_mean=args.gradients_mean,
                                          enable_alltoall=True, search_mode=args.search_mode,
-                                         enable_parallel_optimizer=args.optimizer_shard != "off",
                                          parallel_optimizer_config=_optimizer_config(args))
+        if args.memory_dimensions == "fixed" or args.optimizer_shard != "off":
+            # (left unset under --memory-dimensions: the search chooses the level)
+            simpar.set_auto_parallel_context(
+                enable_parallel_optimizer=args.optimizer_shard != "off")
+        simpar.set_algo_parameters(memory_dimensions=args.memory_dimensions)
+        if args.device_memory_capacity is not None:
+            set_cost_model_context(device_memory_capacity=args.device_memory_capacity)
         set_search_cost_model(SimparCostModel(
             args.profile if args.profile != "none" else "cpu-local", optimizer(args)))
         comm.check_context()
@@ -463,8 +497,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.profile.name if args.profile != 'none' else 'cpu-local'} profile, "
             f"dataset {dataset_strategy(args, dp, mp, world)}")
     print_strategy_table(train) if rank == 0 else None
-    if args.optimizer_shard != "off":
+    if train.program is not None and train.program.param_shards:
         say(optimizer_shard_line(train))
+    if train.program_dimensions is not None and rank == 0:
+        print(dimensions_table(train))
     if args.parallel_mode == "auto_parallel" and args.profile != "none" and rank == 0:
         print(why_it_won(args, train, world))
     say(f"\nplanned in {t_build:.2f} s; training {args.steps} steps of {args.batch_size} x "

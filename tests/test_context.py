@@ -93,6 +93,7 @@ ALGO_DEFAULTS: dict[str, Any] = {
     "tensor_slice_align_enable": False,
     "tensor_slice_align_size": 16,
     "exact_time_limit": None,  # simpar's own (search_mode "exact"), not MindSpore's
+    "memory_dimensions": "fixed",  # simpar's own (simpar.search.dimensions), not MindSpore's
 }
 
 

@@ -106,14 +106,9 @@ class SimparCostModel:
         """Kernels forward and backward (twice the FLOPs and bytes), the op's own collectives
         both ways, and the AllReduce of every replicated parameter's gradient. ``itemsize``
         is the outputs' bytes per element, and the inputs' unless ``input_itemsizes``."""
-        sh, prof = sharding, self._profile
-        sizes = input_itemsizes or (itemsize,) * len(sh.in_layouts)
-        nbytes = (sum(lay.local_size() * b for lay, b in zip(sh.in_layouts, sizes))
-                  + itemsize * sum(raw.local_size() for raw, _, _ in sh.outputs))
-        dtype = {2: "float16", 4: "float32", 8: "float64"}.get(itemsize, "float32")
-        flops = sh.local_flops()
-        seconds = (prof.compute_seconds(flops, nbytes, dtype)
-                   + prof.compute_seconds(2 * flops, 2 * nbytes, dtype))
+        sh = sharding
+        forward, backward = self.kernel_seconds(sh, itemsize, input_itemsizes)
+        seconds = forward + backward
         # The backward as simpar.cotangent plans the op by itself (OpSharding.solo_backward):
         # its moves, then each parameter's gradient sum over its replicas (its Mirror).
         for spec in [*sh.forward_comm, *sh.backward_moves]:
@@ -123,6 +118,18 @@ class SimparCostModel:
             if mirror is not None:  # the Mirror of a replicated parameter
                 seconds += self._mirror_seconds(mirror, itemsize)
         return seconds
+
+    def kernel_seconds(self, sharding: OpSharding, itemsize: int,
+                       input_itemsizes: Sequence[int] | None = None) -> tuple[float, float]:
+        """The op's forward kernel and its backward (twice the FLOPs and bytes)."""
+        sh, prof = sharding, self._profile
+        sizes = input_itemsizes or (itemsize,) * len(sh.in_layouts)
+        nbytes = (sum(lay.local_size() * b for lay, b in zip(sh.in_layouts, sizes))
+                  + itemsize * sum(raw.local_size() for raw, _, _ in sh.outputs))
+        dtype = {2: "float16", 4: "float32", 8: "float64"}.get(itemsize, "float32")
+        flops = sh.local_flops()
+        return (prof.compute_seconds(flops, nbytes, dtype),
+                prof.compute_seconds(2 * flops, 2 * nbytes, dtype))
 
     def step_op(self, sharding: OpSharding, parameters: Collection[int], itemsize: int,
                 input_itemsizes: Sequence[int] | None = None, **dimensions: Any) -> float:

@@ -43,14 +43,9 @@ def step_op_seconds(model: Any, sharding: Any, parameters: Collection[int], item
     ``recomputed``: the op's Cell runs its forward again in the backward."""
     sh, prof = sharding, model.profile
     sizes = input_itemsizes or (itemsize,) * len(sh.in_layouts)
-    nbytes = (sum(lay.local_size() * b for lay, b in zip(sh.in_layouts, sizes))
-              + itemsize * sum(raw.local_size() for raw, _, _ in sh.outputs))
-    dtype = {2: "float16", 4: "float32", 8: "float64"}.get(itemsize, "float32")
-    flops = sh.local_flops()
-    forward = prof.compute_seconds(flops, nbytes, dtype) + sum(
-        model._spec_seconds(spec, itemsize) for spec in sh.forward_comm)
-    backward = prof.compute_seconds(2 * flops, 2 * nbytes, dtype) + sum(
-        model._spec_seconds(spec, itemsize) for spec in sh.backward_moves)
+    forward, backward = model.kernel_seconds(sh, itemsize, input_itemsizes)
+    forward += sum(model._spec_seconds(spec, itemsize) for spec in sh.forward_comm)
+    backward += sum(model._spec_seconds(spec, itemsize) for spec in sh.backward_moves)
     seconds = micro_batches * (forward + backward + (forward if recomputed else 0.0))
     optimizer = model.optimizer
     for i in parameters:

@@ -29,9 +29,11 @@ then planned): the identical blocks of a transformer all save and cost alike.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
-from collections.abc import Callable, Sequence
+import logging
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from simpar.graph import Graph
@@ -49,6 +51,8 @@ MICRO_BATCH_CHOICES = (1, 2, 4, 8)
 
 #: Up to this many recomputable Cells, search_mode "exact" plans every subset of them.
 EXHAUSTIVE_SEGMENTS = 4
+
+log = logging.getLogger("simpar.search")
 
 Planner = Callable[[PlanRequest], StrategyMap]
 Completer = Callable[[PlanRequest, StrategyMap], StrategyMap]
@@ -124,7 +128,7 @@ class DimensionSearch:
                           if fewer else None))
         for name, key in relax:
             if key is None:
-                lines.append(f"{name}: at its least ({at.describe()}), not binding")
+                lines.append(f"{name}: not used ({at.describe()})")
                 continue
             other = rows.get(key)
             if other is None:
@@ -148,10 +152,12 @@ class DimensionSearch:
         rows = [["micro-batches", "optimizer", "recomputed", "step (objective)", "memory/rank",
                  "verdict"]]
         for a in self.alternatives:
-            rows.append([str(a.micro_batches), str(a.level or "off"),
+            rows.append([str(a.micro_batches), "any" if a.why.startswith("the inputs") else
+                         str(a.level or "off"),
                          f"{len(a.recompute)}/{a.segments}" + (
                              f" ({', '.join(n.rsplit('/', 1)[-1] for n in a.recompute)})"
-                             if 0 < len(a.recompute) < a.segments else ""),
+                             if 0 < len(a.recompute) <= 2 and len(a.recompute) < a.segments
+                             else ""),
                          "-" if a.seconds is None else f"{a.seconds * 1e3:.3f} ms",
                          "-" if a.memory is None else _bytes(a.memory),
                          ("CHOSEN" if a == self.chosen else "fits") if a.fits
@@ -200,20 +206,8 @@ def search_dimensions(request: PlanRequest, inner: Planner, complete: Completer
     levels: Sequence[OptimizerLevel | None] = [None, *OptimizerLevel] if \
         "optimizer" in searched else [request.optimizer.level]
     rows: list[Alternative] = []
-    best: tuple[float, StrategyMap, Alternative] | None = None
-    for m in counts:
-        for level in levels:
-            try:
-                combination = _combination(request, m, level)
-            except ValueError as e:   # the micro-batch does not split as the dataset does
-                rows.append(Alternative(m, level, (), len(request.graph.segments), None, None,
-                                        f"the inputs do not split: {e}"))
-                continue
-            for smap, row in _recompute_options(combination, inner, complete):
-                rows.append(row)
-                if smap is not None and row.seconds is not None and (
-                        best is None or row.seconds < best[0] * (1 - 1e-12)):
-                    best = (row.seconds, smap, row)
+    with _each_warning_once():
+        best = _search(request, counts, levels, inner, complete, rows)
     found = DimensionSearch(best[2] if best else None, tuple(rows), capacity, searched)
     if best is None:
         least = found.least_memory
@@ -226,6 +220,49 @@ def search_dimensions(request: PlanRequest, inner: Planner, complete: Completer
         err.search = found  # type: ignore[attr-defined]
         raise err
     return dataclasses.replace(best[1], dimensions=found)
+
+
+def _search(request: PlanRequest, counts: Sequence[int],
+            levels: Sequence[OptimizerLevel | None], inner: Planner, complete: Completer,
+            rows: list[Alternative]) -> tuple[float, StrategyMap, Alternative] | None:
+    """Plan every combination, appending its row to ``rows``; the fastest that fits."""
+    best: tuple[float, StrategyMap, Alternative] | None = None
+    for m in counts:
+        for level in levels:
+            try:
+                combination = _combination(request, m, level)
+            except ValueError as e:   # the micro-batch does not split as the dataset does
+                rows.append(Alternative(m, level, (), len(request.graph.segments), None, None,
+                                        f"the inputs do not split: {e}"))
+                break   # (whatever the level)
+            for smap, row in _recompute_options(combination, inner, complete):
+                rows.append(row)
+                if smap is not None and row.seconds is not None and (
+                        best is None or row.seconds < best[0] * (1 - 1e-12)):
+                    best = (row.seconds, smap, row)
+    return best
+
+
+@contextlib.contextmanager
+def _each_warning_once() -> Iterator[None]:
+    """The searches' logged warnings (dynamic programming's thinned lists, ...) once each,
+    with how many combinations gave them, rather than once per combination."""
+    seen: dict[str, int] = {}
+
+    def once(record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        text = record.getMessage()
+        seen[text] = seen.get(text, 0) + 1
+        return False
+
+    log.addFilter(once)
+    try:
+        yield
+    finally:
+        log.removeFilter(once)
+        for text, count in seen.items():
+            log.warning("%s (in %d combinations of the memory dimensions)", text, count)
 
 
 def _combination(request: PlanRequest, m: int, level: OptimizerLevel | None) -> PlanRequest:
