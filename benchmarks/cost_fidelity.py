@@ -64,6 +64,9 @@ class Strategy:
     dataset: Any
     annotate: Callable[[Any, Any, int], None]
     optimizer: str
+    level: str | None = None        # optimizer parallel (threshold 0), or off
+    micro: int = 1                  # micro-batches (GradAccumulation)
+    recompute: bool = False         # every GPT block (MLP layer but the last) recomputed
 
 
 def _none(model: Any, loss: Any, n: int) -> None:
@@ -121,6 +124,20 @@ def strategies(n: int) -> list[Strategy]:
             Strategy(f"{model} hybrid {half}x2", model, semi, batch_dim(half),
                      _megatron(half, 2), opt),
         ]
+    # The memory dimensions (issue 30): each level, recomputation, micro-batches, and together.
+    for model, opt in (("mlp", "momentum"), ("gpt", "adam")):
+        dp = ("data_parallel", "data_parallel")
+        for level in ("level1", "level2", "level3"):
+            rows.append(Strategy(f"{model} dp {level}", model, *dp, _none, opt, level))
+        rows += [
+            Strategy(f"{model} dp recompute", model, *dp, _none, opt, recompute=True),
+            Strategy(f"{model} hybrid 2x{half} 2 micro-batches", model, semi,
+                     ((2, 1), (2,)) if model == "mlp" else ((2, 1), (2, 1)),
+                     _megatron(2, half), opt, micro=2),
+            Strategy(f"{model} hybrid 2x{half} level3 recompute 2 micro", model, semi,
+                     ((2, 1), (2,)) if model == "mlp" else ((2, 1), (2, 1)),
+                     _megatron(2, half), opt, "level3", 2, True),
+        ]
     rows += [
         Strategy("mlp split-k", "mlp", semi, ((1, 1), (1,)), _split_k, "momentum"),
         Strategy("mlp replicated (poor)", "mlp", semi, ((1, 1), (1,)), _replicated, "momentum"),
@@ -150,8 +167,16 @@ def _build(s: Strategy, n: int) -> nn.TrainOneStepCell:
     simpar.reset_auto_parallel_context()
     simpar.set_auto_parallel_context(parallel_mode=s.mode, gradients_mean=True,
                                      dataset_strategy=s.dataset, enable_alltoall=True)
-    cell = nn.WithLossCell(net, loss)
+    if s.level is not None:
+        simpar.set_auto_parallel_context(enable_parallel_optimizer=True, parallel_optimizer_config={
+            "optimizer_level": s.level, "parallel_optimizer_threshold": 0})
+    if s.recompute:
+        for part in (net.blocks if isinstance(net, nn.GPT) else net.layers[:-1]):
+            part.recompute()
+    cell: nn.Cell = nn.WithLossCell(net, loss)
     params = cell.trainable_params()
+    if s.micro > 1:
+        cell = nn.GradAccumulation(cell, s.micro)
     opt: nn.Optimizer = (nn.Adam(params, 1e-3) if s.optimizer == "adam"
                          else nn.Momentum(params, 0.01, 0.9))
     return nn.TrainOneStepCell(cell, opt, parallel_mode=s.mode, seed=0)
@@ -242,12 +267,19 @@ def main() -> int:
     parser.add_argument("--profile", default="cpu-local", help="a shipped name or a JSON path")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per strategy")
     parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument("--only", nargs="+", default=None, metavar="TEXT",
+                        help="only the strategies whose name contains one of these (implies "
+                             "--no-write)")
     args = parser.parse_args()
     PROFILE = load_profile(args.profile)
     n, rank = comm.get_group_size(), comm.get_rank()
     rows, predicted, measured, mem_ok = [], [], [], 0
     table_rows = []
+    if args.only:
+        args.no_write = True
     for s in strategies(n):
+        if args.only and not any(text in s.name for text in args.only):
+            continue
         seconds, pred, peaks, report = measure(s, n, args.steps)
         mem_pred = {m.rank: m.peak for m in report.memory}
         worst = max(range(len(peaks)), key=lambda r: peaks[r])

@@ -566,8 +566,11 @@ def dimensions_report(found: DimensionSearch) -> str:
                 f"{_bytes(least.memory)}, with {least.describe()}")
     else:
         head = "memory dimensions: nothing fits"
-    return "\n".join([f"{head} (search objective: the whole step, {found.capacity:.0f} "
-                      "bytes per rank)", found.table(),
+    if found.chosen is not None and least is not None and least.memory is not None:
+        head += (f"; the least memory per rank reachable is {_bytes(least.memory)}, with "
+                 f"{least.describe()}")
+    return "\n".join([f"{head} (search objective: the whole step; cap {found.capacity:.0f} "
+                      "bytes per rank; memory: the search's estimate)", found.table(),
                       *(f"  {line}" for line in found.binding())])
 
 

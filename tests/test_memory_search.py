@@ -94,7 +94,7 @@ def test_without_a_binding_cap_the_plain_plan_wins() -> None:
 
 
 # Caps (bytes per rank): none binds; only recomputation fits at one micro-batch; only
-# optimizer parallel, recomputation and two micro-batches together fit.
+# recomputation and two micro-batches together fit.
 CAPS = (1e9, 30000.0, 27000.0)
 
 
@@ -113,9 +113,10 @@ def test_exact_proves_the_optimum_of_every_combination(capacity: float) -> None:
     assert graph_of(request, smap) is request.micro_graphs[found.chosen.micro_batches]
     assert smap.recompute == found.chosen.recompute
     assert {s.level for s in smap.shards.values()} <= {found.chosen.level}
-    if capacity == 27000:   # all three dimensions are needed
+    if capacity == 27000:   # recomputation and micro-batches are both needed
         assert (found.chosen.micro_batches, found.chosen.recompute != ()) == (2, True)
-        assert found.chosen.level is not None
+        assert not any(a.fits for a in found.alternatives if a.micro_batches == 1)
+        assert not any(a.fits for a in found.alternatives if not a.recompute)
 
 
 @pytest.mark.parametrize("capacity", CAPS)

@@ -258,11 +258,23 @@ def _step(train: nn.TrainOneStepCell, event: Any) -> Any:
     return train.program.schedule(comm.get_rank())[event.step]
 
 
+def _reads(step: Any, k: int, needs: Any) -> bool:
+    """Whether the op's backward reads input ``k``: written inline, some gradient it needs
+    names ``x{k}``; otherwise assumed."""
+    sh = step.sharding
+    inline = sh.op.inline(tuple(lay.local_shape() for lay in sh.in_layouts))
+    if inline is None or any(n and g is None for n, g in zip(needs, inline.grads)):
+        return True
+    return any(n and f"{{x{k}}}" in g for n, g in zip(needs, inline.grads))
+
+
 def _kept_weights(train: nn.TrainOneStepCell) -> int:
     """How many sliced weights level3 gathers again per micro-batch: each one an op's tape
-    keeps outside a recomputed Cell, and each one a recomputed Cell reads (once per Cell)."""
+    keeps outside a recomputed Cell and its backward reads (the inline gradients it needs
+    name it), and each one a recomputed Cell reads (once per Cell)."""
     prog = train.program
     assert prog is not None
+    bplan = prog.backward_plan()
     names = set()
     for i, s in enumerate(prog.steps):
         if prog.segment_of(i) is not None:
@@ -270,7 +282,7 @@ def _kept_weights(train: nn.TrainOneStepCell) -> int:
         for k, v in enumerate(s.node.inputs):
             if v.kind == "param" and v.name in prog.param_shards and \
                     s.node.id in prog.grad_nodes and s.sharding.inner_plan is None and \
-                    s.node.op.keeps_input(k):
+                    s.node.op.keeps_input(k) and _reads(s, k, bplan.nodes[s.node.id].needs):
                 names.add(v.name)
     read = sum(len({v.name for i in range(seg.first, seg.last + 1)
                     for v in prog.steps[i].node.inputs

@@ -349,20 +349,47 @@ def _memory_of(program: _Program, rank: int, optimizer: str, prof: DeviceProfile
                   if s.collective is not None), default=0)
     # While an op's backward runs, the tapes are all still alive; beside them it holds its
     # output's cotangent and the gradients it computes for its float inputs, but for a
-    # parameter's own shard: that gradient is already counted among the gradients.
+    # parameter's own shard: that gradient is already counted among the gradients (a sliced
+    # one's is whole until it is reduce-scattered: its block beyond the counted slice).
+    # The ops before whose backward level3 gathers a dropped weight again (the schedule's).
+    regather_at = {st.op for st in program.schedule(rank) if st.backward
+                   and st.role == "weight-gather"}   # Role.GATHER
     backward = max((sum(raw.local_size() * v.dtype.itemsize
                         for v, (raw, _, _) in zip(s.node.outputs, s.sharding.outputs))
-                    + sum(lay.local_size() * v.dtype.itemsize
+                    + sum(lay.local_size() * v.dtype.itemsize - _stored(program, v)
                           for k, (v, lay) in enumerate(zip(s.node.inputs, s.sharding.in_layouts))
                           if s.node.op.gives_gradient(k, v.dtype)
-                          and (v.kind != "param" or s.in_plans[k].steps))
-                    for s in program.steps if s.node.id in program.grad_nodes),
+                          and (v.kind != "param" or s.in_plans[k].steps
+                               or v.name in program.param_shards))
+                    + (_regathered(program, s) if i not in segment_of
+                       and s.node.name in regather_at else 0)
+                    for i, s in enumerate(program.steps) if s.node.id in program.grad_nodes),
                    default=0) + rerun
-    largest = max((lay.local_size() * program.param_values[n].dtype.itemsize
-                   for n, lay in program.param_layouts.items()), default=0)
+    largest = max((program.storage_layout(n).local_size()   # the update runs on the slice
+                   * program.param_values[n].dtype.itemsize
+                   for n in program.param_layouts), default=0)
     return MemoryRow(rank, params, grads, OPTIMIZER_STATE[optimizer] * grads, activations,
                      buffer, prof.memory_capacity, backward,
                      OPTIMIZER_TEMPORARIES[optimizer] * largest)
+
+
+def _regathered(program: _Program, step: Any) -> int:
+    """The weights level3 gathers again for ``step``'s backward (it dropped them after the
+    forward), alive while its VJP runs."""
+    total = 0
+    for k, (v, lay) in enumerate(zip(step.node.inputs, step.sharding.in_layouts)):
+        shard = program.param_shards.get(v.name) if v.kind == "param" else None
+        if shard is not None and shard.level.regathers and step.node.op.keeps_input(k):
+            total += lay.local_size() * v.dtype.itemsize
+    return total
+
+
+def _stored(program: _Program, v: Any) -> int:
+    """The bytes of ``v``'s gradient already counted among the gradients: a sliced
+    parameter's slice (its whole block is made before it is reduce-scattered), else none."""
+    if v.kind != "param" or v.name not in program.param_shards:
+        return 0
+    return program.storage_layout(v.name).local_size() * v.dtype.itemsize
 
 
 def _segment_keeps(program: _Program, seg: Any, node: Any, step: Any,

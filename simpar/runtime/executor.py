@@ -136,6 +136,19 @@ def sums_output_in_place(sh: Any, kept: bool) -> bool:
     return op.inline(tuple(lay.local_shape() for lay in sh.in_layouts)) is not None
 
 
+def backward_reads(sh: Any, k: int, needs: Sequence[bool]) -> bool:
+    """Whether op ``sh``'s backward, computing the input gradients ``needs`` asks for, reads
+    its input ``k``: level3 gathers a dropped weight again only for a backward that does
+    (``x @ W`` reads ``W`` for ``x``'s gradient alone). Known where the op is written inline
+    with an expression for every gradient needed; otherwise it is assumed to."""
+    if sh.inner_plan is not None or sh.more_outs or not _plain(sh.op):
+        return True
+    inline = sh.op.inline(tuple(lay.local_shape() for lay in sh.in_layouts))
+    if inline is None or any(need and g is None for need, g in zip(needs, inline.grads)):
+        return True
+    return any(need and f"{{x{k}}}" in g for need, g in zip(needs, inline.grads))
+
+
 def _plain(op: Any) -> bool:
     """The op runs Primitive's own per-rank forward and backward: its kernel and VJP on the
     shards, the tape ``(inputs, output)``."""
@@ -417,6 +430,7 @@ class Executor:
         seg = self.program.segments[n]
         kept: dict[Any, Any] = tape[len(self._tape_of) + len(self._regathered) + n]
         vals: dict[int, Any] = {}
+        last = {s: i for i in range(seg.first, seg.last + 1) for s in self._fwd[i].ins}
         for i in range(seg.first, seg.last + 1):
             r, sh = self._fwd[i], self.program.steps[i].sharding
             for s in r.ins:
@@ -443,6 +457,10 @@ class Executor:
                     vals[s] = self._run(post, ys[k]) if seg.mp_comm else kept["o", i, k]
             if r.keep >= 0:
                 tape[r.keep] = made
+            # A value no later op of the Cell reads goes now: only the tapes outlive this.
+            for s in {*r.ins, *r.outs}:
+                if last.get(s, -1) <= i:
+                    vals.pop(s, None)
 
     def _regathers(self, seg: Segment, s: int) -> bool:
         """Whether recomputing ``seg`` gathers sliced weight ``s`` again (level3, or the
@@ -613,8 +631,9 @@ class Executor:
         # before the first record whose tape dropped them, and let go after the last.
         last_add = {inp.slot: j for j, r in enumerate(records) for inp in r.inputs
                     if inp.slot in self._sharded and self._sharded[inp.slot] in syncs}
-        drops = {j: self._drops(len(steps) - 1 - j) for j, r in enumerate(records)
-                 if r.kernel is not None}
+        drops = {j: [k for k in self._drops(len(steps) - 1 - j)
+                     if backward_reads(steps[len(steps) - 1 - j].sharding, k, r.needs)]
+                 for j, r in enumerate(records) if r.kernel is not None}
         last_drop = {self._fwd[len(steps) - 1 - j].ins[k]: j
                      for j, ks in drops.items() for k in ks}
         extra = {s: len(self._tape_of) + n for n, s in enumerate(self._regathered)}

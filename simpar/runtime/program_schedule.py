@@ -20,7 +20,7 @@ from simpar.collective_kinds import traffic
 from simpar.ops.comm_spec import CommSpec, action_comm, plan_comm
 from simpar.redistribution import StepKind
 from simpar.runtime.backward_plan import BackwardPlan
-from simpar.runtime.executor import mirror_announcement, sums_output_in_place
+from simpar.runtime.executor import backward_reads, mirror_announcement, sums_output_in_place
 from simpar.runtime.lowered import LoweredGraph, OpStep
 
 __all__ = ["ProgramStep", "Role", "schedule"]
@@ -159,7 +159,8 @@ def schedule(program: LoweredGraph, bplan: BackwardPlan, rank: int) -> tuple[Pro
         for k, v in enumerate(node.inputs):   # level3: the dropped weight gathered again
             if v.kind == "param" and v.name in shards and shards[v.name].level.regathers \
                     and node.id in program.grad_nodes and sh.inner_plan is None \
-                    and sh.op.keeps_input(k) and seg is None:
+                    and sh.op.keeps_input(k) and seg is None \
+                    and backward_reads(sh, k, nb.needs):
                 if v.name not in regathered:
                     regathered.add(v.name)
                     b.collectives(Role.GATHER, node.name, f"{v.name}:gather-again",

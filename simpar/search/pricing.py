@@ -209,6 +209,8 @@ class Pricer:
         self._opens = {seg.nodes[0] for seg in recomputed if seg.nodes}
         # A recomputed Cell with mp_comm_recompute moves its inputs again: their forward.
         self._rerun = {i for seg in recomputed if seg.mp_comm for i in seg.nodes}
+        # ... and without parallel_optimizer_comm_recompute it keeps the weights it gathered.
+        self._holds_gathered = {i for seg in recomputed if not seg.opt_comm for i in seg.nodes}
         self.enable_alltoall = enable_alltoall
         self.algo = algo_or_context(algo)
         self.memory_capacity = float(model.memory_capacity if memory_capacity is None
@@ -231,7 +233,8 @@ class Pricer:
             roles = _memory_roles(node, counted, involved, kept, array)
             mine = {k: inputs[v.id] for k, v in enumerate(node.inputs) if v.id in inputs}
             signature = (_signature(node, inputs, self.plans, roles),
-                         n in self._recomputed, n in self._opens, n in self._rerun)
+                         n in self._recomputed, n in self._opens, n in self._rerun,
+                         n in self._holds_gathered)
             site = Site(n, node, signature, kinds.setdefault(signature, len(kinds)),
                         tuple(tuple(v.shape) for v in node.inputs), roles,
                         user_strategies and node.op.in_strategy is not None, mine)
@@ -292,10 +295,13 @@ class Pricer:
 
     def _sliced(self, site: Site, slices: Mapping[int, ParamShard]
                 ) -> dict[int, tuple[int, bool]]:
-        """Per sliced parameter: (the ranks its slices spread over, whether this op's tape
-        keeps the gathered copy)."""
-        return {k: (shard.size, site.node.op.keeps_input(k) and not shard.level.regathers
-                    and site.index not in self._recomputed) for k, shard in slices.items()}
+        """Per sliced parameter: (the ranks its slices spread over, whether the gathered copy
+        is kept to the backward: by this op's tape, or by the recomputed Cell it is in, which
+        does not gather again; level3 gathers again either way)."""
+        n = site.index
+        return {k: (shard.size, not shard.level.regathers and (
+            n in self._holds_gathered if n in self._recomputed
+            else site.node.op.keeps_input(k))) for k, shard in slices.items()}
 
     def candidates(self, n: int, fully_use_devices: bool) -> list[Strategy]:
         """Op ``n``'s candidate strategies under the algo parameters' slice alignment."""
