@@ -9,8 +9,10 @@ range the true ratio to the optimum lies in, ``[r, r / (1 - g)]``, marked as bou
 not attempted where its ILP would exceed ``--exact-max-variables`` (HiGHS needs about 1 KiB a
 variable), and the row says so. Every plan runs in its own process (shapes only: no MPI, no
 data), so its peak resident memory is the planner's own; a plan that takes longer than
-``--timeout`` seconds is reported as such. ``--depth`` times one search against the number of
-layers instead, with a straight-line fit.
+``--timeout`` seconds is reported as such. ``--memory-dimensions`` runs
+benchmarks/memory_search.py instead: each search against exact with the optimizer level,
+recomputation and micro-batches searched with the cuts. ``--depth`` times one search against
+the number of layers instead, with a straight-line fit.
 
 The default grid (9 models x 4 device counts x 4 searches) took 11 minutes on a 2-core machine
 (2026-12-04); no exact plan needed its whole limit of 120 s there.
@@ -146,6 +148,10 @@ def run(spec: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--memory-dimensions" in argv:   # each search against exact, the dimensions searched
+        import memory_search  # noqa: PLC0415 (benchmarks/memory_search.py)
+        return memory_search.main([a for a in argv if a != "--memory-dimensions"])
     p = argparse.ArgumentParser(prog="python benchmarks/search.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--child", help=argparse.SUPPRESS)

@@ -31,11 +31,11 @@ import simpar.comm as comm
 from simpar import nn
 from simpar.check import relative_error
 from simpar.comm import CommTrace
-from simpar.dataset import CharCorpus, random_classification
 from simpar.layout import distribute
 from simpar.nn import presets
 from simpar.runtime.program_schedule import Role
 from tests.mpi_guard import abort_job_on_error
+from tests.small_models import small_batch, small_model
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -50,16 +50,11 @@ LEVELS = ("level1", "level2", "level3")
 
 
 def _model(model: str) -> nn.Cell:
-    if model == "mlp":
-        return nn.MLP(*MLP_SIZES, n_hidden=2, dtype=np.float64)
-    return nn.GPT(**GPT_SIZES, dtype=np.float64)
+    return small_model(model, MLP_SIZES, GPT_SIZES)
 
 
 def _batch(model: str, step: int) -> tuple[np.ndarray, np.ndarray]:
-    if model == "mlp":
-        return random_classification(step, BATCH, MLP_SIZES[0], MLP_SIZES[2], SEED,
-                                     np.dtype(np.float64))
-    return CharCorpus(seed=SEED).batch(step, BATCH, GPT_SIZES["seq_length"])
+    return small_batch(model, step, BATCH, MLP_SIZES, GPT_SIZES, SEED)
 
 
 def _train(model: str, kind: str, level: str | None, micro: int = 1, steps: int = STEPS,
