@@ -27,7 +27,8 @@ subsection of step_memory.py's section, next to its simpar level3 and hand-writt
 from __future__ import annotations
 
 import argparse
-import copy
+import gc
+import itertools
 import os
 import re
 import shlex
@@ -99,7 +100,7 @@ def reference_losses() -> list[float]:
         loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses
 
 
@@ -117,8 +118,8 @@ def fsdp2_step() -> Callable[[int], float]:
     fully_shard(model, mesh=mesh, reshard_after_forward=True)
     opt = _adam(model.parameters())
     rows = BATCH // size
-    local = [tuple(t[rank * rows:(rank + 1) * rows]) for t in map(global_batch,
-                                                                  range(N_BATCHES))]
+    local = [(x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows])
+             for x, y in map(global_batch, range(N_BATCHES))]
 
     def step(k: int) -> float:
         x, y = local[k % N_BATCHES]
@@ -143,7 +144,7 @@ def _checked(losses: list[float], reference: list[float]) -> float:
 
 
 def _collectives(step: Callable[[int], float], k: int) -> str:
-    """``_allgather_base_ x5, ...``: the collectives of one step, as CommDebugMode counts them."""
+    """``_allgather_base_ x6, ...``: the collectives of one step, as CommDebugMode counts them."""
     with warnings.catch_warnings(), CommDebugMode() as debug:
         # Its module tracker hooks the backward; torch warns that the input needs no gradient.
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
@@ -174,6 +175,23 @@ def _comparison(median_ms: float) -> str:
             "load between the two runs.")
 
 
+def measure(rounds: int, steps: int) -> tuple[list[np.ndarray], str, float]:
+    """Per round, the step seconds (the slowest rank's); one step's collectives; the largest
+    relative loss difference from the unsharded model."""
+    step = fsdp2_step()
+    worst = _checked([step(k) for k in range(CHECK_STEPS)], reference_losses())
+    calls = _collectives(step, CHECK_STEPS)
+    counter = itertools.count(CHECK_STEPS + 1)
+
+    def slowest(a: np.ndarray) -> np.ndarray:
+        t = torch.from_numpy(a.copy())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.numpy()
+
+    return [interleaved_times({VARIANT: lambda: step(next(counter))}, steps, 1, dist.barrier,
+                              slowest)[VARIANT] for _ in range(rounds)], calls, worst
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=20, help="timed steps per round (default 20)")
@@ -184,24 +202,20 @@ def main() -> int:
         p.error(f"--steps and --rounds must be >= 1, got {args.steps} and {args.rounds}")
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)
+    # The root's output, fc3's, reaches FSDP2's root hook as a view; the warning is about
+    # in-place ops on it, and the loss makes none.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPSequential\) "
+                            "returned a view tensor")
     load = host_line()
     dist.init_process_group("gloo")
     try:
-        rank, size = dist.get_rank(), dist.get_world_size()
-        step = fsdp2_step()
-        worst = _checked([step(k) for k in range(CHECK_STEPS)], reference_losses())
-        calls = _collectives(step, CHECK_STEPS)
-        counter = iter(range(CHECK_STEPS + 1, 1 << 62))
-
-        def slowest(a: np.ndarray) -> np.ndarray:
-            t = torch.from_numpy(a.copy())
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            return t.numpy()
-
-        rounds = [interleaved_times({VARIANT: lambda: step(next(counter))}, args.steps, 1,
-                                    dist.barrier, slowest)[VARIANT]
-                  for _ in range(args.rounds)]
-        backend = dist.get_backend()
+        rank, size, backend = dist.get_rank(), dist.get_world_size(), dist.get_backend()
+        rounds, calls, worst = measure(args.rounds, args.steps)
+        # FSDP2's modules and gloo's work objects must be gone before the group: left to the
+        # interpreter's exit, they abort a rank now and then ("terminate called without an
+        # active exception").
+        gc.collect()
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     if rank != 0:
@@ -214,7 +228,8 @@ def main() -> int:
     command = shlex.join(["torchrun", "--standalone", "--nproc-per-node", str(size), SCRIPT,
                           *sys.argv[1:]])
     body = "\n\n".join([
-        f"Command: `OMP_NUM_THREADS=1 {command}` (torch's own venv) · date: {today()}. "
+        f"Command: `OMP_NUM_THREADS=1 {command}` (a Python with torch 2.13, not simpar's "
+        f"venv) · date: {today()}. "
         f"{args.rounds} rounds of {args.steps} steps (after 1 untimed step each), each after "
         "a barrier, the slowest rank's time.",
         f"The MLP above ({IN} -> {HIDDEN} -> {HIDDEN} -> {OUT}, ReLU, float32, softmax cross "
