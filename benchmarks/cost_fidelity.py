@@ -12,7 +12,8 @@ optimizer)`` (pure; the ``cpu-local`` profile that ``python -m simpar.calibrate`
 the measurement is:
 
 * step time: the median over ``--steps`` timed steps (after two untimed ones) of the slowest
-  rank's time for one ``TrainOneStepCell`` call, each step started after a barrier;
+  rank's time for one ``TrainOneStepCell`` call, each step started after a barrier, its batch
+  made before it;
 * memory: each rank's peak of traced numpy allocations (tracemalloc) over one more step,
   plus the bytes of its parameters and optimizer state that exist before the step, the same
   parts the model counts.
@@ -194,9 +195,10 @@ def measure(s: Strategy, n: int, steps: int) -> tuple[float, float, list[int], A
         train(*_batch(s.model, k))
     times = []
     for k in range(steps):
+        batch = _batch(s.model, 2 + k)   # made before the clock starts: not the step's time
         comm.barrier()
         start = time.perf_counter()
-        train(*_batch(s.model, 2 + k))
+        train(*batch)
         times.append(_slowest(time.perf_counter() - start))
     assert train.program is not None
     report = train.program.cost(PROFILE, s.optimizer)

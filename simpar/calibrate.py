@@ -20,7 +20,14 @@ over reps. The profile (:class:`~simpar.cost.profile.DeviceProfile`) gets:
   one host, so ``inter_server`` is the same link and ``devices_per_server`` the world size.
   At 1 rank there is nothing to time: the link is copied from the shipped ``cpu-local``
   profile, and ``sources`` says so;
-* ``memory_capacity``: the host's physical memory (``os.sysconf``) / its ranks; not measured.
+* ``memory_capacity``: the host's physical memory (``os.sysconf``) / its ranks; not measured;
+* ``array_op_overhead``: seconds per tiny in-place numpy operation (an optimizer's update);
+* the step terms (:data:`STEP_TERMS`): seconds per step, per kernel call and per collective
+  call inside a step, and the kernels' time over their roofline, fitted jointly
+  (:func:`fit_step_terms`) to eight reference training steps over every rank (MLPs and small
+  transformers, float32 and float64, data parallel, optimizer level2, Megatron), each timed
+  as ``benchmarks/cost_fidelity.py`` times a step and priced by the cost model itself
+  (:func:`step_terms`).
 
 ``sources`` says, for every figure, how it was measured, with the command, the date and the
 rank count. Rank 0 prints a line per phase, then every collective's measured time against the
@@ -36,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import pathlib
 import re
@@ -47,19 +55,21 @@ import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from time import perf_counter
+from typing import Any
 
 import numpy as np
 
 import simpar.comm as comm
-from simpar import _env, collective_kinds, graph, nn, ops
+from simpar import _env, collective_kinds, nn
+from simpar.context import scoped_auto_parallel_context
 from simpar.cost.model import evaluate
 from simpar.cost.profile import DeviceProfile, Link, load_profile
-from simpar.runtime import lower
-from simpar.search import plan_strategies
+from simpar.nn import presets
 
-__all__ = ["FULL", "KINDS", "QUICK", "Calibration", "MeasurementPlan", "Sample", "calibrate",
-           "fit_link", "main", "measure_collectives", "measure_gemm",
-           "measure_memory_bandwidth", "model_terms"]
+__all__ = ["FULL", "KINDS", "QUICK", "STEP_TERMS", "Calibration", "MeasurementPlan", "Sample",
+           "StepSample", "calibrate", "fit_at_least", "fit_link", "fit_step_terms", "main",
+           "measure_collectives", "measure_gemm", "measure_memory_bandwidth",
+           "measure_step_terms", "model_terms", "step_terms"]
 
 KIB, MIB = 2**10, 2**20
 #: The collectives measured: every kind with one traffic formula for every rank.
@@ -164,52 +174,12 @@ def fit_link(rounds: Sequence[float], traffic: Sequence[float],
     if not (np.isfinite(a).all() and np.isfinite(y).all() and (y > 0).all() and (a >= 0).all()):
         raise ValueError("fit_link: rounds and traffic must be finite and >= 0, and seconds "
                          f"finite and > 0, got seconds {list(y)}")
-    aw, yw = a / y[:, None], np.ones_like(y)   # divided by the times: relative errors
-    scale = np.linalg.norm(aw, axis=0)         # the columns differ by ~1e7: fit them unit-sized
-    scale[scale == 0] = 1.0
-    best: tuple[float, np.ndarray] | None = None
-    for subset in ((0, 1, 2), (1, 2), (0, 2), (0, 1), (2,), (1,), (0,)):
-        cols = list(subset)
-        sol, *_ = np.linalg.lstsq(aw[:, cols] / scale[cols], yw, rcond=None)
-        x = np.zeros(3)
-        x[cols] = sol / scale[cols]
-        if (x < -1e-15).any():
-            continue
-        x = np.maximum(x, 0.0)
-        err = float(np.sum((aw @ x - yw) ** 2))
-        if best is None or err < best[0] - 1e-12 * max(1.0, best[0]):
-            best = (err, x)
-    assert best is not None  # a single non-negative term always fits (times are > 0)
-    overhead, latency, per_byte = (float(v) for v in best[1])
+    x = fit_at_least(a / y[:, None], np.ones_like(y), np.zeros(3))  # relative errors
+    overhead, latency, per_byte = (float(v) for v in x)
     if per_byte <= 0:
         raise ValueError("fit_link: the times do not grow with the bytes moved, so there is no "
                          f"bandwidth to fit (seconds {list(y)} for traffic {list(a[:, 2])})")
     return Link(latency, 1.0 / per_byte, overhead)
-
-
-def measure_kernel_overhead(plan: MeasurementPlan, ops_in_chain: int = 64) -> tuple[float, int]:
-    """(seconds per kernel call, kernels per run) of simpar's executor, every rank at once: a
-    stand-alone program of ``ops_in_chain`` elementwise ops on (4, 4) float64 arrays, run
-    forward and backward; the time of its tiny kernels is negligible, so a call's time is
-    the executor's dispatch, numpy's and the Python around them."""
-    w = nn.Parameter(np.full((4, 4), 0.5), name="w")
-
-    def chain(x: object) -> object:
-        for k in range(ops_in_chain):
-            x = (ops.Mul() if k % 2 else ops.Add())(x, w)
-        return x
-
-    g = graph.trace(chain, [((4, 4), np.float64)], ["x"])
-    program = lower(g, plan_strategies(g, 1, "stand_alone"))
-    kernels = sum(s.collective is None for s in program.schedule(0))
-    x, params, seed = np.ones((4, 4)), {"w": np.full((4, 4), 0.5)}, np.ones((4, 4))
-
-    def run() -> None:
-        outs, tape = program.forward([x], params)
-        program.backward(tape, [seed])
-
-    t = float(np.median(_timed([run], plan.stream_reps, 1)))
-    return t / kernels, kernels
 
 
 def measure_array_op_overhead(plan: MeasurementPlan, calls: int = 256) -> float:
@@ -224,65 +194,174 @@ def measure_array_op_overhead(plan: MeasurementPlan, calls: int = 256) -> float:
     return float(np.median(_timed([run], plan.stream_reps, 1))) / calls
 
 
-def measure_compute_scale(plan: MeasurementPlan, profile: DeviceProfile) -> float:
-    """Measured / modelled kernel time of a reference training step, every rank at once: a
-    stand-alone transformer (vocabulary 96, sequence 16, d_model 48, 1 layer, 4 heads, batch
-    4, float64, Momentum), no communication. Small kernels run below the roofline's peaks
-    (allocation, caches, numpy's work per call), by a factor this measures on whole steps."""
-    gpt, loss = nn.GPT(96, 16, 48, 1, 4, dtype=np.float64), nn.SoftmaxCrossEntropyWithLogits()
-    train = nn.TrainOneStepCell(nn.WithLossCell(gpt, loss),
-                                nn.Momentum(gpt.trainable_params(), 0.01, 0.9),
-                                parallel_mode="stand_alone", seed=0)
+#: The fixed software costs that :func:`fit_step_terms` fits, in the order of its columns.
+STEP_TERMS = ("step_overhead", "kernel_overhead", "compute_scale", "sync_overhead")
+
+
+@dataclass(frozen=True, slots=True)
+class StepSample:
+    """One reference training step timed: ``seconds`` is the median over reps of the slowest
+    rank's step after a barrier (as ``benchmarks/cost_fidelity.py`` times its steps);
+    ``terms`` what the cost model charges each figure of :data:`STEP_TERMS` (1 per step,
+    kernel calls, roofline seconds, collective calls); ``rest`` its time for the rest (the
+    links' own time and the optimizer's)."""
+
+    what: str
+    seconds: float
+    terms: tuple[float, float, float, float]
+    rest: float
+
+    def fitted(self, profile: DeviceProfile) -> float:
+        """The cost model's step time on ``profile``."""
+        return self.rest + float(np.dot(self.terms, [getattr(profile, t) for t in STEP_TERMS]))
+
+
+Build = Callable[[], tuple[nn.TrainOneStepCell, tuple[np.ndarray, np.ndarray], str]]
+
+
+def _reference_steps(p: int) -> list[tuple[str, dict[str, object], Build]]:
+    """The reference steps of :func:`measure_step_terms`, over all ``p`` ranks: (what, the
+    auto-parallel context, a builder of (the train cell, its global batch, its optimizer)).
+    They vary the kernel calls, the roofline time and the collectives apart: MLPs and 1- to
+    3-layer transformers, float32 and float64, data parallel, with optimizer level2 (many
+    small collectives) and Megatron (an operator's AllReduces). None is a row of
+    ``benchmarks/cost_fidelity.py``."""
+    mode = "data_parallel" if p > 1 else "stand_alone"
     rng = np.random.default_rng(0)
-    ids = rng.integers(0, 96, (4, 16)).astype(np.int32)
-    labels = rng.integers(0, 96, (4, 16)).astype(np.int32)
-    train(ids, labels)
-    t = float(np.median(_timed([lambda: train(ids, labels)], plan.stream_reps, 1)))
-    assert train.program is not None
-    unit = replace(profile, compute_scale=1.0, step_overhead=0.0)
-    report = evaluate(train.program, unit, "momentum")
-    rest = report.step_seconds - report.compute
-    return max(0.05, (t - rest) / report.compute)
+
+    def gpt(layers: int, width: int) -> Build:
+        def build() -> tuple[nn.TrainOneStepCell, tuple[np.ndarray, np.ndarray], str]:
+            net = nn.GPT(96, 16, width, layers, 4, dtype=np.float64)
+            ids = rng.integers(0, 96, (4 * p, 16)).astype(np.int32)
+            labels = rng.integers(0, 96, (4 * p, 16)).astype(np.int32)
+            return _train(net, "momentum", mode), (ids, labels), "momentum"
+        return build
+
+    def mlp(sizes: tuple[int, int, int], hidden: int, dtype: type, batch: int, opt: str,
+            megatron: bool = False) -> Build:
+        def build() -> tuple[nn.TrainOneStepCell, tuple[np.ndarray, np.ndarray], str]:
+            net = nn.MLP(*sizes, n_hidden=hidden, dtype=np.dtype(dtype))
+            if megatron:
+                presets.megatron_mlp(net, 1, p)
+            x: np.ndarray = rng.standard_normal((batch, sizes[0])).astype(dtype)
+            y = rng.integers(0, sizes[2], batch).astype(np.int32)
+            return _train(net, opt, "semi_auto_parallel" if megatron else mode), (x, y), opt
+        return build
+
+    dp: dict[str, object] = {"parallel_mode": mode, "gradients_mean": True}
+    gpt_what = "GPT(vocabulary 96, sequence 16, d_model {}, {} layer(s), 4 heads) float64, " \
+               "batch 4 per rank, Momentum"
+    refs = [
+        ("MLP(64 -> 128 -> 8) float64, batch 8 per rank, SGD", dp,
+         mlp((64, 128, 8), 1, np.float64, 8 * p, "sgd")),
+        ("MLP(64 -> 128 x8 -> 8) float64, batch 8 per rank, SGD", dp,
+         mlp((64, 128, 8), 8, np.float64, 8 * p, "sgd")),
+        ("MLP(128 -> 512 -> 128) float32, batch 256 per rank, Momentum", dp,
+         mlp((128, 512, 128), 1, np.float32, 256 * p, "momentum")),
+        (gpt_what.format(48, 1), dp, gpt(1, 48)),
+        (gpt_what.format(48, 3), dp, gpt(3, 48)),
+        (gpt_what.format(96, 1), dp, gpt(1, 96)),
+    ]
+    if p > 1:
+        refs += [
+            (gpt_what.format(48, 1) + ", optimizer level2, threshold 0",
+             {**dp, "enable_parallel_optimizer": True, "parallel_optimizer_config": {
+                 "optimizer_level": "level2", "parallel_optimizer_threshold": 0}}, gpt(1, 48)),
+            (f"MLP(64 -> 256 x2 -> 64) float64, Megatron 1 x {p}, batch 32, Momentum",
+             {"parallel_mode": "semi_auto_parallel", "gradients_mean": True,
+              "dataset_strategy": ((1, 1), (1,))},
+             mlp((64, 256, 64), 2, np.float64, 32, "momentum", megatron=True)),
+        ]
+    return refs
 
 
-def measure_sync_overhead(plan: MeasurementPlan, profile: DeviceProfile) -> float:
-    """Seconds per collective inside a real training step beyond what the link predicts: a
-    data-parallel MLP (64 -> 128 -> 8, batch 8 per rank, float64, SGD) over every rank, its
-    measured step minus ``profile``'s prediction, over its collectives. Ranks reach a
-    collective at different times inside a step, which the back-to-back link timings miss."""
-    p = comm.get_group_size()
-    if p < 2:
-        return 0.0
-    mlp = nn.MLP(64, 128, 8, n_hidden=1, dtype=np.float64)
-    train = nn.TrainOneStepCell(nn.WithLossCell(mlp, nn.SoftmaxCrossEntropyWithLogits()),
-                                nn.SGD(mlp.trainable_params(), 0.01),
-                                parallel_mode="data_parallel", seed=0)
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((8 * p, 64))
-    y = rng.integers(0, 8, 8 * p).astype(np.int32)
-    train(x, y)
-    t = float(np.median(_timed([lambda: train(x, y)], plan.stream_reps, 1)))
-    assert train.program is not None
-    report = evaluate(train.program, replace(profile, sync_overhead=0.0), "sgd")
-    calls = 1 + sum(s.collective is not None and len(s.group) > 1
-                    for s in train.program.schedule(comm.get_rank()))
-    return max(0.0, (t - report.step_seconds) / calls)
+def _train(net: nn.Cell, optimizer: str, mode: str) -> nn.TrainOneStepCell:
+    params = net.trainable_params()
+    opt = nn.SGD(params, 0.01) if optimizer == "sgd" else nn.Momentum(params, 0.01, 0.9)
+    return nn.TrainOneStepCell(nn.WithLossCell(net, nn.SoftmaxCrossEntropyWithLogits()), opt,
+                               parallel_mode=mode, seed=0)
 
 
-def measure_step_overhead(plan: MeasurementPlan, profile: DeviceProfile) -> float:
-    """Seconds per training step besides kernels, collectives and the optimizer's kernels:
-    a stand-alone ``TrainOneStepCell`` of a tiny Dense + MSE + Momentum, every rank at once,
-    minus what ``profile`` (already holding the kernel overhead) predicts for its program."""
-    dense = nn.Dense(4, 4, dtype=np.float64)
-    train = nn.TrainOneStepCell(nn.WithLossCell(dense, nn.MSELoss()),
-                                nn.Momentum(dense.trainable_params(), 0.01, 0.9),
-                                parallel_mode="stand_alone", seed=0)
-    x, y = np.ones((4, 4)), np.zeros((4, 4))
-    train(x, y)
-    t = float(np.median(_timed([lambda: train(x, y)], plan.stream_reps, 1)))
-    assert train.program is not None
-    predicted = evaluate(train.program, replace(profile, step_overhead=0.0)).step_seconds
-    return max(0.0, t - predicted)
+def step_terms(program: Any, profile: DeviceProfile, optimizer: str
+               ) -> tuple[tuple[float, float, float, float], float]:
+    """(what the cost model charges each figure of :data:`STEP_TERMS` in one step of
+    ``program``, its time for the rest) on ``profile``: read off :func:`evaluate` itself,
+    which is linear in those figures, by pricing the step with each set to 1 in turn."""
+    zero = replace(profile, step_overhead=0.0, kernel_overhead=0.0, compute_scale=1.0,
+                   sync_overhead=0.0)
+    base = evaluate(program, zero, optimizer)
+    kernels = evaluate(program, replace(zero, kernel_overhead=1.0), optimizer).compute
+    calls = evaluate(program, replace(zero, sync_overhead=1.0), optimizer).step_seconds
+    return ((1.0, float(round(kernels - base.compute)), base.compute,
+             float(round(calls - base.step_seconds))), base.step_seconds - base.compute)
+
+
+def measure_step_terms(plan: MeasurementPlan, profile: DeviceProfile) -> list[StepSample]:
+    """Every reference step of :func:`_reference_steps`, timed with every rank in it (the
+    slowest rank's step after a barrier, median of ``plan.stream_reps`` reps after one
+    untimed step) and priced by ``profile``'s model."""
+    samples = []
+    for what, keys, build in _reference_steps(comm.get_group_size()):
+        with scoped_auto_parallel_context(**keys):
+            train, batch, optimizer = build()
+            step = functools.partial(train, *batch)
+            step()
+            seconds = float(np.median(_timed([step], plan.stream_reps, 1)))
+        assert train.program is not None
+        terms, rest = step_terms(train.program, profile, optimizer)
+        samples.append(StepSample(what, seconds, terms, rest))
+    return samples
+
+
+def fit_step_terms(samples: Sequence[StepSample], link_overhead: float
+                   ) -> dict[str, float]:
+    """The figures of :data:`STEP_TERMS` that best explain the samples' times: least squares
+    in relative error, with each >= 0 but ``compute_scale`` >= 0.05 and ``sync_overhead`` >=
+    ``-link_overhead`` (a collective inside a step may cost less than one timed alone after a
+    barrier, never less than nothing). Without collectives in any sample, ``sync_overhead``
+    is 0.
+
+    >>> s = [StepSample("a", 1.0 + 2e-3 * k + 0.5 * r + 1e-3 * c, (1.0, k, r, c), 1.0)
+    ...      for k, r, c in ((10, 0.001, 0), (100, 0.002, 2), (20, 0.02, 1), (50, 0.005, 9))]
+    >>> {k: round(v, 9) for k, v in fit_step_terms(s, 1e-3).items()}
+    ... # doctest: +NORMALIZE_WHITESPACE
+    {'step_overhead': 0.0, 'kernel_overhead': 0.002, 'compute_scale': 0.5,
+     'sync_overhead': 0.001}
+    """
+    a = np.array([s.terms for s in samples], float)
+    y = np.array([s.seconds - s.rest for s in samples], float)
+    seconds = np.array([s.seconds for s in samples], float)
+    lower = np.array([0.0, 0.0, 0.05, -link_overhead])
+    free = [i for i in range(len(STEP_TERMS)) if a[:, i].any()]
+    x: np.ndarray = np.zeros(len(STEP_TERMS))
+    x[2] = 1.0
+    x[free] = fit_at_least(a[:, free] / seconds[:, None], y / seconds, lower[free])
+    return {t: float(v) for t, v in zip(STEP_TERMS, x)}
+
+
+def fit_at_least(a: np.ndarray, y: np.ndarray, lower: np.ndarray) -> np.ndarray:
+    """``x`` minimising ``|a x - y|`` with ``x >= lower``: the best over the subsets of
+    unknowns left free, the others at their bound (exact for the few unknowns of a fit here).
+    Columns are scaled to unit norm first (they differ by many orders of magnitude)."""
+    shifted = y - a @ lower
+    scale = np.linalg.norm(a, axis=0)
+    scale[scale == 0] = 1.0
+    n = a.shape[1]
+    best: tuple[float, np.ndarray] | None = None
+    for mask in range(2**n - 1, -1, -1):        # every unknown free first
+        cols = [i for i in range(n) if mask >> i & 1]
+        z = np.zeros(n)
+        if cols:
+            sol, *_ = np.linalg.lstsq(a[:, cols] / scale[cols], shifted, rcond=None)
+            z[cols] = sol / scale[cols]
+        if (z < -1e-15 * np.maximum(1.0, np.abs(z).max())).any():
+            continue
+        z = np.maximum(z, 0.0)
+        err = float(np.sum((a @ z - shifted) ** 2))
+        if best is None or err < best[0] - 1e-12 * max(1.0, best[0]):
+            best = (err, z)
+    assert best is not None  # every unknown at its bound is always feasible
+    return lower + best[1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,6 +370,7 @@ class Calibration:
 
     profile: DeviceProfile
     samples: tuple[Sample, ...]
+    steps: tuple[StepSample, ...] = ()
 
     def errors(self) -> np.ndarray:
         """(fitted - measured) / measured for every sample."""
@@ -509,43 +589,35 @@ def calibrate(plan: MeasurementPlan = FULL, name: str = "cpu-local", command: st
     }
     profile = DeviceProfile(name, flops, memory // p, bandwidth, link, link, p, sources)
     t0 = perf_counter()
-    kernel, kernels = measure_kernel_overhead(plan)
     array_op = measure_array_op_overhead(plan)
-    profile = replace(profile, kernel_overhead=kernel, array_op_overhead=array_op)
-    scale = measure_compute_scale(plan, profile)
-    profile = replace(profile, compute_scale=scale)
-    step = measure_step_overhead(plan, profile)
-    profile = replace(profile, step_overhead=step)
-    sync = measure_sync_overhead(plan, profile)
-    profile = replace(profile, sync_overhead=sync)
-    say(f"calibrate: simpar's executor: {kernel * 1e6:.1f} us per kernel call; "
-        f"{array_op * 1e6:.2f} us per plain numpy operation; kernels of a reference step "
-        f"take {scale:.2f}x the modelled time; {sync * 1e3:.2f} ms more per collective in a "
-        f"step; "
-        f"{step * 1e3:.2f} ms per training step besides ({busy}; "
-        f"{perf_counter() - t0:.1f} s)")
-    sources["kernel_overhead"] = (
-        f"measured: a stand-alone program of {kernels} tiny kernels (64 elementwise ops on "
-        f"(4, 4) float64, forward and backward), the slowest rank's time with all {_ranks(p)} "
-        f"running it / {kernels}, median of {plan.stream_reps} reps")
+    profile = replace(profile, array_op_overhead=array_op)
+    steps = measure_step_terms(plan, profile)
+    fitted = fit_step_terms(steps, min(link.overhead, profile.inter_server.overhead))
+    profile = replace(profile, step_overhead=fitted["step_overhead"],
+                      kernel_overhead=fitted["kernel_overhead"],
+                      compute_scale=fitted["compute_scale"], sync_overhead=fitted["sync_overhead"])
+    errors = [st.fitted(profile) / st.seconds - 1 for st in steps]
+    say(f"calibrate: {array_op * 1e6:.2f} us per plain numpy operation; fitted to "
+        f"{len(steps)} reference steps: {fitted['kernel_overhead'] * 1e6:.1f} us per kernel "
+        f"call, {fitted['compute_scale']:.2f}x the roofline, "
+        f"{fitted['sync_overhead'] * 1e3:+.2f} ms per collective call, "
+        f"{fitted['step_overhead'] * 1e3:.2f} ms per step; |error| worst "
+        f"{max(abs(e) for e in errors):.0%} ({busy}; {perf_counter() - t0:.1f} s)")
+    for st, e in zip(steps, errors):
+        say(f"calibrate:   {st.what}: {st.seconds * 1e3:.2f} ms measured, "
+            f"{st.fitted(profile) * 1e3:.2f} fitted ({e:+.0%})")
     sources["array_op_overhead"] = (
         f"measured: 256 in-place multiplications of a 16-element float64 array, the slowest "
         f"rank's time with all {_ranks(p)} at once / 256, median of {plan.stream_reps} reps")
-    sources["compute_scale"] = (
-        "measured: a stand-alone TrainOneStepCell step of a 1-layer transformer (vocabulary "
-        "96, sequence 16, d_model 48, 4 heads, batch 4, float64, Momentum), every rank at once, "
-        f"median of {plan.stream_reps} reps: (measured - modelled optimizer and fixed costs) / "
-        "modelled kernel time")
-    sources["sync_overhead"] = (
-        "measured: a data-parallel TrainOneStepCell step of MLP(64 -> 128 -> 8), batch 8 per "
-        f"rank, float64, SGD, over all {_ranks(p)}, median of {plan.stream_reps} reps: "
-        "(measured - this profile's prediction) / the step's collectives")
-    sources["step_overhead"] = (
-        "measured: a stand-alone TrainOneStepCell step of Dense(4, 4) + MSELoss + Momentum, "
-        f"every rank at once, median of {plan.stream_reps} reps, minus this profile's "
-        "prediction for its kernels and optimizer")
+    how = (f"fitted jointly with {', '.join(t for t in STEP_TERMS)} (least squares in "
+           f"relative error) to {len(steps)} reference training steps over all {_ranks(p)} "
+           f"({'; '.join(st.what for st in steps)}), each the slowest rank's step after a "
+           f"barrier, median of {plan.stream_reps} reps, against what the cost model charges "
+           f"each figure in it; |error| worst {max(abs(e) for e in errors):.0%}")
+    for term in STEP_TERMS:
+        sources[term] = "measured: " + how
     say(f"calibrate: measured in {perf_counter() - started:.1f} s")
-    return Calibration(profile, tuple(samples))
+    return Calibration(replace(profile, sources=sources), tuple(samples), tuple(steps))
 
 
 def _fitted_link(samples: Sequence[Sample], plan: MeasurementPlan, p: int,

@@ -21,10 +21,14 @@ from simpar.calibrate import (
     FULL,
     KINDS,
     QUICK,
+    STEP_TERMS,
     Calibration,
     MeasurementPlan,
     Sample,
+    StepSample,
+    fit_at_least,
     fit_link,
+    fit_step_terms,
     model_terms,
 )
 from simpar.cost import DeviceProfile, Link, load_profile, traffic
@@ -190,3 +194,41 @@ def test_plans_are_checked_and_print_in_one_line() -> None:
         MeasurementPlan(0.01, 1, 1024, 1, (4096, 8192), 0, False)
     with pytest.raises(ValueError, match="at least 2 buffer sizes"):
         MeasurementPlan(0.01, 1, 1024, 1, (4096,), 3, False)
+
+
+def _step(k: float, roof: float, calls: float, truth: dict[str, float], rest: float = 1e-3
+          ) -> StepSample:
+    terms = (1.0, k, roof, calls)
+    return StepSample("s", rest + float(np.dot(terms, [truth[t] for t in STEP_TERMS])),
+                      terms, rest)
+
+
+def test_the_step_terms_are_recovered_from_exact_steps() -> None:
+    truth = {"step_overhead": 2e-4, "kernel_overhead": 3e-5, "compute_scale": 1.4,
+             "sync_overhead": -2e-4}
+    shapes = [(12, 5e-5, 3), (54, 5e-4, 3), (99, 1.4e-3, 3), (345, 5e-3, 3), (99, 4e-3, 71),
+              (30, 2e-2, 2)]
+    fitted = fit_step_terms([_step(*s, truth) for s in shapes], link_overhead=4e-4)
+    assert fitted == pytest.approx(truth, rel=1e-9, abs=1e-12)
+
+
+def test_the_step_terms_keep_their_bounds() -> None:
+    """A collective never costs less than nothing: a sync below minus the link's overhead
+    is held at that bound; a negative per-kernel cost at 0; no collectives, no sync."""
+    truth = {"step_overhead": 1e-3, "kernel_overhead": 2e-5, "compute_scale": 1.0,
+             "sync_overhead": -9e-4}
+    shapes = [(12, 5e-5, 3), (54, 5e-4, 9), (99, 1.4e-3, 30), (345, 5e-3, 3)]
+    fitted = fit_step_terms([_step(*s, truth) for s in shapes], link_overhead=4e-4)
+    assert fitted["sync_overhead"] == pytest.approx(-4e-4)
+    assert fitted["kernel_overhead"] >= 0 and fitted["compute_scale"] >= 0.05
+    alone = fit_step_terms([_step(k, r, 0, truth) for k, r, _ in shapes], link_overhead=4e-4)
+    assert alone["sync_overhead"] == 0.0
+    assert alone["kernel_overhead"] == pytest.approx(2e-5)
+
+
+def test_fit_at_least_is_exact_when_the_bound_binds() -> None:
+    """min |a x - y| with x >= lower: here the unconstrained optimum has x1 < 0."""
+    a = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    y = np.array([1.0, -1.0, 0.0])
+    assert fit_at_least(a, y, np.zeros(2)) == pytest.approx([0.5, 0.0])
+    assert fit_at_least(a, y, np.array([0.0, -5.0])) == pytest.approx([1.0, -1.0])

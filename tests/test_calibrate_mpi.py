@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from functools import cache
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import pytest
 
 import simpar.comm as comm
 from simpar import calibrate
-from simpar.calibrate import KINDS, QUICK, Calibration
+from simpar.calibrate import KINDS, QUICK, STEP_TERMS, Calibration
 from simpar.comm import CommTrace
 from simpar.cost import DeviceProfile, load_profile, traffic
 from tests.mpi_guard import abort_job_on_error, shared_dir
@@ -94,7 +95,8 @@ def test_every_rank_got_the_same_profile(run: tuple[Calibration, Path, CommTrace
     prof = run[0].profile
     mine = np.array([prof.peak_flops["float32"], prof.peak_flops["float64"],
                      prof.memory_bandwidth, float(prof.memory_capacity),
-                     prof.intra_server.latency, prof.intra_server.bandwidth])
+                     prof.intra_server.latency, prof.intra_server.bandwidth,
+                     *(getattr(prof, t) for t in STEP_TERMS)])
     every = comm.all_gather(mine[None, :])
     assert (every == mine).all(), every
 
@@ -109,7 +111,8 @@ def test_the_collectives_timed_are_the_ones_the_samples_name(
     assert sorted((s.kind, s.nbytes) for s in result.samples) == sorted(
         (k, n) for k in KINDS for n in QUICK.sizes)
     assert all(s.group_size == p and s.seconds > 0 for s in result.samples)
-    timed = [e for e in trace.events if e.dtype == "float32"]
+    sizes = {(s.nbytes // 4,) for s in result.samples}   # (not the reference steps' own)
+    timed = [e for e in trace.events if e.dtype == "float32" and e.shape in sizes]
     calls = QUICK.warmup + QUICK.reps
     assert len(timed) == len(result.samples) * calls
     for s in result.samples:
@@ -135,3 +138,28 @@ def test_main_writes_on_rank_0_only_and_returns_0_everywhere(
         assert all(any(ln.startswith(k) for ln in printed.splitlines()) for k in KINDS)
     else:
         assert printed == ""
+
+
+def test_the_step_terms_are_fitted_to_reference_steps_over_every_rank(
+        run: tuple[Calibration, Path, CommTrace]) -> None:
+    """Eight reference training steps, each priced by the cost model: one
+    step, its kernel calls, its roofline, its collective calls; the fitted figures keep their
+    bounds and explain the steps better than any of them nudged."""
+    result, path, _ = run
+    prof = load_profile(path)
+    steps = result.steps
+    assert len(steps) == 8
+    assert all(s.seconds > 0 and s.terms[0] == 1.0 and s.terms[1] > 10 and s.terms[2] > 0
+               for s in steps)
+    assert max(s.terms[3] for s in steps) > 20          # optimizer level2: many collectives
+    assert prof.kernel_overhead >= 0 and prof.step_overhead >= 0
+    assert prof.compute_scale >= 0.05 and prof.sync_overhead >= -prof.intra_server.overhead
+    for term in STEP_TERMS:
+        assert prof.sources[term].startswith("measured: fitted jointly"), term
+
+    def error(p: DeviceProfile) -> float:
+        return sum((s.fitted(p) / s.seconds - 1) ** 2 for s in steps)
+    for term in STEP_TERMS:
+        value = getattr(prof, term)      # (up: every bound is a lower one)
+        nudged = replace(prof, **{term: value + abs(value) * 0.05 + 1e-6})
+        assert error(prof) <= error(nudged) + 1e-12, term

@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import pytest
 
 from simpar import graph, nn, ops
+from simpar.calibrate import step_terms
 from simpar.cost import DeviceProfile, Link, evaluate, load_profile, profile_names
 from simpar.runtime import ParallelProgram, lower
 from simpar.search import plan_strategies
@@ -162,6 +164,35 @@ def test_fixed_costs_per_kernel_call_per_collective_and_per_step() -> None:
     collectives = 1 + 1                   # the AllReduce (no adjoint), the inputs' check
     assert costly.step_seconds - fast.step_seconds == pytest.approx(
         kernels * 1e-4 + array_ops * 1e-5 + collectives * 1e-3 + 1e-2)
+
+
+def test_compute_scale_multiplies_the_roofline_not_the_dispatch() -> None:
+    """A kernel costs kernel_overhead + compute_scale x roofline; the calibration's step terms
+    are read off this model, one coefficient per figure."""
+    base = _profile()
+    prog = _split_k_dense(2)
+    roofline = evaluate(prog, base, "momentum").compute
+    scaled = replace(base, kernel_overhead=1e-4, compute_scale=3.0)
+    assert evaluate(prog, scaled, "momentum").compute == pytest.approx(2 * 1e-4 + 3 * roofline)
+    slow = replace(base, intra_server=Link(ALPHA, BETA, 1e-3),
+                   inter_server=Link(ALPHA, BETA, 1e-3), kernel_overhead=1e-4,
+                   step_overhead=1e-2, compute_scale=2.0, sync_overhead=-5e-4)
+    terms, rest = step_terms(prog, slow, "momentum")
+    assert terms[:2] == (1.0, 2.0) and terms[3] == 2.0   # 1 step, 2 kernels, 2 collectives
+    assert terms[2] == pytest.approx(roofline)
+    priced = evaluate(prog, slow, "momentum").step_seconds
+    assert rest + np.dot(terms, [1e-2, 1e-4, 2.0, -5e-4]) == pytest.approx(priced)
+
+
+def test_sync_overhead_may_be_negative_down_to_minus_the_link_overhead() -> None:
+    base = _profile()
+    links = {"intra_server": Link(ALPHA, BETA, 1e-3), "inter_server": Link(ALPHA, BETA, 2e-3)}
+    assert replace(base, **links, sync_overhead=-1e-3).sync_overhead == -1e-3
+    with pytest.raises(ValueError, match=r"sync_overhead must be >= minus the links' per-call "
+                       r"overhead \(-0\.001\), got -0\.002"):
+        replace(base, **links, sync_overhead=-2e-3)
+    with pytest.raises(TypeError, match="sync_overhead must be a number"):
+        replace(base, sync_overhead="0")
 
 
 def test_memory_counts_parameters_gradients_state_and_kept_activations() -> None:

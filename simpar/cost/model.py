@@ -4,7 +4,8 @@ It reads the program's flat schedule (``program.schedule(rank)``, the same list 
 that CommTrace records) and prices every step on a :class:`~simpar.cost.profile.DeviceProfile`:
 
 * a kernel (forward, or backward at twice its FLOPs and bytes): the roofline
-  ``max(FLOPs / peak, bytes of its shards / memory bandwidth)``;
+  ``max(FLOPs / peak, bytes of its shards / memory bandwidth)`` times the profile's
+  ``compute_scale``;
 * a collective: alpha-beta with ring algorithms over the link its group crosses
   (:meth:`DeviceProfile.collective_seconds`);
 * the optimizer's update of every trainable shard (:data:`OPTIMIZER_KERNELS` memory-bound

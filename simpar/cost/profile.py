@@ -58,14 +58,17 @@ _FIGURES = {
 }
 #: Optional figures (default 0): fixed software costs.
 _OPTIONAL = {
-    "kernel_overhead": "seconds per local kernel call (launch, framework dispatch)",
+    "kernel_overhead": "seconds per local kernel call inside a training step (launch, "
+                       "framework dispatch, the Python around it)",
     "step_overhead": "seconds per training step besides its kernels and collectives",
     "array_op_overhead": "seconds per plain array operation outside the executor (the "
                          "optimizer's updates)",
-    "compute_scale": "measured / modelled time of a training step's kernels (1: the roofline "
-                     "and the overheads alone)",
+    "compute_scale": "measured / roofline time of a training step's kernels, their "
+                     "per-call overhead apart (1: the roofline alone)",
     "sync_overhead": "seconds per collective inside a training step beyond the link's time "
-                     "(waiting for the slowest rank to arrive)",
+                     "(waiting for the slowest rank; negative, down to minus the link's "
+                     "per-call overhead, when calls inside a step cost less than calls timed "
+                     "one by one after a barrier)",
 }
 
 
@@ -126,8 +129,13 @@ class DeviceProfile:
             _positive(link.bandwidth, f"{where}: {key}.bandwidth")
             _non_negative(link.latency, f"{where}: {key}.latency")
             _non_negative(link.overhead, f"{where}: {key}.overhead")
-        for key in _OPTIONAL:
+        for key in [k for k in _OPTIONAL if k != "sync_overhead"]:
             _non_negative(getattr(self, key), f"{where}: {key}")
+        sync = _number(self.sync_overhead, f"{where}: sync_overhead")
+        floor = -min(self.intra_server.overhead, self.inter_server.overhead)
+        if not (math.isfinite(sync) and sync >= floor):   # a call never costs less than 0
+            raise ValueError(f"{where}: sync_overhead must be >= minus the links' per-call "
+                             f"overhead ({floor!r}), got {self.sync_overhead!r}")
         _positive(self.compute_scale, f"{where}: compute_scale")
         if isinstance(self.devices_per_server, bool) or not isinstance(
                 self.devices_per_server, int) or self.devices_per_server < 1:
@@ -193,12 +201,12 @@ class DeviceProfile:
         return self.link(group).seconds(facts.rounds(p), facts.traffic(p, nbytes))
 
     def compute_seconds(self, flops: float, memory_bytes: float, dtype: Any) -> float:
-        """Time of one kernel call: its dispatch (``kernel_overhead``) plus its roofline, the
-        slower of its FLOPs at peak and its bytes at the memory bandwidth, all times
-        ``compute_scale``."""
+        """Time of one kernel call: its dispatch (``kernel_overhead``) plus ``compute_scale``
+        times its roofline, the slower of its FLOPs at peak and its bytes at the memory
+        bandwidth."""
         roofline = max(flops / self.flops_per_second(dtype),
                        memory_bytes / self.memory_bandwidth)
-        return self.compute_scale * (self.kernel_overhead + roofline)
+        return self.kernel_overhead + self.compute_scale * roofline
 
     def with_rank_table(self, table: Any) -> DeviceProfile:
         """This profile with servers as a rank table lays them out: the launcher's
