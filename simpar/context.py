@@ -40,7 +40,10 @@ parallel_optimizer_config       (see note)                 parallel_optimizer_th
                                                            optimizer_level="level1" (level1-3),
                                                            gradient_accumulation_shard (a view:
                                                            True is level2)
-pipeline_stages                 1                          only 1 (no pipeline parallelism)
+pipeline_stages                 1                          int >= 1 (:mod:`simpar.pipeline`)
+pipeline_config                 (see note)                 pipeline_interleave=False (bool),
+                                                           pipeline_scheduler="1f1b" ("1f1b" or
+                                                           "gpipe")
 strategy_ckpt_load_file/_save   ""                         str; views of strategy_ckpt_config
 auto_parallel_search_mode       (search_mode)              old name of search_mode
 =============================== ========================== ======================================
@@ -113,6 +116,7 @@ from simpar._keyspec import (
 __all__ = ["AlgoParameters", "BUILTIN_SEARCH_MODES", "ContextError", "ContextTypeError",
            "MEMORY_DIMENSIONS",
            "NotHonouredWarning", "ParallelContext", "ParallelMode", "ParallelOptimizerConfig",
+           "PIPELINE_SCHEDULERS", "PipelineConfig",
            "StrategyCkptConfig",
            "WorldMismatchError", "algo_parameters", "auto_parallel_context",
            "check_dataset_strategy", "get_algo_parameters", "get_auto_parallel_context",
@@ -174,6 +178,19 @@ class ParallelOptimizerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class PipelineConfig:
+    """The ``pipeline_config`` dict as a value (MindSpore's keys and defaults): the schedule
+    of the micro-batches over the stages (:mod:`simpar.pipeline`), and whether each rank
+    runs several interleaved virtual stages."""
+
+    pipeline_interleave: bool = False
+    pipeline_scheduler: str = "1f1b"
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
 class ParallelContext:
     """An immutable snapshot of the auto-parallel context, with unset values resolved.
 
@@ -201,6 +218,7 @@ class ParallelContext:
     global_rank_is_set: bool
     enable_parallel_optimizer: bool = False
     parallel_optimizer_config: ParallelOptimizerConfig = ParallelOptimizerConfig()
+    pipeline_config: PipelineConfig = PipelineConfig()
     #: The keys the user set (views name the key they write), e.g. ``{"dataset_strategy"}``.
     explicit: frozenset[str] = frozenset()
 
@@ -305,6 +323,13 @@ _OPT_SPECS: dict[str, KeySpec] = {
     "optimizer_level": KeySpec(str, "level1", choices=lambda: _LEVELS),
 }
 _SHARD_SIZE_ALLOWED = "-1 (the whole repeated group) or an int >= 1"
+#: The pipeline schedules simpar runs (MindSpore also offers seqpipe, seqvpp, seqsmartvpp
+#: and zero_bubble_v).
+PIPELINE_SCHEDULERS = ("1f1b", "gpipe")
+_PIPE_SPECS: dict[str, KeySpec] = {
+    "pipeline_interleave": KeySpec(bool, False),
+    "pipeline_scheduler": KeySpec(str, "1f1b", choices=lambda: PIPELINE_SCHEDULERS),
+}
 
 
 def _check_shard_size(func: str, key: str, value: object) -> int:
@@ -344,6 +369,10 @@ def _optimizer_fields(value: dict[str, Any], staged: Mapping[str, Any]) -> Write
     return [(f"parallel_optimizer_config.{sub}", v) for sub, v in value.items()]
 
 
+def _pipeline_fields(value: dict[str, Any], staged: Mapping[str, Any]) -> Writes:
+    return [(f"pipeline_config.{sub}", v) for sub, v in value.items()]
+
+
 def _ckpt_fields(value: dict[str, Any], staged: Mapping[str, Any]) -> Writes:
     return [(f"strategy_ckpt_config.{sub}", v) for sub, v in value.items()]
 
@@ -381,8 +410,10 @@ _AUTO_SPECS: dict[str, KeySpec] = {
     "parallel_optimizer_config": KeySpec(None, ParallelOptimizerConfig(),
                                          check=_check_optimizer_config,
                                          fields=_optimizer_fields),
-    "pipeline_stages": KeySpec(int, 1, bounds=Bounds(1, 1),
-                               allowed="1 (simpar does not implement pipeline parallelism)"),
+    "pipeline_stages": KeySpec(int, 1, bounds=Bounds(1, math.inf)),
+    "pipeline_config": KeySpec(None, PipelineConfig(),
+                               check=lambda f, k, v: validate_dict(f, k, v, _PIPE_SPECS),
+                               fields=_pipeline_fields),
 }
 
 # Keys that are views of the fields above (MindSpore's older names).
@@ -607,8 +638,8 @@ def get_auto_parallel_context(key: str) -> Any:
     ctx = auto_parallel_context()
     if key == "strategy_ckpt_config":
         return ctx.strategy_ckpt_config.as_dict()
-    if key == "parallel_optimizer_config":
-        return ctx.parallel_optimizer_config.as_dict()
+    if key in ("parallel_optimizer_config", "pipeline_config"):
+        return getattr(ctx, key).as_dict()
     if key.startswith("strategy_ckpt_"):
         return getattr(ctx.strategy_ckpt_config, key.removeprefix("strategy_ckpt_"))
     return getattr(ctx, "search_mode" if key == "auto_parallel_search_mode" else key)

@@ -23,7 +23,7 @@ from simpar.ops._base import Primitive, recording
 from simpar.parameter import Parameter
 
 __all__ = ["Graph", "Node", "RecomputeSegment", "Value", "current_scope", "record",
-           "recompute_scope", "scope", "trace", "tracing"]
+           "recompute_scope", "scope", "stage_scope", "trace", "tracing"]
 
 
 def _arithmetic(op: type[Primitive], reflected: bool = False) -> Callable[[Value, Any], Any]:
@@ -76,6 +76,9 @@ class Node:
     name: str = ""
     #: The recomputed Cell it was recorded in (its index in ``Graph.segments``), or -1.
     segment: int = -1
+    #: The pipeline stage of the innermost Cell with a ``pipeline_stage`` it was recorded
+    #: in, or -1 (:func:`simpar.pipeline.stages_of` gives it its producers').
+    stage: int = -1
 
     def __repr__(self) -> str:
         ins = ", ".join(repr(v) for v in self.inputs)
@@ -100,7 +103,7 @@ class RecomputeSegment:
 @dataclass
 class Graph:
     """A traced global graph; ``segments`` are the Cells marked for recomputation, each
-    with the nodes it recorded."""
+    with the nodes it recorded; ``grad_inputs`` the inputs that get gradients."""
 
     inputs: list[Value] = field(default_factory=list)
     params: list[Value] = field(default_factory=list)
@@ -108,6 +111,9 @@ class Graph:
     nodes: list[Node] = field(default_factory=list)
     outputs: list[Value] = field(default_factory=list)
     segments: list[RecomputeSegment] = field(default_factory=list)
+    #: Ids of the inputs whose cotangents the backward returns (a pipeline stage's inputs
+    #: that an earlier stage computed).
+    grad_inputs: tuple[int, ...] = ()
 
     def consumers(self) -> dict[int, list[tuple[Node, int]]]:
         """For every value id, the (node, input position) pairs that read it."""
@@ -132,6 +138,7 @@ class _Tracer:
         self.scopes: list[str] = ["Default"]
         self.params: dict[int, Value] = {}
         self.segment = -1          # the recomputed Cell being traced (outermost), or -1
+        self.stage = -1            # the pipeline stage of the innermost Cell that has one
         self.traced_cells: set[int] = set()   # ids of marked Cells whose construct ran
 
     def new_value(self, shape: Sequence[int], dtype: Any, kind: str, name: str,
@@ -214,6 +221,21 @@ def recompute_scope(cell: Any, mp_comm: bool, opt_comm: bool) -> Iterator[None]:
         t.segment = -1
 
 
+@contextmanager
+def stage_scope(stage: int) -> Iterator[None]:
+    """Record the ops traced inside as of pipeline stage ``stage`` (a Cell's
+    ``pipeline_stage``; an inner Cell's own stage wins)."""
+    t = _tracer()
+    if t is None or stage < 0:
+        yield
+        return
+    outer, t.stage = t.stage, stage
+    try:
+        yield
+    finally:
+        t.stage = outer
+
+
 def traced_cells() -> set[int]:
     """Ids of the Cells marked for recomputation whose ``construct`` this trace ran."""
     t = _tracer()
@@ -235,7 +257,8 @@ def record(op: Primitive, args: Sequence[Any]) -> Any:
     shapes = [v.shape for v in inputs]
     out_shape = snapshot.infer_shape(*shapes)
     node = Node(len(t.graph.nodes), snapshot, inputs,
-                name="/".join(t.scopes) + f"/{op.name}-op{t.op_count}", segment=t.segment)
+                name="/".join(t.scopes) + f"/{op.name}-op{t.op_count}", segment=t.segment,
+                stage=t.stage)
     t.op_count += 1
     first_float = next((v.dtype for v in inputs if v.dtype.kind == "f"), inputs[0].dtype)
     dtype = snapshot.output_dtype(first_float)

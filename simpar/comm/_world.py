@@ -8,7 +8,7 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 # (what simpar.comm exports; resolve serves the collectives modules)
 __all__ = ["Group", "check_context", "create_group", "get_group_size", "get_rank", "init",
-           "world"]
+           "stage_world", "world", "world_rank"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +56,8 @@ _RANK = -1  # _WORLD's rank, once MPI is up (asked on every collective of a prog
 _WORLD_PAIR: tuple[Group, Any] | None = None  # what resolve(None) returns, once MPI is up
 _COMMS: dict[tuple[int, ...], Any] = {}
 _RESOLVED: dict[tuple[int, ...], tuple[Group, Any]] = {}  # resolve() of a tuple of ranks
+#: Inside :func:`stage_world`: the world ranks that make this rank's world, else None.
+_VIEW: tuple[int, ...] | None = None
 
 
 def init() -> None:
@@ -118,10 +120,18 @@ def get_rank() -> int:
     return _RANK
 
 
+def world_rank() -> int:
+    """This process's rank in the whole MPI world, inside a :func:`stage_world` too."""
+    init()
+    assert _WORLD is not None
+    return int(_WORLD.Get_rank())
+
+
 def get_group_size(group: Group | Sequence[int] | None = None) -> int:
-    """Number of ranks in ``group`` (the world when ``None``)."""
+    """Number of ranks in ``group`` (the world when ``None``: a stage's, inside
+    :func:`stage_world`)."""
     if group is None:
-        return int(world().Get_size())
+        return int(world().Get_size()) if _VIEW is None else len(_VIEW)
     return len(group.ranks if isinstance(group, Group) else tuple(group))
 
 
@@ -143,14 +153,22 @@ def _world_group(size: int) -> Group:
 
 
 def resolve(group: Group | Sequence[int] | None) -> tuple[Group, Any]:
-    """(Group, communicator) for a group given as ``None`` (world), a Group or world ranks."""
+    """(Group, communicator) for a group given as ``None`` (world), a Group (world ranks) or
+    a tuple of ranks (world ranks; inside :func:`stage_world`, ranks of the stage)."""
     if group is None and _WORLD_PAIR is not None:  # the common case, on every collective call
         return _WORLD_PAIR
     if type(group) is tuple:          # a program's groups: the same tuples, call after call
         found = _RESOLVED.get(group)
         if found is not None:
             return found
-        found = _RESOLVED[group] = resolve(Group(tuple(int(r) for r in group)))
+        ranks = tuple(int(r) for r in group)
+        if _VIEW is not None:
+            bad = [r for r in ranks if not 0 <= r < len(_VIEW)]
+            if bad:
+                raise ValueError(f"group {list(ranks)} names ranks {bad} outside this stage's "
+                                 f"{len(_VIEW)} ranks (world ranks {list(_VIEW)})")
+            ranks = tuple(_VIEW[r] for r in ranks)
+        found = _RESOLVED[group] = resolve(Group(ranks))
         return found
     comm = world()
     size, me = comm.Get_size(), comm.Get_rank()
@@ -172,6 +190,44 @@ def resolve(group: Group | Sequence[int] | None) -> tuple[Group, Any]:
     mpi_group.Free()
     _COMMS[g.ranks] = sub
     return g, sub
+
+
+_VIEWS: dict[tuple[int, ...], tuple[int, tuple[Group, Any], dict[tuple[int, ...], Any]]] = {}
+
+
+@contextlib.contextmanager
+def stage_world(ranks: Sequence[int]) -> Iterator[Group]:
+    """Make ``ranks`` (world ranks, this rank among them) this rank's world inside the block:
+    :func:`get_rank` is its index in them, :func:`get_group_size` their number, the world
+    group (``None``) is theirs, and a group given as a tuple names ranks of the stage (stage
+    rank ``i`` is world rank ``ranks[i]``). A pipeline stage's program, lowered for its own
+    sub-mesh, runs inside unchanged. Every rank of ``ranks`` must enter it the first time
+    (its communicator is created then, collectively over them); blocks do not nest.
+
+    >>> with stage_world([0]):   # (one process: the whole world is rank 0)
+    ...     get_rank(), get_group_size()
+    (0, 1)
+    """
+    global _VIEW, _RANK, _WORLD_PAIR, _RESOLVED
+    init()
+    view = tuple(int(r) for r in ranks)
+    me = world_rank()
+    if _VIEW is not None:
+        raise ValueError(f"stage_world: already inside the stage of world ranks {list(_VIEW)}; "
+                         "stages do not nest")
+    if me not in view:
+        raise ValueError(f"stage_world: world rank {me} is not among the ranks {list(view)}")
+    found = _VIEWS.get(view)
+    if found is None:
+        g = Group(view)
+        found = _VIEWS[view] = (view.index(me), resolve(g), {})
+    saved = _RANK, _WORLD_PAIR, _RESOLVED
+    _VIEW, (_RANK, _WORLD_PAIR, _RESOLVED) = view, found
+    try:
+        yield found[1][0]
+    finally:
+        _VIEW = None
+        _RANK, _WORLD_PAIR, _RESOLVED = saved
 
 
 def check_context() -> None:

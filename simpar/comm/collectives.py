@@ -51,8 +51,8 @@ from simpar.comm.agreement import (
     validation,
 )
 
-__all__ = ["all_gather", "all_reduce", "all_to_all", "barrier", "broadcast", "recv",
-           "reduce_scatter", "send"]
+__all__ = ["SendRequest", "all_gather", "all_reduce", "all_to_all", "barrier", "broadcast",
+           "isend", "recv", "reduce_scatter", "send"]
 
 # Each call looks up what it derives from its signature alone (kind, group, dtype, shape and
 # arguments: validation, result shape, MPI op, byte counts, agreement claims) in a cache, so
@@ -406,6 +406,37 @@ def send(x: np.ndarray, dest: int, tag: int = 0) -> None:
     world().Send(buf, dest=dest, tag=tag)
     me = world().Get_rank()
     trace.record("Send", (me, dest), buf.nbytes, 0, perf_counter() - start, x.dtype, x.shape)
+
+
+class SendRequest:
+    """A nonblocking send (:func:`isend`) in flight: it holds the buffer until :meth:`wait`."""
+
+    __slots__ = ("_buf", "_dest", "_request", "_shape", "_start")
+
+    def __init__(self, request: Any, buf: np.ndarray, dest: int, shape: tuple[int, ...],
+                 start: float) -> None:
+        self._request, self._buf, self._dest, self._shape = request, buf, dest, shape
+        self._start = start
+
+    def wait(self) -> None:
+        """Wait until the buffer may be reused (it is recorded then, as one "Send")."""
+        if self._request is None:
+            return
+        self._request.Wait()
+        self._request = None
+        me = world().Get_rank()
+        trace.record("Send", (me, self._dest), self._buf.nbytes, 0,
+                     perf_counter() - self._start, self._buf.dtype, self._shape)
+
+
+def isend(x: np.ndarray, dest: int, tag: int = 0) -> SendRequest:
+    """Nonblocking send of ``x`` to world rank ``dest``: returns at once; call ``wait()`` on
+    the request before the step ends (the array is copied if it is not contiguous, and held
+    until then)."""
+    x = _array(x, "isend")
+    start = perf_counter()
+    buf = np.ascontiguousarray(x)
+    return SendRequest(world().Isend(buf, dest=dest, tag=tag), buf, dest, tuple(x.shape), start)
 
 
 def recv(source: int, shape: Sequence[int], dtype: Any, tag: int = 0) -> np.ndarray:

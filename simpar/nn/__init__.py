@@ -3,7 +3,7 @@
 
 from simpar.nn.auto_parallel import AutoParallel
 from simpar.nn.cell import Cell, Parameter, initializer
-from simpar.nn.grad_accumulation import GradAccumulation
+from simpar.nn.grad_accumulation import GradAccumulation, Pipeline, PipelineCell
 from simpar.nn.layers import (
     GPT,
     MLP,
@@ -45,6 +45,8 @@ __all__ = [
     "Optimizer",
     "PReLU",
     "Parameter",
+    "Pipeline",
+    "PipelineCell",
     "SoftmaxCrossEntropyWithLogits",
     "TrainOneStepCell",
     "TransformerBlock",

@@ -148,10 +148,27 @@ class Cell:
     def construct(self, *args: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__} must implement construct")
 
+    @property
+    def pipeline_stage(self) -> int:
+        """The pipeline stage this Cell's ops run on (MindSpore's ``Cell.pipeline_stage``;
+        -1, the default: its enclosing Cell's, else its inputs' producers')."""
+        return int(self.__dict__.get("_pipeline_stage", -1))
+
+    @pipeline_stage.setter
+    def pipeline_stage(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"For 'Cell', the property 'pipeline_stage' must be int type, but "
+                            f"got type : {type(value)}")
+        if value < 0:
+            raise ValueError(f"For 'Cell', the property 'pipeline_stage' can not be less than "
+                             f"0, but got {value}")
+        object.__setattr__(self, "_pipeline_stage", value)
+
     def __call__(self, *args: Any) -> Any:
         if not graph.tracing():
             return self.construct(*args)
-        with graph.scope(f"{getattr(self, '_scope_name', 'network')}-{type(self).__name__}"):
+        with graph.scope(f"{getattr(self, '_scope_name', 'network')}-{type(self).__name__}"), \
+                graph.stage_scope(self.pipeline_stage):
             if self.in_strategy is not None:
                 args = _reshard_inputs(self, args)
             if self.recompute_settings is None:

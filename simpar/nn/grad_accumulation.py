@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from simpar.nn.cell import Cell, Wrapper
 
-__all__ = ["GradAccumulation"]
+__all__ = ["GradAccumulation", "Pipeline", "PipelineCell"]
 
 
 class GradAccumulation(Wrapper):
@@ -48,3 +48,48 @@ class GradAccumulation(Wrapper):
 
     def __repr__(self) -> str:
         return f"GradAccumulation(micro_size={self.micro_size})"
+
+
+class PipelineCell(GradAccumulation):
+    """``network`` trained in ``micro_size`` micro-batches that flow through the pipeline
+    stages (MindSpore's ``nn.PipelineCell(network, micro_size, stage_config=None)``; 2.x:
+    ``mindspore.parallel.nn.Pipeline``). ``stage_config`` maps Cell paths inside ``network``
+    to stages, as setting their ``pipeline_stage`` does. With one stage it is gradient
+    accumulation.
+
+    >>> from simpar import nn
+    >>> mlp = nn.MLP(4, 8, 2, n_hidden=1)
+    >>> cell = PipelineCell(nn.WithLossCell(mlp, nn.MSELoss()), 2,
+    ...                     stage_config={"_backbone.fc2": 1})
+    >>> cell.micro_size, mlp.layers[1].pipeline_stage, mlp.layers[0].pipeline_stage
+    (2, 1, -1)
+    """
+
+    def __init__(self, network: Cell, micro_size: int,
+                 stage_config: dict[str, int] | None = None) -> None:
+        super().__init__(network, micro_size)
+        if stage_config is None:
+            return
+        if not isinstance(stage_config, dict):
+            raise TypeError(f"For '{type(self).__name__}', the argument 'stage_config' must be "
+                            f"dict type, but got the type : {type(stage_config).__name__}.")
+        cells = dict(network.cells_and_names())
+        for path, stage in stage_config.items():
+            if path not in cells:
+                known = [c for c in cells if c][:6]
+                raise ValueError(f"For '{type(self).__name__}', stage_config names {path!r}, "
+                                 f"which is no Cell of the network (e.g. {known})")
+            cells[path].pipeline_stage = stage
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(micro_size={self.micro_size})"
+
+
+class Pipeline(PipelineCell):
+    """MindSpore 2.x's name of :class:`PipelineCell`
+    (``mindspore.parallel.nn.Pipeline(network, micro_size=1, stage_config=None)``)."""
+
+    def __init__(self, network: Cell, micro_size: int = 1,
+                 stage_config: dict[str, int] | None = None) -> None:
+        super().__init__(network, micro_size, stage_config)
+

@@ -56,6 +56,13 @@ class Optimizer:
     def names(self) -> list[str]:
         return list(self._names)
 
+    def hold_only(self, names: Sequence[str]) -> None:
+        """Update only the parameters ``names`` (those this rank holds: a pipeline stage's),
+        in the optimizer's order; the state starts afresh."""
+        keep = set(names)
+        self._names = tuple(n for n in self._names if n in keep)
+        self.state = {}
+
     def init_state(self, shards: dict[str, np.ndarray]) -> None:
         self.state = {name: {k: np.zeros_like(shards[name]) for k in self.slots}
                       for name in self._names}

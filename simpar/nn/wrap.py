@@ -36,6 +36,7 @@ from simpar.nn.auto_parallel import AutoParallel
 from simpar.nn.cell import Cell
 from simpar.nn.grad_accumulation import GradAccumulation
 from simpar.nn.optim import Optimizer
+from simpar.pipeline import PipelineRunner, Stage, plan_stages, split_stages
 from simpar.redistribution import execute, plan
 from simpar.runtime.lowering import lower
 from simpar.runtime.program import ParallelProgram
@@ -107,6 +108,9 @@ class TrainOneStepCell:
         #: Whether auto_parallel may choose the micro-batches (no GradAccumulation fixes them).
         self._choose_micro = accumulation is None
         self.program: ParallelProgram | None = None
+        #: With ``pipeline_stages`` > 1: this rank's part of the pipeline
+        #: (:class:`~simpar.pipeline.PipelineRunner`), else None.
+        self.pipeline: PipelineRunner | None = None
         #: How auto_parallel chose the memory dimensions (memory_dimensions not "fixed"):
         #: a :class:`~simpar.search.dimensions.DimensionSearch`, else None.
         self.program_dimensions: Any = None
@@ -171,6 +175,8 @@ class TrainOneStepCell:
                                  f"input({x.shape[0] if x.ndim else 'a scalar'}) must be divided "
                                  f"by micro size({m}): GradAccumulation splits the {what} of "
                                  f"shape {x.shape} into {m} micro-batches")
+        if ctx.pipeline_stages > 1 and self.mode != "stand_alone":
+            return self._build_pipeline(ctx, data, label)
         # The program is one micro-batch's (the whole batch's without accumulation); when
         # auto_parallel chooses the micro-batches, one graph per count on offer.
         counts = [m]
@@ -212,6 +218,43 @@ class TrainOneStepCell:
         self._seed = self.loss_seed()
         return self.program
 
+    def _build_pipeline(self, ctx: context.ParallelContext, data: np.ndarray,
+                        label: np.ndarray) -> ParallelProgram:
+        """The stages' programs (:mod:`simpar.pipeline`); this rank's stage's is
+        ``program``, and it holds that stage's parameters only."""
+        stages, world = ctx.pipeline_stages, comm.get_group_size()
+        _check_pipeline(ctx, self.mode, world)
+        m = self.micro_batches
+        g = graph.trace(self.network, [((x.shape[0] // m, *x.shape[1:]), x.dtype)
+                                       for x in (data, label)], ["data", "label"])
+
+        def plan_one(st: Stage, dataset: Any) -> tuple[PlanRequest, Any]:
+            request = request_from_context(st.graph, cell=self.network, mode=self.mode,
+                                           device_num=world // stages,
+                                           dataset_strategy=dataset, micro_batches=m)
+            return request, plan_request(request)
+
+        programs = plan_stages(split_stages(g, stages), world // stages, plan_one,
+                               ctx.dataset_strategy)
+        stage = comm.get_rank() // (world // stages)
+        self.program = programs[stage]
+        self._seed = self.loss_seed_of(programs[-1])
+        self.pipeline = PipelineRunner(split_stages(g, stages), programs, comm.get_rank(),
+                                       ctx.pipeline_config.pipeline_scheduler, m, self._seed)
+        local = self.pipeline.local
+        trainable = {p.name for p in self.optimizer.parameters}
+        for name in self.program.param_layouts:
+            v = self.program.param_values[name]
+            assert v.param is not None
+            self.params[name] = v.param.initial_value(
+                self.seed, self.program.storage_layout(name).slice_of(local))
+            if name not in trainable and v.param.requires_grad:
+                raise ValueError(f"TrainOneStepCell: parameter {name} is trainable but not "
+                                 "in the optimizer's params")
+        self.optimizer.hold_only(list(self.params))
+        self.optimizer.init_state({n: self.params[n] for n in self.optimizer.names()})
+        return self.program
+
     @staticmethod
     def _local(x: np.ndarray, feed: tuple[TensorLayout, tuple[slice, ...], bool]) -> np.ndarray:
         lay, where, zero = feed
@@ -227,11 +270,17 @@ class TrainOneStepCell:
     def loss_seed(self) -> float:
         """The cotangent each rank gives its copy of the loss (see module docstring), for the
         context the program was built under."""
-        assert self.program is not None and self._ctx is not None
+        assert self.program is not None
+        return self.loss_seed_of(self.program)
+
+    def loss_seed_of(self, program: ParallelProgram) -> float:
+        """:meth:`loss_seed` for the program that computes the loss (a pipeline's last
+        stage's)."""
+        assert self._ctx is not None
         ctx = self._ctx
-        lay = self.program.output_layouts()[0]
+        lay = program.output_layouts()[0]
         replicas = math.prod(lay.device_matrix[a] for a in lay.replica_axes)
-        dp = self.program.loss_batch_cut()
+        dp = program.loss_batch_cut()
         seed = self.sens * (1.0 if ctx.gradients_mean or self.mode == "stand_alone" else dp)
         return seed if ctx.loss_repeated_mean else seed * replicas
 
@@ -253,6 +302,11 @@ class TrainOneStepCell:
             self.build(data, label)  # which checks that the ranks passed the same batch
         prog = self.program
         assert prog is not None
+        if self.pipeline is not None:   # the global batch on every rank, checked alike
+            if not built_now:
+                comm.check_same_arrays("TrainOneStepCell", [("data", data), ("label", label)])
+            return self.pipeline.step(data, label, self.params,
+                                      self.step_count if step is None else step)
         feed = self._feed
         try:
             local_in = [self._local(data, feed[0]), self._local(label, feed[1])]
@@ -345,6 +399,8 @@ class TrainOneStepCell:
     def global_parameters(self) -> dict[str, np.ndarray]:
         """Every parameter assembled to its global value (collective: every rank calls)."""
         assert self.program is not None
+        if self.pipeline is not None:
+            return self.pipeline.global_parameters(self.params)
         out = {}
         for name in self.program.param_layouts:
             lay = self.program.storage_layout(name)
@@ -354,6 +410,28 @@ class TrainOneStepCell:
             with comm.label("assemble"):
                 out[name] = execute(plan(lay, lay.replicated()), self.params[name])
         return out
+
+
+def _check_pipeline(ctx: context.ParallelContext, mode: str, world: int) -> None:
+    """What a pipelined cell needs of its settings, checked alike on every rank."""
+    stages = ctx.pipeline_stages
+    if mode not in ("semi_auto_parallel", "auto_parallel", "data_parallel"):
+        raise ValueError(f"pipeline: pipeline_stages={stages} needs parallel_mode "
+                         f"semi_auto_parallel, auto_parallel or data_parallel, got {mode!r}")
+    if world % stages:
+        raise ValueError(f"pipeline: pipeline_stages={stages} must divide the {world} ranks "
+                         "(each stage runs on device_num / pipeline_stages of them)")
+    if ctx.pipeline_config.pipeline_interleave:
+        raise NotImplementedError("pipeline: pipeline_interleave=True (interleaved virtual "
+                                  "stages) is not implemented yet; set pipeline_config="
+                                  "{'pipeline_interleave': False}")
+    files = ctx.strategy_ckpt_config
+    if files.load_file or files.save_file:
+        raise NotImplementedError("pipeline: strategy files are not saved or loaded per stage "
+                                  "yet; unset strategy_ckpt_config's load_file and save_file")
+    if context.algo_parameters().memory_dimensions != "fixed":
+        raise NotImplementedError("pipeline: memory_dimensions other than 'fixed' are not "
+                                  "searched with pipeline stages yet")
 
 
 def _agreed(what: str, x: np.ndarray, lay: TensorLayout) -> tuple[str, np.ndarray]:

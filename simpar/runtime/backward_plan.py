@@ -51,12 +51,18 @@ class BackwardPlan:
     writes it) over which its gradient is pending: its Mirror's. A parameter optimizer
     parallel slices has its gradient completed by ``shard_syncs[name]`` instead: from pending
     over those axes to its shard (a ReduceScatter over the shard's ranks, and an AllReduce
-    over the rest of its pending axes when the shard covers fewer)."""
+    over the rest of its pending axes when the shard covers fewer). A pipeline stage's input
+    from an earlier stage gets its cotangent summed whole by ``input_sums``, to be sent
+    back."""
 
     nodes: Mapping[int, NodeBackward]
     params: Mapping[str, Pending]
     frame: Frame
     shard_syncs: Mapping[str, RedistributionPlan] = field(default_factory=dict)
+    #: Per graph input that gets a gradient (``Graph.grad_inputs``, by name): the sum that
+    #: makes its cotangent whole in the input's layout (an AllReduce over the axes where it
+    #: is pending; no steps where it is whole already).
+    input_sums: Mapping[str, RedistributionPlan] = field(default_factory=dict)
 
     def mirror_group(self, lowered: LoweredGraph, name: str, rank: int) -> tuple[int, ...]:
         """The ranks whose gradients of parameter ``name`` its Mirror sums (``(rank,)``: no
@@ -146,7 +152,12 @@ def _plan(lowered: LoweredGraph, seeded: tuple[bool, ...], eager: bool) -> Backw
     syncs = {name: plan(frame.of(lowered.param_layouts[name]).with_partial_axes(
                  sorted(params[name])), shard.layout, lowered.enable_alltoall)
              for name, shard in lowered.param_shards.items() if name in params}
-    return BackwardPlan(nodes, params, frame, syncs)
+    grad_inputs = set(lowered.graph.grad_inputs)
+    sums = {v.name: plan(frame.of(lowered.layouts[v.id]).with_partial_axes(
+                sorted(pending.get(v.id, frozenset()))), lowered.layouts[v.id],
+                lowered.enable_alltoall)
+            for v in lowered.graph.inputs if v.id in grad_inputs}
+    return BackwardPlan(nodes, params, frame, syncs, sums)
 
 
 def backward_traffic(lowered: LoweredGraph, bplan: BackwardPlan) -> tuple[int, int]:
@@ -167,6 +178,9 @@ def backward_traffic(lowered: LoweredGraph, bplan: BackwardPlan) -> tuple[int, i
                 if step.device_axes else step.src.device_num
             sent += kind_of(kind).traffic(group, size)  # a direct exchange: its size
             calls += 1
+    for summed in bplan.input_sums.values():
+        sent += sum(st.send_bytes(0, 1) for st in summed.steps if not st.kind.local)
+        calls += sum(1 for st in summed.steps if not st.kind.local)
     for name, axes in bplan.params.items():
         sync = bplan.shard_syncs.get(name)
         if sync is not None:   # a direct exchange's bytes are its size, as above

@@ -36,15 +36,16 @@ import numpy as np
 from simpar import comm, schedule
 from simpar.cotangent import Action
 from simpar.ops._base import Primitive
-from simpar.ops.kernels import INLINE_NAMES, Inline, Tape, shape_only
+from simpar.ops.kernels import Inline, Tape, shape_only
 from simpar.redistribution import ALL_REDUCE, RedistributionPlan, Step, bind_step, execute
 from simpar.runtime.backward_plan import BackwardPlan
 from simpar.runtime.lowered import LoweredGraph, Segment
 from simpar.runtime.memory import MemoryWatch
 from simpar.runtime.op_runner import OpRunner
-from simpar.runtime.tapes import Dropped, rehold, unhold
+from simpar.runtime.source import Source as _Source
+from simpar.runtime.tapes import Dropped
 
-__all__ = ["Executor", "mirror_announcement", "sums_output_in_place"]
+__all__ = ["Executor", "input_gradient", "mirror_announcement", "sums_output_in_place"]
 
 Actions = tuple[Action, ...]
 # Redistribution steps to run: (step, adjoint, the dtype it moves).
@@ -103,6 +104,12 @@ class _Mirror(NamedTuple):
     run: comm.Prepared          # the bucket's AllReduce, prepared
 
 
+def input_gradient(name: str) -> str:
+    """The key under which ``backward`` returns graph input ``name``'s gradient (an input of
+    ``Graph.grad_inputs``): whole, in the input's layout."""
+    return f"<input {name}>"
+
+
 def mirror_announcement(group: tuple[int, ...], names: Sequence[str]
                         ) -> tuple[str, tuple[int, ...], tuple[str, ...]]:
     """What a Mirror announces to the schedule guard (compared by value): its group and its
@@ -154,34 +161,6 @@ def _plain(op: Any) -> bool:
     shards, the tape ``(inputs, output)``."""
     return (type(op).local_forward is Primitive.local_forward
             and type(op).local_backward is Primitive.local_backward)
-
-
-class _Source:
-    """Lines of generated Python and the objects they name (the function's globals)."""
-
-    def __init__(self, header: str) -> None:
-        self.lines = [header]
-        self.names: dict[str, Any] = {"_zeros": np.zeros, "_unhold": unhold,
-                                      "_rehold": rehold, **INLINE_NAMES}
-        self._bound: dict[int, str] = {}   # id of an object already named -> its name
-
-    def bind(self, prefix: str, obj: Any) -> str:
-        """The global name of ``obj`` (named once: a dtype read by every contribution is
-        one ``D`` name, not one per line)."""
-        name = self._bound.get(id(obj))
-        if name is None:
-            name = self._bound[id(obj)] = f"{prefix}{len(self.names)}"
-            self.names[name] = obj
-        return name
-
-    def add(self, line: str) -> None:
-        self.lines.append("    " + line)
-
-    def build(self, name: str) -> tuple[Callable[..., Any], str]:
-        text = "\n".join(self.lines) + "\n"
-        scope = dict(self.names)
-        exec(compile(text, f"<simpar executor: {name}>", "exec"), scope)  # noqa: S102
-        return scope[name], text
 
 
 class Executor:
@@ -259,6 +238,8 @@ class Executor:
         self.backwards: dict[tuple[bool, ...], tuple[tuple[_Backward, ...],
                                                      tuple[_Mirror, ...],
                                                      dict[str, Moves]]] = {}
+        #: Per seeds, the sums that make each gradient input's cotangent whole.
+        self._input_sums: dict[tuple[bool, ...], dict[str, Moves]] = {}
         # The generated backward per (seeded, watched), with the records it was written from.
         self._backward_fns: dict[tuple[tuple[bool, ...], bool, bool],
                                  tuple[tuple[_Backward, ...], Callable[..., Any], str]] = {}
@@ -546,7 +527,7 @@ class Executor:
         return run(local_inputs, local_params, watch)
 
     # ------------------------------------------------------------ backward
-    def _compile_backward(self, bplan: BackwardPlan
+    def _compile_backward(self, bplan: BackwardPlan, seeded: tuple[bool, ...]
                           ) -> tuple[tuple[_Backward, ...], tuple[_Mirror, ...],
                                      dict[str, Moves]]:
         program = self.program
@@ -587,6 +568,10 @@ class Executor:
         syncs: dict[str, Moves] = {
             name: tuple((st, False, program.param_values[name].dtype) for st in p.steps)
             for name, p in bplan.shard_syncs.items()}
+        dtypes = {v.name: v.dtype for v in program.graph.inputs}
+        self._input_sums[seeded] = {
+            name: tuple((st, False, dtypes[name]) for st in p.steps)
+            for name, p in bplan.input_sums.items()}
         return tuple(bwd), tuple(mirrors), syncs
 
     def _backward_fn(self, seeded: tuple[bool, ...], watched: bool, sync: bool
@@ -748,6 +733,13 @@ class Executor:
                        else program.param_layouts[name])
                 shape = lay.local_shape()
                 src.add(f"out[{name!r}] = _zeros({shape!r}, {src.bind('D', v.dtype)})")
+        for v in program.graph.inputs:   # a stage's input from an earlier stage: summed whole
+            if v.name in self._input_sums[seeded]:
+                s, key = self.slot[v.id], input_gradient(v.name)
+                shape = program.layouts[v.id].local_shape()
+                src.add(f"out[{key!r}] = " + (
+                    self._moved(src, self._input_sums[seeded][v.name], f"g{s}") if s in held
+                    else f"_zeros({shape!r}, {src.bind('D', v.dtype)})"))
         src.add("return out")
         return src.build("backward")
 
@@ -759,7 +751,7 @@ class Executor:
         Mirrors and level1's slicing are left to :meth:`sync`."""
         seeded = tuple(g is not None for g in output_grads)
         if seeded not in self.backwards:
-            self.backwards[seeded] = self._compile_backward(bplan)
+            self.backwards[seeded] = self._compile_backward(bplan, seeded)
         run = self._backward_fn(seeded, watch is not None, sync)[1]
         # A value's cotangent has the value's dtype, whatever numpy's promotion made of the
         # contributions, so every collective moves the bytes the schedule lists. Seeds are

@@ -84,6 +84,7 @@ def lower(graph: Graph, strategy_map: StrategyMap, enable_alltoall: bool = False
             layouts[v.id] = out
         steps.append(OpStep(node, sh, in_plans, smap.ops[node.name].source, sh.repeat))
     needs = {v.id for v in graph.params if v.param is not None and v.param.requires_grad}
+    needs.update(graph.grad_inputs)
     for node in graph.nodes:
         if any(v.id in needs for v in node.inputs):
             needs.update(v.id for v in node.outputs)

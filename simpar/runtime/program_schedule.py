@@ -192,6 +192,13 @@ def schedule(program: LoweredGraph, bplan: BackwardPlan, rank: int) -> tuple[Pro
                       key=[v.name for v in node.inputs].index)
         for name in done:   # a sliced parameter's gradient, complete: into its slice
             _slice_gradient(b, program, bplan, name, False)
+    for v in program.graph.inputs:   # a stage's input from an earlier stage: summed whole
+        if v.name in bplan.input_sums:
+            reader = next((s.node.name for s in program.steps
+                           if any(x.id == v.id for x in s.node.inputs)), "")
+            b.collectives(Role.REDISTRIBUTE, reader, f"{v.name}:gradient-sum",
+                          plan_comm(bplan.input_sums[v.name], f"gradient of input {v.name}",
+                                    False), v.dtype.itemsize)
     for name in once:   # level1 under micro-batches: the summed gradient into its slice
         _slice_gradient(b, program, bplan, name, True)
     for group, dtype, names in bplan.mirror_buckets(program, rank):

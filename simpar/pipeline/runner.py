@@ -1,0 +1,228 @@
+"""A pipelined training step over MPI: every stage on its own sub-mesh, the micro-batches
+scheduled across them, activations and cotangents sent between them point to point.
+
+With ``S`` stages over ``D`` ranks, stage ``s`` runs on world ranks ``s * n .. s * n + n - 1``
+(``n = D / S``, MindSpore's order), under :func:`simpar.comm.stage_world`: its program is
+planned and lowered for ``n`` devices (its operator strategies are per stage, as MindSpore's
+are) and runs unchanged there. Stage rank ``i`` exchanges with stage rank ``i`` of the other
+stages: a boundary value's receiver takes it in its producer's layout (the stage's program
+moves it to the layout its first reader needs), so both sides hold shards of one shape.
+
+Each micro-batch's forward receives its boundaries (blocking), runs, and sends its outputs
+on (nonblocking); its backward receives the cotangents of the boundaries it sent (summed over
+their readers), runs, and sends each received boundary's cotangent back, summed whole
+first. The gradients are summed over the micro-batches and synchronised once per step
+inside each stage (the programs' deferred Mirrors), then a parameter held by several stages
+has its gradient summed between them (a tied embedding and output head), and the loss, the
+mean over the micro-batches, reaches every rank from the last stage.
+
+Messages between two ranks are tagged ``2 * boundary`` (forward) and ``2 * boundary + 1``
+(backward); both sides run the micro-batches in the same order, so they match in order.
+Each rank's sends and receives are recorded in :attr:`PipelineRunner.trace` (the step's
+point-to-point schedule, as the schedule guard lists collectives); a receive of the wrong
+size raises on its rank instead of mismatching silently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from simpar import comm
+from simpar.layout import TensorLayout, shard_index, take_shard
+from simpar.pipeline.schedules import schedule
+from simpar.pipeline.stages import Stage
+from simpar.redistribution import execute, plan
+from simpar.runtime.executor import input_gradient
+from simpar.runtime.lowering import lower
+from simpar.runtime.program import ParallelProgram
+
+__all__ = ["PipelineRunner", "Transfer", "plan_stages"]
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One point-to-point message of a step: ``kind`` "send" or "recv", of micro-batch
+    ``micro``'s boundary ``name`` (a value or, ``backward``, its cotangent) with world rank
+    ``peer``, ``nbytes`` long."""
+
+    kind: str
+    micro: int
+    name: str
+    backward: bool
+    peer: int
+    nbytes: int
+
+
+def plan_stages(stages: Sequence[Stage], per_stage: int, planner: Any, dataset: Any
+                ) -> list[ParallelProgram]:
+    """Every stage's program, in stage order: ``planner(stage, dataset_strategy)`` gives the
+    stage's (request, strategy map) for ``per_stage`` devices; a received boundary then takes
+    the layout its producer's program gives it (pure: every rank plans every stage, so each
+    knows its neighbours' layouts)."""
+    programs: list[ParallelProgram] = []
+    for st in stages:
+        strategy = dataset
+        if isinstance(dataset, tuple):   # one per batch input; a boundary: whole, for now
+            strategy = tuple(dataset[k] if k is not None else (1,) * v.ndim
+                             for k, v in zip(st.batch, st.graph.inputs))
+        request, smap = planner(st, strategy)
+        fixed = {}
+        for v, b in zip(st.graph.inputs, st.received):
+            if b is not None:
+                lay = programs[b.producer].layouts[v.id]
+                if lay.partial:
+                    raise ValueError(f"pipeline: stage {b.producer} leaves {b.name} a pending "
+                                     f"sum ({lay}); stage {st.index} needs it complete")
+                fixed[v.name] = lay
+        smap = replace(smap, inputs={**smap.inputs, **fixed})
+        programs.append(lower(st.graph, smap, request.enable_alltoall))
+    return programs
+
+
+class PipelineRunner:
+    """This rank's part of a pipelined step: its stage's program, the schedule, and the
+    peers of its stage rank in the other stages."""
+
+    def __init__(self, stages: Sequence[Stage], programs: Sequence[ParallelProgram],
+                 world_rank: int, scheduler: str, micro_batches: int, loss_seed: float
+                 ) -> None:
+        self.stages, self.programs = list(stages), list(programs)
+        count = len(stages)
+        self.per_stage = programs[0].device_num
+        self.stage, self.local = divmod(world_rank, self.per_stage)
+        self.ranks = tuple(range(self.stage * self.per_stage, (self.stage + 1) * self.per_stage))
+        self.program = programs[self.stage]
+        self.micro_batches = micro_batches
+        self.tasks = schedule(scheduler, self.stage, count, micro_batches)
+        self.loss_seed = loss_seed
+        self.trace: list[Transfer] = []
+        self.shared = self._shared()
+
+    def peer(self, stage: int) -> int:
+        """The world rank of this rank's stage rank in ``stage``."""
+        return stage * self.per_stage + self.local
+
+    def _shared(self) -> dict[str, tuple[int, ...]]:
+        """Per parameter this stage holds that other stages hold too, the world ranks that
+        sum its gradient (this stage rank in each), after checking they store it alike."""
+        out = {}
+        for name in self.program.param_layouts:
+            holders = [s for s, p in enumerate(self.programs) if name in p.param_layouts]
+            if len(holders) < 2:
+                continue
+            mine = self.program.storage_layout(name)
+            blocks = [mine.slice_of(r) for r in range(self.per_stage)]
+            for s in holders:   # every stage rank must store the same block of it
+                other = self.programs[s].storage_layout(name)
+                if other.partial or mine.partial or \
+                        [other.slice_of(r) for r in range(self.per_stage)] != blocks:
+                    raise ValueError(f"pipeline: parameter {name} is read on stages {holders}, "
+                                     f"stored as {mine} on stage {self.stage} but {other} on "
+                                     f"stage {s}; shard it alike on every stage that reads it")
+            out[name] = tuple(self.peer(s) for s in holders)
+        return out
+
+    # ------------------------------------------------------------ one step
+    def step(self, data: np.ndarray, label: np.ndarray, params: dict[str, np.ndarray],
+             step: int) -> tuple[float, dict[str, np.ndarray]]:
+        """The loss (every rank) and this rank's gradients of one step on the global batch."""
+        st, prog, m = self.stages[self.stage], self.program, self.micro_batches
+        batch = [np.split(x, m, axis=0) for x in (data, label)]
+        tapes: dict[int, Any] = {}
+        total: dict[str, np.ndarray] = {}
+        losses: list[float] = []
+        pending: list[comm.SendRequest] = []
+        self.trace = []
+        for kind, k in self.tasks:
+            if kind == "F":
+                inputs = [self._input(batch, j, v, b, k) for j, (v, b) in
+                          enumerate(zip(st.graph.inputs, st.received))]
+                with comm.stage_world(self.ranks):
+                    outs, tapes[k] = prog.forward(inputs, params, step=m * step + k)
+                for out, b, loss in zip(outs, st.sent, st.loss):
+                    if b is None:
+                        if loss == 0:
+                            losses.append(float(out))
+                        continue
+                    for c in b.consumers:
+                        pending.append(self._send(out, c, b, k, False))
+                continue
+            seeds = [self._seed(out, b, k) for out, b in zip(prog.graph.outputs, st.sent)]
+            with comm.stage_world(self.ranks):
+                grads = prog.backward(tapes.pop(k), seeds)
+            for v, b in zip(st.graph.inputs, st.received):
+                if b is not None and v.id in st.graph.grad_inputs:
+                    pending.append(self._send(grads.pop(input_gradient(v.name)), b.producer,
+                                              b, k, True))
+            for name, g in grads.items():
+                if name not in total:
+                    total[name] = g if g.flags.writeable else g.copy()
+                else:
+                    total[name] += g
+        if m > 1:
+            with comm.stage_world(self.ranks):
+                total = prog.sync(total)
+        for name, group in self.shared.items():   # a parameter several stages read
+            total[name] = comm.all_reduce(total[name], group=group)
+        for request in pending:
+            request.wait()
+        last = (len(self.stages) - 1) * self.per_stage
+        mean = np.array([np.mean(losses) if losses else 0.0])
+        return float(comm.broadcast(mean, root=last)[0]), total
+
+    def global_parameters(self, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Every stage's parameters assembled whole on every rank (collective: every rank
+        calls): each stage gathers its own, and its stage rank 0 broadcasts them."""
+        out: dict[str, np.ndarray] = {}
+        for s, prog in enumerate(self.programs):
+            for name in prog.param_layouts:
+                if name in out:
+                    continue
+                v = prog.param_values[name]
+                whole = np.empty(v.shape, v.dtype)
+                if s == self.stage:
+                    lay = prog.storage_layout(name)
+                    with comm.stage_world(self.ranks), comm.label("assemble"):
+                        whole = (params[name].copy() if lay.replicated() == lay else
+                                 execute(plan(lay, lay.replicated()), params[name]))
+                out[name] = comm.broadcast(whole, root=s * self.per_stage)
+        return out
+
+    def _input(self, batch: list[list[np.ndarray]], j: int, v: Any, b: Any, k: int
+               ) -> np.ndarray:
+        """Input ``j`` of micro-batch ``k``: this rank's shard of a batch input, or a boundary
+        received from its producer."""
+        lay: TensorLayout = self.program.layouts[v.id]
+        if b is None:
+            source = self.stages[self.stage].batch[j]
+            assert source is not None
+            return take_shard(batch[source][k], *shard_index(lay, self.local))
+        return self._recv(self.peer(b.producer), lay.local_shape(), v.dtype, b, k, False)
+
+    def _seed(self, out: Any, b: Any, k: int) -> np.ndarray | None:
+        """The cotangent output ``out`` starts the backward with: the loss's seed, or the sum
+        of the cotangents the boundary's readers sent back (None: an integer boundary)."""
+        if b is None:
+            return np.full(self.program.layouts[out.id].local_shape(),
+                           self.loss_seed / self.micro_batches, dtype=out.dtype)
+        if out.dtype.kind != "f":
+            return None
+        shape = self.program.layouts[out.id].local_shape()
+        parts = [self._recv(self.peer(c), shape, out.dtype, b, k, True) for c in b.consumers]
+        return parts[0] if len(parts) == 1 else np.sum(parts, axis=0)
+
+    def _send(self, x: np.ndarray, stage: int, b: Any, k: int, backward: bool
+              ) -> comm.SendRequest:
+        peer = self.peer(stage)
+        self.trace.append(Transfer("send", k, b.name, backward, peer, x.nbytes))
+        return comm.isend(x, peer, tag=2 * b.index + backward)
+
+    def _recv(self, peer: int, shape: tuple[int, ...], dtype: Any, b: Any, k: int,
+              backward: bool) -> np.ndarray:
+        x = comm.recv(peer, shape, dtype, tag=2 * b.index + backward)
+        self.trace.append(Transfer("recv", k, b.name, backward, peer, x.nbytes))
+        return x

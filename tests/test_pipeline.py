@@ -1,0 +1,142 @@
+"""Pipeline stages in one process: which stage runs each op, each stage's graph, the
+schedules, and the settings (no MPI; the runs are in tests/test_pipeline_mpi.py).
+
+    python -m pytest tests/test_pipeline.py -q
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import simpar
+from simpar import comm, graph, nn
+from simpar.pipeline import bubble_fraction, in_flight, schedule, split_stages, stages_of
+
+
+def _mlp(stages: tuple[int, ...] = ()) -> nn.WithLossCell:
+    mlp = nn.MLP(8, 16, 4, n_hidden=2, dtype=np.float64)
+    for layer, stage in zip(mlp.layers, stages):
+        layer.pipeline_stage = stage
+    return nn.WithLossCell(mlp, nn.SoftmaxCrossEntropyWithLogits())
+
+
+def _trace(cell: nn.Cell) -> graph.Graph:
+    return graph.trace(cell, [((4, 8), np.float64), ((4,), np.int32)], ["data", "label"])
+
+
+def test_a_cells_stage_holds_its_ops_and_the_loss_follows_the_last() -> None:
+    g = _trace(_mlp((0, 0, 1)))
+    of = stages_of(g, 2)
+    by_layer = {n.name.split("/")[3]: s for n, s in zip(g.nodes, of) if "fc" in n.name}
+    assert by_layer == {"fc1-Dense": 0, "fc2-Dense": 0, "fc3-Dense": 1}
+    loss = [s for n, s in zip(g.nodes, of) if "_loss_fn" in n.name]
+    assert loss and set(loss) == {1}           # recorded outside any stage: its input's
+
+
+def test_stages_are_checked() -> None:
+    with pytest.raises(ValueError, match=r"pipeline_stage 2, but pipeline_stages is 2"):
+        stages_of(_trace(_mlp((0, 1, 2))), 2)
+    with pytest.raises(ValueError, match=r"reads .*, which stage 1 computes; a value may only "
+                       "flow to its own or a later stage"):
+        stages_of(_trace(_mlp((0, 1, 0))), 2)
+    with pytest.raises(ValueError, match=r"no op runs on stage\(s\) \[1\] of the 3 stages"):
+        stages_of(_trace(_mlp((0, 0, 2))), 3)
+
+
+def test_each_stage_is_a_graph_of_its_own_ops_with_its_boundaries() -> None:
+    g = _trace(_mlp((0, 1, 1)))
+    st = split_stages(g, 2)
+    assert sum(len(s.graph.nodes) for s in st) == len(g.nodes)
+    first, last = st
+    assert [v.name for v in first.graph.inputs] == ["data"] and first.batch == (0,)
+    assert [v.name for v in last.graph.inputs][0] == "label" and last.batch[0] == 1
+    (b,) = [x for x in last.received if x is not None]
+    assert (b.producer, b.consumers) == (0, (1,))
+    assert first.sent == (b,) and first.loss == (None,)
+    assert last.loss == (0,) and last.sent == (None,)      # the loss, on the last stage
+    assert last.graph.grad_inputs == (last.graph.inputs[1].id,)
+    assert first.graph.grad_inputs == ()
+    assert [n.id for n in last.graph.nodes] == list(range(len(last.graph.nodes)))
+    params = {v.name for s in st for v in s.graph.params}
+    assert params == {v.name for v in g.params}
+    assert all(v.producer is n for s in st for n in s.graph.nodes for v in n.outputs)
+
+
+def test_a_recomputed_cell_keeps_its_ops_on_its_stage() -> None:
+    cell = _mlp((0, 1, 1))
+    cell._backbone.fc2.recompute()      # type: ignore[attr-defined]
+    first, last = split_stages(_trace(cell), 2)
+    assert first.graph.segments == []
+    (seg,) = last.graph.segments
+    assert "fc2" in seg.name and all(last.graph.nodes[i].segment == 0 for i in seg.nodes)
+
+
+def test_the_loss_must_be_on_the_last_stage() -> None:
+    class Early(nn.Cell):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first = nn.Dense(8, 4, dtype=np.float64)
+            self.second = nn.Dense(8, 4, dtype=np.float64)
+            self.first.pipeline_stage, self.second.pipeline_stage = 0, 1
+            self.loss = nn.SoftmaxCrossEntropyWithLogits()
+
+        def construct(self, x: Any, y: Any) -> Any:
+            self.second(x)                       # on stage 1, but the loss is on stage 0
+            return self.loss(self.first(x), y)
+
+    with pytest.raises(ValueError, match=r"output .* \(the loss\) must be computed on the "
+                       r"last stage \(1\)"):
+        split_stages(_trace(Early()), 2)
+
+
+@pytest.mark.parametrize(("stages", "micro"), [(2, 1), (2, 4), (4, 4), (4, 8), (8, 2)])
+def test_schedules_run_every_micro_batch_once_each_way_in_order(stages: int, micro: int
+                                                                 ) -> None:
+    for sched in ("gpipe", "1f1b"):
+        for s in range(stages):
+            tasks = schedule(sched, s, stages, micro)
+            assert [k for kind, k in tasks if kind == "F"] == list(range(micro))
+            assert [k for kind, k in tasks if kind == "B"] == list(range(micro))
+            assert all(tasks.index(("F", k)) < tasks.index(("B", k)) for k in range(micro))
+            assert in_flight(tasks) == (micro if sched == "gpipe" else min(stages - s, micro))
+
+
+def test_schedules_are_checked_and_the_bubble_is_the_papers() -> None:
+    assert bubble_fraction(4, 8) == pytest.approx(3 / 11)
+    with pytest.raises(ValueError, match=r"scheduler must be one of \['1f1b', 'gpipe'\]"):
+        schedule("zero_bubble_v", 0, 2, 2)
+    with pytest.raises(ValueError, match="stage must be in 0..1"):
+        schedule("1f1b", 2, 2, 2)
+
+
+def test_the_settings_are_mindsporess() -> None:
+    simpar.reset_auto_parallel_context()
+    assert simpar.get_auto_parallel_context("pipeline_stages") == 1
+    assert simpar.get_auto_parallel_context("pipeline_config") == {
+        "pipeline_interleave": False, "pipeline_scheduler": "1f1b"}
+    simpar.set_auto_parallel_context(pipeline_stages=4, pipeline_config={
+        "pipeline_scheduler": "gpipe"})
+    assert simpar.get_auto_parallel_context("pipeline_config")["pipeline_scheduler"] == "gpipe"
+    with pytest.raises(simpar.context.ContextError, match="pipeline_stages must be an int"):
+        simpar.set_auto_parallel_context(pipeline_stages=0)
+    with pytest.raises(simpar.context.ContextError, match="pipeline_scheduler"):
+        simpar.set_auto_parallel_context(pipeline_config={"pipeline_scheduler": "zb"})
+    simpar.reset_auto_parallel_context()
+    cell = nn.Dense(2, 2)
+    with pytest.raises(TypeError, match="'pipeline_stage' must be int type"):
+        cell.pipeline_stage = 1.0       # type: ignore[assignment]
+    with pytest.raises(ValueError, match="can not be less than 0, but got -2"):
+        cell.pipeline_stage = -2
+    with pytest.raises(ValueError, match="stage_config names 'nope'"):
+        nn.PipelineCell(_mlp(), 2, stage_config={"nope": 1})
+    assert nn.Pipeline(_mlp(), 2).micro_size == 2
+
+
+def test_a_stage_world_of_one_rank() -> None:
+    with comm.stage_world([0]) as group:
+        assert (comm.get_rank(), comm.get_group_size(), group.ranks) == (0, 1, (0,))
+    with pytest.raises(ValueError, match="is not among the ranks"), comm.stage_world([1]):
+        pass

@@ -1,0 +1,236 @@
+"""Pipeline stages on real MPI ranks against the single-device run (mpirun -n 2, 4 or 8).
+
+A small float64 GPT (embedding, 6 blocks, head; the loss after the last) is cut into ``S``
+stages of contiguous Cells and trained ``STEPS`` Adam steps on the same global batch:
+
+* ``pp2``: 2 stages, each a Megatron dp x mp hybrid of the rest (8 ranks: pp 2 x dp 2 x mp 2);
+* ``ppdp``: ``n / 2`` stages (at least 2), each data parallel over the rest (pp 4 x dp 2);
+* ``pp``: one rank per stage (pp 8);
+
+with 1, 2, 4 and 8 micro-batches under GPipe and 1F1B, and with optimizer parallel (each
+level, threshold 0) and recomputation of every block. On every rank the losses and every
+stored parameter slice must equal one device's (relative 1e-10), and the step's point-to-point
+messages, read from the trace, must be the ones the runner lists: each boundary once per
+micro-batch forward and (a float) once backward, of its shard's bytes.
+
+    mpirun -n 8 python -m pytest tests/test_pipeline_mpi.py -q --with-mpi -m mpi
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import numpy as np
+import pytest
+
+import simpar
+import simpar.comm as comm
+from simpar import nn
+from simpar.check import relative_error
+from simpar.comm import CommTrace
+from simpar.layout import distribute
+from simpar.nn import presets
+from simpar.pipeline import schedule
+from tests.mpi_guard import abort_job_on_error
+from tests.small_models import small_batch
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+STEPS = 2
+SEED = 3
+BATCH = 16
+GPT = {"vocab_size": 32, "seq_length": 8, "d_model": 16, "n_layers": 6, "n_heads": 2}
+LR = 3e-3
+
+
+def _layout(kind: str, n: int) -> tuple[int, int, int]:
+    """(stages, dp, mp) of a kind on ``n`` ranks."""
+    if kind == "pp2":
+        per = n // 2
+        dp = 2 if per >= 4 else 1
+        return 2, dp, per // dp
+    if kind == "ppdp":
+        stages = max(2, n // 2)
+        return stages, n // stages, 1
+    return n, 1, 1
+
+
+def _gpt(stages: int = 1) -> nn.GPT:
+    net = nn.GPT(**GPT, dtype=np.float64)
+    units = [net.embedding, *net.blocks, net.head]
+    if stages > 1:
+        for k, unit in enumerate(units):   # contiguous, as even as the units allow
+            unit.pipeline_stage = k * stages // len(units)
+        net.ln_f.pipeline_stage = stages - 1
+    return net
+
+
+def _batch(step: int) -> tuple[np.ndarray, np.ndarray]:
+    ids, labels = small_batch("gpt", step, BATCH, (), GPT, SEED)
+    return ids % GPT["vocab_size"], labels % GPT["vocab_size"]
+
+
+@cache
+def _reference() -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    cell = nn.WithLossCell(_gpt(), nn.SoftmaxCrossEntropyWithLogits())
+    train = nn.TrainOneStepCell(cell, nn.Adam(cell.trainable_params(), LR),
+                                parallel_mode="stand_alone", seed=SEED)
+    losses = np.array([train(*_batch(k)) for k in range(STEPS)])
+    return losses, {k: v.copy() for k, v in train.params.items()}
+
+
+def _train(kind: str, micro: int, scheduler: str, level: str | None = None,
+           recompute: bool = False) -> tuple[nn.TrainOneStepCell, list[float], list[Any]]:
+    n = comm.get_group_size()
+    stages, dp, mp = _layout(kind, n)
+    simpar.reset_auto_parallel_context()
+    net, loss = _gpt(stages), nn.SoftmaxCrossEntropyWithLogits()
+    if mp > 1:
+        presets.megatron_gpt(net, dp, mp, loss)
+        mode: dict[str, Any] = {"parallel_mode": "semi_auto_parallel",
+                                "dataset_strategy": ((dp, 1), (dp, 1))}
+    else:
+        mode = {"parallel_mode": "data_parallel"}
+    simpar.set_auto_parallel_context(**mode, gradients_mean=True, pipeline_stages=stages,
+                                     pipeline_config={"pipeline_scheduler": scheduler})
+    if level is not None:
+        simpar.set_auto_parallel_context(enable_parallel_optimizer=True, parallel_optimizer_config={
+            "optimizer_level": level, "parallel_optimizer_threshold": 0})
+    if recompute:
+        for block in net.blocks:
+            block.recompute()
+    cell: nn.Cell = nn.WithLossCell(net, loss)
+    params = cell.trainable_params()
+    if micro > 1:
+        cell = nn.PipelineCell(cell, micro)
+    train = nn.TrainOneStepCell(cell, nn.Adam(params, LR), seed=SEED)
+    losses, events = [], []
+    for k in range(STEPS):
+        with CommTrace() as trace:
+            losses.append(train(*_batch(k)))
+        events = list(trace.events)
+    simpar.reset_auto_parallel_context()
+    return train, losses, events
+
+
+def _agreed(problems: list[str]) -> list[str]:
+    """Every rank fails if any does."""
+    count = comm.all_reduce(np.array([len(problems)], dtype=np.int64), op="max")[0]
+    return problems or ([f"rank {comm.get_rank()}: another rank failed"] if count else [])
+
+
+CASES = ([(kind, micro, sched, None, False) for kind in ("pp2", "ppdp", "pp")
+          for micro in (1, 2, 4, 8) for sched in ("1f1b", "gpipe")]
+         + [(kind, 2, "1f1b", level, False) for kind in ("pp2", "ppdp")
+            for level in ("level1", "level2", "level3")]
+         + [(kind, 4, "1f1b", None, True) for kind in ("pp2", "ppdp", "pp")]
+         + [("pp2", 2, "gpipe", "level3", True)])
+
+
+@pytest.mark.parametrize(("kind", "micro", "scheduler", "level", "recompute"), CASES,
+                         ids=[f"{k}-micro{m}-{s}{'-' + lv if lv else ''}"
+                              f"{'-recompute' if rc else ''}" for k, m, s, lv, rc in CASES])
+def test_pipelined_training_matches_one_device_on_every_rank(
+        kind: str, micro: int, scheduler: str, level: str | None, recompute: bool) -> None:
+    rank = comm.get_rank()
+    with abort_job_on_error(f"{kind} micro {micro} {scheduler} {level} {recompute}"):
+        ref_losses, ref_params = _reference()
+        train, losses, events = _train(kind, micro, scheduler, level, recompute)
+    runner, prog = train.pipeline, train.program
+    assert runner is not None and prog is not None
+    problems = []
+    err = float(np.max([relative_error(np.float64(a), b) for a, b in zip(losses, ref_losses)]))
+    if not err <= 1e-10:
+        problems.append(f"rank {rank}: losses {losses} differ from one device's "
+                        f"{list(ref_losses)} by {err:.2e}")
+    for name in prog.param_layouts:
+        lay = prog.storage_layout(name)
+        e = relative_error(train.params[name], distribute(ref_params[name], lay, runner.local))
+        if not e <= 1e-10:
+            problems.append(f"rank {rank} (stage {runner.stage}): {name} differs from its "
+                            f"slice of one device's by {e:.2e}")
+    held = set(prog.param_layouts)
+    missing = [k for k in ref_params if not any(k in p.param_layouts for p in runner.programs)]
+    if missing:
+        problems.append(f"rank {rank}: no stage holds {missing}")
+    if set(train.optimizer.names()) != held:
+        problems.append(f"rank {rank}: the optimizer updates {sorted(train.optimizer.names())}, "
+                        f"not this stage's {sorted(held)}")
+    # The point-to-point messages of the last step: as the runner lists them, and as the
+    # schedule orders the micro-batches.
+    sent = [(e.group[1], e.bytes_sent) for e in events if e.kind == "Send"]
+    got = [(e.group[0], e.bytes_recv) for e in events if e.kind == "Receive"]
+    listed = runner.trace
+    if sorted(sent) != sorted((t.peer, t.nbytes) for t in listed if t.kind == "send") or \
+            got != [(t.peer, t.nbytes) for t in listed if t.kind == "recv"]:
+        problems.append(f"rank {rank}: traced sends {sent} / receives {got} are not the "
+                        f"runner's {listed}")
+    st = runner.stages[runner.stage]
+    forward = sum(len(b.consumers) for b in st.sent if b is not None) * micro
+    backward = sum(1 for v, b in zip(st.graph.inputs, st.received) if b is not None
+                   and v.id in st.graph.grad_inputs) * micro
+    sends = [t for t in listed if t.kind == "send"]
+    if len(sends) != forward + backward:
+        problems.append(f"rank {rank}: {len(sends)} sends, expected {forward} forward + "
+                        f"{backward} backward")
+    order = [t.micro for t in listed if t.kind == "send" and not t.backward]
+    if order != sorted(order):
+        problems.append(f"rank {rank}: forward sends out of micro-batch order: {order}")
+    tasks = schedule(scheduler, runner.stage, len(runner.stages), micro)
+    if runner.tasks != tasks:
+        problems.append(f"rank {rank}: ran {runner.tasks}, the schedule says {tasks}")
+    assert not _agreed(problems), "\n".join(problems)
+
+
+def test_a_tied_parameter_has_its_gradient_summed_between_its_stages() -> None:
+    """A weight read on the first and the last stage (an embedding table tied to the output
+    head) is held by both, and both hold the single-device value after training."""
+    rank = comm.get_rank()
+    n = comm.get_group_size()
+
+    class Tied(nn.Cell):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(16, 8, np.float64)
+            self.mid = nn.Dense(8, 8, dtype=np.float64)
+            self.matmul = simpar.ops.MatMul(transpose_b=True)
+
+        def construct(self, ids: Any) -> Any:
+            return self.matmul(self.mid(self.embed(ids)), self.embed.embedding_table)
+
+    def run(stages: int) -> tuple[nn.TrainOneStepCell, list[float]]:
+        simpar.reset_auto_parallel_context()
+        net = Tied()
+        if stages > 1:
+            net.embed.pipeline_stage, net.mid.pipeline_stage = 0, 1
+            simpar.set_auto_parallel_context(parallel_mode="data_parallel", gradients_mean=True,
+                                             pipeline_stages=2)
+        cell = nn.WithLossCell(net, nn.SoftmaxCrossEntropyWithLogits())
+        params = cell.trainable_params()
+        train = nn.TrainOneStepCell(nn.PipelineCell(cell, 2), nn.SGD(params, 0.1), seed=SEED,
+                                    parallel_mode=None if stages > 1 else "stand_alone")
+        rng = np.random.default_rng(0)
+        losses = [train(rng.integers(0, 16, 4 * n).astype(np.int32),
+                        rng.integers(0, 16, 4 * n).astype(np.int32)) for _ in range(2)]
+        simpar.reset_auto_parallel_context()
+        return train, losses
+
+    with abort_job_on_error("tied embedding"):
+        ref, ref_losses = run(1)
+        par, losses = run(2)
+    assert par.pipeline is not None
+    problems = []
+    name = "_backbone.embed.embedding_table"
+    if name not in par.pipeline.shared:
+        problems.append(f"rank {rank}: {name} is not shared between the stages "
+                        f"({par.pipeline.shared})")
+    whole = par.global_parameters()
+    for key, value in ref.params.items():
+        e = relative_error(whole[key], value)
+        if not e <= 1e-10:
+            problems.append(f"rank {rank}: {key} differs from one device's by {e:.2e}")
+    e = float(np.max([relative_error(np.float64(a), b) for a, b in zip(losses, ref_losses)]))
+    if not e <= 1e-10:
+        problems.append(f"rank {rank}: losses differ by {e:.2e}")
+    assert not _agreed(problems), "\n".join(problems)
