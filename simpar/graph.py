@@ -79,6 +79,8 @@ class Node:
     #: The pipeline stage of the innermost Cell with a ``pipeline_stage`` it was recorded
     #: in, or -1 (:func:`simpar.pipeline.stages_of` gives it its producers').
     stage: int = -1
+    #: That Cell's ``pipeline_segment`` (its chunk of the stage, interleaved), or -1.
+    chunk: int = -1
 
     def __repr__(self) -> str:
         ins = ", ".join(repr(v) for v in self.inputs)
@@ -139,6 +141,7 @@ class _Tracer:
         self.params: dict[int, Value] = {}
         self.segment = -1          # the recomputed Cell being traced (outermost), or -1
         self.stage = -1            # the pipeline stage of the innermost Cell that has one
+        self.chunk = -1            # and its pipeline_segment
         self.traced_cells: set[int] = set()   # ids of marked Cells whose construct ran
 
     def new_value(self, shape: Sequence[int], dtype: Any, kind: str, name: str,
@@ -222,18 +225,20 @@ def recompute_scope(cell: Any, mp_comm: bool, opt_comm: bool) -> Iterator[None]:
 
 
 @contextmanager
-def stage_scope(stage: int) -> Iterator[None]:
-    """Record the ops traced inside as of pipeline stage ``stage`` (a Cell's
-    ``pipeline_stage``; an inner Cell's own stage wins)."""
+def stage_scope(stage: int, chunk: int = -1) -> Iterator[None]:
+    """Record the ops traced inside as of pipeline stage ``stage`` and chunk ``chunk`` (a
+    Cell's ``pipeline_stage`` and ``pipeline_segment``; an inner Cell's own win)."""
     t = _tracer()
-    if t is None or stage < 0:
+    if t is None or (stage < 0 and chunk < 0):
         yield
         return
-    outer, t.stage = t.stage, stage
+    outer = t.stage, t.chunk
+    t.stage = stage if stage >= 0 else t.stage
+    t.chunk = chunk if chunk >= 0 else t.chunk
     try:
         yield
     finally:
-        t.stage = outer
+        t.stage, t.chunk = outer
 
 
 def traced_cells() -> set[int]:
@@ -258,7 +263,7 @@ def record(op: Primitive, args: Sequence[Any]) -> Any:
     out_shape = snapshot.infer_shape(*shapes)
     node = Node(len(t.graph.nodes), snapshot, inputs,
                 name="/".join(t.scopes) + f"/{op.name}-op{t.op_count}", segment=t.segment,
-                stage=t.stage)
+                stage=t.stage, chunk=t.chunk)
     t.op_count += 1
     first_float = next((v.dtype for v in inputs if v.dtype.kind == "f"), inputs[0].dtype)
     dtype = snapshot.output_dtype(first_float)

@@ -239,7 +239,7 @@ def test_settings_simpar_honours() -> None:
     parallel_net.dataset_strategy(((np.int64(1), 1), (1,)))
     parallel_net.enable_gradients_mean()
     parallel_net.disable_loss_repeated_mean()
-    parallel_net.pipeline(1, output_broadcast=True, interleave=True, scheduler="gpipe")
+    parallel_net.pipeline(4, output_broadcast=True, interleave=True, scheduler="gpipe")
     parallel_net.enable_fp32_communication()
     parallel_net.comm_fusion(None)
     parallel_net.comm_fusion({})
@@ -249,7 +249,9 @@ def test_settings_simpar_honours() -> None:
     assert settings["dataset_strategy"] == ((1, 1), (1,))
     assert type(settings["dataset_strategy"][0][0]) is int
     assert settings["gradients_mean"] is True and settings["loss_repeated_mean"] is False
-    assert parallel_net.get_pipeline_stages() == 1
+    assert parallel_net.get_pipeline_stages() == 4
+    assert settings["pipeline_config"] == {"pipeline_interleave": True,
+                                           "pipeline_scheduler": "gpipe"}
     for config in ("full_batch", "data_parallel"):
         parallel_net.dataset_strategy(config)
         assert parallel_net.parallel_settings()["dataset_strategy"] == config
@@ -379,9 +381,9 @@ def test_bad_comm_fusion_and_transformer_opt() -> None:
 
 # ------------------------------------------------------------------ features simpar lacks
 @pytest.mark.parametrize(("call", "match"), [
-    (lambda n: n.pipeline(2), "AutoParallel.pipeline: stages=2, but simpar has no pipeline "
-                              "parallelism"),
-    (lambda n: n.pipeline(stages=4, scheduler="gpipe"), "stages=4"),
+    (lambda n: n.pipeline(2, scheduler="seqpipe"), "AutoParallel.pipeline: "
+                                                   "scheduler='seqpipe' is MindSpore's, but "
+                                                   "simpar runs '1f1b' and 'gpipe' only"),
     (lambda n: n.no_init_parameters_in_compile(),
      "AutoParallel.no_init_parameters_in_compile: simpar initialises each rank's parameter "
      "blocks"),

@@ -83,6 +83,7 @@ AUTO_DEFAULTS: dict[str, Any] = {
     "dataset_strategy": "data_parallel",
     "enable_alltoall": False,
     "pipeline_stages": 1,
+    "pipeline_config": {"pipeline_interleave": False, "pipeline_scheduler": "1f1b"},
 }
 
 ALGO_DEFAULTS: dict[str, Any] = {
@@ -258,7 +259,7 @@ def test_getter_key_must_be_a_str() -> None:
     # bool is a subclass of int, but never an int here.
     ("device_num", True, "an int in [1, 4096]"),
     ("global_rank", False, "an int in [0, 4095]"),
-    ("pipeline_stages", True, "1"),
+    ("pipeline_stages", True, "an int in [1, inf]"),
     ("device_num", 8.0, "an int"),
     ("device_num", "8", "an int"),
     # MindSpore is strict about bools too.
@@ -297,8 +298,7 @@ def test_algo_wrong_type_is_type_error(key: str, value: object, allowed: str) ->
     ("device_num", -8, "[1, 4096]"),
     ("global_rank", -1, "[0, 4095]"),
     ("global_rank", 4096, "[0, 4095]"),
-    ("pipeline_stages", 2, "simpar does not implement pipeline parallelism"),
-    ("pipeline_stages", 0, "1"),
+    ("pipeline_stages", 0, "[1, inf]"),
 ])
 def test_auto_out_of_range(key: str, value: int, allowed: str) -> None:
     with _raises(ContextError, "set_auto_parallel_context", key, allowed, f"got {value}"):

@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("simpar.ops",),
     ("simpar.graph",),
     ("simpar.search", "simpar.cost", "simpar.strategy_file"),
-    ("simpar.runtime",),
+    ("simpar.runtime", "simpar.pipeline"),
     ("simpar.parallel",),
     ("simpar.nn", "simpar.auto_parallel"),
     ("simpar.check", "simpar.dataset", "simpar.checkpoint", "simpar.checkpoint.manifest",

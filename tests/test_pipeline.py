@@ -98,9 +98,10 @@ def test_schedules_run_every_micro_batch_once_each_way_in_order(stages: int, mic
     for sched in ("gpipe", "1f1b"):
         for s in range(stages):
             tasks = schedule(sched, s, stages, micro)
-            assert [k for kind, k in tasks if kind == "F"] == list(range(micro))
-            assert [k for kind, k in tasks if kind == "B"] == list(range(micro))
-            assert all(tasks.index(("F", k)) < tasks.index(("B", k)) for k in range(micro))
+            assert [k for kind, _, k in tasks if kind == "F"] == list(range(micro))
+            assert [k for kind, _, k in tasks if kind == "B"] == list(range(micro))
+            assert all(tasks.index(("F", 0, k)) < tasks.index(("B", 0, k))
+                       for k in range(micro))
             assert in_flight(tasks) == (micro if sched == "gpipe" else min(stages - s, micro))
 
 
@@ -130,8 +131,11 @@ def test_the_settings_are_mindsporess() -> None:
         cell.pipeline_stage = 1.0       # type: ignore[assignment]
     with pytest.raises(ValueError, match="can not be less than 0, but got -2"):
         cell.pipeline_stage = -2
-    with pytest.raises(ValueError, match="stage_config names 'nope'"):
+    with pytest.raises(KeyError, match=r"stage_config names \['nope'\]"):
         nn.PipelineCell(_mlp(), 2, stage_config={"nope": 1})
+    cell = _mlp()
+    nn.Pipeline(cell, 2, segment_config={"_backbone.fc3": 1})
+    assert cell._backbone.fc3.pipeline_segment == 1     # type: ignore[attr-defined]
     assert nn.Pipeline(_mlp(), 2).micro_size == 2
 
 

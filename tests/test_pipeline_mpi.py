@@ -7,8 +7,9 @@ stages of contiguous Cells and trained ``STEPS`` Adam steps on the same global b
 * ``ppdp``: ``n / 2`` stages (at least 2), each data parallel over the rest (pp 4 x dp 2);
 * ``pp``: one rank per stage (pp 8);
 
-with 1, 2, 4 and 8 micro-batches under GPipe and 1F1B, and with optimizer parallel (each
-level, threshold 0) and recomputation of every block. On every rank the losses and every
+with 1, 2, 4 and 8 micro-batches under GPipe and 1F1B, interleaved with two chunks per stage
+(``pipeline_segment``), and with optimizer parallel (each level, threshold 0) and
+recomputation of every block. On every rank the losses and every
 stored parameter slice must equal one device's (relative 1e-10), and the step's point-to-point
 messages, read from the trace, must be the ones the runner lists: each boundary once per
 micro-batch forward and (a float) once backward, of its shard's bytes.
@@ -56,13 +57,18 @@ def _layout(kind: str, n: int) -> tuple[int, int, int]:
     return n, 1, 1
 
 
-def _gpt(stages: int = 1) -> nn.GPT:
+def _gpt(stages: int = 1, chunks: int = 1) -> nn.GPT:
     net = nn.GPT(**GPT, dtype=np.float64)
     units = [net.embedding, *net.blocks, net.head]
     if stages > 1:
         for k, unit in enumerate(units):   # contiguous, as even as the units allow
-            unit.pipeline_stage = k * stages // len(units)
+            virtual = k * stages * chunks // len(units)
+            unit.pipeline_stage = virtual % stages
+            if chunks > 1:
+                unit.pipeline_segment = virtual // stages
         net.ln_f.pipeline_stage = stages - 1
+        if chunks > 1:
+            net.ln_f.pipeline_segment = chunks - 1
     return net
 
 
@@ -85,7 +91,8 @@ def _train(kind: str, micro: int, scheduler: str, level: str | None = None,
     n = comm.get_group_size()
     stages, dp, mp = _layout(kind, n)
     simpar.reset_auto_parallel_context()
-    net, loss = _gpt(stages), nn.SoftmaxCrossEntropyWithLogits()
+    chunks = 2 if scheduler.startswith("interleaved") else 1
+    net, loss = _gpt(stages, chunks), nn.SoftmaxCrossEntropyWithLogits()
     if mp > 1:
         presets.megatron_gpt(net, dp, mp, loss)
         mode: dict[str, Any] = {"parallel_mode": "semi_auto_parallel",
@@ -93,7 +100,9 @@ def _train(kind: str, micro: int, scheduler: str, level: str | None = None,
     else:
         mode = {"parallel_mode": "data_parallel"}
     simpar.set_auto_parallel_context(**mode, gradients_mean=True, pipeline_stages=stages,
-                                     pipeline_config={"pipeline_scheduler": scheduler})
+                                     pipeline_config={
+                                         "pipeline_scheduler": scheduler.split("-")[-1],
+                                         "pipeline_interleave": chunks > 1})
     if level is not None:
         simpar.set_auto_parallel_context(enable_parallel_optimizer=True, parallel_optimizer_config={
             "optimizer_level": level, "parallel_optimizer_threshold": 0})
@@ -122,6 +131,10 @@ def _agreed(problems: list[str]) -> list[str]:
 
 CASES = ([(kind, micro, sched, None, False) for kind in ("pp2", "ppdp", "pp")
           for micro in (1, 2, 4, 8) for sched in ("1f1b", "gpipe")]
+         + [("pp2", micro, "interleaved-1f1b", None, False) for micro in (2, 4, 8)]
+         + [("ppdp", micro, "interleaved-1f1b", None, False) for micro in (4, 8)]
+         + [("pp2", 4, "interleaved-gpipe", None, False),
+            ("ppdp", 4, "interleaved-1f1b", "level2", True)]
          + [(kind, 2, "1f1b", level, False) for kind in ("pp2", "ppdp")
             for level in ("level1", "level2", "level3")]
          + [(kind, 4, "1f1b", None, True) for kind in ("pp2", "ppdp", "pp")]
@@ -144,13 +157,13 @@ def test_pipelined_training_matches_one_device_on_every_rank(
     if not err <= 1e-10:
         problems.append(f"rank {rank}: losses {losses} differ from one device's "
                         f"{list(ref_losses)} by {err:.2e}")
-    for name in prog.param_layouts:
-        lay = prog.storage_layout(name)
+    for name, (owner, _) in runner.params().items():
+        lay = owner.storage_layout(name)
         e = relative_error(train.params[name], distribute(ref_params[name], lay, runner.local))
         if not e <= 1e-10:
             problems.append(f"rank {rank} (stage {runner.stage}): {name} differs from its "
                             f"slice of one device's by {e:.2e}")
-    held = set(prog.param_layouts)
+    held = set(runner.params())
     missing = [k for k in ref_params if not any(k in p.param_layouts for p in runner.programs)]
     if missing:
         problems.append(f"rank {rank}: no stage holds {missing}")
@@ -166,18 +179,23 @@ def test_pipelined_training_matches_one_device_on_every_rank(
             got != [(t.peer, t.nbytes) for t in listed if t.kind == "recv"]:
         problems.append(f"rank {rank}: traced sends {sent} / receives {got} are not the "
                         f"runner's {listed}")
-    st = runner.stages[runner.stage]
-    forward = sum(len(b.consumers) for b in st.sent if b is not None) * micro
-    backward = sum(1 for v, b in zip(st.graph.inputs, st.received) if b is not None
-                   and v.id in st.graph.grad_inputs) * micro
+    mine = [runner.stages[vs] for vs in runner.chunks]
+    forward = sum(len(b.consumers) for st in mine for b in st.sent if b is not None) * micro
+    backward = sum(1 for st in mine for v, b in zip(st.graph.inputs, st.received)
+                   if b is not None and v.id in st.graph.grad_inputs) * micro
     sends = [t for t in listed if t.kind == "send"]
     if len(sends) != forward + backward:
         problems.append(f"rank {rank}: {len(sends)} sends, expected {forward} forward + "
                         f"{backward} backward")
-    order = [t.micro for t in listed if t.kind == "send" and not t.backward]
-    if order != sorted(order):
-        problems.append(f"rank {rank}: forward sends out of micro-batch order: {order}")
-    tasks = schedule(scheduler, runner.stage, len(runner.stages), micro)
+    for name in {t.name for t in listed}:   # each boundary's messages in micro-batch order
+        for kind in ("send", "recv"):
+            order = [t.micro for t in listed if t.kind == kind and t.name == name
+                     and not t.backward]
+            if order != sorted(order):
+                problems.append(f"rank {rank}: {name}'s forward {kind}s out of micro-batch "
+                                f"order: {order}")
+    tasks = schedule(scheduler.split("-")[-1], runner.stage, runner.count, micro,
+                     len(runner.chunks))
     if runner.tasks != tasks:
         problems.append(f"rank {rank}: ran {runner.tasks}, the schedule says {tasks}")
     assert not _agreed(problems), "\n".join(problems)

@@ -28,10 +28,10 @@ functional autodiff); wrapping a ``TrainOneStepCell`` raises and says so.
 :func:`simpar.search.registered_searches` (``"dynamic_programming"`` and ``"exact"`` besides
 MindSpore's two) is accepted as ``parallel_mode`` too, as ``auto_parallel`` with that search.
 
-Methods whose feature simpar has (dataset strategy, gradient mean, loss repeated mean, one
-pipeline stage, the param strategy files) set it. Methods whose feature simpar lacks (pipeline
-stages > 1, optimizer sharding, operator strategy files, local norms, communication fusion
-settings, Ascend speed-up files)
+Methods whose feature simpar has (dataset strategy, gradient mean, loss repeated mean,
+pipeline stages, optimizer sharding, the param strategy files) set it. Methods whose feature
+simpar lacks (MindSpore's other pipeline schedulers, operator strategy files, local norms,
+communication fusion settings, Ascend speed-up files)
 validate their arguments with MindSpore's rules and raise ``NotImplementedError`` naming the
 method and what simpar does instead; none of them is silently ignored.
 """
@@ -266,8 +266,12 @@ class AutoParallel(Wrapper):
 
     def pipeline(self, stages: int = 1, output_broadcast: bool = False,
                  interleave: bool = False, scheduler: str = "1f1b") -> None:
-        """Pipeline parallelism. simpar runs one stage only: ``stages=1`` is accepted (what
-        simpar does anyway); more stages raise ``NotImplementedError``."""
+        """Pipeline parallelism (:mod:`simpar.pipeline`): ``stages`` stages, each on
+        ``device_num / stages`` ranks; ``interleave`` runs each stage's Cells in chunks by
+        their ``pipeline_segment`` (virtual stages); ``scheduler`` orders the micro-batches:
+        ``"1f1b"`` or ``"gpipe"`` (MindSpore's other schedulers raise
+        ``NotImplementedError``). The loss reaches every rank whatever
+        ``output_broadcast`` says."""
         method = "pipeline"
         if not _is_int(stages):
             raise TypeError(f"For 'AutoParallel.pipeline', the argument 'stages' must be int "
@@ -281,15 +285,16 @@ class AutoParallel(Wrapper):
         if scheduler not in _SCHEDULERS:
             raise ValueError(f"For 'AutoParallel.pipeline', the argument 'scheduler' must be "
                              f"one of {list(_SCHEDULERS)}, but got the value : {scheduler!r}.")
-        if stages > 1:
+        if scheduler not in context.PIPELINE_SCHEDULERS:
             raise NotImplementedError(
-                f"AutoParallel.pipeline: stages={stages}, but simpar has no pipeline "
-                "parallelism: every rank runs the whole network, one stage (stages=1). Split "
-                "the work with operator-level strategies (.shard()) and data parallelism")
-        self._settings["pipeline_stages"] = 1
+                f"AutoParallel.pipeline: scheduler={scheduler!r} is MindSpore's, but simpar "
+                f"runs {' and '.join(repr(x) for x in context.PIPELINE_SCHEDULERS)} only")
+        self._settings["pipeline_stages"] = stages
+        self._settings["pipeline_config"] = {"pipeline_interleave": interleave,
+                                             "pipeline_scheduler": scheduler}
 
     def get_pipeline_stages(self) -> int:
-        """The number of pipeline stages: always 1 in simpar."""
+        """The number of pipeline stages :meth:`pipeline` set (1 without)."""
         return int(self._settings["pipeline_stages"])
 
     def hsdp(self, shard_size: int = -1, threshold: int = 64,

@@ -164,11 +164,28 @@ class Cell:
                              f"0, but got {value}")
         object.__setattr__(self, "_pipeline_stage", value)
 
+    @property
+    def pipeline_segment(self) -> int:
+        """Which chunk of its stage this Cell's ops are in, with interleaved virtual stages
+        (MindSpore's ``Cell.pipeline_segment``; -1, the default: its enclosing Cell's, else
+        0). Chunk ``v`` of stage ``s`` is virtual stage ``v * pipeline_stages + s``."""
+        return int(self.__dict__.get("_pipeline_segment", -1))
+
+    @pipeline_segment.setter
+    def pipeline_segment(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"For 'Cell', the property 'pipeline_segment' must be int type, but "
+                            f"got type : {type(value)}")
+        if value < 0:
+            raise ValueError(f"For 'Cell', the property 'pipeline_segment' can not be less "
+                             f"than 0, but got {value}")
+        object.__setattr__(self, "_pipeline_segment", value)
+
     def __call__(self, *args: Any) -> Any:
         if not graph.tracing():
             return self.construct(*args)
         with graph.scope(f"{getattr(self, '_scope_name', 'network')}-{type(self).__name__}"), \
-                graph.stage_scope(self.pipeline_stage):
+                graph.stage_scope(self.pipeline_stage, self.pipeline_segment):
             if self.in_strategy is not None:
                 args = _reshard_inputs(self, args)
             if self.recompute_settings is None:

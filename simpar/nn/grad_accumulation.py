@@ -52,34 +52,41 @@ class GradAccumulation(Wrapper):
 
 class PipelineCell(GradAccumulation):
     """``network`` trained in ``micro_size`` micro-batches that flow through the pipeline
-    stages (MindSpore's ``nn.PipelineCell(network, micro_size, stage_config=None)``; 2.x:
-    ``mindspore.parallel.nn.Pipeline``). ``stage_config`` maps Cell paths inside ``network``
-    to stages, as setting their ``pipeline_stage`` does. With one stage it is gradient
-    accumulation.
+    stages (MindSpore's ``nn.PipelineCell(network, micro_size, stage_config=None,
+    segment_config=None)``; 2.x: ``mindspore.parallel.nn.Pipeline``). ``stage_config`` and
+    ``segment_config`` map Cell paths inside ``network`` to stages and chunks, as setting
+    their ``pipeline_stage`` and ``pipeline_segment`` does; a path that names no Cell is a
+    ``KeyError``, as in MindSpore. With one stage it is gradient accumulation. (MindSpore
+    asks for ``micro_size >= pipeline_stages``; simpar runs fewer too, with a larger bubble.)
 
     >>> from simpar import nn
     >>> mlp = nn.MLP(4, 8, 2, n_hidden=1)
     >>> cell = PipelineCell(nn.WithLossCell(mlp, nn.MSELoss()), 2,
     ...                     stage_config={"_backbone.fc2": 1})
-    >>> cell.micro_size, mlp.layers[1].pipeline_stage, mlp.layers[0].pipeline_stage
+    >>> cell.micro_size, mlp.fc2.pipeline_stage, mlp.fc1.pipeline_stage
     (2, 1, -1)
     """
 
     def __init__(self, network: Cell, micro_size: int,
-                 stage_config: dict[str, int] | None = None) -> None:
+                 stage_config: dict[str, int] | None = None,
+                 segment_config: dict[str, int] | None = None) -> None:
         super().__init__(network, micro_size)
-        if stage_config is None:
-            return
-        if not isinstance(stage_config, dict):
-            raise TypeError(f"For '{type(self).__name__}', the argument 'stage_config' must be "
-                            f"dict type, but got the type : {type(stage_config).__name__}.")
         cells = dict(network.cells_and_names())
-        for path, stage in stage_config.items():
-            if path not in cells:
+        for what, config in (("stage_config", stage_config),
+                             ("segment_config", segment_config)):
+            if config is None:
+                continue
+            if not isinstance(config, dict):
+                raise TypeError(f"For '{type(self).__name__}', the argument '{what}' must be "
+                                f"dict type, but got the type : {type(config).__name__}.")
+            unknown = [path for path in config if path not in cells]
+            if unknown:
                 known = [c for c in cells if c][:6]
-                raise ValueError(f"For '{type(self).__name__}', stage_config names {path!r}, "
-                                 f"which is no Cell of the network (e.g. {known})")
-            cells[path].pipeline_stage = stage
+                raise KeyError(f"For '{type(self).__name__}', {what} names {unknown}, which "
+                               f"are no Cells of the network (e.g. {known})")
+            for path, value in config.items():
+                setattr(cells[path], "pipeline_stage" if what == "stage_config"
+                        else "pipeline_segment", value)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(micro_size={self.micro_size})"
@@ -87,9 +94,5 @@ class PipelineCell(GradAccumulation):
 
 class Pipeline(PipelineCell):
     """MindSpore 2.x's name of :class:`PipelineCell`
-    (``mindspore.parallel.nn.Pipeline(network, micro_size=1, stage_config=None)``)."""
-
-    def __init__(self, network: Cell, micro_size: int = 1,
-                 stage_config: dict[str, int] | None = None) -> None:
-        super().__init__(network, micro_size, stage_config)
-
+    (``mindspore.parallel.nn.Pipeline(network, micro_size, stage_config=None,
+    segment_config=None)``)."""

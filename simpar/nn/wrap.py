@@ -234,20 +234,21 @@ class TrainOneStepCell:
                                            dataset_strategy=dataset, micro_batches=m)
             return request, plan_request(request)
 
-        programs = plan_stages(split_stages(g, stages), world // stages, plan_one,
-                               ctx.dataset_strategy)
-        stage = comm.get_rank() // (world // stages)
-        self.program = programs[stage]
+        chunks = 1
+        if ctx.pipeline_config.pipeline_interleave:   # as many chunks as Cells name segments
+            chunks = 1 + max((n.chunk for n in g.nodes), default=0)
+        parts = split_stages(g, stages, chunks)
+        programs = plan_stages(parts, world // stages, plan_one, ctx.dataset_strategy)
         self._seed = self.loss_seed_of(programs[-1])
-        self.pipeline = PipelineRunner(split_stages(g, stages), programs, comm.get_rank(),
+        self.pipeline = PipelineRunner(parts, programs, comm.get_rank(), stages,
                                        ctx.pipeline_config.pipeline_scheduler, m, self._seed)
-        local = self.pipeline.local
+        self.program = self.pipeline.program
         trainable = {p.name for p in self.optimizer.parameters}
-        for name in self.program.param_layouts:
-            v = self.program.param_values[name]
+        for name, (prog, _) in self.pipeline.params().items():
+            v = prog.param_values[name]
             assert v.param is not None
             self.params[name] = v.param.initial_value(
-                self.seed, self.program.storage_layout(name).slice_of(local))
+                self.seed, prog.storage_layout(name).slice_of(self.pipeline.local))
             if name not in trainable and v.param.requires_grad:
                 raise ValueError(f"TrainOneStepCell: parameter {name} is trainable but not "
                                  "in the optimizer's params")
@@ -421,10 +422,6 @@ def _check_pipeline(ctx: context.ParallelContext, mode: str, world: int) -> None
     if world % stages:
         raise ValueError(f"pipeline: pipeline_stages={stages} must divide the {world} ranks "
                          "(each stage runs on device_num / pipeline_stages of them)")
-    if ctx.pipeline_config.pipeline_interleave:
-        raise NotImplementedError("pipeline: pipeline_interleave=True (interleaved virtual "
-                                  "stages) is not implemented yet; set pipeline_config="
-                                  "{'pipeline_interleave': False}")
     files = ctx.strategy_ckpt_config
     if files.load_file or files.save_file:
         raise NotImplementedError("pipeline: strategy files are not saved or loaded per stage "

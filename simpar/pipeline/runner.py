@@ -84,65 +84,85 @@ def plan_stages(stages: Sequence[Stage], per_stage: int, planner: Any, dataset: 
 
 
 class PipelineRunner:
-    """This rank's part of a pipelined step: its stage's program, the schedule, and the
-    peers of its stage rank in the other stages."""
+    """This rank's part of a pipelined step: its stage's programs (one per chunk with
+    interleaved virtual stages), the schedule, and the peers of its stage rank in the other
+    stages. ``stages`` and ``programs`` are per virtual stage (chunk ``v`` of stage ``s`` is
+    ``v * pipeline_stages + s``)."""
 
     def __init__(self, stages: Sequence[Stage], programs: Sequence[ParallelProgram],
-                 world_rank: int, scheduler: str, micro_batches: int, loss_seed: float
-                 ) -> None:
+                 world_rank: int, pipeline_stages: int, scheduler: str, micro_batches: int,
+                 loss_seed: float) -> None:
         self.stages, self.programs = list(stages), list(programs)
-        count = len(stages)
+        self.count = pipeline_stages
+        chunks = len(stages) // pipeline_stages
         self.per_stage = programs[0].device_num
         self.stage, self.local = divmod(world_rank, self.per_stage)
         self.ranks = tuple(range(self.stage * self.per_stage, (self.stage + 1) * self.per_stage))
+        #: This rank's virtual stages, chunk by chunk.
+        self.chunks = tuple(v * pipeline_stages + self.stage for v in range(chunks))
         self.program = programs[self.stage]
         self.micro_batches = micro_batches
-        self.tasks = schedule(scheduler, self.stage, count, micro_batches)
+        self.tasks = schedule(scheduler, self.stage, pipeline_stages, micro_batches, chunks)
         self.loss_seed = loss_seed
         self.trace: list[Transfer] = []
         self.shared = self._shared()
 
-    def peer(self, stage: int) -> int:
-        """The world rank of this rank's stage rank in ``stage``."""
-        return stage * self.per_stage + self.local
+    def peer(self, virtual: int) -> int:
+        """The world rank of this rank's stage rank on (virtual) stage ``virtual``'s ranks."""
+        return virtual % self.count * self.per_stage + self.local
+
+    def params(self) -> dict[str, tuple[ParallelProgram, str]]:
+        """Every parameter this rank holds: the program (of its first chunk that reads it)
+        whose layouts it is stored in."""
+        out: dict[str, tuple[ParallelProgram, str]] = {}
+        for vs in self.chunks:
+            for name in self.programs[vs].param_layouts:
+                out.setdefault(name, (self.programs[vs], name))
+        return out
 
     def _shared(self) -> dict[str, tuple[int, ...]]:
-        """Per parameter this stage holds that other stages hold too, the world ranks that
+        """Per parameter this rank holds that other stages hold too, the world ranks that
         sum its gradient (this stage rank in each), after checking they store it alike."""
         out = {}
-        for name in self.program.param_layouts:
+        for name, (prog, _) in self.params().items():
             holders = [s for s, p in enumerate(self.programs) if name in p.param_layouts]
-            if len(holders) < 2:
-                continue
-            mine = self.program.storage_layout(name)
+            mine = prog.storage_layout(name)
             blocks = [mine.slice_of(r) for r in range(self.per_stage)]
             for s in holders:   # every stage rank must store the same block of it
                 other = self.programs[s].storage_layout(name)
                 if other.partial or mine.partial or \
                         [other.slice_of(r) for r in range(self.per_stage)] != blocks:
-                    raise ValueError(f"pipeline: parameter {name} is read on stages {holders}, "
-                                     f"stored as {mine} on stage {self.stage} but {other} on "
-                                     f"stage {s}; shard it alike on every stage that reads it")
-            out[name] = tuple(self.peer(s) for s in holders)
+                    raise ValueError(f"pipeline: parameter {name} is read on virtual stages "
+                                     f"{holders}, stored as {mine} on one but {other} on "
+                                     f"{s}; shard it alike on every stage that reads it")
+            mine_too = [s for s in holders if s in self.chunks]
+            if len(mine_too) > 1:
+                raise ValueError(f"pipeline: parameter {name} is read by chunks {mine_too} of "
+                                 f"stage {self.stage}; simpar keeps a parameter in one chunk "
+                                 "per stage")
+            group = tuple(sorted({self.peer(s) for s in holders}))
+            if len(group) > 1:
+                out[name] = group
         return out
 
     # ------------------------------------------------------------ one step
     def step(self, data: np.ndarray, label: np.ndarray, params: dict[str, np.ndarray],
              step: int) -> tuple[float, dict[str, np.ndarray]]:
         """The loss (every rank) and this rank's gradients of one step on the global batch."""
-        st, prog, m = self.stages[self.stage], self.program, self.micro_batches
+        m, count = self.micro_batches, self.count
         batch = [np.split(x, m, axis=0) for x in (data, label)]
-        tapes: dict[int, Any] = {}
+        tapes: dict[tuple[int, int], Any] = {}
         total: dict[str, np.ndarray] = {}
         losses: list[float] = []
         pending: list[comm.SendRequest] = []
         self.trace = []
-        for kind, k in self.tasks:
+        for kind, chunk, k in self.tasks:
+            vs = chunk * count + self.stage
+            st, prog = self.stages[vs], self.programs[vs]
             if kind == "F":
-                inputs = [self._input(batch, j, v, b, k) for j, (v, b) in
-                          enumerate(zip(st.graph.inputs, st.received))]
+                inputs = [self._input(batch, st, prog, j, k) for j in range(len(st.batch))]
                 with comm.stage_world(self.ranks):
-                    outs, tapes[k] = prog.forward(inputs, params, step=m * step + k)
+                    outs, tapes[vs, k] = prog.forward(inputs, params, step=m * step + k)
                 for out, b, loss in zip(outs, st.sent, st.loss):
                     if b is None:
                         if loss == 0:
@@ -151,9 +171,9 @@ class PipelineRunner:
                     for c in b.consumers:
                         pending.append(self._send(out, c, b, k, False))
                 continue
-            seeds = [self._seed(out, b, k) for out, b in zip(prog.graph.outputs, st.sent)]
+            seeds = [self._seed(prog, out, b, k) for out, b in zip(prog.graph.outputs, st.sent)]
             with comm.stage_world(self.ranks):
-                grads = prog.backward(tapes.pop(k), seeds)
+                grads = prog.backward(tapes.pop((vs, k)), seeds)
             for v, b in zip(st.graph.inputs, st.received):
                 if b is not None and v.id in st.graph.grad_inputs:
                     pending.append(self._send(grads.pop(input_gradient(v.name)), b.producer,
@@ -163,14 +183,17 @@ class PipelineRunner:
                     total[name] = g if g.flags.writeable else g.copy()
                 else:
                     total[name] += g
-        if m > 1:
-            with comm.stage_world(self.ranks):
-                total = prog.sync(total)
+        if m > 1:   # the step's one synchronisation, chunk by chunk
+            for vs in self.chunks:
+                prog = self.programs[vs]
+                mine = {n: total[n] for n in prog.param_layouts if n in total}
+                with comm.stage_world(self.ranks):
+                    total.update(prog.sync(mine))
         for name, group in self.shared.items():   # a parameter several stages read
             total[name] = comm.all_reduce(total[name], group=group)
         for request in pending:
             request.wait()
-        last = (len(self.stages) - 1) * self.per_stage
+        last = self.peer(len(self.stages) - 1) - self.local
         mean = np.array([np.mean(losses) if losses else 0.0])
         return float(comm.broadcast(mean, root=last)[0]), total
 
@@ -178,46 +201,47 @@ class PipelineRunner:
         """Every stage's parameters assembled whole on every rank (collective: every rank
         calls): each stage gathers its own, and its stage rank 0 broadcasts them."""
         out: dict[str, np.ndarray] = {}
-        for s, prog in enumerate(self.programs):
+        for vs, prog in enumerate(self.programs):
             for name in prog.param_layouts:
                 if name in out:
                     continue
                 v = prog.param_values[name]
                 whole = np.empty(v.shape, v.dtype)
-                if s == self.stage:
+                if vs in self.chunks:
                     lay = prog.storage_layout(name)
                     with comm.stage_world(self.ranks), comm.label("assemble"):
                         whole = (params[name].copy() if lay.replicated() == lay else
                                  execute(plan(lay, lay.replicated()), params[name]))
-                out[name] = comm.broadcast(whole, root=s * self.per_stage)
+                out[name] = comm.broadcast(whole, root=self.peer(vs) - self.local)
         return out
 
-    def _input(self, batch: list[list[np.ndarray]], j: int, v: Any, b: Any, k: int
-               ) -> np.ndarray:
-        """Input ``j`` of micro-batch ``k``: this rank's shard of a batch input, or a boundary
-        received from its producer."""
-        lay: TensorLayout = self.program.layouts[v.id]
+    def _input(self, batch: list[list[np.ndarray]], st: Stage, prog: ParallelProgram,
+               j: int, k: int) -> np.ndarray:
+        """Input ``j`` of micro-batch ``k`` of a virtual stage: this rank's shard of a batch
+        input, or a boundary received from its producer."""
+        v, b = st.graph.inputs[j], st.received[j]
+        lay: TensorLayout = prog.layouts[v.id]
         if b is None:
-            source = self.stages[self.stage].batch[j]
+            source = st.batch[j]
             assert source is not None
             return take_shard(batch[source][k], *shard_index(lay, self.local))
         return self._recv(self.peer(b.producer), lay.local_shape(), v.dtype, b, k, False)
 
-    def _seed(self, out: Any, b: Any, k: int) -> np.ndarray | None:
+    def _seed(self, prog: ParallelProgram, out: Any, b: Any, k: int) -> np.ndarray | None:
         """The cotangent output ``out`` starts the backward with: the loss's seed, or the sum
         of the cotangents the boundary's readers sent back (None: an integer boundary)."""
         if b is None:
-            return np.full(self.program.layouts[out.id].local_shape(),
+            return np.full(prog.layouts[out.id].local_shape(),
                            self.loss_seed / self.micro_batches, dtype=out.dtype)
         if out.dtype.kind != "f":
             return None
-        shape = self.program.layouts[out.id].local_shape()
+        shape = prog.layouts[out.id].local_shape()
         parts = [self._recv(self.peer(c), shape, out.dtype, b, k, True) for c in b.consumers]
         return parts[0] if len(parts) == 1 else np.sum(parts, axis=0)
 
-    def _send(self, x: np.ndarray, stage: int, b: Any, k: int, backward: bool
+    def _send(self, x: np.ndarray, virtual: int, b: Any, k: int, backward: bool
               ) -> comm.SendRequest:
-        peer = self.peer(stage)
+        peer = self.peer(virtual)
         self.trace.append(Transfer("send", k, b.name, backward, peer, x.nbytes))
         return comm.isend(x, peer, tag=2 * b.index + backward)
 

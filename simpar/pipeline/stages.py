@@ -7,6 +7,11 @@ after the last block runs with it), and one that reads no op's output (a weight'
 the earliest stage that reads it. A value may flow only forward, from a stage to itself or a
 later one; every stage must run an op.
 
+With interleaved virtual stages (``chunks`` > 1), a Cell's ``pipeline_segment`` ``v`` puts
+its ops in chunk ``v`` of its stage ``s``: virtual stage ``v * stages + s``, which runs on
+stage ``s``'s ranks; the order above is the virtual stages' (chunk 0 of every stage, then
+chunk 1, ...), and everything below is per virtual stage.
+
 :func:`split_stages` cuts the graph into one :class:`Stage` per stage: its own ops, the
 parameters and constants they read, and as inputs the batch inputs it reads and the values
 earlier stages compute for it (*boundaries*, numbered by :class:`Boundary`); as outputs, the
@@ -23,13 +28,22 @@ from simpar.graph import Graph, Node, RecomputeSegment, Value
 __all__ = ["Boundary", "Stage", "split_stages", "stages_of"]
 
 
-def stages_of(graph: Graph, stages: int) -> list[int]:
-    """The stage of every node of ``graph`` (in node order), checked."""
+def stages_of(graph: Graph, stages: int, chunks: int = 1) -> list[int]:
+    """The (virtual) stage of every node of ``graph`` (in node order), checked."""
+    for node in graph.nodes:
+        if node.stage >= stages:
+            raise ValueError(f"pipeline: {node.name} is on pipeline_stage {node.stage}, but "
+                             f"pipeline_stages is {stages} (stages 0..{stages - 1})")
+        if node.chunk >= chunks:
+            raise ValueError(f"pipeline: {node.name} is in pipeline_segment {node.chunk}, but "
+                             f"there are {chunks} chunk(s) per stage (segments 0.."
+                             f"{chunks - 1}; segments need pipeline_interleave=True)")
     produced: dict[int, int] = {}   # value id -> the stage of the node that made it
     out: list[int | None] = []
     for node in graph.nodes:
         producers = [produced[v.id] for v in node.inputs if v.id in produced]
-        stage = node.stage if node.stage >= 0 else max(producers, default=None)
+        stage = (max(node.chunk, 0) * stages + node.stage if node.stage >= 0
+                 else max(producers, default=None))
         out.append(stage)
         if stage is not None:
             produced.update((v.id, stage) for v in node.outputs)
@@ -42,25 +56,29 @@ def stages_of(graph: Graph, stages: int) -> list[int]:
             readers = [out[c] for v in graph.nodes[k].outputs for c in consumers.get(v.id, [])]
             out[k] = min((r for r in readers if r is not None), default=0)
     resolved = [int(s) for s in out if s is not None]
-    for node, stage in zip(graph.nodes, resolved):
-        if stage >= stages:
-            raise ValueError(f"pipeline: {node.name} is on pipeline_stage {stage}, but "
-                             f"pipeline_stages is {stages} (stages 0..{stages - 1})")
     made = {v.id: s for node, s in zip(graph.nodes, resolved) for v in node.outputs}
     for node, stage in zip(graph.nodes, resolved):
         late = [(v, made[v.id]) for v in node.inputs if made.get(v.id, -1) > stage]
         if late:
             v, src = late[0]
-            raise ValueError(f"pipeline: {node.name} runs on stage {stage} but reads {v.name}, "
-                             f"which stage {src} computes; a value may only flow to its own or "
-                             "a later stage (set pipeline_stage so that the stages follow the "
-                             "network's order)")
-    empty = sorted(set(range(stages)) - set(resolved))
+            raise ValueError(f"pipeline: {node.name} runs on {_name(stage, stages, chunks)} "
+                             f"but reads {v.name}, which {_name(src, stages, chunks)} computes; "
+                             "a value may only flow to its own or a later stage (set "
+                             "pipeline_stage so that the stages follow the network's order)")
+    empty = sorted(set(range(stages * chunks)) - set(resolved))
     if empty:
-        raise ValueError(f"pipeline: no op runs on stage(s) {empty} of the {stages} stages "
-                         "(pipeline_stages); set Cell.pipeline_stage so that every stage has "
-                         "work")
+        what = "stage(s)" if chunks == 1 else "virtual stage(s) (chunk * stages + stage)"
+        raise ValueError(f"pipeline: no op runs on {what} {empty} of the {stages * chunks} "
+                         f"{'stages (pipeline_stages)' if chunks == 1 else 'virtual stages'}; "
+                         "set Cell.pipeline_stage (and pipeline_segment) so that every stage "
+                         "has work")
     return resolved
+
+
+def _name(virtual: int, stages: int, chunks: int) -> str:
+    if chunks == 1:
+        return f"stage {virtual}"
+    return f"stage {virtual % stages} chunk {virtual // stages}"
 
 
 @dataclass(frozen=True)
@@ -89,9 +107,11 @@ class Stage:
     loss: tuple[int | None, ...]
 
 
-def split_stages(graph: Graph, stages: int) -> list[Stage]:
-    """One :class:`Stage` per stage of ``graph`` (``stages_of`` assigns them)."""
-    of = stages_of(graph, stages)
+def split_stages(graph: Graph, stages: int, chunks: int = 1) -> list[Stage]:
+    """One :class:`Stage` per (virtual) stage of ``graph`` (``stages_of`` assigns them), in
+    the order the data flows through them."""
+    of = stages_of(graph, stages, chunks)
+    stages *= chunks
     made = {v.id: s for node, s in zip(graph.nodes, of) for v in node.outputs}
     readers: dict[int, set[int]] = {}
     for node, s in zip(graph.nodes, of):
