@@ -156,13 +156,7 @@ class Cell:
 
     @pipeline_stage.setter
     def pipeline_stage(self, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"For 'Cell', the property 'pipeline_stage' must be int type, but "
-                            f"got type : {type(value)}")
-        if value < 0:
-            raise ValueError(f"For 'Cell', the property 'pipeline_stage' can not be less than "
-                             f"0, but got {value}")
-        object.__setattr__(self, "_pipeline_stage", value)
+        object.__setattr__(self, "_pipeline_stage", _index("pipeline_stage", value))
 
     @property
     def pipeline_segment(self) -> int:
@@ -173,13 +167,7 @@ class Cell:
 
     @pipeline_segment.setter
     def pipeline_segment(self, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"For 'Cell', the property 'pipeline_segment' must be int type, but "
-                            f"got type : {type(value)}")
-        if value < 0:
-            raise ValueError(f"For 'Cell', the property 'pipeline_segment' can not be less "
-                             f"than 0, but got {value}")
-        object.__setattr__(self, "_pipeline_segment", value)
+        object.__setattr__(self, "_pipeline_segment", _index("pipeline_segment", value))
 
     def __call__(self, *args: Any) -> Any:
         if not graph.tracing():
@@ -226,6 +214,17 @@ class Wrapper(Cell):
 
     def __call__(self, *args: Any) -> Any:
         return self.network(*args)   # no scope of its own
+
+
+def _index(prop: str, value: object) -> int:
+    """A Cell's ``pipeline_stage`` or ``pipeline_segment``, checked as MindSpore checks it."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"For 'Cell', the property '{prop}' must be int type, but got type : "
+                        f"{type(value)}")
+    if value < 0:
+        raise ValueError(f"For 'Cell', the property '{prop}' can not be less than 0, but got "
+                         f"{value}")
+    return value
 
 
 def _reshard_inputs(cell: Any, args: Sequence[Any]) -> tuple[Any, ...]:
