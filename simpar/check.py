@@ -308,10 +308,20 @@ def check_against_single_device(train: TrainOneStepCell,
                          "give every batch it ran, in order, with its loss")
     prog = train.program
     assert prog is not None
-    rank = comm.get_rank() if prog.device_num > 1 else 0
-    names = sorted(prog.param_layouts)
+    # With pipeline stages a rank holds its stage's parameters only: every rank walks every
+    # parameter (rank 0 broadcasts each), comparing those it holds.
+    runner = train.pipeline
+    world = prog.device_num * (runner.count if runner is not None else 1)
+    rank = (runner.local if runner is not None else comm.get_rank()) if world > 1 else 0
+    programs = runner.programs if runner is not None else [prog]
+    shapes = {n: (v.shape, v.dtype) for p in programs for n, v in p.param_values.items()}
+    stored = ({n: owner.storage_layout(n) for n, (owner, _) in runner.params().items()}
+              if runner is not None else {n: prog.storage_layout(n) for n in prog.param_layouts})
+    names = sorted(shapes)
+    trainable = sorted(n for p in programs for n, v in p.param_values.items()
+                       if v.param is not None and v.param.requires_grad)
     if tolerance is None:
-        dtype = train.params[names[0]].dtype if names else np.dtype(np.float64)
+        dtype = np.dtype(shapes[names[0]][1]) if names else np.dtype(np.float64)
         tolerance = default_tolerance(dtype, train.optimizer, len(data))
     if train.mode != "stand_alone" and not train.loss_repeated_mean:
         raise ValueError("check_against_single_device: the cell was built with "
@@ -331,16 +341,16 @@ def check_against_single_device(train: TrainOneStepCell,
             error = ValueError(f"check_against_single_device: the single-device reference "
                                f"failed on rank 0 ({type(e).__name__}: {e}); build_reference "
                                "must build the same model as the cell under test")
-    _raise_everywhere(error, prog.device_num)
+    _raise_everywhere(error, world)
 
     # The trajectory: free-running losses, then the parameters after the last step.
     ref_losses = _from_rank_0(np.array([twin(x, y) for x, y in data]) if twin else
-                              np.zeros(len(data)), prog.device_num)
+                              np.zeros(len(data)), world)
     loss_errors = [relative_error(np.float64(a), b) for a, b in zip(losses, ref_losses)]
     param_diff, param_tol = {}, {}
     for name in names:
-        diff, scale = _against_rank_0(train.params[name], twin.params if twin else None, name,
-                                      prog.storage_layout(name), rank, prog.device_num)
+        diff, scale = _against_rank_0(train.params.get(name), twin.params if twin else None,
+                                      name, stored.get(name), shapes[name], rank, world)
         param_diff[name] = diff / scale
         param_tol[name] = tolerance.rtol + tolerance.param_atol / scale
 
@@ -353,10 +363,10 @@ def check_against_single_device(train: TrainOneStepCell,
         ref_loss[1], _ = twin.value_and_grad(*data[0], step=0)  # the masks of the first
         twin.params = same
         ref_loss[0], ref_grads = twin.value_and_grad(*data[0], step=train.step_count)
-    ref_loss = _from_rank_0(ref_loss, prog.device_num)
-    grad_names = sorted(grads)
-    measured = {name: _against_rank_0(grads[name], ref_grads, name, prog.storage_layout(name),
-                                      rank, prog.device_num) for name in grad_names}
+    ref_loss = _from_rank_0(ref_loss, world)
+    grad_names = trainable
+    measured = {name: _against_rank_0(grads.get(name), ref_grads, name, stored.get(name),
+                                      shapes[name], rank, world) for name in grad_names}
     # A gradient that is zero in exact arithmetic (a bias the loss cannot see) is pure
     # round-off on both sides; measured against its own size it would differ by O(1). So
     # each gradient's scale is at least GRAD_SCALE_FLOOR of the model's largest gradient.
@@ -370,7 +380,7 @@ def check_against_single_device(train: TrainOneStepCell,
     mine = np.array([*(param_diff[n] for n in names), *(grad_diff[n] for n in grad_names),
                      relative_error(np.float64(loss), ref_loss[0]), *loss_errors,
                      0.0 if finite else 1.0])
-    every = comm.all_gather(mine[None, :], axis=0) if prog.device_num > 1 else mine[None, :]
+    every = comm.all_gather(mine[None, :], axis=0) if world > 1 else mine[None, :]
     k, g = len(names), len(grad_names)
     return CheckReport(
         len(data), tolerance, tuple(float(e) for e in every[:, k + g + 1:-1].max(axis=0)),
@@ -416,13 +426,16 @@ def _from_rank_0(x: np.ndarray, device_num: int) -> np.ndarray:
     return comm.broadcast(np.ascontiguousarray(x), root=0) if device_num > 1 else x
 
 
-def _against_rank_0(local: np.ndarray, whole: Mapping[str, np.ndarray] | None, name: str,
-                    layout: Any, rank: int, device_num: int) -> tuple[float, float]:
+def _against_rank_0(local: np.ndarray | None, whole: Mapping[str, np.ndarray] | None,
+                    name: str, layout: Any, shape: tuple[Any, Any], rank: int,
+                    device_num: int) -> tuple[float, float]:
     """(max |local - this rank's slice of rank 0's ``whole[name]``|, max |whole[name]|): the
-    global array crosses from rank 0 (collective), so every rank shares one scale."""
-    want = _from_rank_0(whole[name] if whole is not None else
-                        np.empty(layout.shape, local.dtype), device_num)
-    diff, _ = _largest_difference(local, distribute(want, layout, rank))
+    global array crosses from rank 0 (collective), so every rank shares one scale. A rank
+    that does not hold it (``local`` None: another pipeline stage's) differs by 0."""
+    want = _from_rank_0(whole[name] if whole is not None else np.empty(*shape), device_num)
+    diff = 0.0
+    if local is not None:
+        diff, _ = _largest_difference(local, distribute(want, layout, rank))
     return diff, max(float(np.max(np.abs(want))) if want.size else 0.0, 1e-30)
 
 
@@ -440,6 +453,8 @@ def _twin(train: TrainOneStepCell, built: TrainOneStepCell) -> TrainOneStepCell:
     if not train.gradients_mean and train.mode != "stand_alone":
         # The parallel gradients are the sum over the D batch shards at the loss op (see
         # simpar.nn.wrap): D times the single-device gradient, which sens=D reproduces.
-        sens *= float(train.program.loss_batch_cut())
+        loss_program = (train.pipeline.programs[-1] if train.pipeline is not None
+                        else train.program)
+        sens *= float(loss_program.loss_batch_cut())
     return TrainOneStepCell(built.network, built.optimizer, sens=sens,
                             parallel_mode="stand_alone", seed=train.seed)

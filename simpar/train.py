@@ -39,11 +39,13 @@ from simpar.cost import CostReport, SimparCostModel, load_profile, profile_names
 from simpar.cost_model_context import set_cost_model_context, set_search_cost_model
 from simpar.dataset import VOCAB_SIZE, CharCorpus, random_classification
 from simpar.nn import presets
+from simpar.pipeline import plan_pipeline, price_pipeline
 from simpar.runtime.lowering import build_program
 from simpar.search import registered_searches
 from simpar.strategy_table import columns as strategy_table_columns
 from simpar.strategy_table import display_names as display_names  # re-exported
 from simpar.strategy_table import strategy_table
+from simpar.train_pipeline import SCHEDULES, assign_stages, pipeline_config, stage_lines
 
 MODES = ("stand_alone", "data_parallel", "semi_auto_parallel", "auto_parallel")
 
@@ -98,6 +100,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--micro-batches", type=int, default=1, metavar="N",
                    help="gradient accumulation (MindSpore's GradAccumulation): each step runs "
                         "N micro-batches of --batch-size / N and sums their gradients")
+    p.add_argument("--pipeline-stages", type=int, default=1, metavar="S",
+                   help="cut the model into S pipeline stages, each on N/S ranks with its own "
+                        "strategies (MindSpore's pipeline_stages); --micro-batches flow through "
+                        "them")
+    p.add_argument("--pipeline-schedule", default="1f1b", choices=SCHEDULES,
+                   help="the order of the micro-batches over the stages (interleaved: 1F1B "
+                        "with two chunks per stage, micro-batches a multiple of S)")
     p.add_argument("--memory-dimensions", default="fixed",
                    choices=("fixed", "when_needed", "search"),
                    help="auto_parallel: let the search choose the optimizer level, which "
@@ -143,6 +152,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--seed must be >= 0, got {args.seed}")
     if args.micro_batches < 1:
         p.error(f"--micro-batches must be >= 1, got {args.micro_batches}")
+    if args.pipeline_stages < 1:
+        p.error(f"--pipeline-stages must be >= 1, got {args.pipeline_stages}")
+    if args.pipeline_stages > 1 and args.parallel_mode == "stand_alone":
+        p.error("--pipeline-stages needs several ranks: --parallel-mode semi_auto_parallel, "
+                "data_parallel or auto_parallel")
+    if args.pipeline_stages > 1 and args.memory_dimensions != "fixed":
+        p.error("--memory-dimensions is not searched with --pipeline-stages yet; give "
+                "--optimizer-shard, --recompute and --micro-batches instead")
     if args.batch_size % args.micro_batches:
         p.error(f"--micro-batches {args.micro_batches} must divide --batch-size "
                 f"{args.batch_size} (each step splits the batch into micro-batches)")
@@ -264,6 +281,11 @@ def mesh(args: argparse.Namespace, world: int) -> tuple[int, int]:
     """(dp, mp) for these options on ``world`` ranks; :class:`UsageError` when they cannot
     run there. Pure: the job calls it for its own world and for the -n values it suggests."""
     mode = args.parallel_mode
+    stages = args.pipeline_stages
+    if stages > 1:   # the strategies below are each stage's, on its world / stages ranks
+        if world % stages:
+            raise UsageError(f"--pipeline-stages {stages} does not divide the {world} ranks")
+        world //= stages
     if mode == "auto_parallel":  # the search decides; each rank loads its batch slice if it can
         return (world, 1) if args.batch_size % world == 0 else (1, 1)
     if mode == "stand_alone":
@@ -318,6 +340,13 @@ def plan_only(args: argparse.Namespace, world: int) -> None:
     dp, mp = mesh(args, world)
     train = build(args, args.parallel_mode, world)
     shapes = batch_shapes(args)
+    if args.pipeline_stages > 1:
+        m = args.micro_batches
+        plan_pipeline(train.network, [((x[0] // m, *x[1:]), d) for x, d in shapes],
+                      args.pipeline_stages, world, args.parallel_mode,
+                      dataset_strategy(args, dp, mp, world), m,
+                      args.pipeline_schedule == "interleaved")
+        return
     g = graph.trace(train.network, shapes, ["data", "label"])
     build_program(g, world, args.parallel_mode, dataset_strategy(args, dp, mp, world), True,
           cell=train.network)
@@ -366,13 +395,18 @@ def build(args: argparse.Namespace, mode: str, device_num: int, reference: bool 
         else:
             assert isinstance(model, nn.MLP)
             presets.megatron_mlp(model, dp, mp)
+    if args.pipeline_stages > 1 and not reference:
+        assign_stages(model, args.pipeline_stages, 2 if args.pipeline_schedule ==
+                      "interleaved" else 1)
     # Under --memory-dimensions every block is a candidate; the search picks which recompute.
     if (args.recompute or args.memory_dimensions != "fixed") and not reference:
         for cell in (model.blocks if isinstance(model, nn.GPT) else model.layers[:-1]):
             cell.recompute()
     net: nn.Cell = nn.WithLossCell(model, loss)
     params = net.trainable_params()
-    if not reference and args.micro_batches > 1:
+    if not reference and args.pipeline_stages > 1:
+        net = nn.PipelineCell(net, args.micro_batches)
+    elif not reference and args.micro_batches > 1:
         net = nn.GradAccumulation(net, args.micro_batches)
     lr = learning_rate(args)
     opt: nn.Optimizer = {"adam": lambda: nn.Adam(params, lr),
@@ -406,6 +440,8 @@ def batches(args: argparse.Namespace) -> Any:
 def my_rows(train: nn.TrainOneStepCell, rank: int) -> tuple[int, int] | None:
     """The batch rows this rank holds when the dataset strategy cuts only the batch
     dimension (then it loads just those), else None (it loads the global batch)."""
+    if train.pipeline is not None:   # a pipeline's ranks take the global batch
+        return None
     lays = train.batch_layouts()
     if any(c != 1 for lay in lays for c in lay.cuts[1:]):
         return None
@@ -465,6 +501,8 @@ def main(argv: list[str] | None = None) -> int:
             simpar.set_auto_parallel_context(
                 enable_parallel_optimizer=args.optimizer_shard != "off")
         simpar.set_algo_parameters(memory_dimensions=args.memory_dimensions)
+        simpar.set_auto_parallel_context(pipeline_stages=args.pipeline_stages,
+                                         pipeline_config=pipeline_config(args.pipeline_schedule))
         if args.device_memory_capacity is not None:
             set_cost_model_context(device_memory_capacity=args.device_memory_capacity)
         set_search_cost_model(SimparCostModel(
@@ -491,7 +529,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.model}, dtype {args.dtype}; BLAS threads/rank {env.get('blas_threads')}, MPI "
         f"wait policy {env.get('wait_policy')}")
     if args.parallel_mode == "semi_auto_parallel":
-        say(f"mesh: dp x mp = {dp} x {mp}, strategy preset {strategy_name(args, world)!r}")
+        say(f"mesh: dp x mp = {dp} x {mp}, strategy preset {strategy_name(args, world)!r}"
+            + (f" in each of {args.pipeline_stages} pipeline stages (stage 0's table below)"
+               if args.pipeline_stages > 1 else ""))
     if args.parallel_mode == "auto_parallel":
         say(f"strategies searched by {args.search_mode} on the "
             f"{args.profile.name if args.profile != 'none' else 'cpu-local'} profile, "
@@ -501,7 +541,8 @@ def main(argv: list[str] | None = None) -> int:
         say(optimizer_shard_line(train))
     if train.program_dimensions is not None and rank == 0:
         print(dimensions_table(train))
-    if args.parallel_mode == "auto_parallel" and args.profile != "none" and rank == 0:
+    if args.parallel_mode == "auto_parallel" and args.profile != "none" and rank == 0 \
+            and train.pipeline is None:
         print(why_it_won(args, train, world))
     say(f"\nplanned in {t_build:.2f} s; training {args.steps} steps of {args.batch_size} x "
         f"{args.seq_length if args.model == 'gpt' else 1} tokens")
@@ -553,8 +594,15 @@ def main(argv: list[str] | None = None) -> int:
         f"{1e3 * float(np.median(steady)):.1f} ms)")
     say("collectives per rank 0 over the run:\n" + "\n".join(
         "  " + line for line in trace.summary().splitlines()))
-    predicted = None
-    if args.profile != "none" and train.program is not None:
+    predicted: Any = None
+    if train.pipeline is not None:
+        say(stage_lines(train, None if args.profile == "none" else args.profile,
+                        optimizer(args)))
+        if args.profile != "none":
+            predicted = price_pipeline(train.pipeline.stages, train.pipeline.programs,
+                                       args.pipeline_stages, train.pipeline_scheduler,
+                                       args.micro_batches, args.profile, optimizer(args))
+    elif args.profile != "none" and train.program is not None:
         predicted = train.program.cost(args.profile, optimizer(args))
         say(f"cost model ({predicted.profile}): predicted step {predicted.step_seconds * 1e3:.1f}"
             f" ms (measured median {1e3 * float(np.median(steady)):.1f} ms), peak memory "

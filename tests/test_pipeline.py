@@ -13,7 +13,17 @@ import pytest
 
 import simpar
 from simpar import comm, graph, nn
-from simpar.pipeline import bubble_fraction, in_flight, schedule, split_stages, stages_of
+from simpar.pipeline import (
+    PipelineCost,
+    bubble_fraction,
+    in_flight,
+    plan_pipeline,
+    price_pipeline,
+    schedule,
+    split_stages,
+    stages_of,
+    timeline,
+)
 
 
 def _mlp(stages: tuple[int, ...] = ()) -> nn.WithLossCell:
@@ -144,3 +154,84 @@ def test_a_stage_world_of_one_rank() -> None:
         assert (comm.get_rank(), comm.get_group_size(), group.ranks) == (0, 1, (0,))
     with pytest.raises(ValueError, match="is not among the ranks"), comm.stage_world([1]):
         pass
+
+
+# ------------------------------------------------------------------ the timeline and prices
+def _equal(stages: int, micro: int, chunks: int, sched: str, f: float = 1.0, b: float = 2.0
+           ) -> dict[tuple[int, str, int, int], tuple[float, float]]:
+    """Every stage's tasks on a timeline, each chunk taking f / chunks forward and
+    b / chunks backward, messages free: virtual stage v feeds v + 1."""
+    tasks = [schedule(sched, s, stages, micro, chunks) for s in range(stages)]
+    last = stages * chunks - 1
+
+    def needs(s: int, task: tuple[str, int, int]) -> list[tuple[int, Any, float]]:
+        kind, c, k = task
+        v = c * stages + s
+        if kind == "F":
+            return [] if v == 0 else [((v - 1) % stages, ("F", (v - 1) // stages, k), 0.0)]
+        out = [(s, ("F", c, k), 0.0)]
+        return out if v == last else [*out, ((v + 1) % stages, ("B", (v + 1) // stages, k),
+                                             0.0)]
+
+    return timeline(tasks, lambda s, t: (f if t[0] == "F" else b) / chunks, needs)
+
+
+@pytest.mark.parametrize(("stages", "micro"), [(2, 2), (2, 8), (4, 4), (4, 8), (8, 8),
+                                                (8, 16)])
+def test_every_schedule_runs_without_deadlock_and_the_bubble_is_the_papers(
+        stages: int, micro: int) -> None:
+    """Equal stages: GPipe and 1F1B take (M + S - 1)(F + B); interleaved with V chunks
+    (M + (S - 1) / V)(F + B) (Narayanan et al. 2021, section 2.2.1)."""
+    for sched, chunks in (("gpipe", 1), ("1f1b", 1), ("1f1b", 2), ("1f1b", 4),
+                          ("gpipe", 2)):
+        spans = _equal(stages, micro, chunks, sched)
+        assert len(spans) == 2 * micro * chunks * stages   # every task ran: no deadlock
+        end = max(e for _, e in spans.values())
+        if chunks == 1 or sched == "1f1b":
+            assert end == pytest.approx((micro + (stages - 1) / chunks) * 3.0), (sched, chunks)
+            assert (end - 3.0 * micro) / end == pytest.approx(
+                bubble_fraction(stages, micro, chunks))
+
+
+def test_a_deadlocking_order_raises() -> None:
+    tasks = [(("F", 0, 0), ("B", 0, 0)), (("B", 0, 0), ("F", 0, 0))]   # stage 1 backward first
+
+    def needs(s: int, task: tuple[str, int, int]) -> list[tuple[int, Any, float]]:
+        kind, c, k = task
+        if s == 1 and kind == "F":
+            return [(0, ("F", 0, k), 0.0)]
+        if s == 1:
+            return [(1, ("F", 0, k), 0.0)]
+        return [] if kind == "F" else [(1, ("B", 0, k), 0.0)]
+
+    with pytest.raises(ValueError, match="the schedule deadlocks"):
+        timeline(tasks, lambda s, t: 1.0, needs)
+
+
+def test_a_pipelines_price_counts_its_bubble_messages_and_micro_batches_in_flight() -> None:
+    """A GPT cut into 4 stages on 8 devices (2 per stage), priced purely: every stage's
+    busy time is its micro-batches' forwards and backwards, GPipe holds every micro-batch
+    in flight and 1F1B at most S - s, and the messages cost something."""
+    def plan(sched: str) -> PipelineCost:
+        net = nn.GPT(32, 8, 16, 6, 2, dtype=np.float64)
+        parts = [net.embedding, *net.blocks, net.head]
+        for k, unit in enumerate(parts):
+            unit.pipeline_stage = k * 4 // len(parts)
+        net.ln_f.pipeline_stage = 3
+        cell = nn.WithLossCell(net, nn.SoftmaxCrossEntropyWithLogits())
+        stages, programs = plan_pipeline(cell, [((4, 8), np.int32), ((4, 8), np.int32)], 4, 8,
+                                         "data_parallel", "data_parallel", 4)
+        assert [p.device_num for p in programs] == [2] * 4
+        return price_pipeline(stages, programs, 4, sched, 4, "cpu-local", "adam")
+
+    gpipe, one = plan("gpipe"), plan("1f1b")
+    for cost in (gpipe, one):
+        for s in cost.stages:
+            assert s.busy == pytest.approx(4 * (s.forward + s.backward))
+            assert s.idle >= 0 and s.end >= s.busy
+        assert cost.step_seconds >= max(s.end for s in cost.stages)
+        assert cost.p2p_seconds > 0 and 0 < cost.bubble < 1
+    assert [s.in_flight for s in gpipe.stages] == [4, 4, 4, 4]
+    assert [s.in_flight for s in one.stages] == [4, 3, 2, 1]
+    assert gpipe.stages[3].peak_memory > one.stages[3].peak_memory > 0   # 4 against 1
+    assert "stage 3:" in one.table()

@@ -19,6 +19,7 @@ micro-batch forward and (a float) once backward, of its shard's bytes.
 
 from __future__ import annotations
 
+import json
 from functools import cache
 from typing import Any
 
@@ -33,7 +34,7 @@ from simpar.comm import CommTrace
 from simpar.layout import distribute
 from simpar.nn import presets
 from simpar.pipeline import schedule
-from tests.mpi_guard import abort_job_on_error
+from tests.mpi_guard import abort_job_on_error, shared_dir
 from tests.small_models import small_batch
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -252,3 +253,26 @@ def test_a_tied_parameter_has_its_gradient_summed_between_its_stages() -> None:
     if not e <= 1e-10:
         problems.append(f"rank {rank}: losses differ by {e:.2e}")
     assert not _agreed(problems), "\n".join(problems)
+
+
+@pytest.mark.parametrize("schedule_flag", ["1f1b", "gpipe", "interleaved"])
+def test_the_main_job_runs_pipeline_stages_and_passes_its_check(
+        schedule_flag: str, tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--pipeline-stages 2 --micro-batches 2`` with each schedule: the job's own check
+    against one device passes, and rank 0 prints a busy/idle/peak-memory line per stage."""
+    from simpar import train as job
+    out = shared_dir(tmp_path) / "out"
+    with abort_job_on_error(f"main job {schedule_flag}"):
+        code = job.main(["--model", "gpt", "--n-layers", "2", "--n-heads", "2", "--d-model",
+                         "16", "--seq-length", "8", "--steps", "2", "--parallel-mode",
+                         "data_parallel", "--pipeline-stages", "2", "--micro-batches", "2",
+                         "--pipeline-schedule", schedule_flag, "--out", str(out)])
+        comm.barrier()
+    text = capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    assert code == 0 and summary["passed"] is True, text[-2000:]
+    if comm.get_rank() == 0:
+        for s in range(2):
+            assert f"  stage {s}: busy " in text and "peak memory" in text, text[-2000:]
+        assert "predicted step" in text
+    assert summary["comm"]["Send"]["count"] > 0 and summary["comm"]["Receive"]["count"] > 0

@@ -414,19 +414,21 @@ class SendRequest:
     __slots__ = ("_buf", "_dest", "_request", "_shape", "_start")
 
     def __init__(self, request: Any, buf: np.ndarray, dest: int, shape: tuple[int, ...],
-                 start: float) -> None:
+                 posting: float) -> None:
         self._request, self._buf, self._dest, self._shape = request, buf, dest, shape
-        self._start = start
+        self._start = posting   # seconds spent posting it
 
     def wait(self) -> None:
-        """Wait until the buffer may be reused (it is recorded then, as one "Send")."""
+        """Wait until the buffer may be reused (it is recorded then, as one "Send", with
+        the time spent posting and waiting: not the time it was in flight meanwhile)."""
         if self._request is None:
             return
+        start = perf_counter()
         self._request.Wait()
         self._request = None
         me = world().Get_rank()
         trace.record("Send", (me, self._dest), self._buf.nbytes, 0,
-                     perf_counter() - self._start, self._buf.dtype, self._shape)
+                     self._start + perf_counter() - start, self._buf.dtype, self._shape)
 
 
 def isend(x: np.ndarray, dest: int, tag: int = 0) -> SendRequest:
@@ -436,7 +438,8 @@ def isend(x: np.ndarray, dest: int, tag: int = 0) -> SendRequest:
     x = _array(x, "isend")
     start = perf_counter()
     buf = np.ascontiguousarray(x)
-    return SendRequest(world().Isend(buf, dest=dest, tag=tag), buf, dest, tuple(x.shape), start)
+    request = world().Isend(buf, dest=dest, tag=tag)
+    return SendRequest(request, buf, dest, tuple(x.shape), perf_counter() - start)
 
 
 def recv(source: int, shape: Sequence[int], dtype: Any, tag: int = 0) -> np.ndarray:

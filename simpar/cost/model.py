@@ -40,8 +40,8 @@ from simpar.collective_kinds import sample_ranks
 from simpar.cost.profile import DeviceProfile, load_profile
 
 __all__ = ["OPTIMIZER_KERNELS", "OPTIMIZER_PASSES", "OPTIMIZER_STATE", "OPTIMIZER_TEMPORARIES",
-           "CostReport",
-           "MemoryRow", "OpCostRow", "evaluate"]
+           "CostReport", "MemoryRow", "OpCostRow", "evaluate", "optimizer_seconds",
+           "phase_seconds"]
 
 #: Optimizer state per trainable parameter element, in parameter-sized copies.
 OPTIMIZER_STATE = {"sgd": 0, "momentum": 1, "adam": 2}
@@ -219,7 +219,7 @@ def evaluate(program: _Program, profile: str | DeviceProfile = "cpu-local",
     total, ops, grad_sync = per_rank[slowest]
     rows = tuple(OpCostRow(name, by_name[name].node.op.name, by_name[name].sharding.strategy,
                            *ops[name]) for name in by_name)
-    update = _optimizer_seconds(program, optimizer, prof)
+    update = optimizer_seconds(program, optimizer, prof)
     fixed = prof.step_overhead
     if program.device_num > 1:  # the per-step agreement check of the inputs: 8 bytes
         fixed += prof.step_collective_seconds("AllReduce", range(program.device_num), 8, 0)
@@ -229,7 +229,7 @@ def evaluate(program: _Program, profile: str | DeviceProfile = "cpu-local",
                       tuple(memory))
 
 
-def _optimizer_seconds(program: _Program, optimizer: str, prof: DeviceProfile) -> float:
+def optimizer_seconds(program: _Program, optimizer: str, prof: DeviceProfile) -> float:
     """The update of every trainable parameter's shard: a few memory-bound numpy kernels."""
     seconds = 0.0
     for name in program.param_layouts:
@@ -250,21 +250,49 @@ def _time_of(steps: Sequence[Any], by_name: Mapping[str, Any], prof: DeviceProfi
     grad_sync = 0.0
     for s in steps:
         times = 1 if s.deferred else micro_batches
-        if s.collective is None:
-            op = by_name[s.op]
-            dtype = op.node.outputs[0].dtype
-            nbytes = _kernel_bytes(op)
-            # A backward kernel moves twice the bytes; a recomputed forward's, once.
-            scale = 2 if s.backward and s.reason != "recompute" else 1
-            ops[s.op][0] += times * prof.compute_seconds(s.flops, scale * nbytes, dtype)
-            continue
-        seconds = times * prof.step_collective_seconds(str(s.collective), s.group,
-                                                       s.buffer_bytes, s.recv_bytes)
-        if s.role == "mirror":
-            grad_sync += seconds
+        bucket, seconds = _step_seconds(s, by_name, prof)
+        if bucket < 0:
+            grad_sync += times * seconds
         else:
-            ops[s.op][1 if s.role == "op-collective" else 2] += seconds
+            ops[s.op][bucket] += times * seconds
     return sum(sum(v) for v in ops.values()) + grad_sync, ops, grad_sync
+
+
+def _step_seconds(s: Any, by_name: Mapping[str, Any], prof: DeviceProfile
+                  ) -> tuple[int, float]:
+    """(bucket, seconds) of one schedule step: 0 compute, 1 op communication, 2
+    redistribution, -1 gradient synchronisation (a Mirror)."""
+    if s.collective is None:
+        op = by_name[s.op]
+        # A backward kernel moves twice the bytes; a recomputed forward's, once.
+        scale = 2 if s.backward and s.reason != "recompute" else 1
+        return 0, prof.compute_seconds(s.flops, scale * _kernel_bytes(op),
+                                       op.node.outputs[0].dtype)
+    seconds = prof.step_collective_seconds(str(s.collective), s.group, s.buffer_bytes,
+                                           s.recv_bytes)
+    if s.role == "mirror":
+        return -1, seconds
+    return (1 if s.role == "op-collective" else 2), seconds
+
+
+def phase_seconds(program: _Program, profile: str | DeviceProfile = "cpu-local"
+                  ) -> tuple[float, float, float]:
+    """(forward, backward, once per step) seconds of ``program`` on its slowest rank: one
+    micro-batch's forward and backward (a pipeline stage runs them as separate tasks), and
+    the steps that run once per step after the last micro-batch (the deferred Mirrors and
+    level1's slicing). The optimizer's update and the fixed costs are left out."""
+    prof = load_profile(profile)
+    by_name = {s.node.name: s for s in program.steps}
+    best: tuple[float, float, float] | None = None
+    for rank in sample_ranks(program.device_num):
+        parts = [0.0, 0.0, 0.0]
+        for s in program.schedule(rank):
+            parts[2 if s.deferred else 1 if s.backward else 0] += \
+                _step_seconds(s, by_name, prof)[1]
+        if best is None or sum(parts) > sum(best):
+            best = (parts[0], parts[1], parts[2])
+    assert best is not None
+    return best
 
 
 def _kernel_bytes(op: Any) -> int:

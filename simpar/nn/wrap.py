@@ -36,7 +36,7 @@ from simpar.nn.auto_parallel import AutoParallel
 from simpar.nn.cell import Cell
 from simpar.nn.grad_accumulation import GradAccumulation
 from simpar.nn.optim import Optimizer
-from simpar.pipeline import PipelineRunner, Stage, plan_stages, split_stages
+from simpar.pipeline import PipelineRunner, plan_pipeline
 from simpar.redistribution import execute, plan
 from simpar.runtime.lowering import lower
 from simpar.runtime.program import ParallelProgram
@@ -111,6 +111,7 @@ class TrainOneStepCell:
         #: With ``pipeline_stages`` > 1: this rank's part of the pipeline
         #: (:class:`~simpar.pipeline.PipelineRunner`), else None.
         self.pipeline: PipelineRunner | None = None
+        self.pipeline_scheduler = "1f1b"
         #: How auto_parallel chose the memory dimensions (memory_dimensions not "fixed"):
         #: a :class:`~simpar.search.dimensions.DimensionSearch`, else None.
         self.program_dimensions: Any = None
@@ -225,23 +226,14 @@ class TrainOneStepCell:
         stages, world = ctx.pipeline_stages, comm.get_group_size()
         _check_pipeline(ctx, self.mode, world)
         m = self.micro_batches
-        g = graph.trace(self.network, [((x.shape[0] // m, *x.shape[1:]), x.dtype)
-                                       for x in (data, label)], ["data", "label"])
-
-        def plan_one(st: Stage, dataset: Any) -> tuple[PlanRequest, Any]:
-            request = request_from_context(st.graph, cell=self.network, mode=self.mode,
-                                           device_num=world // stages,
-                                           dataset_strategy=dataset, micro_batches=m)
-            return request, plan_request(request)
-
-        chunks = 1
-        if ctx.pipeline_config.pipeline_interleave:   # as many chunks as Cells name segments
-            chunks = 1 + max((n.chunk for n in g.nodes), default=0)
-        parts = split_stages(g, stages, chunks)
-        programs = plan_stages(parts, world // stages, plan_one, ctx.dataset_strategy)
+        parts, programs = plan_pipeline(
+            self.network, [((x.shape[0] // m, *x.shape[1:]), x.dtype) for x in (data, label)],
+            stages, world, self.mode, ctx.dataset_strategy, m,
+            ctx.pipeline_config.pipeline_interleave)
         self._seed = self.loss_seed_of(programs[-1])
+        self.pipeline_scheduler = ctx.pipeline_config.pipeline_scheduler
         self.pipeline = PipelineRunner(parts, programs, comm.get_rank(), stages,
-                                       ctx.pipeline_config.pipeline_scheduler, m, self._seed)
+                                       self.pipeline_scheduler, m, self._seed)
         self.program = self.pipeline.program
         trainable = {p.name for p in self.optimizer.parameters}
         for name, (prog, _) in self.pipeline.params().items():

@@ -2,13 +2,15 @@
 scheduled across them (MindSpore's ``pipeline_stages``, ``Cell.pipeline_stage``,
 ``PipelineCell``).
 
-Modules: ``stages`` (which stage runs each op; each stage's own graph), ``schedules`` (GPipe
-and 1F1B), ``runner`` (a step over MPI).
+Modules: ``stages`` (which stage runs each op; each stage's own graph), ``schedules`` (GPipe,
+1F1B, interleaved), ``runner`` (a step over MPI), ``price`` (what a step costs).
 """
 
-from simpar.pipeline.runner import PipelineRunner, Transfer, plan_stages
+from simpar.pipeline.price import PipelineCost, StageCost, price_pipeline, timeline
+from simpar.pipeline.runner import PipelineRunner, Transfer, plan_pipeline, plan_stages
 from simpar.pipeline.schedules import bubble_fraction, in_flight, schedule
 from simpar.pipeline.stages import Boundary, Stage, split_stages, stages_of
 
-__all__ = ["Boundary", "PipelineRunner", "Stage", "Transfer", "bubble_fraction", "in_flight",
-           "plan_stages", "schedule", "split_stages", "stages_of"]
+__all__ = ["Boundary", "PipelineCost", "PipelineRunner", "Stage", "StageCost", "Transfer",
+           "bubble_fraction", "in_flight", "plan_pipeline", "plan_stages", "price_pipeline",
+           "schedule", "split_stages", "stages_of", "timeline"]

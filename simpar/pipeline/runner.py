@@ -27,20 +27,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from time import perf_counter
 from typing import Any
 
 import numpy as np
 
-from simpar import comm
+from simpar import comm, graph
 from simpar.layout import TensorLayout, shard_index, take_shard
 from simpar.pipeline.schedules import schedule
-from simpar.pipeline.stages import Stage
+from simpar.pipeline.stages import Stage, split_stages
 from simpar.redistribution import execute, plan
 from simpar.runtime.executor import input_gradient
 from simpar.runtime.lowering import lower
 from simpar.runtime.program import ParallelProgram
+from simpar.search import plan_request, request_from_context
 
-__all__ = ["PipelineRunner", "Transfer", "plan_stages"]
+__all__ = ["PipelineRunner", "Transfer", "plan_pipeline", "plan_stages"]
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,26 @@ def plan_stages(stages: Sequence[Stage], per_stage: int, planner: Any, dataset: 
     return programs
 
 
+def plan_pipeline(network: Any, specs: Sequence[tuple[tuple[int, ...], Any]], stages: int,
+                  device_num: int, mode: str, dataset: Any, micro_batches: int = 1,
+                  interleave: bool = False) -> tuple[list[Stage], list[ParallelProgram]]:
+    """Trace ``network`` for one micro-batch of inputs ``specs`` ((shape, dtype) of the data
+    and the label), cut it into ``stages`` stages (chunks by ``pipeline_segment`` when
+    ``interleave``) and plan each for ``device_num / stages`` devices (pure)."""
+    g = graph.trace(network, list(specs), ["data", "label"])
+    chunks = 1 + max((n.chunk for n in g.nodes), default=0) if interleave else 1
+    parts = split_stages(g, stages, chunks)
+
+    def planner(st: Stage, strategy: Any) -> tuple[Any, Any]:
+        request = request_from_context(st.graph, cell=network, mode=mode,
+                                       device_num=device_num // stages,
+                                       dataset_strategy=strategy,
+                                       micro_batches=micro_batches)
+        return request, plan_request(request)
+
+    return parts, plan_stages(parts, device_num // stages, planner, dataset)
+
+
 class PipelineRunner:
     """This rank's part of a pipelined step: its stage's programs (one per chunk with
     interleaved virtual stages), the schedule, and the peers of its stage rank in the other
@@ -105,6 +127,9 @@ class PipelineRunner:
         self.tasks = schedule(scheduler, self.stage, pipeline_stages, micro_batches, chunks)
         self.loss_seed = loss_seed
         self.trace: list[Transfer] = []
+        #: The last step's seconds in its forwards and backwards, and from its start to the
+        #: end of its last task (the rest of the span is the bubble).
+        self.busy = self.span = 0.0
         self.shared = self._shared()
 
     def peer(self, virtual: int) -> int:
@@ -156,13 +181,16 @@ class PipelineRunner:
         losses: list[float] = []
         pending: list[comm.SendRequest] = []
         self.trace = []
+        started, self.busy = perf_counter(), 0.0
         for kind, chunk, k in self.tasks:
             vs = chunk * count + self.stage
             st, prog = self.stages[vs], self.programs[vs]
             if kind == "F":
                 inputs = [self._input(batch, st, prog, j, k) for j in range(len(st.batch))]
+                t0 = perf_counter()
                 with comm.stage_world(self.ranks):
                     outs, tapes[vs, k] = prog.forward(inputs, params, step=m * step + k)
+                self.busy += perf_counter() - t0
                 for out, b, loss in zip(outs, st.sent, st.loss):
                     if b is None:
                         if loss == 0:
@@ -172,8 +200,10 @@ class PipelineRunner:
                         pending.append(self._send(out, c, b, k, False))
                 continue
             seeds = [self._seed(prog, out, b, k) for out, b in zip(prog.graph.outputs, st.sent)]
+            t0 = perf_counter()
             with comm.stage_world(self.ranks):
                 grads = prog.backward(tapes.pop((vs, k)), seeds)
+            self.busy += perf_counter() - t0
             for v, b in zip(st.graph.inputs, st.received):
                 if b is not None and v.id in st.graph.grad_inputs:
                     pending.append(self._send(grads.pop(input_gradient(v.name)), b.producer,
@@ -183,6 +213,7 @@ class PipelineRunner:
                     total[name] = g if g.flags.writeable else g.copy()
                 else:
                     total[name] += g
+        self.span = perf_counter() - started
         if m > 1:   # the step's one synchronisation, chunk by chunk
             for vs in self.chunks:
                 prog = self.programs[vs]

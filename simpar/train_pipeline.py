@@ -1,0 +1,91 @@
+"""The main job's pipeline stages (``--pipeline-stages``): which Cells each stage runs, and
+the per-stage summary line (pure helpers of :mod:`simpar.train`).
+
+The model's units (the GPT's embedding, blocks and head; the MLP's layers) are cut into
+contiguous runs, as even as the units allow: with ``--pipeline-schedule interleaved`` into
+two chunks per stage (``pipeline_segment``), in virtual-stage order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from simpar import comm, nn
+from simpar.cost import DeviceProfile
+from simpar.pipeline import price_pipeline
+
+__all__ = ["SCHEDULES", "assign_stages", "pipeline_config", "stage_lines", "units"]
+
+#: ``--pipeline-schedule`` choices.
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
+
+
+def pipeline_config(schedule: str) -> dict[str, Any]:
+    """MindSpore's ``pipeline_config`` for a ``--pipeline-schedule`` choice."""
+    return {"pipeline_interleave": schedule == "interleaved",
+            "pipeline_scheduler": "gpipe" if schedule == "gpipe" else "1f1b"}
+
+
+def units(model: nn.Cell) -> list[nn.Cell]:
+    """The Cells stages are cut between, in order."""
+    if isinstance(model, nn.GPT):
+        return [model.embedding, *model.blocks, model.head]
+    return list(model.layers)   # type: ignore[attr-defined]
+
+
+def assign_stages(model: nn.Cell, stages: int, chunks: int = 1) -> None:
+    """Set every unit's ``pipeline_stage`` (and ``pipeline_segment``): unit ``k`` of ``n``
+    on virtual stage ``k * stages * chunks // n``; the GPT's final LayerNorm with its head.
+    Raises ``ValueError`` when there are fewer units than virtual stages."""
+    parts = units(model)
+    virtual = stages * chunks
+    if len(parts) < virtual:
+        raise ValueError(f"--pipeline-stages {stages}"
+                         f"{' with 2 interleaved chunks' if chunks > 1 else ''} needs at least "
+                         f"{virtual} units to cut between, but the {type(model).__name__} has "
+                         f"{len(parts)} (more --n-layers)")
+    for k, unit in enumerate(parts):
+        v = k * virtual // len(parts)
+        unit.pipeline_stage = v % stages
+        if chunks > 1:
+            unit.pipeline_segment = v // stages
+    if isinstance(model, nn.GPT):
+        model.ln_f.pipeline_stage = parts[-1].pipeline_stage
+        if chunks > 1:
+            model.ln_f.pipeline_segment = parts[-1].pipeline_segment
+
+
+def stage_lines(train: nn.TrainOneStepCell, profile: DeviceProfile | None, optimizer: str,
+                ) -> str:
+    """One line per stage: its last step's time busy in forwards and backwards and idle in
+    the bubble, measured (the slowest of its ranks, collective: every rank calls), next to
+    the prediction, and its predicted peak memory; then the predicted step."""
+    runner = train.pipeline
+    assert runner is not None
+    mine = np.array([[runner.stage, runner.busy, runner.span - runner.busy]])
+    every = comm.all_gather(mine, axis=0)
+    cost = None
+    if profile is not None:
+        cost = price_pipeline(runner.stages, runner.programs, runner.count,
+                              train.pipeline_scheduler, runner.micro_batches, profile,
+                              optimizer)
+    lines = [f"pipeline: {runner.count} stages x {runner.per_stage} ranks, "
+             f"{len(runner.chunks)} chunk(s) per stage, {runner.micro_batches} micro-batches, "
+             f"{train.pipeline_scheduler}" + (" interleaved" if len(runner.chunks) > 1 else "")]
+    for s in range(runner.count):
+        rows = every[every[:, 0] == s]
+        busy, idle = rows[:, 1].max(), rows[:, 2].max()
+        line = (f"  stage {s}: busy {busy * 1e3:.1f} ms, idle {idle * 1e3:.1f} ms "
+                f"({idle / max(busy + idle, 1e-12):.0%} bubble) in the last step")
+        if cost is not None:
+            c = cost.stages[s]
+            line += (f"; predicted busy {c.busy * 1e3:.1f} ms, idle {c.idle * 1e3:.1f} ms, "
+                     f"peak memory {c.peak_memory / 2**20:.2f} MiB "
+                     f"({c.in_flight} micro-batch(es) in flight)")
+        lines.append(line)
+    if cost is not None:
+        lines.append(f"  predicted step {cost.step_seconds * 1e3:.1f} ms on {cost.profile}, "
+                     f"bubble {cost.bubble:.0%}")
+    return "\n".join(lines)
