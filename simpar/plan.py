@@ -56,6 +56,7 @@ from simpar.cost import (
     profile_names,
 )
 from simpar.optimizer_parallel import OptimizerLevel, OptimizerParallel
+from simpar.pipeline.search import GPTShape, StageChoice, price_choice, search_pipeline
 from simpar.runtime import NothingParallelWarning, ParallelProgram, lower
 from simpar.search import StrategyMap, plan_request, registered_searches, request_from_context
 from simpar.search.dimensions import DimensionSearch, graph_of
@@ -178,6 +179,12 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _stages(text: str) -> int | None:
+    if text == "auto":
+        return None
+    return positive_int_arg(text)
+
+
 def _preset(text: str) -> str:
     return text.upper()
 
@@ -253,6 +260,11 @@ def _parser() -> argparse.ArgumentParser:
                         f"the micro-batches ({', '.join(map(str, PLAN_MICRO_BATCHES))}) with "
                         "the cuts, always or when nothing fits; --optimizer-shard LEVEL and "
                         "--micro-batches M > 1 fix theirs")
+    p.add_argument("--pipeline-stages", type=_stages, default=1, metavar="S|auto",
+                   help="GPT: plan S pipeline stages (searching their layer ranges, layouts, "
+                        "memory dimensions and micro-batches), or 'auto' to search S too "
+                        "(MindSpore's auto_pipeline); printed next to Megatron-LM's "
+                        "configuration for GPT-3 (default 1: no pipeline)")
     p.add_argument("--out", default=None, help="write the plan as JSON to this file")
     p.add_argument("--quiet", action="store_true",
                    help="no progress on stderr (the plan still prints)")
@@ -589,9 +601,71 @@ def _dimensions(opts: PlanOptions) -> str:
     return "; " + ", ".join(parts) if parts else ""
 
 
+def pipeline_main(opts: PlanOptions, stages: int | None) -> int:
+    """``--pipeline-stages``: the pipeline search (:mod:`simpar.pipeline.search`), its best
+    candidates, and Megatron-LM's configuration priced alike (tp 8, the stages the GPT-3
+    paper gives for the size, data parallel over the rest, micro-batch 1, every block
+    recomputed, no optimizer sharding)."""
+    shape = GPTShape(opts.vocab, opts.seq, opts.hidden, opts.layers, opts.heads, opts.batch,
+                     opts.dtype)
+    what = "searched" if stages is None else f"{stages} given"
+    print(f"simpar plan: {opts.describe()}, batch {opts.batch}, {opts.device_num} devices, "
+          f"pipeline stages {what}, on {opts.profile.name} "
+          f"({opts.profile.memory_capacity / 2**30:.0f} GiB per device)", flush=True)
+    found = search_pipeline(shape, opts.device_num, opts.profile, _OPTIMIZERS[opts.optimizer],
+                            stages)
+    print(f"searched {len(found.candidates)} candidates in {found.seconds:.1f} s ("
+          f"{found.skipped} layouts left out: their weights alone exceed the cap); the best:")
+    print(found.table())
+    mega = megatron_choice(opts)
+    if mega is not None:
+        s, choice = mega
+        ref = price_choice(shape, opts.device_num, s, choice, opts.profile,
+                           _OPTIMIZERS[opts.optimizer])
+        print(f"Megatron-LM's configuration: {ref.describe()}: predicted step "
+              f"{ref.step_seconds:.3f} s, peak {ref.peak_memory / 2**30:.2f} GiB "
+              f"({'fits' if ref.fits else 'does not fit'})")
+    if found.best is None:
+        print(f"{PROG}: error: no plan: no candidate fits {found.capacity / 2**30:.0f} GiB per "
+              "device", file=sys.stderr)
+        return 1
+    best = found.best
+    print(f"plan: {best.describe()}: predicted step {best.step_seconds:.3f} s, bubble "
+          f"{best.bubble:.1%}, peak {best.peak_memory / 2**30:.2f} GiB per device"
+          + (f"; {ref.step_seconds / best.step_seconds:.2f}x as fast as Megatron-LM's"
+             if mega is not None else ""))
+    return 0
+
+
+#: Megatron-LM's configurations (Narayanan et al. 2021): (hidden, layers) -> (tensor-parallel
+#: size, pipeline stages). GPT-3 175B on 1024 GPUs: t 8 x p 8 x d 16 at batch 1536, with full
+#: activation recomputation; the 1-trillion-parameter GPT on 3072 GPUs: t 8 x p 64.
+MEGATRON = {(12288, 96): (8, 8), (25600, 128): (8, 64)}
+
+
+def megatron_choice(opts: PlanOptions) -> tuple[int, StageChoice] | None:
+    """(stages, choice) of Megatron-LM's configuration for this GPT on these devices: the
+    paper's tensor and pipeline sizes, data parallel over the rest, micro-batch 1, every
+    block recomputed; None for another GPT, or when they do not divide the devices or the
+    batch."""
+    found = MEGATRON.get((opts.hidden, opts.layers))
+    if found is None:
+        return None
+    tp, pp = found
+    if opts.device_num % (tp * pp) or opts.batch % (opts.device_num // (tp * pp)):
+        return None
+    return pp, StageChoice(tp, opts.device_num // (tp * pp), 1, None, True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     opts, args = parse_args(argv)
+    if args.pipeline_stages != 1:
+        if opts.model != "gpt":
+            print(f"{PROG}: error: argument --pipeline-stages: plans a GPT only",
+                  file=sys.stderr)
+            return 2
+        return pipeline_main(opts, args.pipeline_stages)
     limit = f" within {opts.time_limit:g} s" if opts.time_limit is not None else ""
     print(f"simpar plan: {opts.describe()}, batch {opts.batch}, {opts.device_num} devices, "
           f"search {opts.search_mode}{limit} minimising {opts.cost_model}'s cost model"

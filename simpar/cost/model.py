@@ -275,18 +275,19 @@ def _step_seconds(s: Any, by_name: Mapping[str, Any], prof: DeviceProfile
     return (1 if s.role == "op-collective" else 2), seconds
 
 
-def phase_seconds(program: _Program, profile: str | DeviceProfile = "cpu-local"
-                  ) -> tuple[float, float, float]:
-    """(forward, backward, once per step) seconds of ``program`` on its slowest rank: one
-    micro-batch's forward and backward (a pipeline stage runs them as separate tasks), and
-    the steps that run once per step after the last micro-batch (the deferred Mirrors and
-    level1's slicing). The optimizer's update and the fixed costs are left out."""
+def phase_seconds(program: _Program, profile: str | DeviceProfile = "cpu-local",
+                  rank: int | None = None) -> tuple[float, float, float]:
+    """(forward, backward, once per step) seconds of ``program`` on its slowest rank (or on
+    ``rank``: :func:`evaluate`'s ``slowest_rank``, say): one micro-batch's forward and
+    backward (a pipeline stage runs them as separate tasks), and the steps that run once per
+    step after the last micro-batch (the deferred Mirrors and level1's slicing). The
+    optimizer's update and the fixed costs are left out."""
     prof = load_profile(profile)
     by_name = {s.node.name: s for s in program.steps}
     best: tuple[float, float, float] | None = None
-    for rank in sample_ranks(program.device_num):
+    for r in sample_ranks(program.device_num) if rank is None else [rank]:
         parts = [0.0, 0.0, 0.0]
-        for s in program.schedule(rank):
+        for s in program.schedule(r):
             parts[2 if s.deferred else 1 if s.backward else 0] += \
                 _step_seconds(s, by_name, prof)[1]
         if best is None or sum(parts) > sum(best):

@@ -148,11 +148,14 @@ class DeviceProfile:
     # -------------------------------------------------------------------- queries
     def flops_per_second(self, dtype: Any) -> float:
         """Peak FLOP/s for ``dtype`` (a numpy dtype or its name)."""
-        try:
-            key = np.dtype(dtype).name
-        except TypeError:
-            key = str(dtype)
-        return self.peak_flops.get(key, min(self.peak_flops.values()))
+        key = getattr(dtype, "name", None)   # a numpy dtype: its name, without converting
+        if not isinstance(key, str):
+            try:
+                key = np.dtype(dtype).name
+            except TypeError:
+                key = str(dtype)
+        found = self.peak_flops.get(key)
+        return found if found is not None else min(self.peak_flops.values())
 
     def server_of(self, rank: int) -> int:
         """The server index of ``rank``'s device."""

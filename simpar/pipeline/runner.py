@@ -67,10 +67,12 @@ def plan_stages(stages: Sequence[Stage], per_stage: int, planner: Any, dataset: 
     knows its neighbours' layouts)."""
     programs: list[ParallelProgram] = []
     for st in stages:
-        strategy = dataset
-        if isinstance(dataset, tuple):   # one per batch input; a boundary: whole, for now
-            strategy = tuple(dataset[k] if k is not None else (1,) * v.ndim
-                             for k, v in zip(st.batch, st.graph.inputs))
+        # One strategy per input: a batch input's is the dataset's; a boundary's cuts its
+        # producer's layout, so that the stage plans for what it receives.
+        strategy = tuple(
+            tuple(programs[b.producer].layouts[v.id].cuts) if b is not None
+            else _dataset_cuts(dataset, k, v.ndim, v.shape, per_stage)
+            for k, v, b in zip(st.batch, st.graph.inputs, st.received))
         request, smap = planner(st, strategy)
         fixed = {}
         for v, b in zip(st.graph.inputs, st.received):
@@ -103,6 +105,18 @@ def plan_pipeline(network: Any, specs: Sequence[tuple[tuple[int, ...], Any]], st
         return request, plan_request(request)
 
     return parts, plan_stages(parts, device_num // stages, planner, dataset)
+
+
+def _dataset_cuts(dataset: Any, k: int | None, ndim: int, shape: tuple[int, ...],
+                  devices: int) -> tuple[int, ...]:
+    """Batch input ``k``'s cuts under ``dataset`` (a tuple of strategies, "full_batch", or
+    "data_parallel": the batch over every device that divides it)."""
+    if isinstance(dataset, tuple):
+        assert k is not None
+        return tuple(dataset[k])
+    if dataset == "data_parallel" and ndim and shape[0] % devices == 0:
+        return (devices,) + (1,) * (ndim - 1)
+    return (1,) * ndim
 
 
 class PipelineRunner:

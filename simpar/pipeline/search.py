@@ -1,0 +1,357 @@
+"""Searching a GPT's pipeline plan (pure): the stage count, the layer ranges, each stage's
+layout and memory dimensions, and the micro-batches, under the devices' memory cap.
+
+In the manner of Alpa's inter-operator pass (Zheng et al. 2022), with the structure of a GPT
+used the way Megatron-LM's analysis uses it (Narayanan et al. 2021): the network is a run of
+units (the embedding, ``L`` identical blocks, the final LayerNorm and head with the loss),
+and a stage is a contiguous range of them on a sub-mesh of ``D / S`` devices.
+
+For each candidate ``S`` (a divisor of ``D`` with ``S <= L``) and each intra-stage choice
+(:class:`StageChoice`: Megatron's ``dp x tp`` layout inside the stage with ``tp`` within a
+server, the micro-batch size per data-parallel replica, the optimizer-parallel level and
+whether blocks recompute), one embedding, one block and one head are planned and lowered on
+the sub-mesh (:func:`~simpar.pipeline.runner.plan_pipeline`, a one-block GPT cut into three
+virtual stages) and priced by the cost model: each unit's forward and backward per
+micro-batch, its once-per-step synchronisation and update, and its memory (parameters,
+gradients and optimizer state; the activations one micro-batch keeps). Then:
+
+* the layer ranges: the fewest-seconds split of the ``L`` blocks over the ``S`` stages in
+  which every stage fits the cap, with 1F1B's ``min(S - s, M)`` micro-batches in flight on
+  stage ``s`` (a search over the slowest stage's time, each stage given the most blocks
+  that fit under it);
+* the step: the stages' 1F1B tasks on a timeline (:func:`~simpar.pipeline.price.timeline`),
+  messages between stages at the link's time, then each stage's synchronisation and update.
+
+The plan is the cheapest that fits. The intra-stage layouts are Megatron's ``dp x tp``, not
+the operator-level search: on 128 devices the search takes 9.6 s for one block and on 1024
+devices 149 s (``docs/pipeline.md``), too slow to run for every candidate.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from simpar import graph, nn
+from simpar.cost.model import evaluate, optimizer_seconds, phase_seconds
+from simpar.cost.profile import DeviceProfile, load_profile
+from simpar.nn import presets
+from simpar.optimizer_parallel import OptimizerLevel, OptimizerParallel
+from simpar.pipeline.price import timeline
+from simpar.pipeline.runner import plan_stages
+from simpar.pipeline.schedules import in_flight, schedule
+from simpar.pipeline.stages import split_stages
+from simpar.runtime.lowering import lower
+from simpar.search import plan_request, request_from_context
+
+__all__ = ["LADDER", "GPTShape", "PipelinePlan", "PipelineSearch", "StageChoice",
+           "price_choice", "search_pipeline"]
+
+
+@dataclass(frozen=True)
+class GPTShape:
+    """The GPT to plan: vocabulary, sequence, width, layers, heads, global batch, dtype."""
+
+    vocab: int
+    seq: int
+    hidden: int
+    layers: int
+    heads: int
+    batch: int
+    dtype: str = "float16"
+
+
+@dataclass(frozen=True)
+class StageChoice:
+    """Inside every stage: ``dp x tp`` devices (Megatron's layout), ``mbs`` rows per replica
+    per micro-batch, the optimizer-parallel level (None: off), and whether blocks
+    recompute."""
+
+    tp: int
+    dp: int
+    mbs: int
+    level: str | None
+    recompute: bool
+
+    def describe(self) -> str:
+        return (f"tp {self.tp} x dp {self.dp}, micro-batch {self.mbs} per replica, optimizer "
+                f"{self.level or 'not sharded'}, {'full' if self.recompute else 'no'} "
+                "recomputation")
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """One unit priced: seconds of a micro-batch's forward and backward, once per step
+    (synchronisation and update), and bytes (static: parameters, gradients, optimizer
+    state; one micro-batch's activations; the transient peak on top)."""
+
+    forward: float
+    backward: float
+    once: float
+    static: int
+    activations: int
+    transient: int
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """One candidate, priced."""
+
+    stages: int
+    devices_per_stage: int
+    micro_batches: int
+    choice: StageChoice
+    blocks: tuple[int, ...]          # per stage
+    step_seconds: float
+    stage_memory: tuple[int, ...]
+    bubble: float
+    fits: bool
+
+    @property
+    def peak_memory(self) -> int:
+        return max(self.stage_memory)
+
+    def describe(self) -> str:
+        return (f"pp {self.stages} x ({self.choice.describe()}), {self.micro_batches} "
+                f"micro-batches, blocks per stage {list(self.blocks)}")
+
+
+@dataclass
+class PipelineSearch:
+    """Every candidate priced, the best that fits (None: nothing fits), the seconds the
+    search took, and how many layouts could not fit whatever their memory dimensions."""
+
+    candidates: list[PipelinePlan]
+    best: PipelinePlan | None
+    seconds: float
+    capacity: int
+    #: Layouts left out unpriced: their blocks' weights and gradients alone exceed the cap.
+    skipped: int = 0
+
+    def table(self, top: int = 10) -> str:
+        rows = sorted(self.candidates, key=lambda p: (not p.fits, p.step_seconds))[:top]
+        lines = [f"{'pp':>3} {'tp':>3} {'dp':>4} {'mbs':>3} {'M':>4} {'level':>7} "
+                 f"{'recomp':>6} {'step s':>9} {'bubble':>7} {'peak GiB':>9}  fits"]
+        for p in rows:
+            c = p.choice
+            lines.append(f"{p.stages:>3} {c.tp:>3} {c.dp:>4} {c.mbs:>3} {p.micro_batches:>4} "
+                         f"{c.level or 'off':>7} {'yes' if c.recompute else 'no':>6} "
+                         f"{p.step_seconds:>9.3f} {p.bubble:>7.1%} "
+                         f"{p.peak_memory / 2**30:>9.2f}  {'yes' if p.fits else 'NO'}")
+        return "\n".join(lines)
+
+
+def _units(shape: GPTShape, n: int, choice: StageChoice, prof: DeviceProfile,
+           optimizer: str, plans: dict[Any, Any] | None = None
+           ) -> tuple[_Unit, _Unit, _Unit, int]:
+    """The embedding, one block and the head on ``n`` devices under ``choice``, priced; and
+    the bytes of the activation one stage sends the next per micro-batch (per rank).
+    ``plans`` keeps the three units' programs per layout and level across calls: with and
+    without recomputation they share their strategies, and are only lowered apart."""
+    key = (n, choice.tp, choice.dp, choice.mbs, choice.level)
+    found = plans.get(key) if plans is not None else None
+    if found is None:
+        found = _plan_units(shape, n, choice)
+        if plans is not None:
+            plans[key] = found
+    parts, programs = found
+    if choice.recompute:   # the same strategies, with the block's ops run again backward
+        programs = [lower(st.graph, replace(prog.strategy_map, recompute=tuple(
+                        seg.name for seg in st.graph.segments)), prog.enable_alltoall)
+                    for st, prog in zip(parts, programs)]
+    units = []
+    for prog in programs:
+        report = evaluate(prog, prof, optimizer)
+        f, bwd, once = phase_seconds(prog, prof, report.slowest_rank)
+        row = max(report.memory, key=lambda m: m.peak)
+        static = row.parameters + row.gradients + row.optimizer
+        units.append(_Unit(f, bwd, once + optimizer_seconds(prog, optimizer, prof), static,
+                           row.activations, row.peak - static - row.activations))
+    out = programs[0].graph.outputs[0]
+    sent = programs[0].layouts[out.id].local_size() * out.dtype.itemsize
+    return units[0], units[1], units[2], sent
+
+
+def _plan_units(shape: GPTShape, n: int, choice: StageChoice) -> tuple[list[Any], list[Any]]:
+    """A one-block GPT in Megatron's layout cut into its embedding, block and head, each
+    planned on ``n`` devices without recomputation (its block marked recomputable)."""
+    b = choice.dp * choice.mbs
+    net = nn.GPT(shape.vocab, shape.seq, shape.hidden, 1, shape.heads,
+                 dtype=np.dtype(shape.dtype))
+    loss = nn.SoftmaxCrossEntropyWithLogits()
+    presets.megatron_gpt(net, choice.dp, choice.tp, loss)
+    net.embedding.pipeline_stage, net.blocks[0].pipeline_stage = 0, 1
+    net.ln_f.pipeline_stage = net.head.pipeline_stage = 2
+    net.blocks[0].recompute()
+    cell = nn.WithLossCell(net, loss)
+    ids = ((b, shape.seq), np.dtype(np.int32))
+    parts = split_stages(graph.trace(cell, [ids, ids], ["data", "label"]), 3)
+    level = OptimizerParallel(None if choice.level is None else OptimizerLevel(choice.level),
+                              -1, 64)
+
+    def planner(st: Any, strategy: Any) -> tuple[Any, Any]:
+        request = request_from_context(st.graph, cell=cell, mode="semi_auto_parallel",
+                                       device_num=n, dataset_strategy=strategy,
+                                       optimizer=level, micro_batches=2, recompute=())
+        return request, plan_request(request)
+
+    return parts, plan_stages(parts, n, planner, ((choice.dp, 1), (choice.dp, 1)))
+
+
+def price_choice(shape: GPTShape, device_num: int, stages: int, choice: StageChoice,
+                 profile: str | DeviceProfile = "ascend910b", optimizer: str = "adam",
+                 capacity: int | None = None, plans: dict[Any, Any] | None = None
+                 ) -> PipelinePlan:
+    """One candidate: ``stages`` stages under ``choice``, its blocks split as the module
+    says, its 1F1B step on a timeline."""
+    prof = load_profile(profile)
+    cap = prof.memory_capacity if capacity is None else capacity
+    n = device_num // stages
+    m = shape.batch // (choice.dp * choice.mbs)
+    emb, block, head, sent = _units(shape, n, choice, prof, optimizer, plans)
+    flight = [in_flight(schedule("1f1b", s, stages, m)) for s in range(stages)]
+
+    def seconds(s: int, k: int) -> float:
+        return (k * (block.forward + block.backward)
+                + (emb.forward + emb.backward if s == 0 else 0.0)
+                + (head.forward + head.backward if s == stages - 1 else 0.0))
+
+    def memory(s: int, k: int) -> int:
+        units = [(block, k)] + ([(emb, 1)] if s == 0 else []) + (
+            [(head, 1)] if s == stages - 1 else [])
+        return int(sum(c * (u.static + flight[s] * u.activations) for u, c in units)
+                   + max(u.transient for u, c in units if c))
+
+    blocks = _split(shape.layers, stages, seconds, memory, cap)
+    fits = blocks is not None
+    if blocks is None:   # nothing fits: the even split, priced anyway
+        blocks = [shape.layers // stages + (s < shape.layers % stages) for s in range(stages)]
+    step, bubble = _step(stages, m, blocks, emb, block, head, sent, n, prof)
+    mem = tuple(memory(s, k) for s, k in enumerate(blocks))
+    return PipelinePlan(stages, n, m, choice, tuple(blocks), step, mem, bubble,
+                        fits and all(x <= cap for x in mem))
+
+
+def _split(layers: int, stages: int, seconds: Any, memory: Any, cap: int
+           ) -> list[int] | None:
+    """The split of ``layers`` blocks over ``stages`` (each at least one) whose slowest
+    stage is fastest, every stage under ``cap``; None when none fits."""
+    def most(s: int, limit: float) -> int:
+        k = 0
+        while k < layers and seconds(s, k + 1) <= limit and memory(s, k + 1) <= cap:
+            k += 1
+        return k
+
+    limits = sorted({seconds(s, k) for s in range(stages) for k in range(1, layers + 1)})
+    lo, hi = 0, len(limits) - 1
+    found: list[int] | None = None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        ks = [most(s, limits[mid]) for s in range(stages)]
+        if min(ks) >= 1 and sum(ks) >= layers:
+            found, hi = ks, mid - 1
+        else:
+            lo = mid + 1
+    if found is None:
+        return None
+    extra = sum(found) - layers   # give back blocks from the stages with the most
+    for s in sorted(range(stages), key=lambda s: -found[s]):
+        take = min(extra, found[s] - 1)
+        found[s] -= take
+        extra -= take
+    return found
+
+
+def _step(stages: int, m: int, blocks: Sequence[int], emb: _Unit, block: _Unit,
+          head: _Unit, sent: int, n: int, prof: DeviceProfile) -> tuple[float, float]:
+    """(step seconds, bubble share) of the split on a 1F1B timeline."""
+    def cost(s: int, kind: str) -> float:
+        pick = (lambda u: u.forward) if kind == "F" else (lambda u: u.backward)
+        return (blocks[s] * pick(block) + (pick(emb) if s == 0 else 0.0)
+                + (pick(head) if s == stages - 1 else 0.0))
+
+    hop = prof.link((0, n)).seconds(1, sent) if stages > 1 else 0.0
+    tasks = [schedule("1f1b", s, stages, m) for s in range(stages)]
+
+    def needs(s: int, task: tuple[str, int, int]) -> list[tuple[int, Any, float]]:
+        kind, _, k = task
+        if kind == "F":
+            return [] if s == 0 else [(s - 1, ("F", 0, k), hop)]
+        out: list[tuple[int, Any, float]] = [(s, ("F", 0, k), 0.0)]
+        return out if s == stages - 1 else [*out, (s + 1, ("B", 0, k), hop)]
+
+    forward = [cost(s, "F") for s in range(stages)]
+    backward = [cost(s, "B") for s in range(stages)]
+    spans = timeline(tasks, lambda s, t: forward[s] if t[0] == "F" else backward[s], needs)
+    ends = [max(e for (st, *_), (_, e) in spans.items() if st == s) for s in range(stages)]
+    once = [blocks[s] * block.once + (emb.once if s == 0 else 0.0)
+            + (head.once if s == stages - 1 else 0.0) for s in range(stages)]
+    busy = [m * (forward[s] + backward[s]) for s in range(stages)]
+    bubble = 1.0 - sum(busy) / sum(ends)
+    return max(e + o for e, o in zip(ends, once)) + prof.step_overhead, bubble
+
+
+#: The memory dimensions tried for each layout, cheapest in time first; the first that fits
+#: is kept (each later one costs time and saves memory): nothing, every block recomputed,
+#: then optimizer parallel level1 (its weights gathered before every micro-batch's forward)
+#: without and with recomputation.
+LADDER: tuple[tuple[str | None, bool], ...] = ((None, False), (None, True), ("level1", False),
+                                                ("level1", True))
+
+
+def _layouts(shape: GPTShape, n: int, prof: DeviceProfile, mbs: Sequence[int]
+             ) -> list[tuple[int, int, int]]:
+    """(tp, dp, rows per replica) Megatron's layouts allow on ``n`` devices: tp within a
+    server and dividing the heads and the vocabulary, the batch split evenly."""
+    out = []
+    for tp in (8, 4, 2, 1):   # the likeliest first: a budget may stop the search
+        if n % tp or tp > prof.devices_per_server or shape.heads % tp or shape.vocab % tp:
+            continue
+        out += [(tp, n // tp, rows) for rows in mbs if shape.batch % (n // tp * rows) == 0]
+    return out
+
+
+def search_pipeline(shape: GPTShape, device_num: int, profile: str | DeviceProfile = "ascend910b",
+                    optimizer: str = "adam", stages: int | None = None,
+                    capacity: int | None = None, ladder: Sequence[tuple[str | None, bool]]
+                    = LADDER, mbs: Sequence[int] = (1,), budget: float | None = None
+                    ) -> PipelineSearch:
+    """The cheapest plan that fits (see the module): ``stages`` fixes S (None: every power
+    of two dividing ``device_num`` up to the layers); ``capacity`` the memory cap (default
+    the profile's); each layout climbs ``ladder`` until it fits; ``budget`` stops after
+    that many seconds with the best found so far."""
+    prof = load_profile(profile)
+    cap = prof.memory_capacity if capacity is None else capacity
+    started = time.perf_counter()
+    counts = [stages] if stages is not None else [
+        s for s in range(1, min(device_num, shape.layers) + 1)
+        if device_num % s == 0 and s & (s - 1) == 0]
+    plans: list[PipelinePlan] = []
+    units: dict[Any, Any] = {}
+    block = nn.TransformerBlock(shape.hidden, shape.heads, shape.seq,
+                                dtype=np.dtype(shape.dtype))
+    weights = sum(math.prod(w.shape) * w.dtype.itemsize for w in block.get_parameters())
+    skipped = 0
+    for s in sorted(counts, key=lambda s: abs(math.log2(s) - 3)):   # middling S first
+        for tp, dp, rows in _layouts(shape, device_num // s, prof, mbs):
+            # A floor on every rung: a stage's blocks' weights and gradients, cut tp ways.
+            if 2 * math.ceil(shape.layers / s) * weights / tp > cap:
+                skipped += 1
+                continue
+            for level, recompute in ladder:
+                if budget is not None and time.perf_counter() - started > budget:
+                    break
+                plan = price_choice(shape, device_num, s, StageChoice(tp, dp, rows, level,
+                                                                      recompute),
+                                    prof, optimizer, cap, units)
+                plans.append(plan)
+                if plan.fits:
+                    break
+    fitting = [p for p in plans if p.fits]
+    best = min(fitting, key=lambda p: p.step_seconds) if fitting else None
+    return PipelineSearch(plans, best, time.perf_counter() - started, cap, skipped)

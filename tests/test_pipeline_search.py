@@ -1,0 +1,96 @@
+"""The pipeline search and its pricing in one process (pure: shapes only, nothing runs).
+
+    python -m pytest tests/test_pipeline_search.py -q
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from simpar import plan as plan_cli
+from simpar.cost import load_profile
+from simpar.pipeline.search import (
+    LADDER,
+    GPTShape,
+    PipelinePlan,
+    StageChoice,
+    _split,
+    _units,
+    price_choice,
+    search_pipeline,
+)
+
+SMALL = GPTShape(vocab=512, seq=64, hidden=128, layers=8, heads=8, batch=64, dtype="float32")
+
+
+def test_the_split_fills_stages_evenly_under_the_slowest_stage_and_the_cap() -> None:
+    """Blocks of 1 s each, the first stage 2 s more (the embedding), 3 stages, 10 blocks:
+    the slowest stage takes 4 s ([2, 4, 4]); a cap of 3 blocks per stage leaves [2, 3, 3]
+    for 8 blocks and nothing for 10."""
+    def seconds(s: int, k: int) -> float:
+        return k + (2.0 if s == 0 else 0.0)
+
+    assert _split(10, 3, seconds, lambda s, k: 0, 1) == [2, 4, 4]
+    assert _split(8, 3, seconds, lambda s, k: k, 3) == [2, 3, 3]
+    assert _split(10, 3, seconds, lambda s, k: k, 3) is None
+
+
+def test_a_priced_choice_is_its_stages_timeline() -> None:
+    prof = load_profile("ascend910b")
+    plan = price_choice(SMALL, 16, 4, StageChoice(2, 2, 2, None, False), prof)
+    assert plan.devices_per_stage == 4 and plan.micro_batches == 64 // 4
+    assert sum(plan.blocks) == 8 and all(k >= 1 for k in plan.blocks)
+    assert plan.fits and 0 < plan.bubble < 1 and plan.step_seconds > 0
+    # A recomputed block costs its forward again and keeps only its input; level1 keeps
+    # a slice of the optimizer state.
+    _, block, _, _ = _units(SMALL, 4, StageChoice(2, 2, 2, None, False), prof, "adam")
+    _, again, _, _ = _units(SMALL, 4, StageChoice(2, 2, 2, None, True), prof, "adam")
+    _, sliced, _, _ = _units(SMALL, 4, StageChoice(2, 2, 2, "level1", False), prof, "adam")
+    assert again.backward > block.backward and again.forward == pytest.approx(block.forward)
+    assert again.activations < block.activations
+    assert sliced.static < block.static
+
+
+def test_the_search_keeps_the_fastest_plan_that_fits_and_each_layout_climbs_the_ladder(
+        ) -> None:
+    cap = 24 * 2**20
+    found = search_pipeline(SMALL, 16, "ascend910b", capacity=cap)
+    assert found.best is not None and found.best.fits
+    assert found.best.peak_memory <= cap
+    fitting = [p for p in found.candidates if p.fits]
+    assert found.best.step_seconds == min(p.step_seconds for p in fitting)
+    # A layout stops at its first rung that fits, in the ladder's order.
+    by_layout: dict[tuple[int, int, int], list[PipelinePlan]] = {}
+    for p in found.candidates:
+        by_layout.setdefault((p.stages, p.choice.tp, p.choice.mbs), []).append(p)
+    for tried in by_layout.values():
+        rungs = [(p.choice.level, p.choice.recompute) for p in tried]
+        assert rungs == list(LADDER[:len(rungs)])
+        assert all(not p.fits for p in tried[:-1])
+    assert {p.stages for p in found.candidates} >= {2, 4, 8}
+    fixed = search_pipeline(SMALL, 16, "ascend910b", stages=4, capacity=cap)
+    assert {p.stages for p in fixed.candidates} == {4}
+    tiny = search_pipeline(SMALL, 16, "ascend910b", capacity=2**16)
+    assert tiny.best is None and all(not p.fits for p in tiny.candidates)
+    assert "fits" in found.table()
+
+
+def test_simpar_plan_searches_pipelines_and_prices_megatrons_configuration(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--pipeline-stages auto`` on a GPT Megatron-LM has a configuration for (its
+    (hidden, layers) as GPT-3's, scaled down: the table is keyed by them)."""
+    monkeypatch.setitem(plan_cli.MEGATRON, (128, 8), (2, 2))
+    code = plan_cli.main(["--hidden", "128", "--layers", "8", "--heads", "8", "--seq", "64",
+                          "--vocab", "512", "--batch", "64", "--device-num", "16",
+                          "--pipeline-stages", "auto", "--quiet"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "Megatron-LM's configuration: pp 2 x (tp 2 x dp 4" in out
+    assert "plan: pp " in out and "as fast as Megatron-LM's" in out
+    searched = float(out.split("plan: ")[1].split("predicted step ")[1].split(" s")[0])
+    megatron = float(out.split("Megatron-LM's configuration: ")[1].split(
+        "predicted step ")[1].split(" s")[0])
+    assert searched <= megatron
+    assert plan_cli.main(["--model", "mlp", "--pipeline-stages", "2"]) == 2
+    assert np.isfinite(searched)
