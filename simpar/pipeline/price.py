@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from simpar.cost.model import CostReport, evaluate, optimizer_seconds, phase_seconds
 from simpar.cost.profile import DeviceProfile, load_profile
@@ -29,7 +30,7 @@ from simpar.pipeline.schedules import Task, schedule
 from simpar.pipeline.stages import Stage
 from simpar.runtime.program import ParallelProgram
 
-__all__ = ["PipelineCost", "StageCost", "price_pipeline", "timeline"]
+__all__ = ["PipelineCost", "StageCost", "dependencies", "price_pipeline", "timeline"]
 
 Key = tuple[int, str, int, int]   # (stage, kind, chunk, micro-batch)
 
@@ -69,6 +70,30 @@ def timeline(tasks: Sequence[Sequence[Task]], seconds: Callable[[int, Task], flo
             stuck = {s: own[at[s]] for s, own in enumerate(tasks) if at[s] < len(own)}
             raise ValueError(f"pipeline: the schedule deadlocks: every stage waits ({stuck})")
     return done
+
+
+def dependencies(stages: Sequence[Stage], count: int,
+                 latency: Callable[[int, int, Any], float] = lambda a, b, boundary: 0.0
+                 ) -> Callable[[int, Task], list[tuple[int, Task, float]]]:
+    """What each task of a pipeline of ``stages`` (per virtual stage, ``count`` real ones)
+    waits for, as :func:`timeline` takes it: a forward, its boundaries' forwards on their
+    producers; a backward, its own forward and the backwards of the readers of every float
+    boundary it sent; each message taking ``latency(from, to, boundary)``."""
+    def needs(s: int, task: Task) -> list[tuple[int, Task, float]]:
+        kind, c, k = task
+        vs = c * count + s
+        st = stages[vs]
+        if kind == "F":
+            return [(b.producer % count, ("F", b.producer // count, k),
+                     latency(b.producer, vs, b)) for b in st.received if b is not None]
+        out = [(s, ("F", c, k), 0.0)]
+        for v, b in zip(st.graph.outputs, st.sent):
+            if b is not None and v.dtype.kind == "f":
+                out += [(r % count, ("B", r // count, k), latency(r, vs, b))
+                        for r in b.consumers]
+        return out
+
+    return needs
 
 
 @dataclass(frozen=True)
@@ -144,22 +169,8 @@ def price_pipeline(stages: Sequence[Stage], programs: Sequence[ParallelProgram],
         f, b, _ = phases[c * count + s]
         return f if kind == "F" else b
 
-    def needs(s: int, task: Task) -> list[tuple[int, Task, float]]:
-        kind, c, k = task
-        st = stages[c * count + s]
-        if kind == "F":
-            return [(b.producer % count, ("F", b.producer // count, k),
-                     link(b.producer, c * count + s, sizes[b.index]))
-                    for b in st.received if b is not None]
-        out = [(s, ("F", c, k), 0.0)]
-        for v, b in zip(st.graph.outputs, st.sent):
-            if b is not None and v.dtype.kind == "f":
-                out += [(r % count, ("B", r // count, k), link(r, c * count + s,
-                                                                sizes[b.index]))
-                        for r in b.consumers]
-        return out
-
-    spans = timeline(tasks, seconds, needs)
+    spans = timeline(tasks, seconds, dependencies(
+        stages, count, lambda a, b, boundary: link(a, b, sizes[boundary.index])))
     p2p = sum(link(b.producer, vs, sizes[b.index]) * micro_batches * 2
               for vs, st in enumerate(stages) for b in st.received if b is not None)
     shared = _shared_sync(programs, count, per, prof)

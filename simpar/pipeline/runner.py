@@ -18,9 +18,12 @@ mean over the micro-batches, reaches every rank from the last stage.
 
 Messages between two ranks are tagged ``2 * boundary`` (forward) and ``2 * boundary + 1``
 (backward); both sides run the micro-batches in the same order, so they match in order.
-Each rank's sends and receives are recorded in :attr:`PipelineRunner.trace` (the step's
-point-to-point schedule, as the schedule guard lists collectives); a receive of the wrong
-size raises on its rank instead of mismatching silently.
+Every stage's task order is run on paper when the runner is built (:func:`~simpar.pipeline.
+price.timeline` over the stages' dependencies): an order that would wait forever raises
+there, on every rank alike, before any message. Each rank's sends and receives are recorded
+in :attr:`PipelineRunner.trace` (the step's point-to-point schedule, as the schedule guard
+lists collectives); a receive of the wrong size raises on its rank instead of mismatching
+silently. Inside a task, the stage's own collectives run under its program's schedule guard.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import numpy as np
 
 from simpar import comm, graph
 from simpar.layout import TensorLayout, shard_index, take_shard
+from simpar.pipeline.price import dependencies, timeline
 from simpar.pipeline.schedules import schedule
 from simpar.pipeline.stages import Stage, split_stages
 from simpar.redistribution import execute, plan
@@ -139,6 +143,11 @@ class PipelineRunner:
         self.program = programs[self.stage]
         self.micro_batches = micro_batches
         self.tasks = schedule(scheduler, self.stage, pipeline_stages, micro_batches, chunks)
+        # Every stage's order, run on paper first: one that would wait forever raises here,
+        # on every rank alike, before any message is sent.
+        timeline([schedule(scheduler, s, pipeline_stages, micro_batches, chunks)
+                  for s in range(pipeline_stages)], lambda s, task: 1.0,
+                 dependencies(self.stages, pipeline_stages))
         self.loss_seed = loss_seed
         self.trace: list[Transfer] = []
         #: The last step's seconds in its forwards and backwards, and from its start to the

@@ -1,0 +1,276 @@
+"""A pipelined training step, simpar against a hand-written numpy + mpi4py 1F1B (issue 31).
+
+    mpirun -n 8 python benchmarks/pipeline_step.py            # writes "## pipeline_step"
+    mpirun -n 8 python benchmarks/pipeline_step.py --rounds 2 --steps 3 --no-write
+
+An MLP of ``S`` equal Dense layers (width 1024, ReLU between, float32, MSE loss, SGD 0.05),
+one or two layers per stage, the global batch of 256 in ``M`` micro-batches, trained on 8
+ranks under 1F1B as:
+
+* pp 8 (one rank per stage, one layer each), 8 micro-batches;
+* pp 4 x dp 2 (two ranks per stage in data parallel, two layers each), 8 micro-batches;
+
+(a) hand-written: each rank runs its stage's layers in numpy (one BLAS thread, simpar's
+wait policy: the same process), receives its input with ``Recv`` and sends its output with
+``Isend`` in 1F1B's order, sums its gradients over the micro-batches, AllReduces them over its
+stage's data-parallel ranks once per step, and takes the SGD step; (b) simpar:
+``nn.MLP`` with ``pipeline_stage`` on its layers, ``PipelineCell(M)``, ``TrainOneStepCell``
+in ``data_parallel`` with ``pipeline_stages=S``. Both start from the same weights and train
+on the same batches; their first 3 losses must agree within a relative 1e-4 before timing.
+
+Each round runs both for ``--steps`` steps (the order alternating by round), each step after
+a barrier; a step's time is the slowest rank's. The bubble: each rank's share of its step
+spent outside its forwards and backwards (from the first task's start to the last task's end,
+the time in neither), averaged over the ranks, against the schedule's (S - 1) / (M + S - 1).
+"""
+
+# ruff: noqa: E402, I001  (simpar first: simpar/_env.py must run before numpy's BLAS and MPI)
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import simpar
+import simpar.comm as comm
+
+import numpy as np
+from _common import host_line, markdown_table, today, write_section
+
+from simpar import nn
+from simpar.pipeline import bubble_fraction, schedule
+
+SCRIPT = "benchmarks/pipeline_step.py"
+WIDTH, BATCH, LR = 1024, 256, 0.05
+
+
+def weights(layers: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(7)
+    out = {}
+    for k in range(layers):
+        out[f"fc{k + 1}.weight"] = (rng.standard_normal((WIDTH, WIDTH)) / np.sqrt(WIDTH)
+                                    ).astype(np.float32)
+        out[f"fc{k + 1}.bias"] = np.zeros(WIDTH, np.float32)
+    return out
+
+
+def batch(k: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(100 + k)
+    return (rng.standard_normal((BATCH, WIDTH)).astype(np.float32),
+            rng.standard_normal((BATCH, WIDTH)).astype(np.float32))
+
+
+class HandPipeline:
+    """One rank's stage of the MLP under 1F1B, in numpy and mpi4py."""
+
+    def __init__(self, stages: int, micro: int, layers: int) -> None:
+        world = comm.world()
+        self.rank, self.size = world.Get_rank(), world.Get_size()
+        self.n = self.size // stages
+        self.stage, self.local = divmod(self.rank, self.n)
+        self.stages, self.micro = stages, micro
+        per = layers // stages
+        self.mine = list(range(self.stage * per, (self.stage + 1) * per))
+        self.last_layer = layers - 1
+        self.dp = world.Split(self.stage, self.local)
+        self.tasks = schedule("1f1b", self.stage, stages, micro)
+        self.w: dict[int, np.ndarray] = {}
+        self.b: dict[int, np.ndarray] = {}
+        self.busy = self.span = 0.0
+
+    def load(self, w: dict[str, np.ndarray]) -> None:
+        for k in self.mine:
+            self.w[k] = w[f"fc{k + 1}.weight"].copy()
+            self.b[k] = w[f"fc{k + 1}.bias"].copy()
+
+    def _rows(self, x: np.ndarray, k: int) -> np.ndarray:
+        m = x.shape[0] // self.micro
+        part = m // self.n
+        lo = k * m + self.local * part
+        return x[lo:lo + part]
+
+    def step(self, x: np.ndarray, y: np.ndarray) -> float:
+        from mpi4py import MPI
+        world = comm.world()
+        rows = BATCH // self.micro // self.n
+        acts: dict[int, list[np.ndarray]] = {}
+        gw = {k: np.zeros_like(self.w[k]) for k in self.mine}
+        gb = {k: np.zeros_like(self.b[k]) for k in self.mine}
+        sends: list[Any] = []
+        loss = 0.0
+        self.busy = 0.0
+        start = time.perf_counter()
+        for kind, _, k in self.tasks:
+            if kind == "F":
+                if self.stage == 0:
+                    h = self._rows(x, k)
+                else:
+                    h = np.empty((rows, WIDTH), np.float32)
+                    world.Recv(h, source=self.rank - self.n, tag=k)
+                t0 = time.perf_counter()
+                saved = [h]
+                for layer in self.mine:
+                    h = h @ self.w[layer].T + self.b[layer]
+                    if layer != self.last_layer:
+                        np.maximum(h, 0, out=h)
+                    saved.append(h)
+                acts[k] = saved
+                self.busy += time.perf_counter() - t0
+                if self.stage < self.stages - 1:
+                    sends.append(world.Isend(h, dest=self.rank + self.n, tag=k))
+                continue
+            if self.stage == self.stages - 1:
+                t0 = time.perf_counter()
+                d = acts[k][-1] - self._rows(y, k)
+                loss += float(np.vdot(d, d))
+                g = d * (2.0 / (BATCH * WIDTH))   # the mean over the global batch
+            else:
+                g = np.empty((rows, WIDTH), np.float32)
+                world.Recv(g, source=self.rank + self.n, tag=10000 + k)
+                t0 = time.perf_counter()
+            saved = acts.pop(k)
+            for j in reversed(range(len(self.mine))):
+                layer = self.mine[j]
+                out, inp = saved[j + 1], saved[j]
+                if layer != self.last_layer:
+                    g = g * (out > 0)
+                gw[layer] += g.T @ inp
+                gb[layer] += g.sum(0)
+                g = g @ self.w[layer]
+            self.busy += time.perf_counter() - t0
+            if self.stage > 0:
+                sends.append(world.Isend(np.ascontiguousarray(g), dest=self.rank - self.n,
+                                         tag=10000 + k))
+        self.span = time.perf_counter() - start
+        for layer in self.mine:   # the gradient sum over the stage's data-parallel ranks
+            if self.n > 1:
+                self.dp.Allreduce(MPI.IN_PLACE, gw[layer])
+                self.dp.Allreduce(MPI.IN_PLACE, gb[layer])
+            self.w[layer] -= LR * gw[layer]
+            self.b[layer] -= LR * gb[layer]
+        MPI.Request.Waitall(sends)
+        total = np.array([loss])
+        world.Allreduce(MPI.IN_PLACE, total)
+        return float(total[0]) / (BATCH * WIDTH)
+
+
+def simpar_pipeline(stages: int, micro: int, layers: int) -> nn.TrainOneStepCell:
+    simpar.reset_auto_parallel_context()
+    simpar.set_auto_parallel_context(parallel_mode="data_parallel", gradients_mean=True,
+                                     pipeline_stages=stages)
+    mlp = nn.MLP(WIDTH, WIDTH, WIDTH, n_hidden=layers - 1, dtype=np.float32)
+    for k, layer in enumerate(mlp.layers):
+        layer.pipeline_stage = k * stages // layers
+    cell = nn.WithLossCell(mlp, nn.MSELoss())
+    params = cell.trainable_params()
+    train = nn.TrainOneStepCell(nn.PipelineCell(cell, micro), nn.SGD(params, LR), seed=0)
+    train.build(*batch(0))
+    simpar.reset_auto_parallel_context()
+    return train
+
+
+def load(train: nn.TrainOneStepCell, w: dict[str, np.ndarray]) -> None:
+    runner = train.pipeline
+    assert runner is not None
+    for name, (prog, _) in runner.params().items():
+        block = tuple(slice(lo, hi) for lo, hi in
+                      prog.storage_layout(name).slice_of(runner.local))
+        train.params[name][...] = w[name.removeprefix("_backbone.")][block]
+
+
+def slowest(seconds: float) -> float:
+    return float(comm.all_reduce(np.array([seconds]), op="max")[0])
+
+
+def mean(x: float) -> float:
+    return float(comm.all_reduce(np.array([x]))[0]) / comm.get_group_size()
+
+
+def run(stages: int, micro: int, layers: int, rounds: int, steps: int
+        ) -> dict[str, Any]:
+    w = weights(layers)
+    hand = HandPipeline(stages, micro, layers)
+    hand.load(w)
+    ours = simpar_pipeline(stages, micro, layers)
+    load(ours, w)
+    first = [hand.step(*batch(k)) for k in range(3)]
+    mine = [ours(*batch(k)) for k in range(3)]
+    err = max(abs(a - b) / abs(a) for a, b in zip(first, mine))
+    if err > 1e-4:
+        raise SystemExit(f"{SCRIPT}: simpar's losses {mine} differ from the hand-written "
+                         f"{first} by {err:.1e}")
+    runner = ours.pipeline
+    assert runner is not None
+    fns: dict[str, Callable[[int], float]] = {"hand": lambda k: hand.step(*batch(k)),
+                                               "simpar": lambda k: ours(*batch(k))}
+    bubbles: dict[str, list[float]] = {"hand": [], "simpar": []}
+    times: dict[str, list[float]] = {"hand": [], "simpar": []}
+    ratios = []
+    for r in range(rounds):
+        medians = {}
+        for name in (["hand", "simpar"] if r % 2 == 0 else ["simpar", "hand"]):
+            got = []
+            for k in range(steps):
+                comm.barrier()
+                t0 = time.perf_counter()
+                fns[name](k)
+                got.append(slowest(time.perf_counter() - t0))
+                busy, span = (hand.busy, hand.span) if name == "hand" else (
+                    runner.busy, runner.span)
+                bubbles[name].append(mean(1.0 - busy / span))
+            times[name] += got
+            medians[name] = float(np.median(got))
+        ratios.append(medians["simpar"] / medians["hand"])
+    return {"times": times, "bubbles": bubbles, "ratios": ratios,
+            "theory": bubble_fraction(stages, micro), "error": err}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--no-write", action="store_true")
+    args = p.parse_args()
+    n, rank = comm.get_group_size(), comm.get_rank()
+    if n != 8:
+        raise SystemExit(f"{SCRIPT}: run it on 8 ranks (mpirun -n 8), not {n}")
+    rows = []
+    for label, stages, layers in (("pp 8", 8, 8), ("pp 4 x dp 2", 4, 8)):
+        micro = 8
+        got = run(stages, micro, layers, args.rounds, args.steps)
+        hand, ours = (np.median(got["times"][k]) * 1e3 for k in ("hand", "simpar"))
+        ratio = float(np.median(got["ratios"]))
+        bub = {k: float(np.median(v)) for k, v in got["bubbles"].items()}
+        theory = got["theory"]
+        rows.append([label, str(micro), f"{hand:.1f}", f"{ours:.1f}",
+                     f"{ratio:.2f} ({min(got['ratios']):.2f}-{max(got['ratios']):.2f})",
+                     f"{bub['hand']:.1%}", f"{bub['simpar']:.1%}", f"{theory:.1%}",
+                     f"{bub['simpar'] / theory - 1:+.0%}"])
+        if rank == 0:
+            print(f"{label}: hand {hand:.1f} ms, simpar {ours:.1f} ms, ratio {ratio:.2f}; "
+                  f"bubble hand {bub['hand']:.1%}, simpar {bub['simpar']:.1%}, schedule "
+                  f"{theory:.1%}; first losses agree within {got['error']:.1e}", flush=True)
+    if rank == 0:
+        table = markdown_table(["layout", "micro-batches", "hand ms", "simpar ms",
+                                "simpar / hand (rounds)", "bubble hand", "bubble simpar",
+                                "(S-1)/(M+S-1)", "simpar vs schedule"], rows)
+        body = "\n\n".join([
+            f"`mpirun -n 8 python {SCRIPT}` ({today()}; {args.rounds} rounds of "
+            f"{args.steps} steps, the slowest rank's median step; bubble: each rank's share "
+            "of its step outside its forwards and backwards, averaged over the ranks; "
+            "targets: simpar within 1.15x of the hand-written 1F1B, its bubble within 10% "
+            "of the schedule's)", table, host_line()])
+        print(table)
+        if not args.no_write:
+            write_section("pipeline_step", body)
+            print("written to benchmarks/RESULTS.md (## pipeline_step)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
