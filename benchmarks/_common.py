@@ -96,6 +96,14 @@ def host_line() -> str:
             f"numpy {np.__version__}")
 
 
+def publish(heading: str, body: str, write: bool) -> None:
+    """Print ``body``, and (``write``) put it under ``## heading`` in RESULTS.md, saying so."""
+    print(body)
+    if write:
+        write_section(heading, body)
+        print(f"written to benchmarks/RESULTS.md (## {heading})")
+
+
 def write_section(heading: str, body: str, subheading: str | None = None,
                   path: Path = RESULTS) -> None:
     """Put ``body`` under ``## heading`` (or under ``### subheading`` inside it) in RESULTS.md.

@@ -40,7 +40,7 @@ import simpar
 import simpar.comm as comm
 
 import numpy as np
-from _common import host_line, markdown_table, today, write_section
+from _common import host_line, markdown_table, publish, today
 
 from simpar import nn
 from simpar.pipeline import bubble_fraction, schedule
@@ -265,10 +265,7 @@ def main() -> int:
             "of its step outside its forwards and backwards, averaged over the ranks; "
             "targets: simpar within 1.15x of the hand-written 1F1B, its bubble within 10% "
             "of the schedule's)", table, host_line()])
-        print(table)
-        if not args.no_write:
-            write_section("pipeline_step", body)
-            print("written to benchmarks/RESULTS.md (## pipeline_step)")
+        publish("pipeline_step", body, not args.no_write)
     return 0
 
 
