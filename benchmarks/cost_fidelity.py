@@ -2,6 +2,7 @@
 
     mpirun -n 8 python benchmarks/cost_fidelity.py                     # writes "## cost_fidelity"
     mpirun -n 8 python benchmarks/cost_fidelity.py --profile my.json --no-write
+    mpirun -n 8 python benchmarks/cost_fidelity.py --pipelines   # "## cost_fidelity_pipelines"
 
 Every strategy trains the main job's GPT (vocabulary 128, sequence 32, d_model 64, 2 layers,
 8 heads, batch 8, float64, Adam) or a Megatron MLP (batch 64, 256 -> 1024 -> 256, float32,
@@ -47,7 +48,9 @@ from simpar import nn
 from simpar.cost import load_profile
 from simpar.dataset import CharCorpus, random_classification
 from simpar.nn import presets
+from simpar.pipeline import price_pipeline
 from simpar.runtime import watching_memory
+from simpar.train_pipeline import assign_stages, pipeline_config
 
 SCRIPT = "python benchmarks/cost_fidelity.py"
 GPT = {"vocab_size": 128, "seq_length": 32, "d_model": 64, "n_layers": 2, "n_heads": 8}
@@ -66,8 +69,10 @@ class Strategy:
     annotate: Callable[[Any, Any, int], None]
     optimizer: str
     level: str | None = None        # optimizer parallel (threshold 0), or off
-    micro: int = 1                  # micro-batches (GradAccumulation)
+    micro: int = 1                  # micro-batches (GradAccumulation, or PipelineCell)
     recompute: bool = False         # every GPT block (MLP layer but the last) recomputed
+    stages: int = 1                 # pipeline stages (the main job's cut of the units)
+    schedule: str = "1f1b"          # --pipeline-schedule's choices
 
 
 def _none(model: Any, loss: Any, n: int) -> None:
@@ -151,6 +156,23 @@ def strategies(n: int) -> list[Strategy]:
     return rows
 
 
+def pipeline_strategies(n: int) -> list[Strategy]:
+    """``--pipelines``'s rows (issue 31): pipeline stages, each program priced on the
+    schedule's timeline (:func:`simpar.pipeline.price_pipeline`)."""
+    half, quarter = max(1, n // 2), max(1, n // 4)
+    dp = ("data_parallel", "data_parallel")
+    return [
+        Strategy(f"gpt pp2 x hybrid 2x{quarter} 4 micro 1f1b", "gpt", "semi_auto_parallel",
+                 ((2, 1), (2, 1)), _megatron(2, quarter), "adam", micro=4, stages=2),
+        Strategy(f"gpt pp4 x dp{quarter} 4 micro gpipe", "gpt", *dp, _none, "adam", micro=4,
+                 stages=4, schedule="gpipe"),
+        Strategy(f"gpt pp2 x dp{half} 2 micro interleaved", "gpt", *dp, _none, "adam",
+                 micro=2, stages=2, schedule="interleaved"),
+        Strategy(f"mlp pp2 x dp{half} 4 micro 1f1b", "mlp", *dp, _none, "momentum", micro=4,
+                 stages=2),
+    ]
+
+
 def _batch(model: str, step: int) -> tuple[np.ndarray, np.ndarray]:
     if model == "mlp":
         return random_classification(step, MLP_BATCH, MLP_SIZES[0], MLP_SIZES[2], 0,
@@ -174,9 +196,15 @@ def _build(s: Strategy, n: int) -> nn.TrainOneStepCell:
     if s.recompute:
         for part in (net.blocks if isinstance(net, nn.GPT) else net.layers[:-1]):
             part.recompute()
+    if s.stages > 1:
+        assign_stages(net, s.stages, 2 if s.schedule == "interleaved" else 1)
+        simpar.set_auto_parallel_context(pipeline_stages=s.stages,
+                                         pipeline_config=pipeline_config(s.schedule))
     cell: nn.Cell = nn.WithLossCell(net, loss)
     params = cell.trainable_params()
-    if s.micro > 1:
+    if s.stages > 1:
+        cell = nn.PipelineCell(cell, s.micro)
+    elif s.micro > 1:
         cell = nn.GradAccumulation(cell, s.micro)
     opt: nn.Optimizer = (nn.Adam(params, 1e-3) if s.optimizer == "adam"
                          else nn.Momentum(params, 0.01, 0.9))
@@ -201,7 +229,14 @@ def measure(s: Strategy, n: int, steps: int) -> tuple[float, float, list[int], A
         train(*batch)
         times.append(_slowest(time.perf_counter() - start))
     assert train.program is not None
-    report = train.program.cost(PROFILE, s.optimizer)
+    report: Any = train.program.cost(PROFILE, s.optimizer)
+    if train.pipeline is not None:   # the stages on their timeline; each rank its stage's
+        runner = train.pipeline
+        cost = price_pipeline(runner.stages, runner.programs, runner.count,
+                              train.pipeline_scheduler, runner.micro_batches, PROFILE,
+                              s.optimizer)
+        report = _Priced(cost.step_seconds, tuple(
+            _Peak(r, cost.stages[r // runner.per_stage].peak_memory) for r in range(n)))
     before = sum(a.nbytes for a in train.params.values()) + sum(
         a.nbytes for slots in train.optimizer.state.values() for a in slots.values())
     batch = _batch(s.model, 2 + steps)  # the user's global batch: not the program's memory
@@ -218,6 +253,20 @@ def measure(s: Strategy, n: int, steps: int) -> tuple[float, float, list[int], A
     HELD[s.name] = [int(h) for h in held]
     simpar.reset_auto_parallel_context()
     return float(np.median(times)), report.step_seconds, [int(p) for p in peaks], report
+
+
+@dataclass(frozen=True)
+class _Peak:
+    rank: int
+    peak: int
+
+
+@dataclass(frozen=True)
+class _Priced:
+    """A pipelined step's prediction in the shape of a CostReport's two fields read here."""
+
+    step_seconds: float
+    memory: tuple[_Peak, ...]
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -269,6 +318,8 @@ def main() -> int:
     parser.add_argument("--profile", default="cpu-local", help="a shipped name or a JSON path")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per strategy")
     parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument("--pipelines", action="store_true",
+                        help="the pipeline rows instead (written under ### pipelines)")
     parser.add_argument("--only", nargs="+", default=None, metavar="TEXT",
                         help="only the strategies whose name contains one of these (implies "
                              "--no-write)")
@@ -279,7 +330,7 @@ def main() -> int:
     table_rows = []
     if args.only:
         args.no_write = True
-    for s in strategies(n):
+    for s in (pipeline_strategies(n) if args.pipelines else strategies(n)):
         if args.only and not any(text in s.name for text in args.only):
             continue
         seconds, pred, peaks, report = measure(s, n, args.steps)
@@ -310,7 +361,8 @@ def main() -> int:
                    f"{med:.1%} (target <= 25%); memory within 15% for {mem_ok} of "
                    f"{len(rows)} strategies (target: all).")
         body = "\n\n".join([
-            f"`mpirun -n {n} {SCRIPT}` ({today()}; profile {PROFILE.name}; {args.steps} "
+            f"`mpirun -n {n} {SCRIPT}{' --pipelines' if args.pipelines else ''}` ({today()}; "
+            f"profile {PROFILE.name}; {args.steps} "
             "timed steps per strategy, the slowest rank's median; memory: the rank with the "
             "largest measured peak, tracemalloc over one step plus the parameters and "
             "optimizer state held before it; executor-held: the peak of the arrays the "
@@ -319,11 +371,12 @@ def main() -> int:
             "is judged on tracemalloc's figure).", table, verdict, host_line()])
         print(table)
         print(verdict)
-        plot = _scatter(rows, predicted, measured)
-        body += "\n\n" + plot
+        section = "cost_fidelity_pipelines" if args.pipelines else "cost_fidelity"
+        if not args.pipelines:
+            body += "\n\n" + _scatter(rows, predicted, measured)
         if not args.no_write:
-            write_section("cost_fidelity", body)
-            print("written to benchmarks/RESULTS.md (## cost_fidelity)")
+            write_section(section, body)
+            print(f"written to benchmarks/RESULTS.md (## {section})")
     return 0
 
 

@@ -1,14 +1,18 @@
 """A pipelined training step, simpar against a hand-written numpy + mpi4py 1F1B (issue 31).
 
-    mpirun -n 8 python benchmarks/pipeline_step.py            # writes "## pipeline_step"
+    mpirun -n 8 python benchmarks/pipeline_step.py            # "## pipeline_step", "### 8 ranks"
+    mpirun -n 2 python benchmarks/pipeline_step.py            # "### 2 ranks": a core each
     mpirun -n 8 python benchmarks/pipeline_step.py --rounds 2 --steps 3 --no-write
 
-An MLP of ``S`` equal Dense layers (width 1024, ReLU between, float32, MSE loss, SGD 0.05),
-one or two layers per stage, the global batch of 256 in ``M`` micro-batches, trained on 8
-ranks under 1F1B as:
+An MLP of 8 equal Dense layers (width 1024, ReLU between, float32, MSE loss, SGD 0.05),
+cut into equal stages, the global batch of 256 in 8 micro-batches, trained under 1F1B as:
 
-* pp 8 (one rank per stage, one layer each), 8 micro-batches;
-* pp 4 x dp 2 (two ranks per stage in data parallel, two layers each), 8 micro-batches;
+* on 8 ranks: pp 8 (one rank and one layer per stage), and pp 4 x dp 2 (two ranks per stage
+  in data parallel, two layers each);
+* on 2 ranks: pp 2 (four layers per stage). This host has 2 cores: on 8 ranks the stages
+  share them, so a task runs slower while other stages compute than while they wait, and
+  the bubble is not the schedule's; on 2 ranks each stage has a core, as the schedule's
+  bubble assumes.
 
 (a) hand-written: each rank runs its stage's layers in numpy (one BLAS thread, simpar's
 wait policy: the same process), receives its input with ``Recv`` and sends its output with
@@ -20,8 +24,8 @@ on the same batches; their first 3 losses must agree within a relative 1e-4 befo
 
 Each round runs both for ``--steps`` steps (the order alternating by round), each step after
 a barrier; a step's time is the slowest rank's. The bubble: each rank's share of its step
-spent outside its forwards and backwards (from the first task's start to the last task's end,
-the time in neither), averaged over the ranks, against the schedule's (S - 1) / (M + S - 1).
+(from its start to its last task's end) spent blocked in receives, averaged over the ranks,
+against the schedule's (S - 1) / (M + S - 1).
 """
 
 # ruff: noqa: E402, I001  (simpar first: simpar/_env.py must run before numpy's BLAS and MPI)
@@ -40,7 +44,7 @@ import simpar
 import simpar.comm as comm
 
 import numpy as np
-from _common import host_line, markdown_table, publish, today
+from _common import host_line, markdown_table, today, write_section
 
 from simpar import nn
 from simpar.pipeline import bubble_fraction, schedule
@@ -81,7 +85,7 @@ class HandPipeline:
         self.tasks = schedule("1f1b", self.stage, stages, micro)
         self.w: dict[int, np.ndarray] = {}
         self.b: dict[int, np.ndarray] = {}
-        self.busy = self.span = 0.0
+        self.busy = self.span = self.waiting = 0.0
 
     def load(self, w: dict[str, np.ndarray]) -> None:
         for k in self.mine:
@@ -103,7 +107,7 @@ class HandPipeline:
         gb = {k: np.zeros_like(self.b[k]) for k in self.mine}
         sends: list[Any] = []
         loss = 0.0
-        self.busy = 0.0
+        self.waiting = 0.0
         start = time.perf_counter()
         for kind, _, k in self.tasks:
             if kind == "F":
@@ -111,8 +115,9 @@ class HandPipeline:
                     h = self._rows(x, k)
                 else:
                     h = np.empty((rows, WIDTH), np.float32)
+                    t0 = time.perf_counter()
                     world.Recv(h, source=self.rank - self.n, tag=k)
-                t0 = time.perf_counter()
+                    self.waiting += time.perf_counter() - t0
                 saved = [h]
                 for layer in self.mine:
                     h = h @ self.w[layer].T + self.b[layer]
@@ -120,19 +125,18 @@ class HandPipeline:
                         np.maximum(h, 0, out=h)
                     saved.append(h)
                 acts[k] = saved
-                self.busy += time.perf_counter() - t0
                 if self.stage < self.stages - 1:
                     sends.append(world.Isend(h, dest=self.rank + self.n, tag=k))
                 continue
             if self.stage == self.stages - 1:
-                t0 = time.perf_counter()
                 d = acts[k][-1] - self._rows(y, k)
                 loss += float(np.vdot(d, d))
                 g = d * (2.0 / (BATCH * WIDTH))   # the mean over the global batch
             else:
                 g = np.empty((rows, WIDTH), np.float32)
-                world.Recv(g, source=self.rank + self.n, tag=10000 + k)
                 t0 = time.perf_counter()
+                world.Recv(g, source=self.rank + self.n, tag=10000 + k)
+                self.waiting += time.perf_counter() - t0
             saved = acts.pop(k)
             for j in reversed(range(len(self.mine))):
                 layer = self.mine[j]
@@ -142,11 +146,11 @@ class HandPipeline:
                 gw[layer] += g.T @ inp
                 gb[layer] += g.sum(0)
                 g = g @ self.w[layer]
-            self.busy += time.perf_counter() - t0
             if self.stage > 0:
                 sends.append(world.Isend(np.ascontiguousarray(g), dest=self.rank - self.n,
                                          tag=10000 + k))
         self.span = time.perf_counter() - start
+        self.busy = self.span - self.waiting
         for layer in self.mine:   # the gradient sum over the stage's data-parallel ranks
             if self.n > 1:
                 self.dp.Allreduce(MPI.IN_PLACE, gw[layer])
@@ -237,10 +241,11 @@ def main() -> int:
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args()
     n, rank = comm.get_group_size(), comm.get_rank()
-    if n != 8:
-        raise SystemExit(f"{SCRIPT}: run it on 8 ranks (mpirun -n 8), not {n}")
+    layouts = {8: (("pp 8", 8, 8), ("pp 4 x dp 2", 4, 8)), 2: (("pp 2", 2, 8),)}
+    if n not in layouts:
+        raise SystemExit(f"{SCRIPT}: run it on 8 or 2 ranks (mpirun -n 8, -n 2), not {n}")
     rows = []
-    for label, stages, layers in (("pp 8", 8, 8), ("pp 4 x dp 2", 4, 8)):
+    for label, stages, layers in layouts[n]:
         micro = 8
         got = run(stages, micro, layers, args.rounds, args.steps)
         hand, ours = (np.median(got["times"][k]) * 1e3 for k in ("hand", "simpar"))
@@ -260,12 +265,15 @@ def main() -> int:
                                 "simpar / hand (rounds)", "bubble hand", "bubble simpar",
                                 "(S-1)/(M+S-1)", "simpar vs schedule"], rows)
         body = "\n\n".join([
-            f"`mpirun -n 8 python {SCRIPT}` ({today()}; {args.rounds} rounds of "
+            f"`mpirun -n {n} python {SCRIPT}` ({today()}; {args.rounds} rounds of "
             f"{args.steps} steps, the slowest rank's median step; bubble: each rank's share "
-            "of its step outside its forwards and backwards, averaged over the ranks; "
+            "of its step blocked in receives, averaged over the ranks; "
             "targets: simpar within 1.15x of the hand-written 1F1B, its bubble within 10% "
             "of the schedule's)", table, host_line()])
-        publish("pipeline_step", body, not args.no_write)
+        print(body)
+        if not args.no_write:
+            write_section("pipeline_step", body, f"{n} ranks")
+            print(f"written to benchmarks/RESULTS.md (## pipeline_step, ### {n} ranks)")
     return 0
 
 

@@ -11,7 +11,9 @@ variable), and the row says so. Every plan runs in its own process (shapes only:
 data), so its peak resident memory is the planner's own; a plan that takes longer than
 ``--timeout`` seconds is reported as such. ``--memory-dimensions`` runs
 benchmarks/memory_search.py instead: each search against exact with the optimizer level,
-recomputation and micro-batches searched with the cuts. ``--depth`` times one search against
+recomputation and micro-batches searched with the cuts; ``--pipelines`` runs
+benchmarks/pipeline_search.py: the pipeline search from 1.3B to 1T parameters against
+Megatron-LM's configurations. ``--depth`` times one search against
 the number of layers instead, with a straight-line fit.
 
 The default grid (9 models x 4 device counts x 4 searches) took 11 minutes on a 2-core machine
@@ -152,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     if "--memory-dimensions" in argv:   # each search against exact, the dimensions searched
         import memory_search  # noqa: PLC0415 (benchmarks/memory_search.py)
         return memory_search.main([a for a in argv if a != "--memory-dimensions"])
+    if "--pipelines" in argv:   # the pipeline search, 1.3B to 1T, against Megatron-LM's
+        import pipeline_search  # noqa: PLC0415 (benchmarks/pipeline_search.py)
+        return pipeline_search.main([a for a in argv if a != "--pipelines"])
     p = argparse.ArgumentParser(prog="python benchmarks/search.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--child", help=argparse.SUPPRESS)

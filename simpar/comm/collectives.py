@@ -418,6 +418,19 @@ class SendRequest:
         self._request, self._buf, self._dest, self._shape = request, buf, dest, shape
         self._start = posting   # seconds spent posting it
 
+    def done(self) -> bool:
+        """Whether the send has completed (then it is recorded, and its buffer let go);
+        never blocks."""
+        if self._request is None:
+            return True
+        start = perf_counter()
+        if not self._request.Test():
+            self._start += perf_counter() - start
+            return False
+        self._start += perf_counter() - start
+        self._record()
+        return True
+
     def wait(self) -> None:
         """Wait until the buffer may be reused (it is recorded then, as one "Send", with
         the time spent posting and waiting: not the time it was in flight meanwhile)."""
@@ -425,10 +438,15 @@ class SendRequest:
             return
         start = perf_counter()
         self._request.Wait()
+        self._start += perf_counter() - start
+        self._record()
+
+    def _record(self) -> None:
         self._request = None
         me = world().Get_rank()
-        trace.record("Send", (me, self._dest), self._buf.nbytes, 0,
-                     self._start + perf_counter() - start, self._buf.dtype, self._shape)
+        trace.record("Send", (me, self._dest), self._buf.nbytes, 0, self._start,
+                     self._buf.dtype, self._shape)
+        self._buf = np.empty(0, self._buf.dtype)   # let go of the array
 
 
 def isend(x: np.ndarray, dest: int, tag: int = 0) -> SendRequest:

@@ -150,9 +150,9 @@ class PipelineRunner:
                  dependencies(self.stages, pipeline_stages))
         self.loss_seed = loss_seed
         self.trace: list[Transfer] = []
-        #: The last step's seconds in its forwards and backwards, and from its start to the
-        #: end of its last task (the rest of the span is the bubble).
-        self.busy = self.span = 0.0
+        #: The last step's seconds from its start to the end of its last task (``span``),
+        #: blocked in receives (``waiting``: the bubble), and the rest (``busy``).
+        self.busy = self.span = self.waiting = 0.0
         self.shared = self._shared()
 
     def peer(self, virtual: int) -> int:
@@ -204,16 +204,15 @@ class PipelineRunner:
         losses: list[float] = []
         pending: list[comm.SendRequest] = []
         self.trace = []
-        started, self.busy = perf_counter(), 0.0
+        started, self.waiting = perf_counter(), 0.0
         for kind, chunk, k in self.tasks:
+            pending = [r for r in pending if not r.done()]   # let the sent arrays go
             vs = chunk * count + self.stage
             st, prog = self.stages[vs], self.programs[vs]
             if kind == "F":
                 inputs = [self._input(batch, st, prog, j, k) for j in range(len(st.batch))]
-                t0 = perf_counter()
                 with comm.stage_world(self.ranks):
                     outs, tapes[vs, k] = prog.forward(inputs, params, step=m * step + k)
-                self.busy += perf_counter() - t0
                 for out, b, loss in zip(outs, st.sent, st.loss):
                     if b is None:
                         if loss == 0:
@@ -223,20 +222,16 @@ class PipelineRunner:
                         pending.append(self._send(out, c, b, k, False))
                 continue
             seeds = [self._seed(prog, out, b, k) for out, b in zip(prog.graph.outputs, st.sent)]
-            t0 = perf_counter()
             with comm.stage_world(self.ranks):
                 grads = prog.backward(tapes.pop((vs, k)), seeds)
-            self.busy += perf_counter() - t0
             for v, b in zip(st.graph.inputs, st.received):
                 if b is not None and v.id in st.graph.grad_inputs:
                     pending.append(self._send(grads.pop(input_gradient(v.name)), b.producer,
                                               b, k, True))
-            for name, g in grads.items():
-                if name not in total:
-                    total[name] = g if g.flags.writeable else g.copy()
-                else:
-                    total[name] += g
+            _accumulate(total, grads)
+            del grads   # (held until the next backward: a micro-batch's gradients twice)
         self.span = perf_counter() - started
+        self.busy = self.span - self.waiting
         if m > 1:   # the step's one synchronisation, chunk by chunk
             for vs in self.chunks:
                 prog = self.programs[vs]
@@ -301,6 +296,17 @@ class PipelineRunner:
 
     def _recv(self, peer: int, shape: tuple[int, ...], dtype: Any, b: Any, k: int,
               backward: bool) -> np.ndarray:
+        t0 = perf_counter()
         x = comm.recv(peer, shape, dtype, tag=2 * b.index + backward)
+        self.waiting += perf_counter() - t0
         self.trace.append(Transfer("recv", k, b.name, backward, peer, x.nbytes))
         return x
+
+
+def _accumulate(total: dict[str, np.ndarray], grads: dict[str, np.ndarray]) -> None:
+    """Add a micro-batch's gradients into ``total`` (the first ones taken as they are)."""
+    for name, g in grads.items():
+        if name not in total:
+            total[name] = g if g.flags.writeable else g.copy()
+        else:
+            total[name] += g

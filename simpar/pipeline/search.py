@@ -118,7 +118,20 @@ class PipelinePlan:
 
     def describe(self) -> str:
         return (f"pp {self.stages} x ({self.choice.describe()}), {self.micro_batches} "
-                f"micro-batches, blocks per stage {list(self.blocks)}")
+                f"micro-batches, blocks per stage {_runs(self.blocks)}")
+
+
+def _runs(blocks: Sequence[int]) -> str:
+    """``[6, 6, 6, 8]`` as ``"6 x3, 8"``: each run of equal counts once."""
+    out: list[str] = []
+    k = 0
+    while k < len(blocks):
+        j = k
+        while j < len(blocks) and blocks[j] == blocks[k]:
+            j += 1
+        out.append(f"{blocks[k]} x{j - k}" if j - k > 1 else str(blocks[k]))
+        k = j
+    return "[" + ", ".join(out) + "]"
 
 
 @dataclass
