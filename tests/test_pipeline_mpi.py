@@ -276,3 +276,33 @@ def test_the_main_job_runs_pipeline_stages_and_passes_its_check(
             assert f"  stage {s}: busy " in text and "peak memory" in text, text[-2000:]
         assert "predicted step" in text
     assert summary["comm"]["Send"]["count"] > 0 and summary["comm"]["Receive"]["count"] > 0
+
+
+def test_auto_parallel_wrapper_pipeline_trains_as_one_device() -> None:
+    """MindSpore 2.x's way: ``AutoParallel(net, "semi_auto").pipeline(stages=2)`` on the
+    network, its Cells' ``pipeline_stage`` set; the global context untouched."""
+    rank = comm.get_rank()
+    simpar.reset_auto_parallel_context()
+    net = _gpt(2)
+    cell = nn.WithLossCell(net, nn.SoftmaxCrossEntropyWithLogits())
+    params = cell.trainable_params()
+    wrapped = nn.AutoParallel(nn.PipelineCell(cell, 2), "semi_auto")
+    wrapped.pipeline(stages=2, scheduler="gpipe")
+    wrapped.dataset_strategy("full_batch")
+    wrapped.enable_gradients_mean()
+    with abort_job_on_error("AutoParallel.pipeline"):
+        train = nn.TrainOneStepCell(wrapped, nn.Adam(params, LR), seed=SEED)
+        losses = [train(*_batch(k)) for k in range(STEPS)]
+        ref_losses, ref_params = _reference()
+    assert simpar.get_auto_parallel_context("pipeline_stages") == 1
+    assert train.pipeline is not None and train.pipeline.count == 2
+    problems = []
+    e = float(np.max([relative_error(np.float64(a), b) for a, b in zip(losses, ref_losses)]))
+    if not e <= 1e-10:
+        problems.append(f"rank {rank}: losses differ by {e:.2e}")
+    for name, (owner, _) in train.pipeline.params().items():
+        err = relative_error(train.params[name], distribute(
+            ref_params[name], owner.storage_layout(name), train.pipeline.local))
+        if not err <= 1e-10:
+            problems.append(f"rank {rank}: {name} differs by {err:.2e}")
+    assert not _agreed(problems), "\n".join(problems)
