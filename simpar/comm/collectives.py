@@ -51,8 +51,8 @@ from simpar.comm.agreement import (
     validation,
 )
 
-__all__ = ["SendRequest", "all_gather", "all_reduce", "all_to_all", "barrier", "broadcast",
-           "isend", "recv", "reduce_scatter", "send"]
+__all__ = ["RecvRequest", "SendRequest", "all_gather", "all_reduce", "all_to_all", "barrier",
+           "broadcast", "irecv", "isend", "recv", "reduce_scatter", "send"]
 
 # Each call looks up what it derives from its signature alone (kind, group, dtype, shape and
 # arguments: validation, result shape, MPI op, byte counts, agreement claims) in a cache, so
@@ -458,6 +458,42 @@ def isend(x: np.ndarray, dest: int, tag: int = 0) -> SendRequest:
     buf = np.ascontiguousarray(x)
     request = world().Isend(buf, dest=dest, tag=tag)
     return SendRequest(request, buf, dest, tuple(x.shape), perf_counter() - start)
+
+
+class RecvRequest:
+    """A nonblocking receive (:func:`irecv`) posted: :meth:`wait` gives the array."""
+
+    __slots__ = ("_out", "_request", "_source", "_status")
+
+    def __init__(self, request: Any, out: np.ndarray, source: int, status: Any) -> None:
+        self._request, self._out, self._source, self._status = request, out, source, status
+
+    def wait(self) -> np.ndarray:
+        """The array, once it has arrived (recorded then, as one "Receive", with the time
+        spent waiting); a message of another size raises ``CommMismatchError``."""
+        start = perf_counter()
+        self._request.Wait(self._status)
+        got = self._status.Get_count(_mpi().BYTE)
+        out = self._out
+        if got != out.nbytes:
+            raise CommMismatchError(f"irecv: expected {out.nbytes} bytes ({out.dtype}"
+                                    f"{list(out.shape)}) from rank {self._source}, got {got}")
+        me = world().Get_rank()
+        trace.record("Receive", (self._source, me), 0, out.nbytes, perf_counter() - start,
+                     out.dtype, out.shape)
+        return out
+
+
+def irecv(source: int, shape: Sequence[int], dtype: Any, tag: int = 0) -> RecvRequest:
+    """Post a nonblocking receive of a ``shape``/``dtype`` array from world rank ``source``
+    into a new buffer; ``wait()`` on the request gives it."""
+    dt = np.dtype(dtype)
+    if dt.num not in _DTYPE_CODE:
+        raise TypeError(f"irecv: dtype {dt} is not supported; use one of "
+                        f"{[str(d) for d in DTYPES]}")
+    out = np.empty(tuple(shape), dtype=dt)
+    status = _mpi().Status()
+    return RecvRequest(world().Irecv(out, source=source, tag=tag), out, source, status)
 
 
 def recv(source: int, shape: Sequence[int], dtype: Any, tag: int = 0) -> np.ndarray:

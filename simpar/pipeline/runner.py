@@ -8,8 +8,9 @@ are) and runs unchanged there. Stage rank ``i`` exchanges with stage rank ``i`` 
 stages: a boundary value's receiver takes it in its producer's layout (the stage's program
 moves it to the layout its first reader needs), so both sides hold shards of one shape.
 
-Each micro-batch's forward receives its boundaries (blocking), runs, and sends its outputs
-on (nonblocking); its backward receives the cotangents of the boundaries it sent (summed over
+Each micro-batch's forward receives its boundaries, runs, and sends its outputs on, every
+message nonblocking (a task's receives are posted before the task before it runs, so they
+arrive while the rank computes; a send's array is let go once it has gone); its backward receives the cotangents of the boundaries it sent (summed over
 their readers), runs, and sends each received boundary's cotangent back, summed whole
 first. The gradients are summed over the micro-batches and synchronised once per step
 inside each stage (the programs' deferred Mirrors), then a parameter held by several stages
@@ -150,6 +151,7 @@ class PipelineRunner:
                  dependencies(self.stages, pipeline_stages))
         self.loss_seed = loss_seed
         self.trace: list[Transfer] = []
+        self._posted: dict[tuple[int, int, bool, int], comm.RecvRequest] = {}
         #: The last step's seconds from its start to the end of its last task (``span``),
         #: blocked in receives (``waiting``: the bubble), and the rest (``busy``).
         self.busy = self.span = self.waiting = 0.0
@@ -205,8 +207,11 @@ class PipelineRunner:
         pending: list[comm.SendRequest] = []
         self.trace = []
         started, self.waiting = perf_counter(), 0.0
-        for kind, chunk, k in self.tasks:
+        self._posted = {}
+        for t, (kind, chunk, k) in enumerate(self.tasks):
             pending = [r for r in pending if not r.done()]   # let the sent arrays go
+            for ahead in self.tasks[t:t + 2]:   # this task's receives, and the next one's
+                self._post(ahead)
             vs = chunk * count + self.stage
             st, prog = self.stages[vs], self.programs[vs]
             if kind == "F":
@@ -294,10 +299,31 @@ class PipelineRunner:
         self.trace.append(Transfer("send", k, b.name, backward, peer, x.nbytes))
         return comm.isend(x, peer, tag=2 * b.index + backward)
 
+    def _receives(self, task: tuple[str, int, int]
+                  ) -> list[tuple[int, tuple[int, ...], Any, Any, bool]]:
+        """(peer, shape, dtype, boundary, backward) of every message ``task`` receives, in
+        the order it takes them."""
+        kind, chunk, _ = task
+        vs = chunk * self.count + self.stage
+        st, prog = self.stages[vs], self.programs[vs]
+        if kind == "F":
+            return [(self.peer(b.producer), prog.layouts[v.id].local_shape(), v.dtype, b,
+                     False) for v, b in zip(st.graph.inputs, st.received) if b is not None]
+        return [(self.peer(c), prog.layouts[out.id].local_shape(), out.dtype, b, True)
+                for out, b in zip(prog.graph.outputs, st.sent)
+                if b is not None and out.dtype.kind == "f" for c in b.consumers]
+
+    def _post(self, task: tuple[str, int, int]) -> None:
+        """Post ``task``'s receives (once): they arrive while this rank computes."""
+        for peer, shape, dtype, b, backward in self._receives(task):
+            key = (peer, b.index, backward, task[2])
+            if key not in self._posted:
+                self._posted[key] = comm.irecv(peer, shape, dtype, tag=2 * b.index + backward)
+
     def _recv(self, peer: int, shape: tuple[int, ...], dtype: Any, b: Any, k: int,
               backward: bool) -> np.ndarray:
         t0 = perf_counter()
-        x = comm.recv(peer, shape, dtype, tag=2 * b.index + backward)
+        x = self._posted.pop((peer, b.index, backward, k)).wait()
         self.waiting += perf_counter() - t0
         self.trace.append(Transfer("recv", k, b.name, backward, peer, x.nbytes))
         return x
