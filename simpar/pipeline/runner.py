@@ -10,9 +10,9 @@ moves it to the layout its first reader needs), so both sides hold shards of one
 
 Each micro-batch's forward receives its boundaries, runs, and sends its outputs on, every
 message nonblocking (a task's receives are posted before the task before it runs, so they
-arrive while the rank computes; a send's array is let go once it has gone); its backward receives the cotangents of the boundaries it sent (summed over
-their readers), runs, and sends each received boundary's cotangent back, summed whole
-first. The gradients are summed over the micro-batches and synchronised once per step
+arrive while the rank computes; a send's array is let go once it has gone); its backward
+receives the cotangents of the boundaries it sent (summed over their readers), runs, and
+sends each received boundary's cotangent back, summed whole first. The gradients are summed over the micro-batches and synchronised once per step
 inside each stage (the programs' deferred Mirrors), then a parameter held by several stages
 has its gradient summed between them (a tied embedding and output head), and the loss, the
 mean over the micro-batches, reaches every rank from the last stage.
