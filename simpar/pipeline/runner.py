@@ -12,10 +12,11 @@ Each micro-batch's forward receives its boundaries, runs, and sends its outputs 
 message nonblocking (a task's receives are posted before the task before it runs, so they
 arrive while the rank computes; a send's array is let go once it has gone); its backward
 receives the cotangents of the boundaries it sent (summed over their readers), runs, and
-sends each received boundary's cotangent back, summed whole first. The gradients are summed over the micro-batches and synchronised once per step
-inside each stage (the programs' deferred Mirrors), then a parameter held by several stages
-has its gradient summed between them (a tied embedding and output head), and the loss, the
-mean over the micro-batches, reaches every rank from the last stage.
+sends each received boundary's cotangent back, summed whole first. The gradients are
+summed over the micro-batches and synchronised once per step inside each stage (the
+programs' deferred Mirrors), then a parameter held by several stages has its gradient summed
+between them (a tied embedding and output head), and the loss, the mean over the
+micro-batches, reaches every rank from the last stage.
 
 Messages between two ranks are tagged ``2 * boundary`` (forward) and ``2 * boundary + 1``
 (backward); both sides run the micro-batches in the same order, so they match in order.
