@@ -3,6 +3,7 @@
     python benchmarks/step.py                    # writes "## step" to benchmarks/RESULTS.md
     python benchmarks/step.py --quick --no-write # a smoke check: 2 rounds of 3 steps
     python benchmarks/step.py --rounds 8 --steps 20 --models mlp --single-threads 1
+    python benchmarks/step.py --pipelines        # benchmarks/pipeline_step.py, 8 and 2 ranks
 
 Run it without mpirun: it is the orchestrator, and starts three jobs that stay up for the whole
 run (their commands are printed and recorded):
@@ -940,7 +941,19 @@ def main() -> int:
     ap.add_argument("--setup-timeout", type=float, default=900,
                     help="seconds the jobs may take to build and check (default 900)")
     ap.add_argument("--worker", choices=("mpi", "single"), help=argparse.SUPPRESS)
+    ap.add_argument("--pipelines", action="store_true",
+                    help="the pipeline rows instead: benchmarks/pipeline_step.py on 8 ranks "
+                    "and on 2, against a hand-written numpy + mpi4py 1F1B")
     args = ap.parse_args()
+    if args.pipelines:   # each its own MPI job: the rows go under "## pipeline_step"
+        script = str(Path(__file__).with_name("pipeline_step.py"))
+        extra = ["--no-write"] if args.no_write else []
+        for ranks in (8, 2):
+            code = subprocess.call([_mpirun(), "-n", str(ranks), sys.executable, script,
+                                    *extra], env=_LAUNCH_ENV)   # (not this process's threads)
+            if code:
+                return code
+        return 0
     if args.worker == "mpi":
         mpi_worker(args.models)
         return 0
