@@ -45,7 +45,13 @@ from simpar.search import registered_searches
 from simpar.strategy_table import columns as strategy_table_columns
 from simpar.strategy_table import display_names as display_names  # re-exported
 from simpar.strategy_table import strategy_table
-from simpar.train_pipeline import SCHEDULES, assign_stages, pipeline_config, stage_lines
+from simpar.train_pipeline import (
+    SCHEDULES,
+    assign_stages,
+    measured_peak,
+    pipeline_config,
+    stage_lines,
+)
 
 MODES = ("stand_alone", "data_parallel", "semi_auto_parallel", "auto_parallel")
 
@@ -595,9 +601,11 @@ def main(argv: list[str] | None = None) -> int:
     say("collectives per rank 0 over the run:\n" + "\n".join(
         "  " + line for line in trace.summary().splitlines()))
     predicted: Any = None
-    if train.pipeline is not None:
+    if train.pipeline is not None:   # the last timed step's times, then one traced step
+        busy, idle = train.pipeline.busy, train.pipeline.span - train.pipeline.busy
+        peak = measured_peak(train, data0, label0)
         say(stage_lines(train, None if args.profile == "none" else args.profile,
-                        optimizer(args)))
+                        optimizer(args), busy, idle, peak))
         if args.profile != "none":
             predicted = price_pipeline(train.pipeline.stages, train.pipeline.programs,
                                        args.pipeline_stages, train.pipeline_scheduler,

@@ -8,6 +8,7 @@ two chunks per stage (``pipeline_segment``), in virtual-stage order.
 
 from __future__ import annotations
 
+import tracemalloc
 from typing import Any
 
 import numpy as np
@@ -16,7 +17,8 @@ from simpar import comm, nn
 from simpar.cost import DeviceProfile
 from simpar.pipeline import price_pipeline
 
-__all__ = ["SCHEDULES", "assign_stages", "pipeline_config", "stage_lines", "units"]
+__all__ = ["SCHEDULES", "assign_stages", "measured_peak", "pipeline_config", "stage_lines",
+           "units"]
 
 #: ``--pipeline-schedule`` choices.
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
@@ -57,15 +59,32 @@ def assign_stages(model: nn.Cell, stages: int, chunks: int = 1) -> None:
             model.ln_f.pipeline_segment = parts[-1].pipeline_segment
 
 
+def measured_peak(train: nn.TrainOneStepCell, data: np.ndarray, label: np.ndarray) -> int:
+    """This rank's peak bytes over one more pipelined forward and backward on the batch
+    (tracemalloc; no update), with its parameters and optimizer state: what the cost model
+    counts (collective: every rank calls)."""
+    held = sum(a.nbytes for a in train.params.values()) + sum(
+        a.nbytes for slots in train.optimizer.state.values() for a in slots.values())
+    tracemalloc.start()
+    tracemalloc.reset_peak()
+    try:
+        train.value_and_grad(data, label, step=train.step_count)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return held + peak
+
+
 def stage_lines(train: nn.TrainOneStepCell, profile: DeviceProfile | None, optimizer: str,
-                ) -> str:
-    """One line per stage: its last step's time busy in forwards and backwards and idle in
-    the bubble, measured (the slowest of its ranks, collective: every rank calls), next to
-    the prediction, and its predicted peak memory; then the predicted step."""
+                busy: float, idle: float, peak: int) -> str:
+    """One line per stage: its last step's time busy and idle in the bubble (blocked in
+    receives), and its peak memory, measured (the slowest or fullest of its ranks; this
+    rank's ``busy``, ``idle`` and ``peak``: collective, every rank calls), next to the
+    prediction; then the predicted step."""
     runner = train.pipeline
     assert runner is not None
-    mine = np.array([[runner.stage, runner.busy, runner.span - runner.busy]])
-    every = comm.all_gather(mine, axis=0)
+    every = comm.all_gather(np.array([[runner.stage, busy, idle, peak]], dtype=np.float64),
+                            axis=0)
     cost = None
     if profile is not None:
         cost = price_pipeline(runner.stages, runner.programs, runner.count,
@@ -76,14 +95,15 @@ def stage_lines(train: nn.TrainOneStepCell, profile: DeviceProfile | None, optim
              f"{train.pipeline_scheduler}" + (" interleaved" if len(runner.chunks) > 1 else "")]
     for s in range(runner.count):
         rows = every[every[:, 0] == s]
-        busy, idle = rows[:, 1].max(), rows[:, 2].max()
-        line = (f"  stage {s}: busy {busy * 1e3:.1f} ms, idle {idle * 1e3:.1f} ms "
-                f"({idle / max(busy + idle, 1e-12):.0%} bubble) in the last step")
+        b, i, m = rows[:, 1].max(), rows[:, 2].max(), rows[:, 3].max()
+        line = (f"  stage {s}: busy {b * 1e3:.1f} ms, idle {i * 1e3:.1f} ms "
+                f"({i / max(b + i, 1e-12):.0%} bubble) in the last step, peak memory "
+                f"{m / 2**20:.2f} MiB")
         if cost is not None:
             c = cost.stages[s]
             line += (f"; predicted busy {c.busy * 1e3:.1f} ms, idle {c.idle * 1e3:.1f} ms, "
-                     f"peak memory {c.peak_memory / 2**20:.2f} MiB "
-                     f"({c.in_flight} micro-batch(es) in flight)")
+                     f"peak {c.peak_memory / 2**20:.2f} MiB ({c.in_flight} micro-batch(es) "
+                     "in flight)")
         lines.append(line)
     if cost is not None:
         lines.append(f"  predicted step {cost.step_seconds * 1e3:.1f} ms on {cost.profile}, "
