@@ -18,6 +18,7 @@ from simpar.pipeline.search import (
     _split,
     _units,
     price_choice,
+    price_interleaved,
     search_pipeline,
 )
 
@@ -63,7 +64,14 @@ def test_the_search_keeps_the_fastest_plan_that_fits_and_each_layout_climbs_the_
     # A layout stops at its first rung that fits, in the ladder's order.
     by_layout: dict[tuple[int, int, int], list[PipelinePlan]] = {}
     for p in found.candidates:
-        by_layout.setdefault((p.stages, p.choice.tp, p.choice.mbs), []).append(p)
+        if p.chunks == 1:
+            by_layout.setdefault((p.stages, p.choice.tp, p.choice.mbs), []).append(p)
+    # A layout that fits is priced interleaved too (2 chunks per stage) where it can run.
+    woven = [p for p in found.candidates if p.chunks == 2]
+    assert woven and all(p.micro_batches % p.stages == 0 and len(p.blocks) == 2 * p.stages
+                         for p in woven)
+    assert all(any(q.chunks == 1 and q.fits and q.stages == p.stages and q.choice == p.choice
+                   for q in found.candidates) for p in woven)
     for tried in by_layout.values():
         rungs = [(p.choice.level, p.choice.recompute) for p in tried]
         assert rungs == list(LADDER[:len(rungs)])
@@ -94,3 +102,14 @@ def test_simpar_plan_searches_pipelines_and_prices_megatrons_configuration(
     assert searched <= megatron
     assert plan_cli.main(["--model", "mlp", "--pipeline-stages", "2"]) == 2
     assert np.isfinite(searched)
+
+
+def test_interleaving_shrinks_the_bubble_and_holds_more_in_flight() -> None:
+    """Equal choice, 4 stages: the interleaved step's bubble is smaller (Narayanan et al.
+    2021: 1 / V of the plain schedule's), and its first stage holds more activations."""
+    choice = StageChoice(2, 2, 2, None, False)
+    plain = price_choice(SMALL, 16, 4, choice, "ascend910b")
+    woven = price_interleaved(SMALL, 16, 4, choice, "ascend910b")
+    assert woven is not None and woven.chunks == 2 and sum(woven.blocks) == 8
+    assert woven.bubble < plain.bubble
+    assert price_interleaved(SMALL, 16, 8, choice, "ascend910b") is None   # 8 x 2 > 8 blocks

@@ -20,7 +20,10 @@ gradients and optimizer state; the activations one micro-batch keeps). Then:
   stage ``s`` (a search over the slowest stage's time, each stage given the most blocks
   that fit under it);
 * the step: the stages' 1F1B tasks on a timeline (:func:`~simpar.pipeline.price.timeline`),
-  messages between stages at the link's time, then each stage's synchronisation and update.
+  messages between stages at the link's time, then each stage's synchronisation and update;
+* a layout that fits is priced again under the interleaved 1F1B with two chunks per stage
+  (:func:`price_interleaved`: the blocks split evenly over the virtual stages), from the
+  same units.
 
 The plan is the cheapest that fits. The intra-stage layouts are Megatron's ``dp x tp``, not
 the operator-level search: on 128 devices the search takes 9.6 s for one block and on 1024
@@ -50,7 +53,7 @@ from simpar.runtime.lowering import lower
 from simpar.search import plan_request, request_from_context
 
 __all__ = ["LADDER", "GPTShape", "PipelinePlan", "PipelineSearch", "StageChoice",
-           "price_choice", "search_pipeline"]
+           "price_choice", "price_interleaved", "search_pipeline"]
 
 
 @dataclass(frozen=True)
@@ -106,19 +109,22 @@ class PipelinePlan:
     devices_per_stage: int
     micro_batches: int
     choice: StageChoice
-    blocks: tuple[int, ...]          # per stage
+    blocks: tuple[int, ...]          # per (virtual) stage
     step_seconds: float
     stage_memory: tuple[int, ...]
     bubble: float
     fits: bool
+    chunks: int = 1                  # virtual stages per stage (interleaved 1F1B when > 1)
 
     @property
     def peak_memory(self) -> int:
         return max(self.stage_memory)
 
     def describe(self) -> str:
+        where = ("blocks per stage" if self.chunks == 1 else
+                 f"interleaved 1F1B, {self.chunks} chunks per stage, blocks per chunk")
         return (f"pp {self.stages} x ({self.choice.describe()}), {self.micro_batches} "
-                f"micro-batches, blocks per stage {_runs(self.blocks)}")
+                f"micro-batches, {where} {_runs(self.blocks)}")
 
 
 def _runs(blocks: Sequence[int]) -> str:
@@ -148,11 +154,12 @@ class PipelineSearch:
 
     def table(self, top: int = 10) -> str:
         rows = sorted(self.candidates, key=lambda p: (not p.fits, p.step_seconds))[:top]
-        lines = [f"{'pp':>3} {'tp':>3} {'dp':>4} {'mbs':>3} {'M':>4} {'level':>7} "
+        lines = [f"{'pp':>3} {'V':>2} {'tp':>3} {'dp':>4} {'mbs':>3} {'M':>4} {'level':>7} "
                  f"{'recomp':>6} {'step s':>9} {'bubble':>7} {'peak GiB':>9}  fits"]
         for p in rows:
             c = p.choice
-            lines.append(f"{p.stages:>3} {c.tp:>3} {c.dp:>4} {c.mbs:>3} {p.micro_batches:>4} "
+            lines.append(f"{p.stages:>3} {p.chunks:>2} {c.tp:>3} {c.dp:>4} {c.mbs:>3} "
+                         f"{p.micro_batches:>4} "
                          f"{c.level or 'off':>7} {'yes' if c.recompute else 'no':>6} "
                          f"{p.step_seconds:>9.3f} {p.bubble:>7.1%} "
                          f"{p.peak_memory / 2**30:>9.2f}  {'yes' if p.fits else 'NO'}")
@@ -281,32 +288,74 @@ def _split(layers: int, stages: int, seconds: Any, memory: Any, cap: int
 
 
 def _step(stages: int, m: int, blocks: Sequence[int], emb: _Unit, block: _Unit,
-          head: _Unit, sent: int, n: int, prof: DeviceProfile) -> tuple[float, float]:
-    """(step seconds, bubble share) of the split on a 1F1B timeline."""
-    def cost(s: int, kind: str) -> float:
+          head: _Unit, sent: int, n: int, prof: DeviceProfile, chunks: int = 1
+          ) -> tuple[float, float]:
+    """(step seconds, bubble share) of the split (``blocks`` per virtual stage, ``chunks``
+    per stage: interleaved when more than one) on a 1F1B timeline."""
+    last = stages * chunks - 1
+
+    def cost(v: int, kind: str) -> float:
         pick = (lambda u: u.forward) if kind == "F" else (lambda u: u.backward)
-        return (blocks[s] * pick(block) + (pick(emb) if s == 0 else 0.0)
-                + (pick(head) if s == stages - 1 else 0.0))
+        return (blocks[v] * pick(block) + (pick(emb) if v == 0 else 0.0)
+                + (pick(head) if v == last else 0.0))
 
     hop = prof.link((0, n)).seconds(1, sent) if stages > 1 else 0.0
-    tasks = [schedule("1f1b", s, stages, m) for s in range(stages)]
+    tasks = [schedule("1f1b", s, stages, m, chunks) for s in range(stages)]
 
     def needs(s: int, task: tuple[str, int, int]) -> list[tuple[int, Any, float]]:
-        kind, _, k = task
+        kind, c, k = task
+        v = c * stages + s
         if kind == "F":
-            return [] if s == 0 else [(s - 1, ("F", 0, k), hop)]
-        out: list[tuple[int, Any, float]] = [(s, ("F", 0, k), 0.0)]
-        return out if s == stages - 1 else [*out, (s + 1, ("B", 0, k), hop)]
+            return [] if v == 0 else [((v - 1) % stages, ("F", (v - 1) // stages, k), hop)]
+        out: list[tuple[int, Any, float]] = [(s, ("F", c, k), 0.0)]
+        return out if v == last else [*out, ((v + 1) % stages, ("B", (v + 1) // stages, k),
+                                             hop)]
 
-    forward = [cost(s, "F") for s in range(stages)]
-    backward = [cost(s, "B") for s in range(stages)]
-    spans = timeline(tasks, lambda s, t: forward[s] if t[0] == "F" else backward[s], needs)
+    forward = [cost(v, "F") for v in range(last + 1)]
+    backward = [cost(v, "B") for v in range(last + 1)]
+    spans = timeline(tasks, lambda s, t: (forward if t[0] == "F" else backward)[
+        t[1] * stages + s], needs)
     ends = [max(e for (st, *_), (_, e) in spans.items() if st == s) for s in range(stages)]
-    once = [blocks[s] * block.once + (emb.once if s == 0 else 0.0)
-            + (head.once if s == stages - 1 else 0.0) for s in range(stages)]
-    busy = [m * (forward[s] + backward[s]) for s in range(stages)]
+    mine = [[c * stages + s for c in range(chunks)] for s in range(stages)]
+    once = [sum(blocks[v] * block.once + (emb.once if v == 0 else 0.0)
+                + (head.once if v == last else 0.0) for v in vs) for vs in mine]
+    busy = [m * sum(forward[v] + backward[v] for v in vs) for vs in mine]
     bubble = 1.0 - sum(busy) / sum(ends)
     return max(e + o for e, o in zip(ends, once)) + prof.step_overhead, bubble
+
+
+def price_interleaved(shape: GPTShape, device_num: int, stages: int, choice: StageChoice,
+                      profile: str | DeviceProfile = "ascend910b", optimizer: str = "adam",
+                      capacity: int | None = None, plans: dict[Any, Any] | None = None,
+                      chunks: int = 2) -> PipelinePlan | None:
+    """One candidate under Megatron's interleaved 1F1B: ``chunks`` virtual stages per stage,
+    the blocks split evenly over the virtual stages; None where the schedule cannot run it
+    (micro-batches not a multiple of the stages, fewer blocks than virtual stages)."""
+    prof = load_profile(profile)
+    cap = prof.memory_capacity if capacity is None else capacity
+    n = device_num // stages
+    m = shape.batch // (choice.dp * choice.mbs)
+    virtual = stages * chunks
+    if stages < 2 or m % stages or shape.layers < virtual:
+        return None
+    emb, block, head, sent = _units(shape, n, choice, prof, optimizer, plans)
+    blocks = [shape.layers // virtual + (v < shape.layers % virtual) for v in range(virtual)]
+    mem = []
+    for s in range(stages):   # each chunk's micro-batches in flight, as the schedule holds them
+        live, most = [0] * chunks, [0] * chunks
+        for kind, c, _ in schedule("1f1b", s, stages, m, chunks):
+            live[c] += 1 if kind == "F" else -1
+            most[c] = max(most[c], live[c])
+        units = []
+        for c in range(chunks):
+            v = c * stages + s
+            units += [(block, blocks[v], most[c])] + ([(emb, 1, most[c])] if v == 0 else []) \
+                + ([(head, 1, most[c])] if v == virtual - 1 else [])
+        mem.append(int(sum(k * (u.static + f * u.activations) for u, k, f in units)
+                       + max(u.transient for u, k, _ in units if k)))
+    step, bubble = _step(stages, m, blocks, emb, block, head, sent, n, prof, chunks)
+    return PipelinePlan(stages, n, m, choice, tuple(blocks), step, tuple(mem), bubble,
+                        all(x <= cap for x in mem), chunks)
 
 
 #: The memory dimensions tried for each layout, cheapest in time first; the first that fits
@@ -363,7 +412,11 @@ def search_pipeline(shape: GPTShape, device_num: int, profile: str | DeviceProfi
                                                                       recompute),
                                     prof, optimizer, cap, units)
                 plans.append(plan)
-                if plan.fits:
+                if plan.fits:   # the same layout interleaved: its units are planned already
+                    woven = price_interleaved(shape, device_num, s, plan.choice, prof,
+                                              optimizer, cap, units)
+                    if woven is not None:
+                        plans.append(woven)
                     break
     fitting = [p for p in plans if p.fits]
     best = min(fitting, key=lambda p: p.step_seconds) if fitting else None
