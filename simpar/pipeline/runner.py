@@ -280,7 +280,7 @@ class PipelineRunner:
             source = st.batch[j]
             assert source is not None
             return take_shard(batch[source][k], *shard_index(lay, self.local))
-        return self._recv(self.peer(b.producer), lay.local_shape(), v.dtype, b, k, False)
+        return self._recv(b.producer, b, k, False)
 
     def _seed(self, prog: ParallelProgram, out: Any, b: Any, k: int) -> np.ndarray | None:
         """The cotangent output ``out`` starts the backward with: the loss's seed, or the sum
@@ -290,8 +290,7 @@ class PipelineRunner:
                            self.loss_seed / self.micro_batches, dtype=out.dtype)
         if out.dtype.kind != "f":
             return None
-        shape = prog.layouts[out.id].local_shape()
-        parts = [self._recv(self.peer(c), shape, out.dtype, b, k, True) for c in b.consumers]
+        parts = [self._recv(c, b, k, True) for c in b.consumers]
         return parts[0] if len(parts) == 1 else np.sum(parts, axis=0)
 
     def _send(self, x: np.ndarray, virtual: int, b: Any, k: int, backward: bool
@@ -302,31 +301,32 @@ class PipelineRunner:
 
     def _receives(self, task: tuple[str, int, int]
                   ) -> list[tuple[int, tuple[int, ...], Any, Any, bool]]:
-        """(peer, shape, dtype, boundary, backward) of every message ``task`` receives, in
-        the order it takes them."""
+        """(the virtual stage at the other end, shape, dtype, boundary, backward) of every
+        message ``task`` receives, in the order it takes them."""
         kind, chunk, _ = task
         vs = chunk * self.count + self.stage
         st, prog = self.stages[vs], self.programs[vs]
         if kind == "F":
-            return [(self.peer(b.producer), prog.layouts[v.id].local_shape(), v.dtype, b,
-                     False) for v, b in zip(st.graph.inputs, st.received) if b is not None]
-        return [(self.peer(c), prog.layouts[out.id].local_shape(), out.dtype, b, True)
+            return [(b.producer, prog.layouts[v.id].local_shape(), v.dtype, b, False)
+                    for v, b in zip(st.graph.inputs, st.received) if b is not None]
+        return [(c, prog.layouts[out.id].local_shape(), out.dtype, b, True)
                 for out, b in zip(prog.graph.outputs, st.sent)
                 if b is not None and out.dtype.kind == "f" for c in b.consumers]
 
     def _post(self, task: tuple[str, int, int]) -> None:
         """Post ``task``'s receives (once): they arrive while this rank computes."""
-        for peer, shape, dtype, b, backward in self._receives(task):
-            key = (peer, b.index, backward, task[2])
+        for other, shape, dtype, b, backward in self._receives(task):
+            key = (other, b.index, backward, task[2])
             if key not in self._posted:
-                self._posted[key] = comm.irecv(peer, shape, dtype, tag=2 * b.index + backward)
+                self._posted[key] = comm.irecv(self.peer(other), shape, dtype,
+                                               tag=2 * b.index + backward)
 
-    def _recv(self, peer: int, shape: tuple[int, ...], dtype: Any, b: Any, k: int,
-              backward: bool) -> np.ndarray:
+    def _recv(self, other: int, b: Any, k: int, backward: bool) -> np.ndarray:
+        """Micro-batch ``k``'s message from virtual stage ``other`` (posted before)."""
         t0 = perf_counter()
-        x = self._posted.pop((peer, b.index, backward, k)).wait()
+        x = self._posted.pop((other, b.index, backward, k)).wait()
         self.waiting += perf_counter() - t0
-        self.trace.append(Transfer("recv", k, b.name, backward, peer, x.nbytes))
+        self.trace.append(Transfer("recv", k, b.name, backward, self.peer(other), x.nbytes))
         return x
 
 
