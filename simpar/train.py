@@ -604,12 +604,11 @@ def main(argv: list[str] | None = None) -> int:
     if train.pipeline is not None:   # the last timed step's times, then one traced step
         busy, idle = train.pipeline.busy, train.pipeline.span - train.pipeline.busy
         peak = measured_peak(train, data0, label0)
-        say(stage_lines(train, None if args.profile == "none" else args.profile,
-                        optimizer(args), busy, idle, peak))
         if args.profile != "none":
             predicted = price_pipeline(train.pipeline.stages, train.pipeline.programs,
                                        args.pipeline_stages, train.pipeline_scheduler,
                                        args.micro_batches, args.profile, optimizer(args))
+        say(stage_lines(train, predicted, busy, idle, peak))
     elif args.profile != "none" and train.program is not None:
         predicted = train.program.cost(args.profile, optimizer(args))
         say(f"cost model ({predicted.profile}): predicted step {predicted.step_seconds * 1e3:.1f}"

@@ -14,8 +14,7 @@ from typing import Any
 import numpy as np
 
 from simpar import comm, nn
-from simpar.cost import DeviceProfile
-from simpar.pipeline import price_pipeline
+from simpar.pipeline import PipelineCost
 
 __all__ = ["SCHEDULES", "assign_stages", "measured_peak", "pipeline_config", "stage_lines",
            "units"]
@@ -75,21 +74,17 @@ def measured_peak(train: nn.TrainOneStepCell, data: np.ndarray, label: np.ndarra
     return held + peak
 
 
-def stage_lines(train: nn.TrainOneStepCell, profile: DeviceProfile | None, optimizer: str,
-                busy: float, idle: float, peak: int) -> str:
+def stage_lines(train: nn.TrainOneStepCell, cost: PipelineCost | None, busy: float,
+                idle: float, peak: int) -> str:
     """One line per stage: its last step's time busy and idle in the bubble (blocked in
     receives), and its peak memory, measured (the slowest or fullest of its ranks; this
     rank's ``busy``, ``idle`` and ``peak``: collective, every rank calls), next to the
-    prediction; then the predicted step."""
+    prediction ``cost`` (:func:`~simpar.pipeline.price_pipeline`'s, None: none); then the
+    predicted step."""
     runner = train.pipeline
     assert runner is not None
     every = comm.all_gather(np.array([[runner.stage, busy, idle, peak]], dtype=np.float64),
                             axis=0)
-    cost = None
-    if profile is not None:
-        cost = price_pipeline(runner.stages, runner.programs, runner.count,
-                              train.pipeline_scheduler, runner.micro_batches, profile,
-                              optimizer)
     lines = [f"pipeline: {runner.count} stages x {runner.per_stage} ranks, "
              f"{len(runner.chunks)} chunk(s) per stage, {runner.micro_batches} micro-batches, "
              f"{train.pipeline_scheduler}" + (" interleaved" if len(runner.chunks) > 1 else "")]

@@ -237,23 +237,6 @@ def test_a_pipelines_price_counts_its_bubble_messages_and_micro_batches_in_fligh
     assert "stage 3:" in one.table()
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--pipeline-stages", "0"], "--pipeline-stages must be >= 1, got 0"),
-    (["--pipeline-stages", "2", "--parallel-mode", "stand_alone"],
-     "--pipeline-stages needs several ranks"),
-    (["--pipeline-stages", "2", "--parallel-mode", "auto_parallel", "--memory-dimensions",
-      "search"], "--memory-dimensions is not searched with --pipeline-stages yet"),
-    (["--pipeline-schedule", "zb"], "argument --pipeline-schedule: invalid choice: 'zb'"),
-])
-def test_the_main_jobs_pipeline_options_are_checked(argv: list[str], message: str,
-                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    from simpar import train
-    with pytest.raises(SystemExit) as exc:
-        train.main(argv)
-    assert exc.value.code == 2
-    assert message in capsys.readouterr().err
-
-
 def test_a_pipeline_that_does_not_divide_the_ranks_or_the_units_is_refused() -> None:
     from simpar import train
     from simpar.train_pipeline import assign_stages

@@ -260,7 +260,15 @@ def test_checkpoint_options_are_checked_before_any_work(
     (["--model", "resnet"], "argument --model: invalid choice: 'resnet'"),
     (["--strategy", "pipeline"], "argument --strategy: invalid choice: 'pipeline'"),
     (["--dtype", "float16"], "argument --dtype: invalid choice: 'float16'"),
-], ids=["steps-0", "batch-negative", "heads-0", "steps-not-int", "model", "strategy", "dtype"])
+    (["--pipeline-stages", "0"], "--pipeline-stages must be >= 1, got 0"),
+    (["--pipeline-stages", "2", "--parallel-mode", "stand_alone"],
+     "--pipeline-stages needs several ranks"),
+    (["--pipeline-stages", "2", "--parallel-mode", "auto_parallel", "--memory-dimensions",
+      "search"], "--memory-dimensions is not searched with --pipeline-stages yet"),
+    (["--pipeline-schedule", "zb"], "argument --pipeline-schedule: invalid choice: 'zb'"),
+], ids=["steps-0", "batch-negative", "heads-0", "steps-not-int", "model", "strategy", "dtype",
+        "pipeline-stages-0", "pipeline-stand-alone", "pipeline-memory-dimensions",
+        "pipeline-schedule"])
 def test_bad_arguments_exit_with_a_usage_message(argv: list[str], message: str,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:

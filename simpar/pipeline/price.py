@@ -26,7 +26,7 @@ from typing import Any
 
 from simpar.cost.model import CostReport, evaluate, optimizer_seconds, phase_seconds
 from simpar.cost.profile import DeviceProfile, load_profile
-from simpar.pipeline.schedules import Task, schedule
+from simpar.pipeline.schedules import Task, chunk_in_flight, schedule
 from simpar.pipeline.stages import Stage
 from simpar.runtime.program import ParallelProgram
 
@@ -183,7 +183,7 @@ def price_pipeline(stages: Sequence[Stage], programs: Sequence[ParallelProgram],
         first, end = min(b for b, _ in own), max(e for _, e in own)
         sync = sum(phases[v][2] + optimizer_seconds(programs[v], optimizer, prof)
                    for v in mine) + shared.get(s, 0.0)
-        flight = _in_flight(tasks[s], chunks)
+        flight = chunk_in_flight(tasks[s], chunks)
         reports = [evaluate(programs[v], prof, optimizer) for v in mine]
         peak = sum(_peak(r, f) for r, f in zip(reports, flight))
         rows.append(StageCost(s, sum(phases[v][0] for v in mine),
@@ -197,15 +197,6 @@ def price_pipeline(stages: Sequence[Stage], programs: Sequence[ParallelProgram],
     bubble = sum(r.idle for r in rows) / sum(spans_total) if sum(spans_total) else 0.0
     return PipelineCost(prof.name, scheduler, tuple(rows), micro_batches, chunks,
                         last_step + fixed, bubble, p2p)
-
-
-def _in_flight(tasks: Sequence[Task], chunks: int) -> list[int]:
-    """Per chunk, the most of its micro-batches whose forward ran and backward did not."""
-    live, most = [0] * chunks, [0] * chunks
-    for kind, c, _ in tasks:
-        live[c] += 1 if kind == "F" else -1
-        most[c] = max(most[c], live[c])
-    return most
 
 
 def _peak(report: CostReport, in_flight: int) -> int:

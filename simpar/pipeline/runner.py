@@ -153,6 +153,8 @@ class PipelineRunner:
         self.loss_seed = loss_seed
         self.trace: list[Transfer] = []
         self._posted: dict[tuple[int, int, bool, int], comm.RecvRequest] = {}
+        #: Per task, the messages it receives (worked out once, not on every step).
+        self._incoming = {task: self._receives(task) for task in self.tasks}
         #: The last step's seconds from its start to the end of its last task (``span``),
         #: blocked in receives (``waiting``: the bubble), and the rest (``busy``).
         self.busy = self.span = self.waiting = 0.0
@@ -315,7 +317,7 @@ class PipelineRunner:
 
     def _post(self, task: tuple[str, int, int]) -> None:
         """Post ``task``'s receives (once): they arrive while this rank computes."""
-        for other, shape, dtype, b, backward in self._receives(task):
+        for other, shape, dtype, b, backward in self._incoming[task]:
             key = (other, b.index, backward, task[2])
             if key not in self._posted:
                 self._posted[key] = comm.irecv(self.peer(other), shape, dtype,

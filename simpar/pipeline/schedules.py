@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from simpar.context import PIPELINE_SCHEDULERS
 
-__all__ = ["bubble_fraction", "in_flight", "schedule"]
+__all__ = ["bubble_fraction", "chunk_in_flight", "in_flight", "schedule"]
 
 Task = tuple[str, int, int]
 
@@ -79,6 +79,16 @@ def in_flight(tasks: tuple[Task, ...]) -> int:
     for kind, _, _ in tasks:
         live += 1 if kind == "F" else -1
         most = max(most, live)
+    return most
+
+
+def chunk_in_flight(tasks: tuple[Task, ...], chunks: int) -> list[int]:
+    """Per chunk, the most of its micro-batches whose forward ran and backward did not: the
+    activations each chunk holds at once."""
+    live, most = [0] * chunks, [0] * chunks
+    for kind, c, _ in tasks:
+        live[c] += 1 if kind == "F" else -1
+        most[c] = max(most[c], live[c])
     return most
 
 

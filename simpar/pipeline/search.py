@@ -47,7 +47,7 @@ from simpar.nn import presets
 from simpar.optimizer_parallel import OptimizerLevel, OptimizerParallel
 from simpar.pipeline.price import timeline
 from simpar.pipeline.runner import plan_stages
-from simpar.pipeline.schedules import in_flight, schedule
+from simpar.pipeline.schedules import chunk_in_flight, in_flight, schedule
 from simpar.pipeline.stages import split_stages
 from simpar.runtime.lowering import lower
 from simpar.search import plan_request, request_from_context
@@ -342,10 +342,7 @@ def price_interleaved(shape: GPTShape, device_num: int, stages: int, choice: Sta
     blocks = [shape.layers // virtual + (v < shape.layers % virtual) for v in range(virtual)]
     mem = []
     for s in range(stages):   # each chunk's micro-batches in flight, as the schedule holds them
-        live, most = [0] * chunks, [0] * chunks
-        for kind, c, _ in schedule("1f1b", s, stages, m, chunks):
-            live[c] += 1 if kind == "F" else -1
-            most[c] = max(most[c], live[c])
+        most = chunk_in_flight(schedule("1f1b", s, stages, m, chunks), chunks)
         units = []
         for c in range(chunks):
             v = c * stages + s
