@@ -455,6 +455,8 @@ def summary(plan: ModelPlan) -> str:
              ("optimizer", r.optimizer), ("fixed", r.overhead)]
     priced = (f"all {r.device_num} ranks priced" if len(r.memory) == r.device_num else
               f"{len(r.memory)} of {r.device_num} ranks priced")
+    priced += (f", {r.rank_classes} class{'es' if r.rank_classes > 1 else ''} of ranks "
+               "alike")
     lines = [f"\npredicted step {_time(r.step_seconds)} on {r.profile} x {r.device_num} "
              f"(rank {r.slowest_rank} slowest; {priced}; optimizer {o.optimizer}):"]
     width = max(len(name) for name, _ in parts)

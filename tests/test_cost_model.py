@@ -14,8 +14,10 @@ import pytest
 from simpar import graph, nn, ops
 from simpar.calibrate import step_terms
 from simpar.cost import DeviceProfile, Link, evaluate, load_profile, profile_names
+from simpar.nn import presets
+from simpar.optimizer_parallel import OptimizerLevel, OptimizerParallel
 from simpar.runtime import ParallelProgram, lower
-from simpar.search import plan_strategies
+from simpar.search import plan_request, plan_strategies, request_from_context
 
 ALPHA, BETA = 1e-5, 1e9           # a synthetic link: 10 us per ring step, 1 GB/s
 FLOPS, MEM_BW = 1e9, 1e10         # 1 GFLOP/s, 10 GB/s
@@ -418,3 +420,67 @@ def test_the_executor_reports_the_peak_bytes_it_holds() -> None:
     with watching_memory() as watch:
         prog.forward([np.ones((8, 32))], {"weight": np.ones((16, 32))})
     assert watch.peak == (16 * 32 + 8 * 32 + 8 * 16) * 8
+
+
+class _EveryRank:
+    """A program priced rank by rank: every rank its own class (the reference for
+    :meth:`ParallelProgram.rank_classes`)."""
+
+    def __init__(self, program: ParallelProgram) -> None:
+        self._program = program
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._program, name)
+
+    def rank_classes(self, ranks: Any, link: Any) -> tuple[tuple[int, ...], ...]:
+        return tuple((r,) for r in ranks)
+
+
+def _gpt_program(device_num: int, mode: str, enable_alltoall: bool = False,
+                 level: str | None = None) -> ParallelProgram:
+    """A one-block GPT on ``device_num`` ranks: searched by ``mode``, or Megatron's dp x mp
+    for ``mode="megatron dp x mp"``."""
+    gpt, loss = nn.GPT(24, 12, 24, 1, 6, dtype=np.float64), nn.SoftmaxCrossEntropyWithLogits()
+    if mode.startswith("megatron"):
+        dp, mp = (int(k) for k in mode.split()[1].split("x"))
+        presets.megatron_gpt(gpt, dp, mp, loss)
+    g = graph.trace(nn.WithLossCell(gpt, loss), [((24, 12), np.int32), ((24, 12), np.int32)],
+                    ["data", "label"])
+    optimizer = OptimizerParallel(None if level is None else OptimizerLevel(level), -1, 0)
+    smap = plan_request(request_from_context(
+        g, device_num=device_num,
+        mode="semi_auto_parallel" if mode.startswith("megatron") else "auto_parallel",
+        dataset_strategy="data_parallel", enable_alltoall=enable_alltoall,
+        search_mode=None if mode.startswith("megatron") else mode, optimizer=optimizer))
+    return lower(g, smap, enable_alltoall)
+
+
+@pytest.mark.parametrize(("device_num", "per_server", "mode", "alltoall", "level"), [
+    (8, 8, "dynamic_programming", False, None),
+    (8, 4, "dynamic_programming", True, None),
+    (8, 2, "sharding_propagation", False, "level1"),
+    (6, 4, "dynamic_programming", False, None),       # a group straddles a server for some
+    (12, 8, "recursive_programming", True, "level3"),
+    (12, 5, "dynamic_programming", False, None),
+    (6, 4, "megatron 2x3", True, None),               # mp groups {0,1,2} and {3,4,5}
+    (12, 8, "megatron 4x3", False, "level2"),
+    (8, 6, "megatron 4x2", True, "level1"),
+])
+def test_one_rank_per_class_prices_as_every_rank_does(device_num: int, per_server: int,
+                                                       mode: str, alltoall: bool,
+                                                       level: str | None) -> None:
+    prog, prof = _gpt_program(device_num, mode, alltoall, level), _profile(per_server)
+    fast, slow = evaluate(prog, prof, "adam"), evaluate(_EveryRank(prog), prof, "adam")
+    assert slow.rank_classes == device_num
+    assert replace(fast, rank_classes=device_num) == slow
+    classes = prog.rank_classes(range(device_num), prof.link)
+    assert sorted(r for c in classes for r in c) == list(range(device_num))
+    for members in classes:   # a class's schedules: step for step alike but for the groups
+        first = prog.schedule(members[0])
+        for r in members[1:]:
+            assert [(s.role, s.collective, len(s.group), prof.link(s.group), s.recv_bytes,
+                     s.flops) for s in prog.schedule(r)] == \
+                [(s.role, s.collective, len(s.group), prof.link(s.group), s.recv_bytes,
+                  s.flops) for s in first]
+    if per_server == 8 and device_num == 8:
+        assert fast.rank_classes == 1

@@ -26,14 +26,15 @@ backward (every value a node on the gradient path saves, counted once per layout
 the end of the forward), and the largest communication buffer.
 
 Everything is pure: shapes and layouts only, no MPI, so it plans for thousands of devices
-(ranks are sampled with :func:`~simpar.collective_kinds.sample_ranks` beyond 64).
+(ranks are sampled with :func:`~simpar.collective_kinds.sample_ranks` beyond 64, and one
+rank is priced per class of ranks whose schedules price alike: ``program.rank_classes``).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
 
 from simpar.collective_kinds import sample_ranks
@@ -84,6 +85,9 @@ class _Program(Protocol):  # simpar.runtime.ParallelProgram, as this module read
     def grad_nodes(self) -> frozenset[int]: ...
 
     def schedule(self, rank: int) -> Sequence[Any]: ...
+
+    def rank_classes(self, ranks: Sequence[int], link: Callable[[tuple[int, ...]], Hashable]
+                     ) -> tuple[tuple[int, ...], ...]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +147,8 @@ class CostReport:
     optimizer: float
     overhead: float                 # the profile's fixed cost per step
     ops: tuple[OpCostRow, ...]
-    memory: tuple[MemoryRow, ...]
+    memory: tuple[MemoryRow, ...]   # per rank priced
+    rank_classes: int = 1           # how many of them were priced: one per class
 
     @property
     def peak_memory(self) -> int:
@@ -211,10 +216,14 @@ def evaluate(program: _Program, profile: str | DeviceProfile = "cpu-local",
     by_name = {s.node.name: s for s in program.steps}
     per_rank: dict[int, tuple[float, dict[str, list[float]], float]] = {}
     memory = []
-    for rank in sample_ranks(program.device_num):
+    classes = program.rank_classes(sample_ranks(program.device_num), prof.link)
+    for members in classes:   # one rank priced per class: its first
+        rank = members[0]
         per_rank[rank] = _time_of(program.schedule(rank), by_name, prof,
                                   program.micro_batches)
-        memory.append(_memory_of(program, rank, optimizer, prof))
+        row = _memory_of(program, rank, optimizer, prof)
+        memory += [replace(row, rank=r) for r in members]
+    memory.sort(key=lambda m: m.rank)
     slowest = max(per_rank, key=lambda r: (per_rank[r][0], -r))
     total, ops, grad_sync = per_rank[slowest]
     rows = tuple(OpCostRow(name, by_name[name].node.op.name, by_name[name].sharding.strategy,
@@ -226,7 +235,7 @@ def evaluate(program: _Program, profile: str | DeviceProfile = "cpu-local",
     return CostReport(prof.name, program.device_num, total + update + fixed, slowest,
                       sum(r.compute for r in rows), sum(r.op_comm for r in rows),
                       sum(r.redistribution for r in rows), grad_sync, update, fixed, rows,
-                      tuple(memory))
+                      tuple(memory), len(classes))
 
 
 def optimizer_seconds(program: _Program, optimizer: str, prof: DeviceProfile) -> float:
@@ -285,7 +294,10 @@ def phase_seconds(program: _Program, profile: str | DeviceProfile = "cpu-local",
     prof = load_profile(profile)
     by_name = {s.node.name: s for s in program.steps}
     best: tuple[float, float, float] | None = None
-    for r in sample_ranks(program.device_num) if rank is None else [rank]:
+    ranks = [rank] if rank is not None else [
+        members[0] for members in program.rank_classes(sample_ranks(program.device_num),
+                                                       prof.link)]
+    for r in ranks:
         parts = [0.0, 0.0, 0.0]
         for s in program.schedule(r):
             parts[2 if s.deferred else 1 if s.backward else 0] += \

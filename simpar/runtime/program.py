@@ -16,7 +16,7 @@ running derives and keeps (compiled executors, schedules) lives in the program's
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +69,13 @@ class ParallelProgram(LoweredGraph):
         redistribution collectives, ops' own collectives, Mirrors. ``seeded`` says which
         outputs get a cotangent (default: all); the backward skips what they do not reach."""
         return self.runner.schedule(rank, seeded)
+
+    def rank_classes(self, ranks: Sequence[int], link: Callable[[tuple[int, ...]], Hashable]
+                     ) -> tuple[tuple[int, ...], ...]:
+        """``ranks`` in classes whose schedules price alike: the same steps, every group the
+        same size on the same ``link`` (:meth:`DeviceProfile.link`), the same bytes moved. A
+        cost model prices one rank per class."""
+        return self.runner.rank_classes(ranks, link)
 
     def cost(self, profile: str | DeviceProfile = "cpu-local", optimizer: str = "momentum"
              ) -> CostReport:

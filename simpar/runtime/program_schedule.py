@@ -10,20 +10,21 @@ model reads the same list.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from simpar._enums import StrEnum
-from simpar.collective_kinds import traffic
+from simpar.collective_kinds import KINDS, traffic
 from simpar.ops.comm_spec import CommSpec, action_comm, plan_comm
 from simpar.redistribution import StepKind
 from simpar.runtime.backward_plan import BackwardPlan
 from simpar.runtime.executor import backward_reads, mirror_announcement, sums_output_in_place
 from simpar.runtime.lowered import LoweredGraph, OpStep
 
-__all__ = ["ProgramStep", "Role", "schedule"]
+__all__ = ["ProgramStep", "Role", "rank_classes", "schedule"]
 
 
 class Role(StrEnum):
@@ -65,6 +66,9 @@ class ProgramStep:
     #: Run once per step, after the last micro-batch's backward, on the gradients summed
     #: over them (the Mirrors, level1's slicing); with one micro-batch, where it stands.
     deferred: bool = False
+    #: The described collective it runs (None for a kernel and a Mirror): what makes the
+    #: step differ from rank to rank (:func:`rank_classes`).
+    comm: CommSpec | None = field(default=None, compare=False, repr=False)
 
     def __str__(self) -> str:
         phase = "bwd" if self.backward else "fwd"
@@ -102,7 +106,7 @@ class _Builder:
                 len(self.steps), self.backward, role, op, where, spec.kind,
                 spec.group(self.rank), spec.recv_bytes(self.rank, itemsize),
                 spec.elements * itemsize, result * itemsize, 0, spec.reason, spec.runs,
-                spec.adjoint, deferred))
+                spec.adjoint, deferred, spec))
 
 
 def schedule(program: LoweredGraph, bplan: BackwardPlan, rank: int) -> tuple[ProgramStep, ...]:
@@ -256,3 +260,74 @@ def _forward_op(b: _Builder, program: LoweredGraph, s: OpStep, gathers: Sequence
 
 def _on_output(specs: Sequence[CommSpec]) -> bool:
     return bool(specs) and specs[0].on_output
+
+
+# ------------------------------------------------------------------ ranks that price alike
+def rank_classes(program: LoweredGraph, bplan: BackwardPlan, template: Sequence[ProgramStep],
+                 ranks: Sequence[int], link: Callable[[tuple[int, ...]], Hashable]
+                 ) -> tuple[tuple[int, ...], ...]:
+    """``ranks`` split into classes whose schedules price alike, found without building them.
+
+    ``template`` is the schedule of any rank. Ranks differ only in their groups and, in a
+    direct exchange, in the bytes they receive; two ranks are in one class when every
+    collective's group sits on the same ``link`` (a profile's
+    :meth:`~simpar.cost.profile.DeviceProfile.link`, say) for both, a direct exchange brings
+    both as many bytes, and their Mirrors bucket the same parameters. A regular plan on
+    power-of-two servers is one class; a group that straddles a server boundary for some
+    ranks only splits them. The classes are ordered by their first rank, each in rank order.
+    """
+    tables: dict[tuple[tuple[int, ...], tuple[int, ...]], _Groups] = {}
+
+    def table(device_matrix: tuple[int, ...], axes: tuple[int, ...]) -> _Groups:
+        key = (tuple(device_matrix), tuple(axes))
+        if key not in tables:
+            tables[key] = _Groups(*key, link)
+        return tables[key]
+
+    specs = [s.comm for s in template if s.comm is not None]
+    grouped = [table(c.device_matrix, c.device_axes) for c in specs]
+    pieces = [c for c in specs if c.step is not None and KINDS[c.step.kind].by_pieces]
+    mirrored = []   # per trainable parameter a Mirror sums: its groups and its dtype
+    for name, v in program.param_values.items():
+        axes = bplan.params.get(name, frozenset())
+        if v.param is not None and v.param.requires_grad and axes \
+                and name not in bplan.shard_syncs:
+            mesh = bplan.frame.of(program.param_layouts[name]).mesh
+            mirrored.append((table(mesh.device_matrix, tuple(sorted(axes))), v.dtype.str))
+    classes: dict[Hashable, list[int]] = {}
+    for r in ranks:
+        buckets: dict[tuple[tuple[int, ...], str], int] = {}
+        mirrors = tuple((buckets.setdefault((t.group(r), dtype), k), t.link(r))
+                        for k, (t, dtype) in enumerate(mirrored))
+        key = (tuple(t.link(r) for t in grouped), tuple(c.recv_bytes(r, 1) for c in pieces),
+               mirrors)
+        classes.setdefault(key, []).append(r)
+    return tuple(tuple(members) for members in classes.values())
+
+
+class _Groups:
+    """Every rank's group along ``axes`` of ``device_matrix``, ordered as
+    :meth:`~simpar.mesh.DeviceMesh.group_of` orders it, and the link each group sits on."""
+
+    def __init__(self, device_matrix: tuple[int, ...], axes: tuple[int, ...],
+                 link: Callable[[tuple[int, ...]], Hashable]) -> None:
+        n = math.prod(device_matrix)
+        if not axes:   # the whole world
+            self.rows = np.arange(n)[None, :]
+        else:
+            rest = [a for a in range(len(device_matrix)) if a not in axes]
+            self.rows = np.arange(n).reshape(device_matrix).transpose(rest + list(axes)) \
+                .reshape(-1, math.prod(device_matrix[a] for a in axes))
+        self.row_of = np.empty(n, dtype=np.int64)
+        self.row_of[self.rows] = np.arange(len(self.rows))[:, None]
+        self._link = link
+        self._links: dict[int, Hashable] = {}
+
+    def group(self, rank: int) -> tuple[int, ...]:
+        return tuple(self.rows[self.row_of[rank]].tolist())
+
+    def link(self, rank: int) -> Hashable:
+        row = int(self.row_of[rank])
+        if row not in self._links:
+            self._links[row] = self._link(tuple(self.rows[row].tolist()))
+        return self._links[row]

@@ -9,7 +9,7 @@ plans it chose (:mod:`simpar.runtime.backward_plan`); nothing here decides.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -19,7 +19,7 @@ from simpar.runtime.backward_plan import BackwardPlan
 from simpar.runtime.executor import Executor
 from simpar.runtime.lowered import LoweredGraph
 from simpar.runtime.memory import current_watch
-from simpar.runtime.program_schedule import ProgramStep
+from simpar.runtime.program_schedule import ProgramStep, rank_classes
 from simpar.runtime.program_schedule import schedule as schedule_of
 from simpar.seed import training_step
 
@@ -79,6 +79,13 @@ class ProgramRunner:
             found = self._schedules[key] = schedule_of(self.lowered,
                                                        self.backward_plan(key[1]), rank)
         return found
+
+    def rank_classes(self, ranks: Sequence[int], link: Callable[[tuple[int, ...]], Hashable],
+                     seeded: Sequence[bool] | None = None) -> tuple[tuple[int, ...], ...]:
+        """``ranks`` in classes whose schedules price alike
+        (:func:`~simpar.runtime.program_schedule.rank_classes`)."""
+        return rank_classes(self.lowered, self.backward_plan(seeded),
+                            self.schedule(ranks[0], seeded), ranks, link)
 
     def collectives(self, rank: int, seeded: Sequence[bool] | None, phase: str
                     ) -> tuple[ProgramStep, ...]:
