@@ -130,15 +130,18 @@ def _agreed(problems: list[str]) -> list[str]:
     return problems or ([f"rank {comm.get_rank()}: another rank failed"] if count else [])
 
 
+STAGES = {"pp2": 2, "ppdp": 4, "pp": 8}
+# 1F1B needs at least as many micro-batches as stages (MindSpore's rule); GPipe runs fewer.
 CASES = ([(kind, micro, sched, None, False) for kind in ("pp2", "ppdp", "pp")
-          for micro in (1, 2, 4, 8) for sched in ("1f1b", "gpipe")]
+          for micro in (1, 2, 4, 8) for sched in ("1f1b", "gpipe")
+          if sched == "gpipe" or micro >= STAGES[kind]]
          + [("pp2", micro, "interleaved-1f1b", None, False) for micro in (2, 4, 8)]
          + [("ppdp", micro, "interleaved-1f1b", None, False) for micro in (4, 8)]
          + [("pp2", 4, "interleaved-gpipe", None, False),
             ("ppdp", 4, "interleaved-1f1b", "level2", True)]
-         + [(kind, 2, "1f1b", level, False) for kind in ("pp2", "ppdp")
+         + [(kind, STAGES[kind], "1f1b", level, False) for kind in ("pp2", "ppdp")
             for level in ("level1", "level2", "level3")]
-         + [(kind, 4, "1f1b", None, True) for kind in ("pp2", "ppdp", "pp")]
+         + [(kind, max(4, STAGES[kind]), "1f1b", None, True) for kind in ("pp2", "ppdp", "pp")]
          + [("pp2", 2, "gpipe", "level3", True)])
 
 
@@ -306,3 +309,14 @@ def test_auto_parallel_wrapper_pipeline_trains_as_one_device() -> None:
         if not err <= 1e-10:
             problems.append(f"rank {rank}: {name} differs by {err:.2e}")
     assert not _agreed(problems), "\n".join(problems)
+
+
+def test_1f1b_with_fewer_micro_batches_than_stages_is_refused_on_every_rank() -> None:
+    """MindSpore's rule, micro_size >= pipeline_stages, for 1F1B; GPipe runs fewer."""
+    with pytest.raises(ValueError, match=r"the 1f1b scheduler needs micro_size >= "
+                       r"pipeline_stages, as MindSpore's Pipeline does: got 1 micro-batches "
+                       r"for 2 stages"):
+        _train("pp2", 1, "1f1b")
+    simpar.reset_auto_parallel_context()
+    train, _, _ = _train("pp2", 1, "gpipe")
+    assert train.pipeline is not None and train.pipeline.micro_batches == 1

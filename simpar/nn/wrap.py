@@ -224,8 +224,8 @@ class TrainOneStepCell:
         """The stages' programs (:mod:`simpar.pipeline`); this rank's stage's is
         ``program``, and it holds that stage's parameters only."""
         stages, world = ctx.pipeline_stages, comm.get_group_size()
-        _check_pipeline(ctx, self.mode, world)
         m = self.micro_batches
+        _check_pipeline(ctx, self.mode, world, m)
         parts, programs = plan_pipeline(
             self.network, [((x.shape[0] // m, *x.shape[1:]), x.dtype) for x in (data, label)],
             stages, world, self.mode, ctx.dataset_strategy, m,
@@ -405,7 +405,8 @@ class TrainOneStepCell:
         return out
 
 
-def _check_pipeline(ctx: context.ParallelContext, mode: str, world: int) -> None:
+def _check_pipeline(ctx: context.ParallelContext, mode: str, world: int, micro_batches: int
+                    ) -> None:
     """What a pipelined cell needs of its settings, checked alike on every rank."""
     stages = ctx.pipeline_stages
     if mode not in ("semi_auto_parallel", "auto_parallel", "data_parallel"):
@@ -414,6 +415,12 @@ def _check_pipeline(ctx: context.ParallelContext, mode: str, world: int) -> None
     if world % stages:
         raise ValueError(f"pipeline: pipeline_stages={stages} must divide the {world} ranks "
                          "(each stage runs on device_num / pipeline_stages of them)")
+    scheduler = ctx.pipeline_config.pipeline_scheduler
+    if micro_batches < stages and scheduler == "1f1b":
+        raise ValueError(f"pipeline: the 1f1b scheduler needs micro_size >= pipeline_stages, "
+                         f"as MindSpore's Pipeline does: got {micro_batches} micro-batches for "
+                         f"{stages} stages; wrap the network in nn.PipelineCell(network, "
+                         f"micro_size={stages}) or more, or use pipeline_scheduler 'gpipe'")
     files = ctx.strategy_ckpt_config
     if files.load_file or files.save_file:
         raise NotImplementedError("pipeline: strategy files are not saved or loaded per stage "
