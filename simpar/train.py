@@ -163,16 +163,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.pipeline_stages > 1 and args.parallel_mode == "stand_alone":
         p.error("--pipeline-stages needs several ranks: --parallel-mode semi_auto_parallel, "
                 "data_parallel or auto_parallel")
-    if 1 < args.pipeline_stages > args.micro_batches and args.pipeline_schedule != "gpipe":
-        p.error(f"--pipeline-schedule {args.pipeline_schedule} needs --micro-batches >= "
-                f"--pipeline-stages (MindSpore's micro_size >= pipeline_stages), got "
-                f"{args.micro_batches} for {args.pipeline_stages} stages; gpipe takes fewer")
     if args.pipeline_stages > 1 and args.memory_dimensions != "fixed":
         p.error("--memory-dimensions is not searched with --pipeline-stages yet; give "
                 "--optimizer-shard, --recompute and --micro-batches instead")
     if args.batch_size % args.micro_batches:
         p.error(f"--micro-batches {args.micro_batches} must divide --batch-size "
                 f"{args.batch_size} (each step splits the batch into micro-batches)")
+    if 1 < args.pipeline_stages > args.micro_batches and args.pipeline_schedule != "gpipe":
+        p.error(f"--pipeline-schedule {args.pipeline_schedule} needs --micro-batches >= "
+                f"--pipeline-stages (MindSpore's micro_size >= pipeline_stages), got "
+                f"{args.micro_batches} for {args.pipeline_stages} stages; gpipe takes fewer")
     if args.device_memory_capacity is not None and not args.device_memory_capacity > 0:
         p.error(f"--device-memory-capacity must be > 0 bytes, got "
                 f"{args.device_memory_capacity}")

@@ -240,7 +240,8 @@ def test_a_pipelines_price_counts_its_bubble_messages_and_micro_batches_in_fligh
 def test_a_pipeline_that_does_not_divide_the_ranks_or_the_units_is_refused() -> None:
     from simpar import train
     from simpar.train_pipeline import assign_stages
-    args = train.parse_args(["--strategy", "dp", "--pipeline-stages", "3"])
+    args = train.parse_args(["--strategy", "dp", "--pipeline-stages", "3",
+                             "--pipeline-schedule", "gpipe"])
     with pytest.raises(train.UsageError, match="--pipeline-stages 3 does not divide the 8 ranks"):
         train.mesh(args, 8)
     with pytest.raises(ValueError, match=r"--pipeline-stages 4 with 2 interleaved chunks needs "
