@@ -63,7 +63,9 @@ from simpar.optimizer_parallel import ParamShard
 from simpar.search import OpStrategy, Source, StrategyMap, dataset_layouts
 from simpar.search.strategy_map import MAP_MODES
 
-__all__ = ["FORMAT_VERSION", "graph_fingerprint", "load_strategy", "save_strategy"]
+__all__ = ["FORMAT_VERSION", "document_strategy_map", "graph_fingerprint", "load_strategy",
+           "read_strategy_document", "save_strategy", "strategy_document",
+           "write_strategy_document"]
 
 #: The version of simpar's own section; a file of a newer version is refused, not misread.
 FORMAT_VERSION = 1
@@ -163,15 +165,22 @@ def save_strategy(path: str | os.PathLike[str], strategy_map: StrategyMap,
     if not isinstance(only_trainable_params, bool):
         raise TypeError(f"{func}: only_trainable_params must be a bool, got "
                         f"{only_trainable_params!r}")
-    directory = os.path.dirname(os.path.abspath(p))
+    write_strategy_document(p, strategy_document(strategy_map, graph, search_mode, cost_model,
+                                                 only_trainable_params), func)
+
+
+def write_strategy_document(path: str, doc: Mapping[str, Any], func: str) -> None:
+    """Write a strategy file's document (:func:`strategy_document`) to ``path``, atomically;
+    ``func`` names the caller in the error for a missing directory."""
+    directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
-        raise ValueError(f"{func}: the directory of {p!r} does not exist; create it first")
-    doc = _document(strategy_map, graph, search_mode, cost_model, only_trainable_params)
-    write_atomically(p, _dumps(doc) + "\n")
+        raise ValueError(f"{func}: the directory of {path!r} does not exist; create it first")
+    write_atomically(path, _dumps(dict(doc)) + "\n")
 
 
-def _document(smap: StrategyMap, graph: Graph | None, search_mode: str | None,
-              cost_model: str | None, only_trainable_params: bool) -> dict[str, Any]:
+def strategy_document(smap: StrategyMap, graph: Graph | None, search_mode: str | None,
+                      cost_model: str | None, only_trainable_params: bool) -> dict[str, Any]:
+    """The JSON document :func:`save_strategy` writes (see there)."""
     params = dict(smap.params)
     if graph is not None:
         _check_map_fits_graph(smap, graph)
@@ -328,7 +337,7 @@ def load_strategy(path: str | os.PathLike[str], graph: Graph | None = None,
         checks.integer(device_num, f"{func}: device_num", 1, expected="an int or None")
     if mode is not None and mode not in MAP_MODES:
         raise ValueError(f"{func}: mode must be one of {list(MAP_MODES)} or None, got {mode!r}")
-    smap = _Reader(p, _read_json(p)).strategy_map(graph, device_num, mode)
+    smap = document_strategy_map(p, read_strategy_document(p), graph, device_num, mode)
     if graph is not None and dataset_strategy is not None and not smap.inputs:
         # A plain MindSpore file: the inputs are laid out by the dataset strategy, as there.
         layouts = dataset_layouts([v.shape for v in graph.inputs], smap.device_num,
@@ -336,6 +345,19 @@ def load_strategy(path: str | os.PathLike[str], graph: Graph | None = None,
         smap = dataclasses.replace(smap, inputs={v.name: lay
                                                  for v, lay in zip(graph.inputs, layouts)})
     return smap
+
+
+def document_strategy_map(path: str, doc: dict[str, Any], graph: Graph | None,
+                          device_num: int | None, mode: str | None) -> StrategyMap:
+    """The map of a strategy file's document read from ``path`` (:func:`load_strategy`'s
+    checks; no dataset layouts)."""
+    return _Reader(path, doc).strategy_map(graph, device_num, mode)
+
+
+def read_strategy_document(path: str) -> dict[str, Any]:
+    """A strategy file's JSON document, refused (naming the file) unless it is one JSON
+    object with no key twice."""
+    return _read_json(path)
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -423,8 +445,9 @@ class _Reader:
             item = self._object(item, key, "an object {'stage': 0, 'parallel_strategy': [[...]]}")
             stage = self._int(self._required(item, "stage", key, needs), f"{key}['stage']")
             if stage != 0:
-                raise ValueError(f"{self._where(key)} is for pipeline stage {stage}; simpar has "
-                                 "no pipeline stages, only stage 0")
+                raise ValueError(f"{self._where(key)} is for pipeline stage {stage}: the file "
+                                 "is a pipelined plan's; load it with pipeline_stages set "
+                                 "(strategy_ckpt_config's load_file under pipeline_stages)")
             cuts = self._required(item, "parallel_strategy", key, needs)
             what = "a list of lists of ints >= 1 (one list of cuts per op input)"
             if not isinstance(cuts, list):

@@ -89,6 +89,19 @@ def _reference() -> tuple[np.ndarray, dict[str, np.ndarray]]:
 
 def _train(kind: str, micro: int, scheduler: str, level: str | None = None,
            recompute: bool = False) -> tuple[nn.TrainOneStepCell, list[float], list[Any]]:
+    train = _cell(kind, micro, scheduler, level, recompute)
+    losses, events = [], []
+    for k in range(STEPS):
+        with CommTrace() as trace:
+            losses.append(train(*_batch(k)))
+        events = list(trace.events)
+    simpar.reset_auto_parallel_context()
+    return train, losses, events
+
+
+def _cell(kind: str, micro: int, scheduler: str, level: str | None = None,
+          recompute: bool = False) -> nn.TrainOneStepCell:
+    """The training cell of a kind of pipeline (the context set for it), not yet run."""
     n = comm.get_group_size()
     stages, dp, mp = _layout(kind, n)
     simpar.reset_auto_parallel_context()
@@ -114,14 +127,7 @@ def _train(kind: str, micro: int, scheduler: str, level: str | None = None,
     params = cell.trainable_params()
     if micro > 1:
         cell = nn.PipelineCell(cell, micro)
-    train = nn.TrainOneStepCell(cell, nn.Adam(params, LR), seed=SEED)
-    losses, events = [], []
-    for k in range(STEPS):
-        with CommTrace() as trace:
-            losses.append(train(*_batch(k)))
-        events = list(trace.events)
-    simpar.reset_auto_parallel_context()
-    return train, losses, events
+    return nn.TrainOneStepCell(cell, nn.Adam(params, LR), seed=SEED)
 
 
 def _agreed(problems: list[str]) -> list[str]:

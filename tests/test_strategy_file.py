@@ -273,7 +273,7 @@ _W1 = ("parallel_layout_item", "fc1.weight")
     (_set(("parallel_strategy_item", FC1, "stage"), _DELETE), ValueError,
      f"['parallel_strategy_item']['{FC1}'] has no 'stage'"),
     (_set(("parallel_strategy_item", FC1, "stage"), 1), ValueError,
-     "is for pipeline stage 1; simpar has no pipeline stages"),
+     "is for pipeline stage 1: the file is a pipelined plan's; load it with pipeline_stages"),
     (_set(("parallel_strategy_item", FC1), _DELETE), ValueError,
      f"parallel_strategy_item has no strategy for op '{FC1}' (1 of the graph's 5 ops are "
      "missing)"),

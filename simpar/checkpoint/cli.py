@@ -9,7 +9,13 @@ from collections.abc import Mapping, Sequence
 from typing import NoReturn
 
 from simpar.checkpoint.load import merge_checkpoint, transform_checkpoint, verify_file
-from simpar.checkpoint.manifest import Manifest, path_inside, read_manifest, size_text
+from simpar.checkpoint.manifest import (
+    Manifest,
+    param_of,
+    path_inside,
+    read_manifest,
+    size_text,
+)
 from simpar.layout import TensorLayout
 from simpar.strategy_file import load_strategy
 
@@ -46,16 +52,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _param_of(name: str) -> str:
-    """The parameter a checkpoint tensor belongs to: "params/<p>" and "opt/<p>/<slot>" are
-    parameter p's; any other name is its own."""
-    if name.startswith("params/"):
-        return name[len("params/"):]
-    if name.startswith("opt/") and name.count("/") >= 2:
-        return name[len("opt/"):name.rindex("/")]
-    return name
-
-
 def _strategy_layouts(manifest: Manifest, params: Mapping[str, TensorLayout],
                       world: int) -> dict[str, TensorLayout]:
     """The destination layout of every tensor: its parameter's layout from the strategy file
@@ -63,12 +59,12 @@ def _strategy_layouts(manifest: Manifest, params: Mapping[str, TensorLayout],
     lay out its parameter."""
     out = {}
     for name, entry in manifest.tensors.items():
-        lay = params.get(_param_of(name))
+        lay = params.get(param_of(name))
         if lay is None:
             out[name] = TensorLayout((world,), [-1] * len(entry.shape), entry.shape)
         elif lay.shape != entry.shape:
             raise ValueError(f"tensor {name!r} has shape {list(entry.shape)} in the checkpoint, "
-                             f"but the strategy lays out parameter {_param_of(name)!r} with "
+                             f"but the strategy lays out parameter {param_of(name)!r} with "
                              f"shape {list(lay.shape)}")
         else:
             out[name] = lay

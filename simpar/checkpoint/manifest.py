@@ -31,12 +31,14 @@ from simpar.layout import TensorLayout
 
 __all__ = ["Block", "DTYPE_KINDS", "FORMAT", "FORMAT_VERSION", "INDEX", "INDEX_FORMAT", "JsonDoc",
            "MANIFEST", "Manifest", "STRATEGY", "ShardFile", "StoredFile", "TensorEntry",
-           "check_against", "coverage_problem", "existing_directory", "file_name",
-           "latest_checkpoint", "load_json", "name_problem", "path_inside", "read_manifest",
-           "size_text", "tensor_entry"]
+           "check_against", "coverage_problem", "device_of", "existing_directory", "file_name",
+           "latest_checkpoint", "load_json", "name_problem", "param_of", "path_inside",
+           "read_manifest", "size_text", "tensor_entry"]
 
 #: The version of the manifest and index format; a newer one is refused, not misread.
-FORMAT_VERSION = 1
+#: Version 2 adds a tensor's ``ranks`` (a pipeline stage's); a checkpoint without them is
+#: written as version 1, which every simpar reads.
+FORMAT_VERSION = 2
 #: The file whose presence marks a complete checkpoint.
 MANIFEST = "manifest.json"
 # The "format" of the manifest and of a rank's index, the index's and the strategy's names.
@@ -76,13 +78,16 @@ class ShardFile:
 @dataclass(frozen=True, slots=True)
 class TensorEntry:
     """A tensor of the checkpoint: its global shape and dtype, the layout it was saved under,
-    and the files whose blocks tile it exactly once."""
+    and the files whose blocks tile it exactly once. ``ranks`` are the world ranks the
+    layout's devices are, in order, when they are not all of them (a pipeline stage's: its
+    parameters live on its ranks only); None for every rank."""
 
     name: str
     shape: tuple[int, ...]
     dtype: np.dtype[Any]
     layout: TensorLayout
     files: tuple[ShardFile, ...]
+    ranks: tuple[int, ...] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -142,6 +147,24 @@ def tensor_entry(func: str, manifest: Manifest, name: str) -> TensorEntry:
         raise ValueError(f"{func}: checkpoint {manifest.directory!r} has no tensor {name!r}"
                          f"{hint}; it holds {len(manifest.tensors)} tensors")
     return manifest.tensors[name]
+
+
+def param_of(name: str) -> str:
+    """The parameter a checkpoint tensor belongs to: "params/<p>" and "opt/<p>/<slot>" are
+    parameter p's; any other name is its own."""
+    if name.startswith("params/"):
+        return name[len("params/"):]
+    if name.startswith("opt/") and name.count("/") >= 2:
+        return name[len("opt/"):name.rindex("/")]
+    return name
+
+
+def device_of(ranks: Sequence[int] | None, rank: int) -> int | None:
+    """The layout device that world rank ``rank`` is among ``ranks`` (a tensor's
+    :attr:`TensorEntry.ranks`; None: every rank, in order), or None if it holds no block."""
+    if ranks is None:
+        return rank
+    return ranks.index(rank) if rank in ranks else None
 
 
 def size_text(nbytes: int) -> str:
@@ -364,9 +387,16 @@ def _read_manifest(root: str, dev: int, ino: int, size: int, mtime_ns: int) -> M
             lay = TensorLayout.from_dict(doc.obj(item.get("layout"), f"{key}['layout']"))
         except (ValueError, TypeError) as e:
             raise doc.fail(f"{key}['layout']", f"is not a layout: {e}") from None
-        if lay.shape != shape or lay.partial or lay.device_num != world:
+        ranks = None
+        if "ranks" in item:
+            ranks = tuple(doc.integers(item["ranks"], f"{key}['ranks']", 0))
+            if len(set(ranks)) != len(ranks) or any(r >= world for r in ranks):
+                raise doc.fail(f"{key}['ranks']", f"must be distinct ranks below the world "
+                               f"size {world}, got {list(ranks)}")
+        devices = world if ranks is None else len(ranks)
+        if lay.shape != shape or lay.partial or lay.device_num != devices:
             raise doc.fail(f"{key}['layout']", f"{lay} does not fit: the tensor has shape "
-                           f"{list(shape)} and the checkpoint {world} devices, without pending "
+                           f"{list(shape)} and {devices} devices hold it, without pending "
                            "sums")
         listed = item.get("files")
         if not isinstance(listed, list):
@@ -384,7 +414,7 @@ def _read_manifest(root: str, dev: int, ino: int, size: int, mtime_ns: int) -> M
             problem = "it has no file"
         if problem:
             raise doc.fail(key, f"(shape {list(shape)}) is not saved exactly once: {problem}")
-        tensors[name] = TensorEntry(name, shape, dtype, lay, tuple(files))
+        tensors[name] = TensorEntry(name, shape, dtype, lay, tuple(files), ranks)
     stored = top.get("strategy_file")
     strategy = None
     if stored is not None:

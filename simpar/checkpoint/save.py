@@ -13,7 +13,7 @@ import hashlib
 import json
 import math
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import IO, Any
 
 import numpy as np
@@ -31,6 +31,7 @@ from simpar.checkpoint.manifest import (
     JsonDoc,
     ShardFile,
     coverage_problem,
+    device_of,
     existing_directory,
     file_name,
     load_json,
@@ -38,10 +39,10 @@ from simpar.checkpoint.manifest import (
     path_inside,
 )
 from simpar.layout import TensorLayout
-from simpar.strategy_file import load_strategy
+from simpar.strategy_file import load_strategy, read_strategy_document
 
-__all__ = ["checked_extra", "checked_layouts", "finish_checkpoint", "new_checkpoint_directory",
-           "save_rank", "save_shards", "writer_rank"]
+__all__ = ["checked_extra", "checked_layouts", "checked_ranks", "finish_checkpoint",
+           "new_checkpoint_directory", "save_rank", "save_shards", "writer_rank"]
 
 
 # ---------------------------------------------------------------- arguments
@@ -80,6 +81,29 @@ def checked_layouts(func: str, layouts: object) -> dict[str, TensorLayout]:
                              f"name {file!r}; rename one")
         files[file] = name
         out[name] = lay
+    return out
+
+
+def checked_ranks(func: str, ranks: object, layouts: Mapping[str, TensorLayout]
+                  ) -> dict[str, tuple[int, ...]]:
+    """``ranks`` (None, or {tensor name: the world ranks its layout's devices are}) checked
+    against ``layouts``: one distinct rank per device of the tensor's layout."""
+    if ranks is None:
+        return {}
+    given: Mapping[str, object] = checks.instance(ranks, Mapping, f"{func}: ranks",
+                                                  "a mapping {tensor name: world ranks}")
+    out = {}
+    for name, listed in given.items():
+        if name not in layouts:
+            raise ValueError(f"{func}: ranks names tensor {name!r}, which layouts does not")
+        where = f"{func}: ranks[{name!r}]"
+        if isinstance(listed, (str, bytes)) or not isinstance(listed, Sequence):
+            raise TypeError(f"{where} must be a sequence of ranks, got {listed!r}")
+        placed = tuple(checks.integer(r, where, 0) for r in listed)
+        if len(set(placed)) != len(placed) or len(placed) != layouts[name].device_num:
+            raise ValueError(f"{where} must be {layouts[name].device_num} distinct ranks, one "
+                             f"per device of its layout {layouts[name]}, got {list(placed)}")
+        out[name] = placed
     return out
 
 
@@ -148,7 +172,8 @@ def writer_rank(layout: TensorLayout, rank: int) -> int:
 
 def save_shards(directory: str | os.PathLike[str], rank: int,
                 layouts: Mapping[str, TensorLayout], arrays: Mapping[str, np.ndarray], *,
-                step: int, extra: Mapping[str, Any] | None = None) -> list[str]:
+                step: int, extra: Mapping[str, Any] | None = None,
+                ranks: Mapping[str, Sequence[int]] | None = None) -> list[str]:
     """Save this rank's blocks into ``directory/rank_{rank}/``, and its ``index.json``.
 
     ``arrays`` holds this rank's shard of every tensor in ``layouts`` (shape
@@ -156,6 +181,10 @@ def save_shards(directory: str | os.PathLike[str], rank: int,
     block, only :func:`writer_rank` writes it, so a replicated tensor is saved once, not once
     per rank. ``extra`` (JSON values) is recorded in the index. Every file is written
     atomically. Returns the block files written, relative to ``directory``.
+
+    ``ranks`` gives, for a tensor that lives on some ranks only (a pipeline stage's
+    parameter), the world ranks its layout's devices are, in order: ``rank`` must be one of
+    them, and its block is that of its place among them.
 
     Call it on every rank, then :func:`finish_checkpoint` once. On 8 ranks with
     ``TensorLayout((2, 4), (1, -1), (8, 16))`` for "params/w", rank 4 writes
@@ -172,15 +201,19 @@ def save_shards(directory: str | os.PathLike[str], rank: int,
     if unknown:
         raise ValueError(f"{func}: arrays has tensor {unknown[0]!r}, which layouts does not "
                          f"name ({len(unknown)} such); give every tensor a layout")
+    placed = checked_ranks(func, ranks, lays)
     for name, lay in lays.items():
-        if rank >= lay.device_num:
+        if device_of(placed.get(name), rank) is None:
+            raise ValueError(f"{func}: rank {rank} is not among the ranks "
+                             f"{list(placed[name])} that hold tensor {name!r}")
+        if rank >= lay.device_num and name not in placed:
             raise ValueError(f"{func}: rank {rank} is outside layout {lay} of tensor {name!r} "
                              f"({lay.device_num} devices)")
         if name not in arrays:
             raise ValueError(f"{func}: arrays has no shard of tensor {name!r}; give this "
                              "rank's shard of every tensor in layouts")
         _check_shard(func, name, arrays[name], lay)
-    return save_rank(root, rank, lays, arrays.__getitem__, step, extra_json)
+    return save_rank(root, rank, lays, arrays.__getitem__, step, extra_json, placed)
 
 
 def _check_shard(func: str, name: str, value: object, lay: TensorLayout) -> None:
@@ -195,20 +228,22 @@ def _check_shard(func: str, name: str, value: object, lay: TensorLayout) -> None
 
 
 def save_rank(root: str, rank: int, layouts: Mapping[str, TensorLayout],
-              shard_of: Callable[[str], np.ndarray], step: int, extra_json: str) -> list[str]:
+              shard_of: Callable[[str], np.ndarray], step: int, extra_json: str,
+              ranks: Mapping[str, Sequence[int]] | None = None) -> list[str]:
     """Write ``rank``'s blocks (asking ``shard_of`` only for the tensors it writes), then its
     index. The caller has checked every argument."""
     rank_dir = os.path.join(root, f"rank_{rank}")
     os.makedirs(rank_dir, exist_ok=True)
     entries: dict[str, dict[str, Any]] = {}
     for name, lay in layouts.items():
-        if writer_rank(lay, rank) != rank:
+        device = device_of((ranks or {}).get(name), rank)
+        if device is None or writer_rank(lay, device) != device:
             continue
         array = shard_of(name)
         rel = f"rank_{rank}/{file_name(name)}"
         nbytes, sha = _write_npy(os.path.join(root, rel), array)
         entries[name] = {"shape": list(lay.shape), "dtype": array.dtype.str,
-                         "block": [list(b) for b in lay.slice_of(rank)], "path": rel,
+                         "block": [list(b) for b in lay.slice_of(device)], "path": rel,
                          "bytes": nbytes, "sha256": sha}
     sync_directory(rank_dir)
     _write_json(os.path.join(rank_dir, INDEX),
@@ -221,7 +256,8 @@ def save_rank(root: str, rank: int, layouts: Mapping[str, TensorLayout],
 def finish_checkpoint(directory: str | os.PathLike[str], world_size: int,
                       layouts: Mapping[str, TensorLayout], *, step: int,
                       strategy_file: str | os.PathLike[str] | None = None,
-                      extra: Mapping[str, Any] | None = None) -> None:
+                      extra: Mapping[str, Any] | None = None,
+                      ranks: Mapping[str, Sequence[int]] | None = None) -> None:
     """Complete the checkpoint in ``directory``: write ``manifest.json``, last and atomically.
 
     Call it once (on rank 0), after every rank's :func:`save_shards` (the caller barriers).
@@ -230,15 +266,20 @@ def finish_checkpoint(directory: str | os.PathLike[str], world_size: int,
     with the recorded size, and that every tensor's blocks tile its shape exactly once; an
     error names the tensor and the region missing or held twice. ``strategy_file`` (a strategy
     file for ``world_size`` devices) is copied in as ``strategy.json``; ``extra`` (JSON values)
-    is recorded in the manifest.
+    is recorded in the manifest. ``ranks``, as for :func:`save_shards`: the world ranks that
+    hold a tensor living on some ranks only (its layout is over as many devices).
     """
     func = "finish_checkpoint"
     world_size = checks.integer(world_size, f"{func}: world_size", 1)
     step = checks.integer(step, f"{func}: step", 0)
     lays = checked_layouts(func, layouts)
     extra_json = checked_extra(func, extra)
+    placed = checked_ranks(func, ranks, lays)
     for name, lay in lays.items():
-        if lay.device_num != world_size:
+        if name in placed and max(placed[name]) >= world_size:
+            raise ValueError(f"{func}: tensor {name!r} is held by ranks {list(placed[name])}, "
+                             f"but world_size is {world_size}")
+        if name not in placed and lay.device_num != world_size:
             raise ValueError(f"{func}: tensor {name!r} has layout {lay} over {lay.device_num} "
                              f"devices, but world_size is {world_size}")
     strategy = (None if strategy_file is None
@@ -249,7 +290,7 @@ def finish_checkpoint(directory: str | os.PathLike[str], world_size: int,
     files: dict[str, list[ShardFile]] = {name: [] for name in lays}
     dtypes: dict[str, np.dtype[Any]] = {}
     for rank in range(world_size):
-        for name, dtype, shard in _read_index(func, real_root, rank, step, lays):
+        for name, dtype, shard in _read_index(func, real_root, rank, step, lays, placed):
             if dtypes.setdefault(name, dtype) != dtype:
                 raise ValueError(f"{func}: rank {rank} saved tensor {name!r} as {dtype}, but "
                                  f"rank {files[name][0].rank} saved it as {dtypes[name]}")
@@ -262,22 +303,25 @@ def finish_checkpoint(directory: str | os.PathLike[str], world_size: int,
             raise ValueError(f"{func}: tensor {name!r} (shape {list(lay.shape)}) is not saved "
                              f"exactly once: {problem}")
     stored = None if strategy is None else _copy_strategy(func, strategy, real_root, world_size)
+    tensors: dict[str, Any] = {}
+    for name, lay in lays.items():
+        tensors[name] = {"shape": list(lay.shape), "dtype": dtypes[name].str,
+                         "layout": lay.to_dict()}
+        if name in placed:
+            tensors[name]["ranks"] = list(placed[name])
+        tensors[name]["files"] = [{"path": f.path, "rank": f.rank,
+                                   "block": [list(b) for b in f.block], "bytes": f.nbytes,
+                                   "sha256": f.sha256} for f in files[name]]
     doc: dict[str, Any] = {
-        "format": FORMAT, "version": FORMAT_VERSION, "step": step, "world_size": world_size,
-        "strategy_file": stored, "extra": json.loads(extra_json),
-        "tensors": {name: {"shape": list(lay.shape), "dtype": dtypes[name].str,
-                           "layout": lay.to_dict(),
-                           "files": [{"path": f.path, "rank": f.rank,
-                                      "block": [list(b) for b in f.block], "bytes": f.nbytes,
-                                      "sha256": f.sha256} for f in files[name]]}
-                    for name, lay in lays.items()},
-    }
+        "format": FORMAT, "version": 2 if placed else 1, "step": step,
+        "world_size": world_size, "strategy_file": stored, "extra": json.loads(extra_json),
+        "tensors": tensors}
     _write_json(os.path.join(real_root, MANIFEST), doc)
     sync_directory(real_root)
 
 
 def _read_index(func: str, root: str, rank: int, step: int,
-                layouts: Mapping[str, TensorLayout]
+                layouts: Mapping[str, TensorLayout], ranks: Mapping[str, tuple[int, ...]]
                 ) -> Iterator[tuple[str, np.dtype[Any], ShardFile]]:
     """Rank ``rank``'s index, checked against ``step``, ``layouts`` and the files on disk."""
     path = os.path.join(root, f"rank_{rank}", INDEX)
@@ -308,9 +352,13 @@ def _read_index(func: str, root: str, rank: int, step: int,
         if not shard.path.startswith(f"rank_{rank}/"):
             raise doc.fail(f"{key}['path']", f"{shard.path!r} is not in rank_{rank}/, the "
                            "directory of the rank that saved it")
-        if shard.block != lay.slice_of(rank):
+        device = device_of(ranks.get(name), rank)
+        if device is None:
+            raise doc.fail(key, f"is saved by rank {rank}, which is not among the ranks "
+                           f"{list(ranks[name])} that hold it")
+        if shard.block != lay.slice_of(device):
             raise doc.fail(key, f"holds block {list(shard.block)}, but under layout {lay} rank "
-                           f"{rank} holds {list(lay.slice_of(rank))}; it was saved under "
+                           f"{rank} holds {list(lay.slice_of(device))}; it was saved under "
                            "another layout")
         real = path_inside(root, shard.path, doc.path)
         if not os.path.isfile(real):
@@ -324,9 +372,17 @@ def _read_index(func: str, root: str, rank: int, step: int,
 
 def _copy_strategy(func: str, path: str, root: str, world_size: int) -> dict[str, Any]:
     """Copy the strategy file into the checkpoint (so a transform of it needs nothing else),
-    after checking that it reads as a strategy for ``world_size`` devices."""
+    after checking that it reads as a strategy for ``world_size`` devices (a pipelined plan's:
+    its stages' devices make ``world_size``)."""
     try:
-        load_strategy(path, device_num=world_size)
+        found = read_strategy_document(path).get("simpar")
+        own: dict[str, Any] = found if isinstance(found, dict) else {}
+        stages = own.get("pipeline_stages", 1)
+        if stages == 1:
+            load_strategy(path, device_num=world_size)
+        elif not isinstance(stages, int) or own.get("device_num", 0) * stages != world_size:
+            raise ValueError(f"its {stages} pipeline stages of device_num "
+                             f"{own.get('device_num')} are not {world_size} devices")
     except (ValueError, TypeError) as e:
         raise ValueError(f"{func}: strategy_file {path!r} is not a strategy file for "
                          f"world_size {world_size}: {e}") from None

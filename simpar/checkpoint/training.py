@@ -17,10 +17,11 @@ import numpy as np
 
 from simpar import comm
 from simpar.checkpoint.load import load_shard
-from simpar.checkpoint.manifest import check_against, read_manifest
+from simpar.checkpoint.manifest import check_against, param_of, read_manifest
 from simpar.checkpoint.save import finish_checkpoint, save_shards
 from simpar.layout import TensorLayout
 from simpar.nn.wrap import TrainOneStepCell
+from simpar.pipeline.strategy_files import save_pipeline_strategy
 from simpar.strategy_file import save_strategy
 
 __all__ = ["load_training", "save_training"]
@@ -29,27 +30,61 @@ __all__ = ["load_training", "save_training"]
 _MESSAGE_BYTES = 1024
 
 
-def _training_layouts(train: TrainOneStepCell) -> dict[str, TensorLayout]:
+def _training_layouts(train: TrainOneStepCell
+                      ) -> tuple[dict[str, TensorLayout], dict[str, tuple[int, ...]]]:
     """The tensors of a built training cell's checkpoint: every parameter
     (``params/<name>``) and every optimizer state slot (``opt/<name>/<slot>``, in its
-    parameter's storage layout)."""
+    parameter's storage layout); and, with pipeline stages, the world ranks of the stage that
+    saves each (the first stage that holds it: a tied parameter is saved once)."""
     program = train.program
     if program is None:
         raise ValueError("TrainOneStepCell checkpoint: the cell has not been built; call it "
                          "(or build) on a batch first")
-    # A parameter optimizer parallel slices is stored, and its state kept, as its slice.
-    out = {f"params/{name}": program.storage_layout(name) for name in program.param_layouts}
-    for name, slots in train.optimizer.state.items():
-        for slot in slots:
-            out[f"opt/{name}/{slot}"] = program.storage_layout(name)
-    return out
+    runner = train.pipeline
+    stored = ([(program, ())] if runner is None else
+              [(prog, tuple(runner.peer(vs) - runner.local + k for k in range(runner.per_stage)))
+               for vs, prog in enumerate(runner.programs)])
+    trainable = {p.name for p in train.optimizer.parameters}
+    layouts: dict[str, TensorLayout] = {}
+    ranks: dict[str, tuple[int, ...]] = {}
+    for prog, held_by in stored:
+        # A parameter optimizer parallel slices is stored, and its state kept, as its slice.
+        for name in prog.param_layouts:
+            if f"params/{name}" in layouts:
+                continue
+            lay = prog.storage_layout(name)
+            names = [f"params/{name}"]
+            if name in trainable:   # the optimizer keeps state for every parameter it got
+                names += [f"opt/{name}/{slot}" for slot in train.optimizer.slots]
+            for key in names:
+                layouts[key] = lay
+                if held_by:
+                    ranks[key] = held_by
+    return layouts, ranks
 
 
 def _training_arrays(train: TrainOneStepCell) -> dict[str, np.ndarray]:
+    """This rank's shard of every tensor it holds."""
     arrays = {f"params/{n}": a for n, a in train.params.items()}
     arrays.update({f"opt/{n}/{slot}": a for n, slots in train.optimizer.state.items()
                    for slot, a in slots.items()})
     return arrays
+
+
+def _held(train: TrainOneStepCell) -> tuple[dict[str, TensorLayout], int]:
+    """The tensors this rank holds, in the layouts its program stores them, and its device
+    in them (with stages, its place in its stage)."""
+    runner = train.pipeline
+    if runner is None:
+        layouts, _ = _training_layouts(train)
+        assert train.program is not None
+        return layouts, comm.get_rank() if train.program.device_num > 1 else 0
+    out = {}
+    for name, (prog, _) in runner.params().items():
+        out[f"params/{name}"] = prog.storage_layout(name)
+        for slot in train.optimizer.state.get(name, {}):
+            out[f"opt/{name}/{slot}"] = prog.storage_layout(name)
+    return out, runner.local
 
 
 def _agree(what: str, problem: str | None, collective: bool) -> None:
@@ -87,10 +122,10 @@ def save_training(train: TrainOneStepCell, directory: str | os.PathLike[str],
     last, so that a save cut short leaves no checkpoint there and the previous one stays the
     latest. ``extra`` (JSON values, e.g. the losses so far) is kept in the manifest. Returns
     the directory. Any failure raises on every rank, with the failing rank's message."""
-    layouts = _training_layouts(train)
+    layouts, ranks = _training_layouts(train)
     program = train.program
     assert program is not None
-    parallel = program.device_num > 1
+    parallel = program.device_num > 1 or train.pipeline is not None
     rank = comm.get_rank() if parallel else 0
     step = train.step_count
     info = {**(extra or {}), "optimizer": type(train.optimizer).__name__,
@@ -104,7 +139,10 @@ def save_training(train: TrainOneStepCell, directory: str | os.PathLike[str],
         problem = f"cannot create {root!r}: {_failed(e)}"
     _agree("save_training", problem, parallel)
     try:
-        save_shards(root, rank, layouts, _training_arrays(train), step=step, extra=info)
+        mine = {n: lay for n, lay in layouts.items() if n not in ranks or rank in ranks[n]}
+        arrays = _training_arrays(train)
+        save_shards(root, rank, mine, {n: arrays[n] for n in mine}, step=step, extra=info,
+                    ranks={n: ranks[n] for n in mine if n in ranks})
     except Exception as e:  # noqa: BLE001 - agreed below and raised on every rank
         problem = _failed(e)
     _agree("save_training", problem, parallel)
@@ -113,10 +151,16 @@ def save_training(train: TrainOneStepCell, directory: str | os.PathLike[str],
             assert program.strategy_map is not None
             with tempfile.TemporaryDirectory(dir=root) as scratch:
                 strategy = os.path.join(scratch, "strategy.json")
-                save_strategy(strategy, program.strategy_map, program.graph,
-                              only_trainable_params=False)
-                finish_checkpoint(root, program.device_num, layouts, step=step,
-                                  strategy_file=strategy, extra=info)
+                if train.pipeline is None:
+                    save_strategy(strategy, program.strategy_map, program.graph,
+                                  only_trainable_params=False)
+                else:   # every stage's plan, merged
+                    save_pipeline_strategy(strategy, train.pipeline.programs,
+                                           train.pipeline.count, only_trainable_params=False)
+                world = program.device_num if train.pipeline is None else \
+                    train.pipeline.per_stage * train.pipeline.count
+                finish_checkpoint(root, world, layouts,
+                                  step=step, strategy_file=strategy, extra=info, ranks=ranks)
         except Exception as e:  # noqa: BLE001 - agreed below and raised on every rank
             problem = _failed(e)
     _agree("save_training", problem, parallel)
@@ -130,12 +174,14 @@ def load_training(train: TrainOneStepCell, directory: str | os.PathLike[str]) ->
     saved blocks that overlap its own. A checkpoint of another network, another optimizer or
     another dtype, or a damaged file, raises on every rank, naming what is wrong. Returns the
     step the checkpoint was taken after."""
-    layouts = _training_layouts(train)
+    layouts, _ = _training_layouts(train)
     program = train.program
     assert program is not None
-    parallel = program.device_num > 1
-    rank = comm.get_rank() if parallel else 0
-    arrays = _training_arrays(train)
+    parallel = program.device_num > 1 or train.pipeline is not None
+    held, device = _held(train)
+    dtypes = {n: prog.param_values[n].dtype for prog in (
+        [program] if train.pipeline is None else train.pipeline.programs)
+        for n in prog.param_values}
     problem = None
     restored: dict[str, np.ndarray] = {}
     manifest = None
@@ -145,10 +191,10 @@ def load_training(train: TrainOneStepCell, directory: str | os.PathLike[str]) ->
         if kind != type(train.optimizer).__name__:
             raise ValueError(f"the checkpoint holds {kind} state, but the cell trains with "
                              f"{type(train.optimizer).__name__}")
-        check_against(manifest, {name: (lay.shape, arrays[name].dtype)
+        check_against(manifest, {name: (lay.shape, dtypes[param_of(name)])
                                  for name, lay in layouts.items()})
-        for name, lay in layouts.items():
-            restored[name] = load_shard(directory, name, lay, rank)
+        for name, lay in held.items():
+            restored[name] = load_shard(directory, name, lay, device)
     except Exception as e:  # noqa: BLE001 - agreed below and raised on every rank
         problem = _failed(e)
     _agree("load_training", problem, parallel)

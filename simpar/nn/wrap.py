@@ -23,7 +23,9 @@ for the settings the wrapper gives nor changed afterwards.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +39,7 @@ from simpar.nn.cell import Cell
 from simpar.nn.grad_accumulation import GradAccumulation
 from simpar.nn.optim import Optimizer
 from simpar.pipeline import PipelineRunner, plan_pipeline
+from simpar.pipeline.strategy_files import save_pipeline_strategy
 from simpar.redistribution import execute, plan
 from simpar.runtime.lowering import lower
 from simpar.runtime.program import ParallelProgram
@@ -226,10 +229,19 @@ class TrainOneStepCell:
         stages, world = ctx.pipeline_stages, comm.get_group_size()
         m = self.micro_batches
         _check_pipeline(ctx, self.mode, world, m)
+        files = ctx.strategy_ckpt_config if self.mode in (
+            "semi_auto_parallel", "auto_parallel") else context.StrategyCkptConfig()
         parts, programs = plan_pipeline(
             self.network, [((x.shape[0] // m, *x.shape[1:]), x.dtype) for x in (data, label)],
             stages, world, self.mode, ctx.dataset_strategy, m,
-            ctx.pipeline_config.pipeline_interleave)
+            ctx.pipeline_config.pipeline_interleave, files.load_file or None)
+        if files.save_file:   # this rank's stage's plan, as MindSpore saves it per rank
+            stage = comm.get_rank() // (world // stages)
+            _distinct_per_stage(files.save_file, stage)
+            save_pipeline_strategy(
+                files.save_file, programs, stages, stage,
+                search_mode=ctx.search_mode if self.mode == "auto_parallel" else None,
+                only_trainable_params=files.only_trainable_params)
         self._seed = self.loss_seed_of(programs[-1])
         self.pipeline_scheduler = ctx.pipeline_config.pipeline_scheduler
         self.pipeline = PipelineRunner(parts, programs, comm.get_rank(), stages,
@@ -421,13 +433,28 @@ def _check_pipeline(ctx: context.ParallelContext, mode: str, world: int, micro_b
                          f"as MindSpore's Pipeline does: got {micro_batches} micro-batches for "
                          f"{stages} stages; wrap the network in nn.PipelineCell(network, "
                          f"micro_size={stages}) or more, or use pipeline_scheduler 'gpipe'")
-    files = ctx.strategy_ckpt_config
-    if files.load_file or files.save_file:
-        raise NotImplementedError("pipeline: strategy files are not saved or loaded per stage "
-                                  "yet; unset strategy_ckpt_config's load_file and save_file")
     if context.algo_parameters().memory_dimensions != "fixed":
         raise NotImplementedError("pipeline: memory_dimensions other than 'fixed' are not "
                                   "searched with pipeline stages yet")
+
+
+def _distinct_per_stage(path: str, stage: int) -> None:
+    """Refuse, on every rank alike, a save_file that two stages would both write: each stage
+    saves its own plan (give each rank its own file, as MindSpore's pipeline examples do,
+    e.g. with the rank in its name)."""
+    digest = hashlib.sha256(os.path.abspath(path).encode()).digest()
+    mine = np.array([int.from_bytes(digest[:7], "big"), stage], dtype=np.int64)
+    every = np.zeros((comm.get_group_size(), 2), dtype=np.int64)
+    comm.world().Allgather(mine, every)   # raw MPI: settings, no training traffic
+    stages_of: dict[int, set[int]] = {}
+    for key, s in every.tolist():
+        stages_of.setdefault(key, set()).add(s)
+    shared = sorted(next((s for s in stages_of.values() if len(s) > 1), set()))
+    if shared:
+        raise ValueError(f"pipeline: strategy_ckpt_config's save_file names one file for "
+                         f"pipeline stages {shared}, which save different plans (this rank's "
+                         f"is {path!r}); give each rank its own file, e.g. with the rank in "
+                         "its name, and merge them with simpar.pipeline.merge_pipeline_strategys")
 
 
 def _agreed(what: str, x: np.ndarray, lay: TensorLayout) -> tuple[str, np.ndarray]:

@@ -42,11 +42,12 @@ from simpar.layout import TensorLayout, shard_index, take_shard
 from simpar.pipeline.price import dependencies, timeline
 from simpar.pipeline.schedules import schedule
 from simpar.pipeline.stages import Stage, split_stages
+from simpar.pipeline.strategy_files import stage_strategy_maps
 from simpar.redistribution import execute, plan
 from simpar.runtime.executor import input_gradient
 from simpar.runtime.lowering import lower
 from simpar.runtime.program import ParallelProgram
-from simpar.search import plan_request, request_from_context
+from simpar.search import complete_plan, dataset_layouts, plan_request, request_from_context
 
 __all__ = ["PipelineRunner", "Transfer", "plan_pipeline", "plan_stages"]
 
@@ -95,20 +96,32 @@ def plan_stages(stages: Sequence[Stage], per_stage: int, planner: Any, dataset: 
 
 def plan_pipeline(network: Any, specs: Sequence[tuple[tuple[int, ...], Any]], stages: int,
                   device_num: int, mode: str, dataset: Any, micro_batches: int = 1,
-                  interleave: bool = False) -> tuple[list[Stage], list[ParallelProgram]]:
+                  interleave: bool = False, load_file: str | None = None
+                  ) -> tuple[list[Stage], list[ParallelProgram]]:
     """Trace ``network`` for one micro-batch of inputs ``specs`` ((shape, dtype) of the data
     and the label), cut it into ``stages`` stages (chunks by ``pipeline_segment`` when
-    ``interleave``) and plan each for ``device_num / stages`` devices (pure)."""
+    ``interleave``) and plan each for ``device_num / stages`` devices (pure): searched, or
+    read from the pipelined strategy file ``load_file``
+    (:func:`~simpar.pipeline.strategy_files.stage_strategy_maps`)."""
     g = graph.trace(network, list(specs), ["data", "label"])
     chunks = 1 + max((n.chunk for n in g.nodes), default=0) if interleave else 1
     parts = split_stages(g, stages, chunks)
+    loaded = None if not load_file else stage_strategy_maps(
+        load_file, [st.graph for st in parts], stages, device_num // stages, mode)
 
     def planner(st: Stage, strategy: Any) -> tuple[Any, Any]:
         request = request_from_context(st.graph, cell=network, mode=mode,
                                        device_num=device_num // stages,
                                        dataset_strategy=strategy,
                                        micro_batches=micro_batches)
-        return request, plan_request(request)
+        if loaded is None:
+            return request, plan_request(request)
+        smap = loaded[st.index]
+        if not smap.inputs:   # a plain MindSpore file: the inputs as the stage receives them
+            lays = dataset_layouts([v.shape for v in st.graph.inputs], smap.device_num,
+                                   strategy)
+            smap = replace(smap, inputs={v.name: lay for v, lay in zip(st.graph.inputs, lays)})
+        return request, complete_plan(request, smap)
 
     return parts, plan_stages(parts, device_num // stages, planner, dataset)
 
