@@ -34,7 +34,7 @@ from simpar.comm import CommTrace
 from simpar.layout import distribute
 from simpar.nn import presets
 from simpar.pipeline import schedule
-from tests.mpi_guard import abort_job_on_error, shared_dir
+from tests.mpi_guard import abort_job_on_error, raised_everywhere, shared_dir
 from tests.small_models import small_batch
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -211,21 +211,24 @@ def test_pipelined_training_matches_one_device_on_every_rank(
     assert not _agreed(problems), "\n".join(problems)
 
 
+class Tied(nn.Cell):
+    """An embedding table read again as the output head's weight (tied)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8, np.float64)
+        self.mid = nn.Dense(8, 8, dtype=np.float64)
+        self.matmul = simpar.ops.MatMul(transpose_b=True)
+
+    def construct(self, ids: Any) -> Any:
+        return self.matmul(self.mid(self.embed(ids)), self.embed.embedding_table)
+
+
 def test_a_tied_parameter_has_its_gradient_summed_between_its_stages() -> None:
     """A weight read on the first and the last stage (an embedding table tied to the output
     head) is held by both, and both hold the single-device value after training."""
     rank = comm.get_rank()
     n = comm.get_group_size()
-
-    class Tied(nn.Cell):
-        def __init__(self) -> None:
-            super().__init__()
-            self.embed = nn.Embedding(16, 8, np.float64)
-            self.mid = nn.Dense(8, 8, dtype=np.float64)
-            self.matmul = simpar.ops.MatMul(transpose_b=True)
-
-        def construct(self, ids: Any) -> Any:
-            return self.matmul(self.mid(self.embed(ids)), self.embed.embedding_table)
 
     def run(stages: int) -> tuple[nn.TrainOneStepCell, list[float]]:
         simpar.reset_auto_parallel_context()
@@ -326,3 +329,39 @@ def test_1f1b_with_fewer_micro_batches_than_stages_is_refused_on_every_rank() ->
     simpar.reset_auto_parallel_context()
     train, _, _ = _train("pp2", 1, "gpipe")
     assert train.pipeline is not None and train.pipeline.micro_batches == 1
+
+
+@pytest.mark.mpi(min_size=4)
+def test_bad_pipelines_are_refused_with_one_error_on_every_rank() -> None:
+    """Stages that do not divide the ranks, a Cell on a stage that does not exist, stages out
+    of order along the graph, and a tied parameter its two stages cut differently."""
+    n = comm.get_group_size()
+
+    def run(net: nn.Cell, stages: int, mode: str = "data_parallel") -> None:
+        simpar.reset_auto_parallel_context()
+        simpar.set_auto_parallel_context(parallel_mode=mode, pipeline_stages=stages)
+        cell = nn.WithLossCell(net, nn.SoftmaxCrossEntropyWithLogits())
+        train = nn.TrainOneStepCell(nn.PipelineCell(cell, 4), nn.SGD(cell.trainable_params(),
+                                                                     0.1), seed=SEED)
+        try:
+            train(*_batch(0)) if isinstance(net, nn.GPT) else train(
+                np.zeros(4 * n, np.int32), np.zeros(4 * n, np.int32))
+        finally:
+            simpar.reset_auto_parallel_context()
+
+    raised_everywhere(lambda: run(_gpt(3), 3), ValueError,
+                      f"pipeline_stages=3 must divide the {n} ranks")
+    beyond = _gpt(2)
+    beyond.blocks[2].pipeline_stage = 2
+    raised_everywhere(lambda: run(beyond, 2), ValueError, "is on pipeline_stage 2, but "
+                      "pipeline_stages is 2")
+    backwards = _gpt(2)
+    backwards.blocks[0].pipeline_stage = 1
+    raised_everywhere(lambda: run(backwards, 2), ValueError,
+                      "a value may only flow to its own or a later stage")
+    tied = Tied()
+    tied.embed.pipeline_stage, tied.mid.pipeline_stage = 0, 1
+    tied.embed.gather.shard(((2, 1), (1,)))        # stage 0 cuts the table's rows,
+    tied.matmul.shard(((1, 2), (1, 2)))              # stage 1 its columns
+    raised_everywhere(lambda: run(tied, 2, "semi_auto_parallel"), ValueError,
+                      "shard it alike on every stage that reads it")

@@ -84,3 +84,17 @@ def test_a_job_saved_on_two_ranks_resumes_on_four(tmp_path: Path) -> None:
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumed from {ckpt / 'step_000002'} after step 2" in resumed.stdout
     assert "PASS" in resumed.stdout
+
+
+def test_a_rank_failing_inside_a_pipeline_ends_the_job_with_its_message() -> None:
+    """Two pipeline stages, rank 1 (stage 1) raising before step 3: rank 0 has sent its
+    micro-batches forward and waits in a receive for their cotangents, which never come; the
+    abort hook must end it too, within seconds, with rank 1's message."""
+    pipelined = [*SMALL, "--pipeline-stages", "2", "--micro-batches", "2"]
+    failed, seconds = _job([*pipelined, "--steps", "100000"], {INJECT_FAILURE: "1:3"})
+    reference, base = _job([*pipelined, "--steps", "3"])
+    assert reference.returncode == 0, reference.stderr
+    assert failed.returncode != 0
+    assert "injected failure on rank 1 before step 3" in failed.stderr
+    assert "[simpar rank 1] uncaught RuntimeError; aborting the job" in failed.stderr
+    assert seconds < base + 10, (seconds, base)

@@ -192,15 +192,16 @@ class PipelineRunner:
         out = {}
         for name, (prog, _) in self.params().items():
             holders = [s for s, p in enumerate(self.programs) if name in p.param_layouts]
-            mine = prog.storage_layout(name)
-            blocks = [mine.slice_of(r) for r in range(self.per_stage)]
-            for s in holders:   # every stage rank must store the same block of it
+            first = self.programs[holders[0]].storage_layout(name)
+            blocks = [first.slice_of(r) for r in range(self.per_stage)]
+            for s in holders[1:]:   # every stage rank must store the same block of it
                 other = self.programs[s].storage_layout(name)
-                if other.partial or mine.partial or \
+                if other.partial or first.partial or \
                         [other.slice_of(r) for r in range(self.per_stage)] != blocks:
                     raise ValueError(f"pipeline: parameter {name} is read on virtual stages "
-                                     f"{holders}, stored as {mine} on one but {other} on "
-                                     f"{s}; shard it alike on every stage that reads it")
+                                     f"{holders}, stored as {first} on {holders[0]} but "
+                                     f"{other} on {s}; shard it alike on every stage that "
+                                     "reads it")
             mine_too = [s for s in holders if s in self.chunks]
             if len(mine_too) > 1:
                 raise ValueError(f"pipeline: parameter {name} is read by chunks {mine_too} of "
