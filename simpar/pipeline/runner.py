@@ -190,7 +190,7 @@ class PipelineRunner:
         """Per parameter this rank holds that other stages hold too, the world ranks that
         sum its gradient (this stage rank in each), after checking they store it alike."""
         out = {}
-        for name, (prog, _) in self.params().items():
+        for name in self.params():
             holders = [s for s, p in enumerate(self.programs) if name in p.param_layouts]
             first = self.programs[holders[0]].storage_layout(name)
             blocks = [first.slice_of(r) for r in range(self.per_stage)]
