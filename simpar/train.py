@@ -163,9 +163,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.pipeline_stages > 1 and args.parallel_mode == "stand_alone":
         p.error("--pipeline-stages needs several ranks: --parallel-mode semi_auto_parallel, "
                 "data_parallel or auto_parallel")
-    if args.pipeline_stages > 1 and args.memory_dimensions != "fixed":
-        p.error("--memory-dimensions is not searched with --pipeline-stages yet; give "
-                "--optimizer-shard, --recompute and --micro-batches instead")
     if args.batch_size % args.micro_batches:
         p.error(f"--micro-batches {args.micro_batches} must divide --batch-size "
                 f"{args.batch_size} (each step splits the batch into micro-batches)")
@@ -259,6 +256,9 @@ def dimensions_table(train: nn.TrainOneStepCell) -> str:
             if not found.searched else
             f"\nmemory dimensions searched ({', '.join(sorted(found.searched))}) under "
             f"{found.capacity:.0f} bytes per rank: chose {chosen.describe()}")
+    if train.pipeline is not None:
+        head += (f" (pipeline stage {train.pipeline.stage}'s; each stage searches its own, "
+                 "for the micro-batches it holds at once)")
     return "\n".join([head, found.table(), *("  " + line for line in found.binding())])
 
 

@@ -247,3 +247,50 @@ def test_a_pipeline_that_does_not_divide_the_ranks_or_the_units_is_refused() -> 
     with pytest.raises(ValueError, match=r"--pipeline-stages 4 with 2 interleaved chunks needs "
                        r"at least 8 units to cut between, but the GPT has 4"):
         assign_stages(nn.GPT(32, 8, 16, 2, 2), 4, 2)
+
+
+def _gpt_stages(capacity: float | None = None, scheduler: str = "1f1b") -> list[Any]:
+    """The per-stage plans of a 4-block GPT in 2 stages, 4 micro-batches, with the memory
+    dimensions searched (every block a recomputation candidate) under ``capacity``."""
+    from simpar.cost_model_context import reset_cost_model_context, set_cost_model_context
+    from simpar.pipeline import plan_pipeline
+    net = nn.GPT(32, 8, 16, 4, 2, dtype=np.float64)
+    for k, unit in enumerate([net.embedding, *net.blocks, net.head, net.ln_f]):
+        unit.pipeline_stage = 0 if k < 3 else 1
+    for block in net.blocks:
+        block.recompute()
+    cell = nn.WithLossCell(net, nn.SoftmaxCrossEntropyWithLogits())
+    simpar.set_auto_parallel_context(parallel_mode="auto_parallel", pipeline_stages=2,
+                                     search_mode="dynamic_programming")
+    simpar.set_algo_parameters(memory_dimensions="search")
+    if capacity is not None:
+        set_cost_model_context(device_memory_capacity=capacity)
+    try:
+        _, programs = plan_pipeline(cell, [((4, 8), np.int32), ((4, 8), np.int32)], 2, 4,
+                                    "auto_parallel", "data_parallel", 4, scheduler=scheduler)
+    finally:
+        simpar.reset_auto_parallel_context()
+        simpar.reset_algo_parameters()
+        reset_cost_model_context()
+    return [p.strategy_map.dimensions for p in programs]
+
+
+def test_each_stage_searches_its_memory_dimensions_for_the_micro_batches_it_holds() -> None:
+    """Under 1F1B stage 0 holds 2 of the 4 micro-batches' activations at once, stage 1 one;
+    each stage's search counts that many, so a cap between the two stages' needs makes the
+    first stage recompute and leaves the second alone. Under GPipe both hold all 4."""
+    free = _gpt_stages()
+    none = [next(a for a in found.alternatives if a.key == (4, None, ())) for found in free]
+    assert all(found.chosen.key == (4, None, ()) for found in free)   # nothing binds
+    lean = [found.least_memory for found in free]
+    assert lean[0].memory < none[0].memory and none[1].memory < none[0].memory
+    cap = max(none[1].memory, lean[0].memory) + 1.0
+    assert cap < none[0].memory
+    first, second = _gpt_stages(cap)
+    assert first.chosen.recompute or first.chosen.level is not None
+    assert second.chosen.key == (4, None, ())
+    assert first.chosen.memory <= cap and second.chosen.memory <= cap
+    # GPipe keeps every micro-batch's activations: stage 0's need grows by 4 / 2.
+    gpipe = _gpt_stages(scheduler="gpipe")
+    held = next(a for a in gpipe[0].alternatives if a.key == (4, None, ()))
+    assert held.memory > none[0].memory

@@ -365,3 +365,65 @@ def test_bad_pipelines_are_refused_with_one_error_on_every_rank() -> None:
     tied.matmul.shard(((1, 2), (1, 2)))              # stage 1 its columns
     raised_everywhere(lambda: run(tied, 2, "semi_auto_parallel"), ValueError,
                       "shard it alike on every stage that reads it")
+
+
+def test_memory_dimensions_searched_per_stage_train_as_one_device() -> None:
+    """auto_parallel with ``memory_dimensions="search"`` in 2 stages of 1F1B over 4
+    micro-batches, under a cap between what stage 1 needs and what stage 0 needs without
+    them (stage 0 holds 2 micro-batches' activations at once, stage 1 one): stage 0 must
+    choose a memory dimension, stage 1 none, and training must equal one device's."""
+    from simpar.cost_model_context import reset_cost_model_context, set_cost_model_context
+    from simpar.pipeline import plan_pipeline
+    rank, n = comm.get_rank(), comm.get_group_size()
+
+    def cell(capacity: float | None) -> nn.Cell:
+        simpar.reset_auto_parallel_context()
+        simpar.set_auto_parallel_context(
+            parallel_mode="auto_parallel", search_mode="dynamic_programming",
+            dataset_strategy="data_parallel", gradients_mean=True, pipeline_stages=2,
+            parallel_optimizer_config={"parallel_optimizer_threshold": 0})
+        simpar.set_algo_parameters(memory_dimensions="search")
+        reset_cost_model_context()
+        if capacity is not None:
+            set_cost_model_context(device_memory_capacity=capacity)
+        net = _gpt(2)
+        for block in net.blocks:
+            block.recompute()
+        return nn.WithLossCell(net, nn.SoftmaxCrossEntropyWithLogits())
+
+    with abort_job_on_error("memory dimensions per stage"):
+        try:
+            spec = [((BATCH // 4, GPT["seq_length"]), np.int32)] * 2
+            _, programs = plan_pipeline(cell(None), spec, 2, n, "auto_parallel",
+                                        "data_parallel", 4)
+            free = [p.strategy_map.dimensions for p in programs]
+            none = [next(a for a in f.alternatives if a.key == (4, None, ())) for f in free]
+            cap = max(none[1].memory, free[0].least_memory.memory) + 1.0
+            assert cap < none[0].memory, (cap, none)
+            wrapped = cell(cap)
+            train = nn.TrainOneStepCell(nn.PipelineCell(wrapped, 4),
+                                        nn.Adam(wrapped.trainable_params(), LR), seed=SEED)
+            losses = [train(*_batch(k)) for k in range(STEPS)]
+        finally:
+            simpar.reset_auto_parallel_context()
+            simpar.reset_algo_parameters()
+            reset_cost_model_context()
+        ref_losses, ref_params = _reference()
+    runner = train.pipeline
+    assert runner is not None
+    chosen = train.program_dimensions.chosen
+    problems = []
+    if runner.stage == 0 and not (chosen.recompute or chosen.level is not None):
+        problems.append(f"rank {rank}: stage 0 chose {chosen.describe()} under cap {cap}")
+    if runner.stage == 1 and chosen.key != (4, None, ()):
+        problems.append(f"rank {rank}: stage 1 chose {chosen.describe()}, though it fits")
+    err = max(relative_error(np.float64(a), b) for a, b in zip(losses, ref_losses))
+    if not err <= 1e-10:
+        problems.append(f"rank {rank}: losses {losses} differ from one device's by {err:.2e}")
+    for name, (owner, _) in runner.params().items():
+        e = relative_error(train.params[name], distribute(ref_params[name],
+                                                          owner.storage_layout(name),
+                                                          runner.local))
+        if not e <= 1e-10:
+            problems.append(f"rank {rank}: {name} differs from one device's by {e:.2e}")
+    assert not _agreed(problems), "\n".join(problems)

@@ -263,14 +263,12 @@ def test_checkpoint_options_are_checked_before_any_work(
     (["--pipeline-stages", "0"], "--pipeline-stages must be >= 1, got 0"),
     (["--pipeline-stages", "2", "--parallel-mode", "stand_alone"],
      "--pipeline-stages needs several ranks"),
-    (["--pipeline-stages", "2", "--parallel-mode", "auto_parallel", "--memory-dimensions",
-      "search"], "--memory-dimensions is not searched with --pipeline-stages yet"),
     (["--pipeline-schedule", "zb"], "argument --pipeline-schedule: invalid choice: 'zb'"),
     (["--pipeline-stages", "4", "--micro-batches", "2"],
      "--pipeline-schedule 1f1b needs --micro-batches >= --pipeline-stages"),
 ], ids=["steps-0", "batch-negative", "heads-0", "steps-not-int", "model", "strategy", "dtype",
-        "pipeline-stages-0", "pipeline-stand-alone", "pipeline-memory-dimensions",
-        "pipeline-schedule", "pipeline-fewer-micro-batches"])
+        "pipeline-stages-0", "pipeline-stand-alone", "pipeline-schedule",
+        "pipeline-fewer-micro-batches"])
 def test_bad_arguments_exit_with_a_usage_message(argv: list[str], message: str,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:

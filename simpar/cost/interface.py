@@ -84,6 +84,9 @@ class SimparCostModel:
     profile: DeviceProfile | str = "cpu-local"
     optimizer: str = "momentum"
     rank: int = 0
+    #: How many micro-batches' activations are alive at once: a pipeline stage's in flight
+    #: (its schedule's forwards ahead of their backwards); 1 otherwise.
+    activation_copies: int = 1
     name: str = field(default="simpar", init=False)
     unit: str = field(default="s", init=False)
 
@@ -209,7 +212,8 @@ class SimparCostModel:
                recomputed: tuple[bool, bool] = (False, False)) -> float:
         """Bytes per rank: each trainable parameter's shard (positions ``parameters``) with
         its gradient and the optimizer's state, each ``frozen`` one's shard alone, and what the
-        op's tape keeps for the backward (:class:`~simpar.ops.kernels.Tape`). Inputs in
+        op's tape keeps for the backward (:class:`~simpar.ops.kernels.Tape`), once per
+        micro-batch in flight (``activation_copies``). Inputs in
         ``kept_elsewhere`` (a producer's tape holds the same array, or a parameter another op
         counts) and parameters are not counted as activations. (``involved`` is MindSpore's.)
         ``sliced`` maps a parameter position optimizer parallel slices to (the ranks its
@@ -228,18 +232,19 @@ class SimparCostModel:
             ranks, gathered = (sliced or {}).get(i, (1, False))
             total += copies * ins[i] / ranks + (ins[i] if gathered else 0)
         if recomputed[0]:
-            return total + (ins[0] if recomputed[1] and sh.in_layouts else 0)
+            kept = ins[0] if recomputed[1] and sh.in_layouts else 0
+            return total + self.activation_copies * kept
         skip = {*parameters, *frozen, *kept_elsewhere}
         tape = str(sh.op.tape)
-        total += sum(ins[k] for k in _tape_inputs(tape, [k for k in range(len(ins))
-                                                         if k not in skip]))
+        kept = sum(ins[k] for k in _tape_inputs(tape, [k for k in range(len(ins))
+                                                       if k not in skip]))
         if tape in ("inputs+output", "output"):
-            total += outs
+            kept += outs
         elif tape in ("new-like-input", "input+new"):
-            total += ins[0]
+            kept += ins[0]
         elif tape == "mask":
-            total += sh.in_layouts[0].local_size()
-        return total
+            kept += sh.in_layouts[0].local_size()
+        return total + self.activation_copies * kept
 
     def keeps_output(self, op: Any, n_inputs: int, parameters: Collection[int],
                      involved: Collection[int], kept_elsewhere: Collection[int]) -> bool:

@@ -234,7 +234,8 @@ class TrainOneStepCell:
         parts, programs = plan_pipeline(
             self.network, [((x.shape[0] // m, *x.shape[1:]), x.dtype) for x in (data, label)],
             stages, world, self.mode, ctx.dataset_strategy, m,
-            ctx.pipeline_config.pipeline_interleave, files.load_file or None)
+            ctx.pipeline_config.pipeline_interleave, files.load_file or None,
+            ctx.pipeline_config.pipeline_scheduler)
         if files.save_file:   # this rank's stage's plan, as MindSpore saves it per rank
             stage = comm.get_rank() // (world // stages)
             _distinct_per_stage(files.save_file, stage)
@@ -247,6 +248,8 @@ class TrainOneStepCell:
         self.pipeline = PipelineRunner(parts, programs, comm.get_rank(), stages,
                                        self.pipeline_scheduler, m, self._seed)
         self.program = self.pipeline.program
+        assert self.program.strategy_map is not None
+        self.program_dimensions = self.program.strategy_map.dimensions   # this stage's
         trainable = {p.name for p in self.optimizer.parameters}
         for name, (prog, _) in self.pipeline.params().items():
             v = prog.param_values[name]
@@ -433,9 +436,6 @@ def _check_pipeline(ctx: context.ParallelContext, mode: str, world: int, micro_b
                          f"as MindSpore's Pipeline does: got {micro_batches} micro-batches for "
                          f"{stages} stages; wrap the network in nn.PipelineCell(network, "
                          f"micro_size={stages}) or more, or use pipeline_scheduler 'gpipe'")
-    if context.algo_parameters().memory_dimensions != "fixed":
-        raise NotImplementedError("pipeline: memory_dimensions other than 'fixed' are not "
-                                  "searched with pipeline stages yet")
 
 
 def _distinct_per_stage(path: str, stage: int) -> None:

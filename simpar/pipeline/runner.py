@@ -38,9 +38,10 @@ from typing import Any
 import numpy as np
 
 from simpar import comm, graph
+from simpar.cost import SimparCostModel
 from simpar.layout import TensorLayout, shard_index, take_shard
 from simpar.pipeline.price import dependencies, timeline
-from simpar.pipeline.schedules import schedule
+from simpar.pipeline.schedules import chunk_in_flight, schedule
 from simpar.pipeline.stages import Stage, split_stages
 from simpar.pipeline.strategy_files import stage_strategy_maps
 from simpar.redistribution import execute, plan
@@ -96,13 +97,15 @@ def plan_stages(stages: Sequence[Stage], per_stage: int, planner: Any, dataset: 
 
 def plan_pipeline(network: Any, specs: Sequence[tuple[tuple[int, ...], Any]], stages: int,
                   device_num: int, mode: str, dataset: Any, micro_batches: int = 1,
-                  interleave: bool = False, load_file: str | None = None
-                  ) -> tuple[list[Stage], list[ParallelProgram]]:
+                  interleave: bool = False, load_file: str | None = None,
+                  scheduler: str = "1f1b") -> tuple[list[Stage], list[ParallelProgram]]:
     """Trace ``network`` for one micro-batch of inputs ``specs`` ((shape, dtype) of the data
     and the label), cut it into ``stages`` stages (chunks by ``pipeline_segment`` when
     ``interleave``) and plan each for ``device_num / stages`` devices (pure): searched, or
     read from the pipelined strategy file ``load_file``
-    (:func:`~simpar.pipeline.strategy_files.stage_strategy_maps`)."""
+    (:func:`~simpar.pipeline.strategy_files.stage_strategy_maps`). A stage's search counts
+    its activations once per micro-batch ``scheduler`` keeps in flight on it, so that the
+    memory cap (and the memory dimensions, under ``memory_dimensions``) see what it holds."""
     g = graph.trace(network, list(specs), ["data", "label"])
     chunks = 1 + max((n.chunk for n in g.nodes), default=0) if interleave else 1
     parts = split_stages(g, stages, chunks)
@@ -114,6 +117,12 @@ def plan_pipeline(network: Any, specs: Sequence[tuple[tuple[int, ...], Any]], st
                                        device_num=device_num // stages,
                                        dataset_strategy=strategy,
                                        micro_batches=micro_batches)
+        chunk, stage = divmod(st.index, stages)
+        live = chunk_in_flight(schedule(scheduler, stage, stages, micro_batches, chunks),
+                               chunks)[chunk]
+        if isinstance(request.cost_model, SimparCostModel) and live > 1:
+            request = replace(request, cost_model=replace(request.cost_model,
+                                                          activation_copies=live))
         if loaded is None:
             return request, plan_request(request)
         smap = loaded[st.index]
