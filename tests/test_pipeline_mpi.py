@@ -12,7 +12,9 @@ with 1, 2, 4 and 8 micro-batches under GPipe and 1F1B, interleaved with two chun
 recomputation of every block. On every rank the losses and every
 stored parameter slice must equal one device's (relative 1e-10), and the step's point-to-point
 messages, read from the trace, must be the ones the runner lists: each boundary once per
-micro-batch forward and (a float) once backward, of its shard's bytes.
+micro-batch forward and (a float) once backward, of its shard's bytes; and every collective
+traced inside the stages' programs (kind, world group, bytes) must be one their schedules
+list for the tasks the rank ran, each as often.
 
     mpirun -n 8 python -m pytest tests/test_pipeline_mpi.py -q --with-mpi -m mpi
 """
@@ -20,6 +22,7 @@ micro-batch forward and (a float) once backward, of its shard's bytes.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from functools import cache
 from typing import Any
 
@@ -208,7 +211,41 @@ def test_pipelined_training_matches_one_device_on_every_rank(
                      len(runner.chunks))
     if runner.tasks != tasks:
         problems.append(f"rank {rank}: ran {runner.tasks}, the schedule says {tasks}")
+    traced = Counter((e.kind, e.group, e.bytes_recv) for e in events if e.step is not None)
+    expected = _stage_collectives(runner)
+    if traced != expected:
+        problems.append(f"rank {rank}: the collectives inside its stage's programs differ "
+                        f"from their schedules': traced but not scheduled "
+                        f"{dict(traced - expected)}, scheduled but not traced "
+                        f"{dict(expected - traced)}")
     assert not _agreed(problems), "\n".join(problems)
+
+
+def _stage_collectives(runner: Any) -> Counter[tuple[str, tuple[int, ...], int]]:
+    """(kind, world group, bytes received) of every collective this rank's stage programs
+    run in one step, from their schedules: each forward task's forward steps, each backward
+    task's backward steps (for the outputs it seeds), and, with micro-batches, the deferred
+    synchronisation once per chunk."""
+    out: Counter[tuple[str, tuple[int, ...], int]] = Counter()
+    accumulating = runner.micro_batches > 1
+
+    def add(steps: Any) -> None:
+        for st in steps:
+            out[(str(st.collective), tuple(runner.ranks[g] for g in st.group),
+                 st.recv_bytes)] += 1
+
+    for kind, c, _ in runner.tasks:
+        vs = runner.chunks[c]
+        prog, st = runner.programs[vs], runner.stages[vs]
+        seeded = [b is None or v.dtype.kind == "f" for v, b in zip(prog.graph.outputs, st.sent)]
+        sched = [s for s in prog.schedule(runner.local, seeded) if s.collective is not None]
+        add(s for s in sched if (kind == "B") == s.backward
+            and not (s.deferred and accumulating))
+    if accumulating:
+        for vs in runner.chunks:
+            add(s for s in runner.programs[vs].schedule(runner.local)
+                if s.collective is not None and s.deferred)
+    return out
 
 
 class Tied(nn.Cell):
