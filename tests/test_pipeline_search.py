@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -62,10 +64,14 @@ def test_the_search_keeps_the_fastest_plan_that_fits_and_each_layout_climbs_the_
     fitting = [p for p in found.candidates if p.fits]
     assert found.best.step_seconds == min(p.step_seconds for p in fitting)
     # A layout stops at its first rung that fits, in the ladder's order.
-    by_layout: dict[tuple[int, int, int], list[PipelinePlan]] = {}
+    by_layout: dict[tuple[int, int, int, str | None], list[PipelinePlan]] = {}
     for p in found.candidates:
         if p.chunks == 1:
-            by_layout.setdefault((p.stages, p.choice.tp, p.choice.mbs), []).append(p)
+            by_layout.setdefault((p.stages, p.choice.tp, p.choice.mbs, p.choice.search),
+                                 []).append(p)
+    # Each Megatron layout's micro-batch is also planned with every op's cuts searched.
+    assert {k[:3] for k in by_layout if k[3] == "recursive_programming"} == \
+        {k[:3] for k in by_layout if k[3] is None}
     # A layout that fits is priced interleaved too (2 chunks per stage) where it can run.
     woven = [p for p in found.candidates if p.chunks == 2]
     assert woven and all(p.micro_batches % p.stages == 0 and len(p.blocks) == 2 * p.stages
@@ -113,3 +119,24 @@ def test_interleaving_shrinks_the_bubble_and_holds_more_in_flight() -> None:
     assert woven is not None and woven.chunks == 2 and sum(woven.blocks) == 8
     assert woven.bubble < plain.bubble
     assert price_interleaved(SMALL, 16, 8, choice, "ascend910b") is None   # 8 x 2 > 8 blocks
+
+
+def test_a_searched_stage_is_planned_by_the_operator_level_search() -> None:
+    """A stage whose cuts the search chooses: its units' strategies come from the search (not
+    Megatron's presets), for a micro-batch of the same rows, and it is priced like any."""
+    from simpar.search import Source
+    prof = load_profile("ascend910b")
+    plans: dict[Any, Any] = {}
+    choice = StageChoice(2, 2, 2, None, False, "recursive_programming")
+    emb, block, head, sent = _units(SMALL, 4, choice, prof, "adam", plans)
+    (parts, programs), = plans.values()
+    for prog in programs:
+        assert all(s.source is Source.SEARCHED for s in prog.strategy_map.ops.values())
+        assert prog.device_num == 4
+    assert parts[0].graph.inputs[0].shape[0] == choice.rows == 4
+    assert block.forward > 0 and block.static > 0 and sent > 0
+    plan = price_choice(SMALL, 16, 4, choice, prof)
+    assert plan.micro_batches == SMALL.batch // 4 and "cuts searched by recursive_programming" \
+        in plan.describe()
+    megatron = search_pipeline(SMALL, 16, "ascend910b", stages=4, intra=None)
+    assert all(p.choice.search is None for p in megatron.candidates)

@@ -25,15 +25,19 @@ gradients and optimizer state; the activations one micro-batch keeps). Then:
   (:func:`price_interleaved`: the blocks split evenly over the virtual stages), from the
   same units.
 
-The plan is the cheapest that fits. The intra-stage layouts are Megatron's ``dp x tp``, not
-the operator-level search: on 128 devices the search takes 9.6 s for one block and on 1024
-devices 149 s (``docs/pipeline.md``), too slow to run for every candidate.
+The plan is the cheapest that fits. Each layout is tried twice: in Megatron's ``dp x tp``,
+and with every op's cuts chosen by the operator-level search (``intra``, recursive
+programming by default) on the stage's devices for a micro-batch of the same rows
+(:attr:`StageChoice.search`). Dynamic programming may be named instead; on 128 devices it
+takes 9.6 s for one GPT-3 block and on 1024 devices 149 s (``docs/pipeline.md``), too slow
+for every candidate of GPT-3 within a minute.
 """
 
 from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -41,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from simpar import graph, nn
+from simpar.cost import SimparCostModel
 from simpar.cost.model import evaluate, optimizer_seconds, phase_seconds
 from simpar.cost.profile import DeviceProfile, load_profile
 from simpar.nn import presets
@@ -49,8 +54,9 @@ from simpar.pipeline.price import timeline
 from simpar.pipeline.runner import plan_stages
 from simpar.pipeline.schedules import chunk_in_flight, in_flight, schedule
 from simpar.pipeline.stages import split_stages
-from simpar.runtime.lowering import lower
+from simpar.runtime.lowering import NothingParallelWarning, lower
 from simpar.search import plan_request, request_from_context
+from simpar.search.pricing import NoAvailableCost
 
 __all__ = ["LADDER", "GPTShape", "PipelinePlan", "PipelineSearch", "StageChoice",
            "price_choice", "price_interleaved", "search_pipeline"]
@@ -73,18 +79,29 @@ class GPTShape:
 class StageChoice:
     """Inside every stage: ``dp x tp`` devices (Megatron's layout), ``mbs`` rows per replica
     per micro-batch, the optimizer-parallel level (None: off), and whether blocks
-    recompute."""
+    recompute. With ``search`` (an auto_parallel search mode), the operator-level search
+    chooses every op's cuts on the stage's devices instead of Megatron's layout, for a
+    micro-batch of the same ``dp x mbs`` rows."""
 
     tp: int
     dp: int
     mbs: int
     level: str | None
     recompute: bool
+    search: str | None = None
+
+    @property
+    def rows(self) -> int:
+        """Rows of the global batch per micro-batch."""
+        return self.dp * self.mbs
 
     def describe(self) -> str:
-        return (f"tp {self.tp} x dp {self.dp}, micro-batch {self.mbs} per replica, optimizer "
-                f"{self.level or 'not sharded'}, {'full' if self.recompute else 'no'} "
-                "recomputation")
+        cuts = (f"tp {self.tp} x dp {self.dp}, micro-batch {self.mbs} per replica"
+                if self.search is None else
+                f"cuts searched by {self.search} on {self.tp * self.dp} devices, micro-batch "
+                f"{self.rows} rows")
+        return (f"{cuts}, optimizer {self.level or 'not sharded'}, "
+                f"{'full' if self.recompute else 'no'} recomputation")
 
 
 @dataclass(frozen=True)
@@ -158,11 +175,15 @@ class PipelineSearch:
                  f"{'recomp':>6} {'step s':>9} {'bubble':>7} {'peak GiB':>9}  fits"]
         for p in rows:
             c = p.choice
-            lines.append(f"{p.stages:>3} {p.chunks:>2} {c.tp:>3} {c.dp:>4} {c.mbs:>3} "
+            tp, dp = (c.tp, c.dp) if c.search is None else ("-", f"{c.tp * c.dp}*")
+            lines.append(f"{p.stages:>3} {p.chunks:>2} {tp:>3} {dp:>4} {c.mbs:>3} "
                          f"{p.micro_batches:>4} "
                          f"{c.level or 'off':>7} {'yes' if c.recompute else 'no':>6} "
                          f"{p.step_seconds:>9.3f} {p.bubble:>7.1%} "
                          f"{p.peak_memory / 2**30:>9.2f}  {'yes' if p.fits else 'NO'}")
+        if any(p.choice.search for p in rows):
+            lines.append("(tp - , dp N*: every op's cuts searched on the stage's N devices, "
+                         "for a micro-batch of dp x mbs rows of Megatron's layout beside it)")
         return "\n".join(lines)
 
 
@@ -173,10 +194,10 @@ def _units(shape: GPTShape, n: int, choice: StageChoice, prof: DeviceProfile,
     the bytes of the activation one stage sends the next per micro-batch (per rank).
     ``plans`` keeps the three units' programs per layout and level across calls: with and
     without recomputation they share their strategies, and are only lowered apart."""
-    key = (n, choice.tp, choice.dp, choice.mbs, choice.level)
+    key = (n, choice.tp, choice.dp, choice.mbs, choice.level, choice.search)
     found = plans.get(key) if plans is not None else None
     if found is None:
-        found = _plan_units(shape, n, choice)
+        found = _plan_units(shape, n, choice, prof, optimizer)
         if plans is not None:
             plans[key] = found
     parts, programs = found
@@ -197,14 +218,21 @@ def _units(shape: GPTShape, n: int, choice: StageChoice, prof: DeviceProfile,
     return units[0], units[1], units[2], sent
 
 
-def _plan_units(shape: GPTShape, n: int, choice: StageChoice) -> tuple[list[Any], list[Any]]:
-    """A one-block GPT in Megatron's layout cut into its embedding, block and head, each
-    planned on ``n`` devices without recomputation (its block marked recomputable)."""
-    b = choice.dp * choice.mbs
+def _plan_units(shape: GPTShape, n: int, choice: StageChoice, prof: DeviceProfile,
+                optimizer: str) -> tuple[list[Any], list[Any]]:
+    """A one-block GPT cut into its embedding, block and head, each planned on ``n`` devices
+    without recomputation (its block marked recomputable): in Megatron's layout, or with
+    ``choice.search`` by the operator-level search minimising the cost model on ``prof``."""
+    b = choice.rows
     net = nn.GPT(shape.vocab, shape.seq, shape.hidden, 1, shape.heads,
                  dtype=np.dtype(shape.dtype))
     loss = nn.SoftmaxCrossEntropyWithLogits()
-    presets.megatron_gpt(net, choice.dp, choice.tp, loss)
+    if choice.search is None:
+        presets.megatron_gpt(net, choice.dp, choice.tp, loss)
+        mode, dataset = "semi_auto_parallel", ((choice.dp, 1), (choice.dp, 1))
+    else:   # the batch split as far as its rows allow, every other cut searched
+        g = math.gcd(b, n)
+        mode, dataset = "auto_parallel", ((g, 1), (g, 1))
     net.embedding.pipeline_stage, net.blocks[0].pipeline_stage = 0, 1
     net.ln_f.pipeline_stage = net.head.pipeline_stage = 2
     net.blocks[0].recompute()
@@ -215,12 +243,16 @@ def _plan_units(shape: GPTShape, n: int, choice: StageChoice) -> tuple[list[Any]
                               -1, 64)
 
     def planner(st: Any, strategy: Any) -> tuple[Any, Any]:
-        request = request_from_context(st.graph, cell=cell, mode="semi_auto_parallel",
-                                       device_num=n, dataset_strategy=strategy,
-                                       optimizer=level, micro_batches=2, recompute=())
+        request = request_from_context(st.graph, cell=cell, mode=mode, device_num=n,
+                                       dataset_strategy=strategy, optimizer=level,
+                                       micro_batches=2, recompute=(),
+                                       search_mode=choice.search,
+                                       cost_model=SimparCostModel(prof, optimizer))
         return request, plan_request(request)
 
-    return parts, plan_stages(parts, n, planner, ((choice.dp, 1), (choice.dp, 1)))
+    with warnings.catch_warnings():   # a unit computed whole on every rank is a candidate
+        warnings.simplefilter("ignore", NothingParallelWarning)
+        return parts, plan_stages(parts, n, planner, dataset)
 
 
 def price_choice(shape: GPTShape, device_num: int, stages: int, choice: StageChoice,
@@ -378,12 +410,14 @@ def _layouts(shape: GPTShape, n: int, prof: DeviceProfile, mbs: Sequence[int]
 def search_pipeline(shape: GPTShape, device_num: int, profile: str | DeviceProfile = "ascend910b",
                     optimizer: str = "adam", stages: int | None = None,
                     capacity: int | None = None, ladder: Sequence[tuple[str | None, bool]]
-                    = LADDER, mbs: Sequence[int] = (1,), budget: float | None = None
-                    ) -> PipelineSearch:
+                    = LADDER, mbs: Sequence[int] = (1,), budget: float | None = None,
+                    intra: str | None = "recursive_programming") -> PipelineSearch:
     """The cheapest plan that fits (see the module): ``stages`` fixes S (None: every power
     of two dividing ``device_num`` up to the layers); ``capacity`` the memory cap (default
     the profile's); each layout climbs ``ladder`` until it fits; ``budget`` stops after
-    that many seconds with the best found so far."""
+    that many seconds with the best found so far. ``intra`` (an auto_parallel search mode;
+    None: Megatron's layouts only) also plans each layout's micro-batch with every op's cuts
+    searched on the stage's devices."""
     prof = load_profile(profile)
     cap = prof.memory_capacity if capacity is None else capacity
     started = time.perf_counter()
@@ -397,17 +431,26 @@ def search_pipeline(shape: GPTShape, device_num: int, profile: str | DeviceProfi
     weights = sum(math.prod(w.shape) * w.dtype.itemsize for w in block.get_parameters())
     skipped = 0
     for s in sorted(counts, key=lambda s: abs(math.log2(s) - 3)):   # middling S first
-        for tp, dp, rows in _layouts(shape, device_num // s, prof, mbs):
-            # A floor on every rung: a stage's blocks' weights and gradients, cut tp ways.
-            if 2 * math.ceil(shape.layers / s) * weights / tp > cap:
+        n = device_num // s
+        layouts: list[tuple[int, int, int, str | None]] = [
+            (tp, dp, rows, None) for tp, dp, rows in _layouts(shape, n, prof, mbs)]
+        if intra is not None:
+            layouts += [(tp, dp, rows, intra) for tp, dp, rows, _ in layouts]
+        for tp, dp, rows, search in layouts:
+            # A floor on every rung: a stage's blocks' weights and gradients, cut at most
+            # tp ways (the searched cuts at most n ways).
+            if 2 * math.ceil(shape.layers / s) * weights / (tp if search is None else n) > cap:
                 skipped += 1
                 continue
             for level, recompute in ladder:
                 if budget is not None and time.perf_counter() - started > budget:
                     break
-                plan = price_choice(shape, device_num, s, StageChoice(tp, dp, rows, level,
-                                                                      recompute),
-                                    prof, optimizer, cap, units)
+                try:
+                    plan = price_choice(shape, device_num, s,
+                                        StageChoice(tp, dp, rows, level, recompute, search),
+                                        prof, optimizer, cap, units)
+                except NoAvailableCost:   # a unit's own search found nothing under the cap
+                    continue
                 plans.append(plan)
                 if plan.fits:   # the same layout interleaved: its units are planned already
                     woven = price_interleaved(shape, device_num, s, plan.choice, prof,
