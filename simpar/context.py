@@ -44,6 +44,9 @@ pipeline_stages                 1                          int >= 1 (:mod:`simpa
 pipeline_config                 (see note)                 pipeline_interleave=False (bool),
                                                            pipeline_scheduler="1f1b" ("1f1b" or
                                                            "gpipe")
+auto_pipeline                   False                      bool: the stage count searched, up
+                                                           to pipeline_stages (auto_parallel,
+                                                           recursive_programming)
 strategy_ckpt_load_file/_save   ""                         str; views of strategy_ckpt_config
 auto_parallel_search_mode       (search_mode)              old name of search_mode
 =============================== ========================== ======================================
@@ -219,6 +222,9 @@ class ParallelContext:
     enable_parallel_optimizer: bool = False
     parallel_optimizer_config: ParallelOptimizerConfig = ParallelOptimizerConfig()
     pipeline_config: PipelineConfig = PipelineConfig()
+    #: MindSpore's ``auto_pipeline``: auto_parallel chooses the stage count, up to
+    #: ``pipeline_stages`` (:func:`simpar.pipeline.auto.choose_stages`).
+    auto_pipeline: bool = False
     #: The keys the user set (views name the key they write), e.g. ``{"dataset_strategy"}``.
     explicit: frozenset[str] = frozenset()
 
@@ -411,6 +417,7 @@ _AUTO_SPECS: dict[str, KeySpec] = {
                                          check=_check_optimizer_config,
                                          fields=_optimizer_fields),
     "pipeline_stages": KeySpec(int, 1, bounds=Bounds(1, math.inf)),
+    "auto_pipeline": KeySpec(bool, False),
     "pipeline_config": KeySpec(None, PipelineConfig(),
                                check=lambda f, k, v: validate_dict(f, k, v, _PIPE_SPECS),
                                fields=_pipeline_fields),

@@ -233,15 +233,16 @@ def get_cost_model_context(attr_key: str) -> Any:
 
 
 def reset_cost_model_context() -> None:
-    """Restore every key to MindSpore's default.
+    """Restore every key to MindSpore's default, and the searches' cost model to the default
+    choice (:func:`set_search_cost_model` ``(None)``).
 
     >>> set_cost_model_context(costmodel_gamma=0.5)
     >>> reset_cost_model_context()
     >>> get_cost_model_context("costmodel_gamma")
     0.001
     """
-    global _state, _snapshot
-    _state, _snapshot = spec_defaults(_SPECS), None
+    global _state, _snapshot, _search_model
+    _state, _snapshot, _search_model = spec_defaults(_SPECS), None, None
 
 
 def cost_model_context() -> CostModelContext:

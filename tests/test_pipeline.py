@@ -294,3 +294,72 @@ def test_each_stage_searches_its_memory_dimensions_for_the_micro_batches_it_hold
     gpipe = _gpt_stages(scheduler="gpipe")
     held = next(a for a in gpipe[0].alternatives if a.key == (4, None, ()))
     assert held.memory > none[0].memory
+
+
+def _cell_of(name: str) -> str:
+    """The GPT's top Cell an op runs in: "block1", "embedding", "head", ..."""
+    return name.split("_backbone-GPT/")[1].split("-")[0] if "_backbone-GPT/" in name else name
+
+
+def test_auto_pipeline_cuts_a_gpt_between_its_blocks_with_even_flops() -> None:
+    """balance_stages: contiguous, every stage non-empty, each cut where one value (the
+    residual stream) crosses, and the stages' FLOPs as even as the blocks allow."""
+    from simpar.pipeline.stages import balance_stages
+    net = nn.GPT(32, 8, 16, 4, 2, dtype=np.float64)
+    g = graph.trace(nn.WithLossCell(net, nn.SoftmaxCrossEntropyWithLogits()),
+                    [((4, 8), np.int32), ((4, 8), np.int32)], ["data", "label"])
+    for stages in (1, 2, 4):
+        of = balance_stages(g, stages)
+        assert of == sorted(of) and set(of) == set(range(stages))
+        for k in range(len(of) - 1):
+            if of[k] != of[k + 1]:   # a cut after node k: only the residual stream crosses
+                made = {v.id for n in g.nodes[:k + 1] for v in n.outputs}
+                later = {v.id for n in g.nodes[k + 1:] for v in n.inputs}
+                assert len(made & later) == 1, g.nodes[k].name
+                assert _cell_of(g.nodes[k].name) != _cell_of(g.nodes[k + 1].name)
+    blocks = [{_cell_of(n.name) for n, s in zip(g.nodes, of) if s == stage
+               and _cell_of(n.name).startswith("block")} for stage in range(4)]
+    assert all(len(b) == 1 for b in blocks[1:3])   # 4 blocks over 4 stages: one each inside
+    with pytest.raises(ValueError, match="cannot cut"):
+        balance_stages(g, len(g.nodes) + 1)
+
+
+def test_auto_pipeline_prices_every_stage_count_and_keeps_the_fastest_that_fits() -> None:
+    from simpar.cost_model_context import reset_cost_model_context, set_cost_model_context
+    from simpar.pipeline.auto import choose_stages
+    from simpar.runtime import lower
+    from simpar.search import plan_request, request_from_context
+    from simpar.search.dimensions import graph_of
+
+    def run(capacity: float | None) -> tuple[int, list[Any]]:
+        net = nn.WithLossCell(nn.GPT(32, 8, 16, 4, 2, dtype=np.float64),
+                              nn.SoftmaxCrossEntropyWithLogits())
+        specs = [((4, 8), np.dtype(np.int32)), ((4, 8), np.dtype(np.int32))]
+        simpar.set_auto_parallel_context(parallel_mode="auto_parallel",
+                                         dataset_strategy="data_parallel")
+        if capacity is not None:
+            set_cost_model_context(device_memory_capacity=capacity)
+        try:
+            g = graph.trace(net, specs, ["data", "label"])
+            request = request_from_context(g, cell=net, mode="auto_parallel", device_num=4,
+                                           micro_batches=4)
+
+            def plan_one() -> Any:
+                smap = plan_request(request)
+                return lower(graph_of(request, smap), smap, request.enable_alltoall)
+
+            return choose_stages(net, specs, 4, 4, "data_parallel", 4, "1f1b", request,
+                                 plan_one)
+        finally:
+            simpar.reset_auto_parallel_context()
+            reset_cost_model_context()
+
+    chosen, priced = run(None)
+    assert [p.stages for p in priced] == [1, 2, 4] and all(p.fits for p in priced)
+    assert chosen == min(priced, key=lambda p: (p.step_seconds, p.stages)).stages
+    one = priced[0]
+    least = min(p.peak_memory for p in priced[1:])
+    assert least < one.peak_memory                     # stages hold less per rank
+    squeezed, again = run((least + one.peak_memory) / 2)
+    assert squeezed > 1 and not again[0].fits
+    assert again[[p.stages for p in again].index(squeezed)].fits

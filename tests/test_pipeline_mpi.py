@@ -464,3 +464,65 @@ def test_memory_dimensions_searched_per_stage_train_as_one_device() -> None:
         if not e <= 1e-10:
             problems.append(f"rank {rank}: {name} differs from one device's by {e:.2e}")
     assert not _agreed(problems), "\n".join(problems)
+
+
+def test_auto_pipeline_chooses_the_stages_and_trains_as_one_device() -> None:
+    """MindSpore's ``auto_pipeline``: up to ``pipeline_stages`` (here every rank), under a
+    memory cap no plan without stages meets, the stages are chosen and cut by simpar, and
+    training equals one device's; outside auto_parallel with recursive programming it is
+    refused on every rank."""
+    from simpar.cost_model_context import reset_cost_model_context, set_cost_model_context
+    rank, n = comm.get_rank(), comm.get_group_size()
+
+    def train(capacity: float | None, mode: str = "auto_parallel") -> nn.TrainOneStepCell:
+        simpar.reset_auto_parallel_context()
+        simpar.set_auto_parallel_context(parallel_mode=mode, gradients_mean=True,
+                                         dataset_strategy="data_parallel", auto_pipeline=True,
+                                         pipeline_stages=n)
+        reset_cost_model_context()
+        if capacity is not None:
+            set_cost_model_context(device_memory_capacity=capacity)
+        cell = nn.WithLossCell(_gpt(), nn.SoftmaxCrossEntropyWithLogits())
+        return nn.TrainOneStepCell(nn.PipelineCell(cell, 8), nn.Adam(cell.trainable_params(),
+                                                                     LR), seed=SEED)
+
+    with abort_job_on_error("auto_pipeline"):
+        try:
+            free = train(None)
+            free.build(*_batch(0))
+            peaks = sorted(p.peak_memory for p in free.stage_counts if not p.why)
+            assert len(peaks) >= 2, free.stage_counts
+            cap = (peaks[0] + peaks[-1]) / 2          # the hungriest count no longer fits
+            squeezed = train(cap)
+            losses = [squeezed(*_batch(k)) for k in range(STEPS)]
+        finally:
+            simpar.reset_auto_parallel_context()
+            reset_cost_model_context()
+        ref_losses, ref_params = _reference()
+    runner = squeezed.pipeline
+    problems = []
+    fitting = [p for p in squeezed.stage_counts if p.fits]
+    best = min(fitting, key=lambda p: (p.step_seconds, p.stages))
+    if (runner.count if runner else 1) != best.stages or best.peak_memory > cap or \
+            len(fitting) == len([p for p in squeezed.stage_counts if not p.why]):
+        problems.append(f"rank {rank}: under a cap of {cap:.0f} bytes it ran "
+                        f"{runner.count if runner else 1} stages of {squeezed.stage_counts}")
+    err = max(relative_error(np.float64(a), b) for a, b in zip(losses, ref_losses))
+    if not err <= 1e-10:
+        problems.append(f"rank {rank}: losses {losses} differ from one device's by {err:.2e}")
+    if runner is not None:
+        for name, (owner, _) in runner.params().items():
+            e = relative_error(squeezed.params[name], distribute(
+                ref_params[name], owner.storage_layout(name), runner.local))
+            if not e <= 1e-10:
+                problems.append(f"rank {rank}: {name} differs from one device's by {e:.2e}")
+    assert not _agreed(problems), "\n".join(problems)
+
+    def refused() -> None:
+        try:
+            train(None, "semi_auto_parallel")(*_batch(0))
+        finally:
+            simpar.reset_auto_parallel_context()
+
+    raised_everywhere(refused, ValueError, "auto_pipeline needs parallel_mode 'auto_parallel' "
+                      "and search_mode 'recursive_programming'")

@@ -39,6 +39,7 @@ from simpar.nn.cell import Cell
 from simpar.nn.grad_accumulation import GradAccumulation
 from simpar.nn.optim import Optimizer
 from simpar.pipeline import PipelineRunner, plan_pipeline
+from simpar.pipeline.auto import choose_stages
 from simpar.pipeline.strategy_files import save_pipeline_strategy
 from simpar.redistribution import execute, plan
 from simpar.runtime.lowering import lower
@@ -118,6 +119,8 @@ class TrainOneStepCell:
         #: How auto_parallel chose the memory dimensions (memory_dimensions not "fixed"):
         #: a :class:`~simpar.search.dimensions.DimensionSearch`, else None.
         self.program_dimensions: Any = None
+        #: With ``auto_pipeline``: every stage count it priced (``StageCount``), else ().
+        self.stage_counts: list[Any] = []
         self._ctx: context.ParallelContext | None = None
         self._seed = 1.0
         self.params: dict[str, np.ndarray] = {}
@@ -179,7 +182,11 @@ class TrainOneStepCell:
                                  f"input({x.shape[0] if x.ndim else 'a scalar'}) must be divided "
                                  f"by micro size({m}): GradAccumulation splits the {what} of "
                                  f"shape {x.shape} into {m} micro-batches")
-        if ctx.pipeline_stages > 1 and self.mode != "stand_alone":
+        if ctx.auto_pipeline and self.mode != "stand_alone":
+            stages = self._auto_stages(ctx, data, label)
+            if stages > 1:
+                return self._build_pipeline(ctx, data, label, stages)
+        elif ctx.pipeline_stages > 1 and self.mode != "stand_alone":
             return self._build_pipeline(ctx, data, label)
         # The program is one micro-batch's (the whole batch's without accumulation); when
         # auto_parallel chooses the micro-batches, one graph per count on offer.
@@ -222,20 +229,49 @@ class TrainOneStepCell:
         self._seed = self.loss_seed()
         return self.program
 
-    def _build_pipeline(self, ctx: context.ParallelContext, data: np.ndarray,
-                        label: np.ndarray) -> ParallelProgram:
-        """The stages' programs (:mod:`simpar.pipeline`); this rank's stage's is
-        ``program``, and it holds that stage's parameters only."""
-        stages, world = ctx.pipeline_stages, comm.get_group_size()
+    def _auto_stages(self, ctx: context.ParallelContext, data: np.ndarray, label: np.ndarray
+                     ) -> int:
+        """``auto_pipeline``: the stage count :func:`~simpar.pipeline.auto.choose_stages`
+        prices fastest, up to ``pipeline_stages`` (kept in :attr:`stage_counts`)."""
+        if self.mode != "auto_parallel" or ctx.search_mode != "recursive_programming":
+            raise ValueError(f"auto_pipeline needs parallel_mode 'auto_parallel' and "
+                             f"search_mode 'recursive_programming', as MindSpore's does; got "
+                             f"{self.mode!r} and {ctx.search_mode!r}")
         m = self.micro_batches
-        _check_pipeline(ctx, self.mode, world, m)
+        specs = [((x.shape[0] // m, *x.shape[1:]), x.dtype) for x in (data, label)]
+        g = graph.trace(self.network, specs, ["data", "label"])
+        plan_one: Callable[[], ParallelProgram] | None = None
+        try:
+            request = request_from_context(g, cell=self.network, mode=self.mode,
+                                           micro_batches=m)
+
+            def plan_one() -> ParallelProgram:
+                smap = plan_request(request)
+                return lower(graph_of(request, smap), smap, request.enable_alltoall)
+        except ValueError:   # no plan without stages (the batch does not split, say)
+            request = request_from_context(g, cell=self.network, mode=self.mode,
+                                           micro_batches=m, dataset_strategy="full_batch")
+        stages, self.stage_counts = choose_stages(
+            self.network, specs, comm.get_group_size(), ctx.pipeline_stages,
+            ctx.dataset_strategy, m, ctx.pipeline_config.pipeline_scheduler, request, plan_one)
+        return stages
+
+    def _build_pipeline(self, ctx: context.ParallelContext, data: np.ndarray,
+                        label: np.ndarray, auto: int | None = None) -> ParallelProgram:
+        """The stages' programs (:mod:`simpar.pipeline`); this rank's stage's is
+        ``program``, and it holds that stage's parameters only. ``auto``: the stage count
+        ``auto_pipeline`` chose (the network cut where it says), else ``pipeline_stages``
+        and the Cells' ``pipeline_stage``."""
+        stages, world = auto or ctx.pipeline_stages, comm.get_group_size()
+        m = self.micro_batches
+        _check_pipeline(ctx, self.mode, world, m, stages)
         files = ctx.strategy_ckpt_config if self.mode in (
             "semi_auto_parallel", "auto_parallel") else context.StrategyCkptConfig()
         parts, programs = plan_pipeline(
             self.network, [((x.shape[0] // m, *x.shape[1:]), x.dtype) for x in (data, label)],
             stages, world, self.mode, ctx.dataset_strategy, m,
-            ctx.pipeline_config.pipeline_interleave, files.load_file or None,
-            ctx.pipeline_config.pipeline_scheduler)
+            ctx.pipeline_config.pipeline_interleave and auto is None, files.load_file or None,
+            ctx.pipeline_config.pipeline_scheduler, auto_split=auto is not None)
         if files.save_file:   # this rank's stage's plan, as MindSpore saves it per rank
             stage = comm.get_rank() // (world // stages)
             _distinct_per_stage(files.save_file, stage)
@@ -420,10 +456,9 @@ class TrainOneStepCell:
         return out
 
 
-def _check_pipeline(ctx: context.ParallelContext, mode: str, world: int, micro_batches: int
-                    ) -> None:
+def _check_pipeline(ctx: context.ParallelContext, mode: str, world: int, micro_batches: int,
+                    stages: int) -> None:
     """What a pipelined cell needs of its settings, checked alike on every rank."""
-    stages = ctx.pipeline_stages
     if mode not in ("semi_auto_parallel", "auto_parallel", "data_parallel"):
         raise ValueError(f"pipeline: pipeline_stages={stages} needs parallel_mode "
                          f"semi_auto_parallel, auto_parallel or data_parallel, got {mode!r}")

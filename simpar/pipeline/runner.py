@@ -42,7 +42,7 @@ from simpar.cost import SimparCostModel
 from simpar.layout import TensorLayout, shard_index, take_shard
 from simpar.pipeline.price import dependencies, timeline
 from simpar.pipeline.schedules import chunk_in_flight, schedule
-from simpar.pipeline.stages import Stage, split_stages
+from simpar.pipeline.stages import Stage, balance_stages, split_stages
 from simpar.pipeline.strategy_files import stage_strategy_maps
 from simpar.redistribution import execute, plan
 from simpar.runtime.executor import input_gradient
@@ -98,15 +98,21 @@ def plan_stages(stages: Sequence[Stage], per_stage: int, planner: Any, dataset: 
 def plan_pipeline(network: Any, specs: Sequence[tuple[tuple[int, ...], Any]], stages: int,
                   device_num: int, mode: str, dataset: Any, micro_batches: int = 1,
                   interleave: bool = False, load_file: str | None = None,
-                  scheduler: str = "1f1b") -> tuple[list[Stage], list[ParallelProgram]]:
+                  scheduler: str = "1f1b", auto_split: bool = False
+                  ) -> tuple[list[Stage], list[ParallelProgram]]:
     """Trace ``network`` for one micro-batch of inputs ``specs`` ((shape, dtype) of the data
     and the label), cut it into ``stages`` stages (chunks by ``pipeline_segment`` when
     ``interleave``) and plan each for ``device_num / stages`` devices (pure): searched, or
     read from the pipelined strategy file ``load_file``
     (:func:`~simpar.pipeline.strategy_files.stage_strategy_maps`). A stage's search counts
     its activations once per micro-batch ``scheduler`` keeps in flight on it, so that the
-    memory cap (and the memory dimensions, under ``memory_dimensions``) see what it holds."""
+    memory cap (and the memory dimensions, under ``memory_dimensions``) see what it holds.
+    ``auto_split`` cuts the network where :func:`~simpar.pipeline.stages.balance_stages`
+    says, whatever the Cells' ``pipeline_stage`` (``auto_pipeline``)."""
     g = graph.trace(network, list(specs), ["data", "label"])
+    if auto_split:
+        for node, stage in zip(g.nodes, balance_stages(g, stages)):
+            node.stage, node.chunk = stage, -1
     chunks = 1 + max((n.chunk for n in g.nodes), default=0) if interleave else 1
     parts = split_stages(g, stages, chunks)
     loaded = None if not load_file else stage_strategy_maps(

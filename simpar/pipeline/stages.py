@@ -21,11 +21,12 @@ loss (the last stage) and the boundaries later stages read. A parameter read on 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from simpar.graph import Graph, Node, RecomputeSegment, Value
 
-__all__ = ["Boundary", "Stage", "split_stages", "stages_of"]
+__all__ = ["Boundary", "Stage", "balance_stages", "split_stages", "stages_of"]
 
 
 def stages_of(graph: Graph, stages: int, chunks: int = 1) -> list[int]:
@@ -73,6 +74,49 @@ def stages_of(graph: Graph, stages: int, chunks: int = 1) -> list[int]:
                          "set Cell.pipeline_stage (and pipeline_segment) so that every stage "
                          "has work")
     return resolved
+
+
+def balance_stages(graph: Graph, stages: int) -> list[int]:
+    """Each node's stage (node order) for a contiguous split of ``graph`` into ``stages``:
+    cuts only where the fewest values cross (more only when there are too few such places),
+    each placed nearest an even share of the FLOPs."""
+    nodes = graph.nodes
+    if stages < 1 or stages > len(nodes):
+        raise ValueError(f"auto_pipeline: cannot cut {len(nodes)} ops into {stages} stages")
+    if stages == 1:
+        return [0] * len(nodes)
+    made = {v.id: k for k, node in enumerate(nodes) for v in node.outputs}
+    last_read: dict[int, int] = {}
+    for k, node in enumerate(nodes):
+        for v in node.inputs:
+            if v.id in made:
+                last_read[v.id] = k
+    # crossing[k]: values made at or before node k and read after it (a cut after node k).
+    crossing = [0] * len(nodes)
+    for vid, first in made.items():
+        for k in range(first, last_read.get(vid, first)):
+            crossing[k] += 1
+    flops = [float(node.op.flops(tuple(v.shape for v in node.inputs),
+                                 node.outputs[0].shape if node.outputs else ()))
+             for node in nodes]
+    total = math.fsum(flops)
+    done = [math.fsum(flops[:k + 1]) for k in range(len(nodes))]
+    places = range(len(nodes) - 1)
+    for slack in range(max(crossing) + 1):
+        allowed = [k for k in places if crossing[k] <= min(crossing[:-1]) + slack]
+        if len(allowed) >= stages - 1:
+            break
+    cuts: list[int] = []
+    for j in range(1, stages):
+        left = [k for k in allowed if (not cuts or k > cuts[-1])
+                and sum(1 for a in allowed if a > k) >= stages - 1 - j]
+        cuts.append(min(left, key=lambda k: (abs(done[k] - j * total / stages), k)))
+    out, stage = [], 0
+    for k in range(len(nodes)):
+        out.append(stage)
+        if stage < len(cuts) and k == cuts[stage]:
+            stage += 1
+    return out
 
 
 def _name(virtual: int, stages: int, chunks: int) -> str:
