@@ -72,10 +72,12 @@ def test_the_search_keeps_the_fastest_plan_that_fits_and_each_layout_climbs_the_
     # Each Megatron layout's micro-batch is also planned with every op's cuts searched.
     assert {k[:3] for k in by_layout if k[3] == "recursive_programming"} == \
         {k[:3] for k in by_layout if k[3] is None}
-    # A layout that fits is priced interleaved too (2 chunks per stage) where it can run.
-    woven = [p for p in found.candidates if p.chunks == 2]
-    assert woven and all(p.micro_batches % p.stages == 0 and len(p.blocks) == 2 * p.stages
-                         for p in woven)
+    # A layout that fits is priced interleaved too (2 and 4 chunks per stage) where it can
+    # run: the micro-batches a multiple of the stages, a block at least per virtual stage.
+    woven = [p for p in found.candidates if p.chunks > 1]
+    assert {p.chunks for p in woven} == {2, 4}
+    assert all(p.micro_batches % p.stages == 0 and len(p.blocks) == p.chunks * p.stages
+               <= SMALL.layers for p in woven)
     assert all(any(q.chunks == 1 and q.fits and q.stages == p.stages and q.choice == p.choice
                    for q in found.candidates) for p in woven)
     for tried in by_layout.values():

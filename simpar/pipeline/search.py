@@ -21,9 +21,9 @@ gradients and optimizer state; the activations one micro-batch keeps). Then:
   that fit under it);
 * the step: the stages' 1F1B tasks on a timeline (:func:`~simpar.pipeline.price.timeline`),
   messages between stages at the link's time, then each stage's synchronisation and update;
-* a layout that fits is priced again under the interleaved 1F1B with two chunks per stage
-  (:func:`price_interleaved`: the blocks split evenly over the virtual stages), from the
-  same units.
+* a layout that fits is priced again under the interleaved 1F1B with two and four chunks
+  per stage (:data:`CHUNKS`; :func:`price_interleaved`: the blocks split evenly over the
+  virtual stages), from the same units.
 
 The plan is the cheapest that fits. Each layout is tried twice: in Megatron's ``dp x tp``,
 and with every op's cuts chosen by the operator-level search (``intra``, recursive
@@ -58,7 +58,7 @@ from simpar.runtime.lowering import NothingParallelWarning, lower
 from simpar.search import plan_request, request_from_context
 from simpar.search.pricing import NoAvailableCost
 
-__all__ = ["LADDER", "GPTShape", "PipelinePlan", "PipelineSearch", "StageChoice",
+__all__ = ["CHUNKS", "LADDER", "GPTShape", "PipelinePlan", "PipelineSearch", "StageChoice",
            "price_choice", "price_interleaved", "search_pipeline"]
 
 
@@ -387,6 +387,10 @@ def price_interleaved(shape: GPTShape, device_num: int, stages: int, choice: Sta
                         all(x <= cap for x in mem), chunks)
 
 
+#: The virtual stages per stage tried under the interleaved 1F1B (each where the blocks and
+#: the micro-batches allow it).
+CHUNKS = (2, 4)
+
 #: The memory dimensions tried for each layout, cheapest in time first; the first that fits
 #: is kept (each later one costs time and saves memory): nothing, every block recomputed,
 #: then optimizer parallel level1 (its weights gathered before every micro-batch's forward)
@@ -453,10 +457,11 @@ def search_pipeline(shape: GPTShape, device_num: int, profile: str | DeviceProfi
                     continue
                 plans.append(plan)
                 if plan.fits:   # the same layout interleaved: its units are planned already
-                    woven = price_interleaved(shape, device_num, s, plan.choice, prof,
-                                              optimizer, cap, units)
-                    if woven is not None:
-                        plans.append(woven)
+                    for chunks in CHUNKS:
+                        woven = price_interleaved(shape, device_num, s, plan.choice, prof,
+                                                  optimizer, cap, units, chunks)
+                        if woven is not None:
+                            plans.append(woven)
                     break
     fitting = [p for p in plans if p.fits]
     best = min(fitting, key=lambda p: p.step_seconds) if fitting else None
