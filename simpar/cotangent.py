@@ -161,12 +161,15 @@ def cotangent_actions(p: RedistributionPlan, pending: Pending, frame: Frame
     (written as ``frame`` writes ``p.dst``): the actions to run, in order, and the pending
     axes of the result in ``p.src``."""
     src, dst = frame.of(p.src), frame.of(p.dst)
-    if not p.steps:   # src is dst: the pending axes stay (those of size 1 are none)
+    if not p.steps and src.device_matrix == dst.device_matrix:
+        # src is dst: the pending axes stay (those of size 1 are none)
         return (), frozenset(a for a in pending if src.device_matrix[a] > 1)
-    steps_dm = p.steps[0].src.device_matrix
-    fine = common_refinement(dst.device_matrix, steps_dm)
-    if fine is not None and p.steps:
-        fine = common_refinement(fine, src.device_matrix)
+    if p.steps:
+        fine = common_refinement(dst.device_matrix, p.steps[0].src.device_matrix)
+        if fine is not None:
+            fine = common_refinement(fine, src.device_matrix)
+    else:   # the same blocks over other device matrices (no frame writes both alike)
+        fine = common_refinement(dst.device_matrix, src.device_matrix)
     if fine is None:   # writings with no common refinement: contributions, as before
         missing = frame.replicas(p.dst) - pending
         actions = (frame.zero(p.dst, sorted(missing)),) if missing else ()

@@ -571,3 +571,17 @@ def test_partial_source_is_sliced_before_it_is_reduced():
     src3 = TensorLayout((2, 2, 2), (-1, -1), (8, 8), partial=(2,))
     p3 = plan(src3, TensorLayout((4, 2), (-1, 0), (8, 8)))
     assert p3.kinds() == ["Slice", "AllReduce"] and p3.recv_bytes(0, 8) == 256
+
+
+def test_a_pending_cotangent_keeps_its_axes_between_two_writings_of_one_layout() -> None:
+    """Nothing moves between two writings of the same blocks over 48 devices (no frame
+    writes every layout alike there): the cotangent's pending replica axis, written for the
+    destination's device matrix, is the same ranks' axis written for the source's."""
+    from simpar.cotangent import Frame, cotangent_actions
+    src = TensorLayout((6, 2, 1, 4), (3, 2, -1, -1), (6, 4, 2, 2))
+    dst = TensorLayout((6, 2, 1, 1, 4), (4, 3, 2, 1), (6, 4, 2, 2))
+    p = plan(src, dst)
+    assert not p.steps and Frame.for_devices(48).fine is None
+    assert all(src.slice_of(r) == dst.slice_of(r) for r in range(48))
+    assert cotangent_actions(p, frozenset({4}), Frame.for_devices(48)) == ((), frozenset({3}))
+    assert cotangent_actions(p, frozenset(), Frame.for_devices(48)) == ((), frozenset())
