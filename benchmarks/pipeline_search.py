@@ -8,7 +8,8 @@ configurations priced by the same cost model.
 Each model is planned by ``simpar.pipeline.search.search_pipeline`` on the ``ascend910b``
 profile (64 GiB per device), float32 (whose weights, gradients and Adam state take the 16
 bytes per parameter mixed-precision training takes), in one process: the stage count, the
-layer ranges, each stage's Megatron layout, its memory dimensions and the micro-batches.
+layer ranges, each stage's Megatron layout or the operator-level search's cuts (recursive
+programming), its memory dimensions and the micro-batches.
 Megatron-LM's configuration (Narayanan et al. 2021), where ``simpar.plan.MEGATRON`` has
 one, is priced alike. The sizes: GPT-3 XL 1.3B and GPT-3 13B (Brown et al. 2020, Table 2.1,
 with 32 and 40 heads so that a head's width divides the model's; the GPT-3 batches of 1M and
