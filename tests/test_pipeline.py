@@ -363,3 +363,16 @@ def test_auto_pipeline_prices_every_stage_count_and_keeps_the_fastest_that_fits(
     squeezed, again = run((least + one.peak_memory) / 2)
     assert squeezed > 1 and not again[0].fits
     assert again[[p.stages for p in again].index(squeezed)].fits
+
+
+def test_a_stage_holds_the_most_activations_its_schedule_keeps_at_once() -> None:
+    """Interleaved 1F1B, 4 stages, 8 micro-batches, 2 chunks: on stage 1 each chunk's most in
+    flight (8 and 4) never coincide; at most 9 micro-batches' activations are held at once,
+    which is what the stage's memory counts (not 12)."""
+    from simpar.pipeline.schedules import chunk_in_flight, in_flight, most_held
+    tasks = schedule("1f1b", 1, 4, 8, 2)
+    assert chunk_in_flight(tasks, 2) == [8, 4] and in_flight(tasks) == 9
+    assert most_held(tasks, [100.0, 100.0]) == 900.0
+    assert most_held(tasks, [100.0, 0.0]) == 800.0                 # chunk 0 alone: its 8
+    assert most_held(tasks, [100.0, 100.0], [5.0, 50.0]) == 950.0  # chunk 1's transient
+    assert most_held(schedule("gpipe", 0, 4, 8), [1.0]) == 8.0      # GPipe: all of them

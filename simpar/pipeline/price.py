@@ -24,9 +24,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from simpar.cost.model import CostReport, evaluate, optimizer_seconds, phase_seconds
+from simpar.cost.model import MemoryRow, evaluate, optimizer_seconds, phase_seconds
 from simpar.cost.profile import DeviceProfile, load_profile
-from simpar.pipeline.schedules import Task, chunk_in_flight, schedule
+from simpar.pipeline.schedules import Task, chunk_in_flight, most_held, schedule
 from simpar.pipeline.stages import Stage
 from simpar.runtime.program import ParallelProgram
 
@@ -185,7 +185,7 @@ def price_pipeline(stages: Sequence[Stage], programs: Sequence[ParallelProgram],
                    for v in mine) + shared.get(s, 0.0)
         flight = chunk_in_flight(tasks[s], chunks)
         reports = [evaluate(programs[v], prof, optimizer) for v in mine]
-        peak = sum(_peak(r, f) for r, f in zip(reports, flight))
+        peak = _stage_peak(tasks[s], [max(r.memory, key=lambda m: m.peak) for r in reports])
         rows.append(StageCost(s, sum(phases[v][0] for v in mine),
                               sum(phases[v][1] for v in mine), busy,
                               end - first - busy, sync, end + sync, max(flight), peak))
@@ -199,11 +199,16 @@ def price_pipeline(stages: Sequence[Stage], programs: Sequence[ParallelProgram],
                         last_step + fixed, bubble, p2p)
 
 
-def _peak(report: CostReport, in_flight: int) -> int:
-    """A chunk's peak with ``in_flight`` micro-batches' activations held at once (its
-    report's fullest rank)."""
-    row = max(report.memory, key=lambda m: m.peak)
-    return int(row.peak + max(0, in_flight - 1) * row.activations)
+def _stage_peak(tasks: Sequence[Task], rows: Sequence[MemoryRow]) -> int:
+    """A stage's peak over its ``tasks`` in order, ``rows`` the fullest rank's memory of each
+    chunk's program: every chunk's parameters, gradients and optimizer state, plus the most
+    held at once of the activations of the micro-batches in flight (each chunk's, as the
+    schedule runs them), with the running task's transient (its collective buffer or
+    backward), or the optimizer's update after the last backward."""
+    held = most_held(tuple(tasks), [r.activations for r in rows],
+                     [max(r.comm_buffer, r.backward) for r in rows])
+    static = sum(r.parameters + r.gradients + r.optimizer for r in rows)
+    return int(static + max(held, max(r.update for r in rows)))
 
 
 def _shared_sync(programs: Sequence[ParallelProgram], count: int, per: int,

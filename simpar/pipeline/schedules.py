@@ -28,9 +28,11 @@ stage idle for ``(S - 1) / (M + S - 1)`` of the step (the bubble).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from simpar.context import PIPELINE_SCHEDULERS
 
-__all__ = ["bubble_fraction", "chunk_in_flight", "in_flight", "schedule"]
+__all__ = ["bubble_fraction", "chunk_in_flight", "in_flight", "most_held", "schedule"]
 
 Task = tuple[str, int, int]
 
@@ -89,6 +91,22 @@ def chunk_in_flight(tasks: tuple[Task, ...], chunks: int) -> list[int]:
     for kind, c, _ in tasks:
         live[c] += 1 if kind == "F" else -1
         most[c] = max(most[c], live[c])
+    return most
+
+
+def most_held(tasks: tuple[Task, ...], per_micro_batch: Sequence[float],
+              running: Sequence[float] | None = None) -> float:
+    """The most bytes held at once as a stage runs ``tasks`` in order: each chunk's
+    ``per_micro_batch`` activations for every micro-batch of it in flight, plus, while a task
+    of chunk ``c`` runs, ``running[c]`` (its transient)."""
+    live, most = [0] * len(per_micro_batch), 0.0
+    for kind, c, _ in tasks:
+        if kind == "F":
+            live[c] += 1
+        most = max(most, sum(n * b for n, b in zip(live, per_micro_batch))
+                   + (running[c] if running is not None else 0.0))
+        if kind == "B":
+            live[c] -= 1
     return most
 
 

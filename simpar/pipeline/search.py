@@ -52,7 +52,7 @@ from simpar.nn import presets
 from simpar.optimizer_parallel import OptimizerLevel, OptimizerParallel
 from simpar.pipeline.price import timeline
 from simpar.pipeline.runner import plan_stages
-from simpar.pipeline.schedules import chunk_in_flight, in_flight, schedule
+from simpar.pipeline.schedules import in_flight, most_held, schedule
 from simpar.pipeline.stages import split_stages
 from simpar.runtime.lowering import NothingParallelWarning, lower
 from simpar.search import plan_request, request_from_context
@@ -374,14 +374,16 @@ def price_interleaved(shape: GPTShape, device_num: int, stages: int, choice: Sta
     blocks = [shape.layers // virtual + (v < shape.layers % virtual) for v in range(virtual)]
     mem = []
     for s in range(stages):   # each chunk's micro-batches in flight, as the schedule holds them
-        most = chunk_in_flight(schedule("1f1b", s, stages, m, chunks), chunks)
-        units = []
+        static, acts, transient = 0, [], 0
         for c in range(chunks):
             v = c * stages + s
-            units += [(block, blocks[v], most[c])] + ([(emb, 1, most[c])] if v == 0 else []) \
-                + ([(head, 1, most[c])] if v == virtual - 1 else [])
-        mem.append(int(sum(k * (u.static + f * u.activations) for u, k, f in units)
-                       + max(u.transient for u, k, _ in units if k)))
+            units = [(block, blocks[v])] + ([(emb, 1)] if v == 0 else []) \
+                + ([(head, 1)] if v == virtual - 1 else [])
+            static += sum(k * u.static for u, k in units)
+            acts.append(sum(k * u.activations for u, k in units))
+            transient = max([transient] + [u.transient for u, k in units if k])
+        held = most_held(schedule("1f1b", s, stages, m, chunks), acts)
+        mem.append(int(static + held + transient))
     step, bubble = _step(stages, m, blocks, emb, block, head, sent, n, prof, chunks)
     return PipelinePlan(stages, n, m, choice, tuple(blocks), step, tuple(mem), bubble,
                         all(x <= cap for x in mem), chunks)
