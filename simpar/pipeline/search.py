@@ -56,6 +56,7 @@ from simpar.pipeline.schedules import in_flight, most_held, schedule
 from simpar.pipeline.stages import split_stages
 from simpar.runtime.lowering import NothingParallelWarning, lower
 from simpar.search import plan_request, request_from_context
+from simpar.search.planner import OptimizerShardWarning
 from simpar.search.pricing import NoAvailableCost
 
 __all__ = ["CHUNKS", "LADDER", "GPTShape", "PipelinePlan", "PipelineSearch", "StageChoice",
@@ -250,8 +251,9 @@ def _plan_units(shape: GPTShape, n: int, choice: StageChoice, prof: DeviceProfil
                                        cost_model=SimparCostModel(prof, optimizer))
         return request, plan_request(request)
 
-    with warnings.catch_warnings():   # a unit computed whole on every rank is a candidate
+    with warnings.catch_warnings():   # a candidate's, not the user's: nothing to act on
         warnings.simplefilter("ignore", NothingParallelWarning)
+        warnings.simplefilter("ignore", OptimizerShardWarning)
         return parts, plan_stages(parts, n, planner, dataset)
 
 
