@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 
 from simpar.search.cost_graph import CostGraph, same_blocks
+from simpar.search.min_plus import min_plus
 from simpar.search.pricing import NoAvailableCost
 
 __all__ = ["DPSolution", "NoAvailableCost", "solve_dynamic_programming"]
@@ -288,6 +289,11 @@ class _Eliminator:
             ku, kv, fa = a.cost.shape
             _, kw, fb = b.cost.shape
             fm = mid.cost.shape[1]
+            if self.width == 1 and math.isinf(self.cap):  # one entry each: a min-plus product
+                c, m, i = min_plus(a.cost[:, :, 0] + mid.cost[None, :, 0],
+                                   a.mem[:, :, 0] + mid.mem[None, :, 0], b.cost[:, :, 0],
+                                   b.mem[:, :, 0])
+                return c[..., None], m[..., None], i[..., None], (kv, fa, fm, fb)
             per_row = kv * kw * fa * fm * fb
             if self.width > 1 and per_row > 8 * _CHUNK:
                 raise _TooBig
