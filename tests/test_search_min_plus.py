@@ -82,3 +82,22 @@ def test_pruning_leaves_most_terms_unevaluated(monkeypatch: pytest.MonkeyPatch) 
     assert all(g.tolist() == w.tolist() for g, w in zip(got, dense(a, np.zeros_like(a), b,
                                                                      np.zeros_like(b))))
     assert sum(evaluated) < 0.2 * a.shape[0] * k * k
+
+
+def test_equal_columns_are_computed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(11)
+    a, a_mem, b, b_mem = tables(rng, 30, 40, 12, 4)
+    b, b_mem = b[:, [0, 1, 2, 1, 3, 0, 4, 2, 2]], b_mem[:, [0, 1, 2, 1, 3, 0, 4, 2, 2]]
+    b_mem[0, 8] += 1.0                               # equal costs, another memory: kept apart
+    widths = []
+    exact = mp._exact
+
+    def counting(terms: np.ndarray, vs: np.ndarray, *rest: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray]:
+        widths.append(len(rest[1]))                  # the columns' runs
+        return exact(terms, vs, *rest)
+
+    monkeypatch.setattr(mp, "_exact", counting)
+    got = mp.min_plus(a, a_mem, b, b_mem)
+    assert widths == [6]
+    assert all(g.tolist() == w.tolist() for g, w in zip(got, dense(a, a_mem, b, b_mem)))

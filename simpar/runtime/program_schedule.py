@@ -285,7 +285,9 @@ def rank_classes(program: LoweredGraph, bplan: BackwardPlan, template: Sequence[
         return tables[key]
 
     specs = [s.comm for s in template if s.comm is not None]
-    grouped = [table(c.device_matrix, c.device_axes) for c in specs]
+    # A collective's link depends only on its groups' table: one entry per table is enough.
+    grouped = list({id(t): t for t in (table(c.device_matrix, c.device_axes)
+                                       for c in specs)}.values())
     pieces = [c for c in specs if c.step is not None and KINDS[c.step.kind].by_pieces]
     mirrored = []   # per trainable parameter a Mirror sums: its groups and its dtype
     for name, v in program.param_values.items():

@@ -41,6 +41,10 @@ def min_plus(a: np.ndarray, a_mem: np.ndarray, b: np.ndarray, b_mem: np.ndarray
     of the v that gives it (the least memory among equal costs, then the first v), and that v
     (-1 where every term is infinite; the memory is then v 0's). Costs must be >= 0 or
     infinite for the pruning (otherwise every term is evaluated)."""
+    cols, back = _distinct_columns(b, b_mem)
+    if len(cols) < b.shape[1]:   # equal columns of b give equal columns of the product
+        cost, mem, via = min_plus(a, a_mem, b[:, cols], b_mem[:, cols])
+        return cost[:, back], mem[:, back], via[:, back]
     ku, kv = a.shape
     kw = b.shape[1]
     cost = np.empty((ku, kw))
@@ -75,6 +79,18 @@ def min_plus(a: np.ndarray, a_mem: np.ndarray, b: np.ndarray, b_mem: np.ndarray
     pick = np.where(finite, via, 0)
     mem = np.take_along_axis(a_mem, pick, axis=1) + b_mem[pick, np.arange(kw)[None, :]]
     return cost, mem, np.where(finite, via, -1)
+
+
+def _distinct_columns(b: np.ndarray, b_mem: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The first of every set of equal columns of ``b`` (with ``b_mem``), and for every column
+    the index of its set's first among them."""
+    both = np.ascontiguousarray(np.concatenate([b, b_mem]).T)
+    rows = both.view(np.dtype((np.void, both.dtype.itemsize * both.shape[1]))).ravel()
+    _, first, back = np.unique(rows, return_index=True, return_inverse=True)
+    order = np.argsort(first)
+    rank = np.empty_like(order)
+    rank[order] = np.arange(len(order))
+    return first[order], rank[back.ravel()]
 
 
 def _upper_bounds(a: np.ndarray, b: np.ndarray) -> np.ndarray:
