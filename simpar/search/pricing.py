@@ -429,12 +429,16 @@ class Pricer:
         # Check the numpy replay against the real planner and the model's own edge price on
         # one pair of every kind of plan (which steps it has).
         ndim = len(srcs[0].shape)
+        by_block: dict[int, tuple[MoveBlock, list[int]]] = {}
         for block, at in firsts.values():
-            s, d = int(block.sources[at // len(dsts)]), at % len(dsts)
-            src, dst = srcs[s], dsts[d]
-            planned = signature_of(self.plan(src, dst), p, k)
-            assert planned == decode(block.rows(np.array([at]))[0], ndim), (src, dst, planned)
-            assert prices[s, d] == self._move(src, dst, itemsize), (src, dst, prices[s, d])
+            by_block.setdefault(id(block), (block, []))[1].append(at)
+        for block, ats in by_block.values():
+            for at, row in zip(ats, block.rows(np.array(ats))):
+                s, d = int(block.sources[at // len(dsts)]), at % len(dsts)
+                src, dst = srcs[s], dsts[d]
+                planned = signature_of(self.plan(src, dst), p, k)
+                assert planned == decode(row, ndim), (src, dst, planned)
+                assert prices[s, d] == self._move(src, dst, itemsize), (src, dst, prices[s, d])
         return prices
 
     @property
