@@ -271,6 +271,7 @@ class Pricer:
         self.shared = {name: tuple(u) for name, u in uses.items() if len(u) > 1}
         self._priced: dict[tuple[int, Strategy], Priced | None] = {}
         self._moves: dict[tuple[Any, Any, int], float] = {}
+        self._matrices: dict[tuple[Any, ...], np.ndarray] = {}
         # Layouts with one block key cost alike to move when the device count is a prime
         # power (the planner's refinements are then unique); over mixed factors (6, 12) two
         # writings of one pair of layouts can plan differently, so moves are keyed exactly.
@@ -405,10 +406,13 @@ class Pricer:
         us = [srcs[n] for n in s_first.values()]
         ud = [dsts[n] for n in d_first.values()]
         bulk = getattr(self.model, "edge_prices", None)
-        if self._fine_mesh is None or self.enable_alltoall or bulk is None:
+        key = (tuple(s_first), tuple(d_first), itemsize)  # edges of equal layouts: once
+        unique = self._matrices.get(key)
+        if unique is None and (self._fine_mesh is None or self.enable_alltoall or bulk is None):
             unique = np.array([[self._move(s, d, itemsize) for d in ud] for s in us])
-        else:
+        elif unique is None:
             unique = self._signature_matrix(us, ud, itemsize, bulk)
+        self._matrices[key] = unique
         unique = unique * self._scale if self._scale != 1 else unique
         s_at = {key: n for n, key in enumerate(s_first)}
         d_at = {key: n for n, key in enumerate(d_first)}
