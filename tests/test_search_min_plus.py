@@ -40,10 +40,13 @@ def tables(rng: np.random.Generator, ku: int, kv: int, kw: int, levels: int
 def test_min_plus_equals_the_dense_product(shape: tuple[int, int, int], levels: int,
                                            pruned: bool, monkeypatch: pytest.MonkeyPatch
                                            ) -> None:
-    if pruned:  # every size goes through the bounds, a few u's per group
+    if pruned:  # every size goes through the bounds, a few u's per group, and is pruned
         monkeypatch.setattr(mp, "_DENSE", 0)
         monkeypatch.setattr(mp, "_GROUP", 3)
         monkeypatch.setattr(mp, "_PROBES", 2)
+        monkeypatch.setattr(mp, "_SPARSE", 1.0)
+    else:       # every term, a few u's at a time
+        monkeypatch.setattr(mp, "_CHUNK", 200)
     rng = np.random.default_rng(sum(shape) + levels)
     a, a_mem, b, b_mem = tables(rng, *shape, levels)
     got = mp.min_plus(a, a_mem, b, b_mem)
@@ -90,14 +93,14 @@ def test_equal_columns_are_computed_once(monkeypatch: pytest.MonkeyPatch) -> Non
     b, b_mem = b[:, [0, 1, 2, 1, 3, 0, 4, 2, 2]], b_mem[:, [0, 1, 2, 1, 3, 0, 4, 2, 2]]
     b_mem[0, 8] += 1.0                               # equal costs, another memory: kept apart
     widths = []
-    exact = mp._exact
+    real = mp._dense
 
-    def counting(terms: np.ndarray, vs: np.ndarray, *rest: np.ndarray
+    def counting(a: np.ndarray, a_mem: np.ndarray, b: np.ndarray, b_mem: np.ndarray
                  ) -> tuple[np.ndarray, np.ndarray]:
-        widths.append(len(rest[1]))                  # the columns' runs
-        return exact(terms, vs, *rest)
+        widths.append(b.shape[1])
+        return real(a, a_mem, b, b_mem)
 
-    monkeypatch.setattr(mp, "_exact", counting)
+    monkeypatch.setattr(mp, "_dense", counting)
     got = mp.min_plus(a, a_mem, b, b_mem)
     assert widths == [6]
     assert all(g.tolist() == w.tolist() for g, w in zip(got, dense(a, a_mem, b, b_mem)))

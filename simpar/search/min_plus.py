@@ -30,6 +30,8 @@ _DENSE = 1 << 21
 _PROBES = 8
 #: The u's that share one pruning mask.
 _GROUP = 16
+#: Above this share of the terms kept, every term is evaluated (cheaper than gathering).
+_SPARSE = 0.25
 #: Terms evaluated at once.
 _CHUNK = 1 << 22
 _BIG = np.iinfo(np.int64).max
@@ -49,36 +51,64 @@ def min_plus(a: np.ndarray, a_mem: np.ndarray, b: np.ndarray, b_mem: np.ndarray
     kw = b.shape[1]
     cost = np.empty((ku, kw))
     via = np.empty((ku, kw), dtype=np.int64)
-    dense = ku * kv * kw <= _DENSE or kv <= _PROBES or not (
-        np.nan_to_num(a.min(initial=0.0)) >= 0 and np.nan_to_num(b.min(initial=0.0)) >= 0)
-    if dense:
-        groups = [np.arange(ku)]
-        bound = None
+    masks = None
+    if ku * kv * kw > _DENSE and kv > _PROBES and (
+            np.nan_to_num(a.min(initial=0.0)) >= 0 and np.nan_to_num(b.min(initial=0.0)) >= 0):
+        masks = _kept(a, b)
+        if sum(len(g) * keep.sum() for g, keep in masks) > _SPARSE * ku * kv * kw:
+            masks = None   # pruning keeps too much: every term, without gathering them
+    if masks is None:
+        rows = max(1, _CHUNK // (kv * kw))
+        for lo in range(0, ku, rows):
+            cost[lo:lo + rows], via[lo:lo + rows] = _dense(
+                a[lo:lo + rows], a_mem[lo:lo + rows], b, b_mem)
     else:
-        bound = _upper_bounds(a, b)
-        order = np.argsort(a.min(axis=1), kind="stable")
-        groups = [order[lo:lo + _GROUP] for lo in range(0, ku, _GROUP)]
-    for g in groups:
-        if bound is None:
-            keep = np.ones((kw, kv), dtype=bool)
-        else:
-            top = bound[g].max(axis=0)[:, None]            # (kw, 1)
-            low = a[g].min(axis=0)[None, :]                # (1, kv)
-            with np.errstate(invalid="ignore"):
-                keep = ((top - low) + 1e-12 * (top + low) >= b.T) | np.isinf(top)
-            keep[~keep.any(axis=1)] = True
-        ws, vs = np.nonzero(keep)                          # by w, then v
-        starts = np.flatnonzero(np.r_[True, ws[1:] != ws[:-1]])
-        assert len(starts) == kw, "every w keeps a v"
-        rows = max(1, _CHUNK // len(vs))
-        for lo in range(0, len(g), rows):
-            us = g[lo:lo + rows]
-            cost[us], via[us] = _exact(a[us][:, vs] + b[vs, ws], vs, ws, starts,
-                                       a_mem[us][:, vs] + b_mem[vs, ws])
+        for g, keep in masks:
+            ws, vs = np.nonzero(keep)                          # by w, then v
+            starts = np.flatnonzero(np.r_[True, ws[1:] != ws[:-1]])
+            assert len(starts) == kw, "every w keeps a v"
+            rows = max(1, _CHUNK // len(vs))
+            for lo in range(0, len(g), rows):
+                us = g[lo:lo + rows]
+                cost[us], via[us] = _exact(a[us][:, vs] + b[vs, ws], vs, ws, starts,
+                                           a_mem[us][:, vs] + b_mem[vs, ws])
     finite = np.isfinite(cost)
     pick = np.where(finite, via, 0)
     mem = np.take_along_axis(a_mem, pick, axis=1) + b_mem[pick, np.arange(kw)[None, :]]
     return cost, mem, np.where(finite, via, -1)
+
+
+def _kept(a: np.ndarray, b: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Groups of u's, each with the (w, v) whose terms it must evaluate: those whose lower
+    bound over the group does not exceed the group's largest upper bound."""
+    bound = _upper_bounds(a, b)
+    order = np.argsort(a.min(axis=1), kind="stable")
+    out = []
+    for lo in range(0, a.shape[0], _GROUP):
+        g = order[lo:lo + _GROUP]
+        top = bound[g].max(axis=0)[:, None]            # (kw, 1)
+        low = a[g].min(axis=0)[None, :]                # (1, kv)
+        with np.errstate(invalid="ignore"):
+            keep = ((top - low) + 1e-12 * (top + low) >= b.T) | np.isinf(top)
+        keep[~keep.any(axis=1)] = True
+        out.append((g, keep))
+    return out
+
+
+def _dense(a: np.ndarray, a_mem: np.ndarray, b: np.ndarray, b_mem: np.ndarray
+           ) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_exact` over every term of rows ``a``: the least cost per (u, w), and its first
+    v of least memory (v 0 if those memories are all infinite)."""
+    terms = a[:, :, None] + b[None, :, :]               # (u, v, w)
+    best = terms.min(axis=1)
+    tie = terms == best[:, None, :]
+    first = tie.argmax(axis=1)
+    us, ws = np.nonzero(tie.sum(axis=1) > 1)            # several v: the memory decides
+    if len(us):
+        mems = np.where(tie[us, :, ws], a_mem[us] + b_mem[:, ws].T, np.inf)
+        least = mems.min(axis=1, keepdims=True)
+        first[us, ws] = np.where(np.isinf(least[:, 0]), 0, (mems == least).argmax(axis=1))
+    return best, first
 
 
 def _distinct_columns(b: np.ndarray, b_mem: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
