@@ -46,7 +46,7 @@ def test_min_plus_equals_the_dense_product(shape: tuple[int, int, int], levels: 
         monkeypatch.setattr(mp, "_PROBES", 2)
         monkeypatch.setattr(mp, "_SPARSE", 1.0)
     else:       # every term, a few u's at a time
-        monkeypatch.setattr(mp, "_CHUNK", 200)
+        monkeypatch.setattr(mp, "_DENSE_CHUNK", 200)
     rng = np.random.default_rng(sum(shape) + levels)
     a, a_mem, b, b_mem = tables(rng, *shape, levels)
     got = mp.min_plus(a, a_mem, b, b_mem)

@@ -32,8 +32,9 @@ _PROBES = 8
 _GROUP = 16
 #: Above this share of the terms kept, every term is evaluated (cheaper than gathering).
 _SPARSE = 0.25
-#: Terms evaluated at once.
+#: Terms evaluated at once: gathered, and every term (smaller: they stay in cache).
 _CHUNK = 1 << 22
+_DENSE_CHUNK = 1 << 18
 _BIG = np.iinfo(np.int64).max
 
 
@@ -58,7 +59,7 @@ def min_plus(a: np.ndarray, a_mem: np.ndarray, b: np.ndarray, b_mem: np.ndarray
         if sum(len(g) * keep.sum() for g, keep in masks) > _SPARSE * ku * kv * kw:
             masks = None   # pruning keeps too much: every term, without gathering them
     if masks is None:
-        rows = max(1, _CHUNK // (kv * kw))
+        rows = max(1, _DENSE_CHUNK // (kv * kw))
         for lo in range(0, ku, rows):
             cost[lo:lo + rows], via[lo:lo + rows] = _dense(
                 a[lo:lo + rows], a_mem[lo:lo + rows], b, b_mem)
