@@ -9,9 +9,18 @@ from __future__ import annotations
 import pathlib
 import re
 
+import numpy as np
 import pytest
 
-from simpar.cost import DeviceProfile, Link, latency_rounds, sample_ranks, seconds, traffic
+from simpar.cost import (
+    DeviceProfile,
+    Link,
+    latency_rounds,
+    load_profile,
+    sample_ranks,
+    seconds,
+    traffic,
+)
 from simpar.layout import TensorLayout
 from simpar.ops import CommSpec
 from simpar.redistribution import plan
@@ -65,3 +74,18 @@ def test_no_other_module_writes_the_formulas_down() -> None:
     copies = [str(f.relative_to(root)) for f in root.rglob("*.py")
               if f.parent.name != "cost" and re.search(r"\(p - 1\) \*", f.read_text())]
     assert copies == [], copies  # (docstrings write the table as "(p-1)/p n")
+
+
+@pytest.mark.parametrize("profile", ["ascend910b", "cpu-local"])
+def test_many_collectives_price_as_each_alone_bit_for_bit(profile: str) -> None:
+    prof = load_profile(profile)
+    groups = [(0,), (0, 1), tuple(range(8)), tuple(range(0, 32, 8)), (3, 11, 19, 27, 35)]
+    which = np.array([0, 1, 2, 3, 4, 2, 1, 4, 3, 0])
+    nbytes = np.array([7, 8, 1 << 20, 3 * (1 << 20) + 5, 12, 0, 999, 1 << 33, 6, 1 << 30])
+    for kind in ("AllGather", "ReduceScatter", "AllReduce", "AllToAll"):
+        many = prof.step_collectives_seconds(kind, groups, which, nbytes)
+        one = [prof.step_collective_seconds(kind, groups[w], int(n), 0)
+               for w, n in zip(which, nbytes)]
+        assert many.tolist() == one
+    with pytest.raises(ValueError, match="AllToAllV is priced on the bytes each rank"):
+        prof.step_collectives_seconds("AllToAllV", groups, which, nbytes)

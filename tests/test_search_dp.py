@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -243,6 +244,17 @@ def test_the_memory_cap_binds_on_a_real_graph_and_exact_agrees() -> None:
     assert dp.cost > first.cost
 
 
+def _capped_graphs(rng: np.random.Generator, count: int) -> Iterator[CostGraph]:
+    """Random graphs whose memory cap is the median memory of their allowed plans."""
+    for _ in range(count):
+        cg = _random_graph(rng, int(rng.integers(3, 7)), 0.5)
+        allowed = [c for c in itertools.product(*(range(len(n.costs)) for n in cg.nodes))
+                   if not math.isinf(cg.total(c))]
+        if allowed:
+            mems = sorted({cg.memory(c) for c in allowed})
+            yield dataclasses.replace(cg, memory_capacity=mems[len(mems) // 2])
+
+
 def test_the_lagrangian_pass_fits_when_lists_would_be_too_long(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """With no budget for Pareto lists the second pass prices memory instead: its plan fits
@@ -251,14 +263,7 @@ def test_the_lagrangian_pass_fits_when_lists_would_be_too_long(
     monkeypatch.setattr(dpm, "_BUDGET", 0)
     rng = np.random.default_rng(7)
     checked = 0
-    for _ in range(40):
-        cg = _random_graph(rng, int(rng.integers(3, 7)), 0.5)
-        allowed = [c for c in itertools.product(*(range(len(n.costs)) for n in cg.nodes))
-                   if not math.isinf(cg.total(c))]
-        if not allowed:
-            continue
-        mems = sorted({cg.memory(c) for c in allowed})
-        capped = dataclasses.replace(cg, memory_capacity=mems[len(mems) // 2])
+    for capped in _capped_graphs(rng, 40):
         dp = solve_dynamic_programming(capped)
         assert dp.memory <= capped.memory_capacity
         assert dp.cost >= _cheapest(capped) - 1e-9
@@ -266,6 +271,40 @@ def test_the_lagrangian_pass_fits_when_lists_would_be_too_long(
             checked += 1
             assert not dp.exact
     assert checked > 10
+
+
+def test_the_pareto_pass_is_skipped_when_one_entry_lists_outgrow_the_budget(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """When the first pass alone combines more entries than the budget, the Pareto pass
+    would stop at the budget: it is not run, and the plan is the one it would give."""
+    import simpar.search.dynamic_programming as dpm
+    rng = np.random.default_rng(8)
+    widths: list[int] = []
+    real_solve, real_counting = dpm._solve, dpm._solve_counting
+
+    def solve(cg: CostGraph, width: int, *args: Any, **kwargs: Any) -> Any:
+        widths.append(width)
+        return real_solve(cg, width, *args, **kwargs)
+
+    def unaware(*args: Any, **kwargs: Any) -> Any:   # as if the first pass counted nothing
+        return (*real_counting(*args, **kwargs)[:3], 0)
+
+    monkeypatch.setattr(dpm, "_solve", solve)
+    skipped = 0
+    for capped in _capped_graphs(rng, 40):
+        monkeypatch.setattr(dpm, "_BUDGET", real_counting(capped, 1, math.inf)[3] - 1)
+        monkeypatch.setattr(dpm, "_solve_counting", real_counting)
+        widths.clear()
+        fast = solve_dynamic_programming(capped)
+        if fast.passes == 2 and not fast.eliminations.get("star"):
+            assert 128 not in widths
+            skipped += 1
+        monkeypatch.setattr(dpm, "_solve_counting", unaware)
+        widths.clear()
+        slow = solve_dynamic_programming(capped)
+        assert slow.choice == fast.choice and slow.exact == fast.exact
+        assert (128 in widths) == (fast.passes == 2)
+    assert skipped > 10
 
 
 def test_a_shared_parameter_gets_one_layout() -> None:

@@ -11,7 +11,14 @@ from simpar.cost import MindSporeCostModel, SimparCostModel
 from simpar.layout import TensorLayout
 from simpar.mesh import DeviceMesh
 from simpar.redistribution import plan
-from simpar.search.moves import decode, move_steps, plan_signatures, signature_of
+from simpar.search.moves import (
+    COLUMNS,
+    decode,
+    move_steps,
+    plan_moves,
+    plan_signatures,
+    signature_of,
+)
 from simpar.search.pricing import Pricer
 from simpar.search.request import dataset_layouts
 from tests.layout_strategies import factorizations
@@ -68,6 +75,28 @@ def test_signatures_replay_the_planner_on_every_pair(p: int, k: int, shape: tupl
     if partial:
         assert {"ReduceScatter", "AllReduce", "Zero"} <= steps
         assert len(kinds) >= 8
+
+
+@pytest.mark.parametrize("p,k,shape", CASES[:3])
+def test_blocks_cover_every_source_once_and_say_which_steps(p: int, k: int,
+                                                           shape: tuple[int, ...]) -> None:
+    rng = np.random.default_rng(k)
+    srcs = random_layouts(rng, shape, p**k, 25, True)
+    dsts = random_layouts(rng, shape, p**k, 15, True)
+    whole = plan_signatures(srcs, dsts, p, k)
+    seen = []
+    for block in plan_moves(srcs, dsts, p, k, block_pairs=40):  # a few sources a block
+        assert len(block.sources) <= 3
+        seen += block.sources.tolist()
+        rows = block.rows(np.arange(len(block.sources) * len(dsts)))
+        at = (block.sources[:, None] * len(dsts) + np.arange(len(dsts))).ravel()
+        assert (rows == whole[at]).all()
+        present = (rows[:, 0::COLUMNS] >= 0) << np.arange(rows.shape[1] // COLUMNS)
+        assert (block.kinds == present.sum(axis=1)).all()
+        # Its steps are the collectives of the rows, in plan order.
+        for step in block.steps:
+            assert not step.kind.local and step.present.shape == block.kinds.shape
+    assert sorted(seen) == list(range(len(srcs)))
 
 
 @pytest.mark.parametrize("p,k,shape", CASES)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -180,17 +181,18 @@ class SimparCostModel:
         prof = self._profile
         rank = self.rank % mesh.size
         for step in steps:
-            if step.kind.local or not step.present.any():
+            if step.kind.local:
                 continue
-            for mask in np.unique(step.axes[step.present]):
-                rows = step.present & (step.axes == mask)
-                axes = tuple(a for a in range(mesh.ndim) if int(mask) >> a & 1)
-                group = mesh.group_of(rank, axes)
-                seconds[rows] += (
-                    prof.step_collective_seconds(str(step.kind), group,
-                                                 step.src_elements[rows] * itemsize, 0)
-                    + prof.step_collective_seconds(str(step.kind.adjoint), group,
-                                                   step.dst_elements[rows] * itemsize, 0))
+            at = np.flatnonzero(step.present)
+            if not at.size:
+                continue
+            masks, which = np.unique(step.axes[at], return_inverse=True)
+            groups = [_group_of_mask(mesh, rank, int(m)) for m in masks]
+            seconds[at] += (
+                prof.step_collectives_seconds(str(step.kind), groups, which,
+                                              step.src_elements[at] * itemsize)
+                + prof.step_collectives_seconds(str(step.kind.adjoint), groups, which,
+                                                step.dst_elements[at] * itemsize))
         return seconds
 
     def program(self, program: Any) -> float:
@@ -260,6 +262,12 @@ class SimparCostModel:
         """The input positions ``op``'s tape keeps as they are (not parameters)."""
         return _tape_inputs(str(op.tape), [k for k, (role, _) in enumerate(roles)
                                            if role == "free"])
+
+
+@lru_cache(maxsize=1 << 16)
+def _group_of_mask(mesh: DeviceMesh, rank: int, mask: int) -> tuple[int, ...]:
+    """``rank``'s group over the device axes of ``mesh`` whose bits ``mask`` sets."""
+    return mesh.group_of(rank, tuple(a for a in range(mesh.ndim) if mask >> a & 1))
 
 
 def _tape_inputs(tape: str, free: list[int]) -> list[int]:

@@ -199,6 +199,27 @@ class DeviceProfile:
         nbytes = recv_bytes if facts.by_pieces else buffer_bytes
         return self._seconds(facts, group, p, nbytes) + self.sync_overhead
 
+    def step_collectives_seconds(self, kind: str, groups: Sequence[Sequence[int]],
+                                 which: np.ndarray, buffer_bytes: np.ndarray) -> np.ndarray:
+        """:meth:`step_collective_seconds` of many collectives of one kind at once, bit for
+        bit: collective ``n`` runs over ``groups[which[n]]`` on a local buffer of
+        ``buffer_bytes[n]`` (not a direct exchange)."""
+        facts = KINDS.get(kind) or kind_of(kind)
+        if facts.by_pieces:
+            raise ValueError(f"step_collectives_seconds: {kind} is priced on the bytes each "
+                             "rank receives; use step_collective_seconds")
+        sizes = np.array([len(g) for g in groups], dtype=np.int64)
+        rounds = np.array([facts.rounds(int(p)) for p in sizes], dtype=np.int64)[which]
+        links = [self.link(g) for g in groups]
+        inner = np.array([link is self.intra_server for link in links], dtype=bool)[which]
+        p = sizes[which]
+        traffic = np.asarray(facts.traffic(p, buffer_bytes))  # type: ignore[arg-type]
+        out = np.zeros(len(which))
+        for link, rows in ((self.intra_server, inner), (self.inter_server, ~inner)):
+            if rows.any():
+                out[rows] = link.seconds(rounds[rows], traffic[rows]) + self.sync_overhead
+        return np.where(p < 2, 0.0, out)
+
     def _seconds(self, facts: CollectiveKind, group: Sequence[int], p: int, nbytes: int
                  ) -> float:
         return self.link(group).seconds(facts.rounds(p), facts.traffic(p, nbytes))

@@ -285,20 +285,28 @@ def rank_classes(program: LoweredGraph, bplan: BackwardPlan, template: Sequence[
         return tables[key]
 
     specs = [s.comm for s in template if s.comm is not None]
-    grouped = [table(c.device_matrix, c.device_axes) for c in specs]
+    # A collective's link depends only on its groups' table: one entry per table is enough.
+    grouped = list({id(t): t for t in (table(c.device_matrix, c.device_axes)
+                                       for c in specs)}.values())
     pieces = [c for c in specs if c.step is not None and KINDS[c.step.kind].by_pieces]
-    mirrored = []   # per trainable parameter a Mirror sums: its groups and its dtype
+    # Per trainable parameter a Mirror sums: its groups and its dtype. Parameters of one
+    # table and dtype share their bucket and link on every rank: each such kind counts once,
+    # with the index of its first parameter.
+    mirrored: dict[tuple[int, str], tuple[_Groups, str, int]] = {}
+    k = 0
     for name, v in program.param_values.items():
         axes = bplan.params.get(name, frozenset())
         if v.param is not None and v.param.requires_grad and axes \
                 and name not in bplan.shard_syncs:
             mesh = bplan.frame.of(program.param_layouts[name]).mesh
-            mirrored.append((table(mesh.device_matrix, tuple(sorted(axes))), v.dtype.str))
+            t = table(mesh.device_matrix, tuple(sorted(axes)))
+            mirrored.setdefault((id(t), v.dtype.str), (t, v.dtype.str, k))
+            k += 1
     classes: dict[Hashable, list[int]] = {}
     for r in ranks:
         buckets: dict[tuple[tuple[int, ...], str], int] = {}
-        mirrors = tuple((buckets.setdefault((t.group(r), dtype), k), t.link(r))
-                        for k, (t, dtype) in enumerate(mirrored))
+        mirrors = tuple((buckets.setdefault((t.group(r), dtype), first), t.link(r))
+                        for t, dtype, first in mirrored.values())
         key = (tuple(t.link(r) for t in grouped), tuple(c.recv_bytes(r, 1) for c in pieces),
                mirrors)
         classes.setdefault(key, []).append(r)

@@ -27,6 +27,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from simpar.context import AlgoParameters
 from simpar.cost.interface import CostModel
 from simpar.graph import Graph, Node
@@ -65,13 +67,15 @@ class CostNode:
 class CostEdge:
     """``producer``'s output ``output`` feeds ``consumer``'s input ``input``; ``costs[i][j]``
     moves it from producer candidate i's layout to consumer candidate j's (``inf``: the pair is
-    not allowed, as when ``elementwise_op_strategy_follow`` makes the consumer follow)."""
+    not allowed, as when ``elementwise_op_strategy_follow`` makes the consumer follow): a
+    read-only float array, which edges between ops of equal signatures share (or rows of
+    floats, for a graph built by hand)."""
 
     producer: int
     output: int
     consumer: int
     input: int
-    costs: tuple[tuple[float, ...], ...]
+    costs: np.ndarray | tuple[tuple[float, ...], ...]
 
 
 @dataclass(frozen=True)
@@ -99,7 +103,8 @@ class CostGraph:
             if len(distinct_blocks(layouts)) > 1:
                 return math.inf
         cost = sum(node.costs[c] for node, c in zip(self.nodes, choice))
-        cost += sum(e.costs[choice[e.producer]][choice[e.consumer]] for e in self.edges)
+        cost += sum(float(e.costs[choice[e.producer]][choice[e.consumer]])
+                    for e in self.edges)
         return cost
 
     def memory(self, choice: Sequence[int]) -> float:
@@ -206,7 +211,7 @@ def build_cost_graph(graph: Graph, device_num: int, model: CostModel,
             log.info("cost graph: %d/%d ops priced (%d distinct) in %.1f s", site.index + 1,
                      len(pricer.sites), len(priced), time.perf_counter() - started)
     # An edge between two signatures is built once; its pairs of layouts priced once each.
-    matrices: dict[tuple[Any, ...], tuple[tuple[float, ...], ...]] = {}
+    matrices: dict[tuple[Any, ...], np.ndarray] = {}
     edges = []
     for e, se in enumerate(pricer.edges):
         p, c = se.producer, se.consumer
@@ -214,7 +219,7 @@ def build_cost_graph(graph: Graph, device_num: int, model: CostModel,
                se.follows)
         if key not in matrices:
             matrices[key] = _edge_matrix(pricer, e, nodes[p].candidates, nodes[c].candidates)
-            if approxi and all(math.isinf(x) for row in matrices[key] for x in row):
+            if approxi and np.isinf(matrices[key]).all():
                 raise StrategyError(
                     f"{nodes[c].name}: with enable_algo_approxi no kept candidate of it "
                     f"agrees with its producer {nodes[p].name}; raise "
@@ -255,17 +260,22 @@ def _no_candidate(site: Site, strategies: Sequence[Strategy], device_num: int,
 
 
 def _edge_matrix(pricer: Pricer, e: int, producers: Sequence[OpSharding],
-                 consumers: Sequence[OpSharding]) -> tuple[tuple[float, ...], ...]:
-    """Edge ``e``'s cost for every pair of candidates (all at once unless it is followed)."""
+                 consumers: Sequence[OpSharding]) -> np.ndarray:
+    """Edge ``e``'s cost for every pair of candidates (all at once unless it is followed), as
+    a read-only array."""
     se = pricer.edges[e]
     if se.follows:
-        return tuple(tuple(pricer.edge_cost(e, pc, cc) for cc in consumers) for pc in producers)
-    matrix = pricer.move_matrix([pc.outputs[se.output][1] for pc in producers],
-                                [cc.in_layouts[se.input] for cc in consumers], se.itemsize)
-    factor = pricer.edge_factor(e)
-    if factor != 1.0:
-        matrix = matrix * factor
-    return tuple(map(tuple, matrix.tolist()))
+        matrix = np.array([[pricer.edge_cost(e, pc, cc) for cc in consumers]
+                           for pc in producers], dtype=float).reshape(len(producers),
+                                                                      len(consumers))
+    else:
+        matrix = pricer.move_matrix([pc.outputs[se.output][1] for pc in producers],
+                                    [cc.in_layouts[se.input] for cc in consumers], se.itemsize)
+        factor = pricer.edge_factor(e)
+        if factor != 1.0:
+            matrix = matrix * factor
+    matrix.flags.writeable = False
+    return matrix
 
 
 def restricted_cost_graph(pricer: Pricer, candidates: Sequence[Sequence[Strategy]]
@@ -291,7 +301,7 @@ def restricted_cost_graph(pricer: Pricer, candidates: Sequence[Sequence[Strategy
                            tuple(p.memory for p in found))
         cands, costs, mems = shared[key]
         nodes.append(CostNode(site.node, cands, costs, site.user, mems))
-    matrices: dict[tuple[int, ...], tuple[tuple[float, ...], ...]] = {}
+    matrices: dict[tuple[int, ...], np.ndarray] = {}
     edges = []
     for e, se in enumerate(pricer.edges):
         p, c = se.producer, se.consumer

@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 
 from simpar.search.cost_graph import CostGraph, same_blocks
+from simpar.search.min_plus import min_plus
 from simpar.search.pricing import NoAvailableCost
 
 __all__ = ["DPSolution", "NoAvailableCost", "solve_dynamic_programming"]
@@ -262,10 +263,9 @@ class _Eliminator:
         """Pareto-reduce every axis after the first ``keep_dims`` of the summed tables."""
         shape = total_c.shape[:keep_dims]
         rows = math.prod(shape)
-        if self.width > 1:
-            self.spent += total_c.size
-            if self.spent > _BUDGET:
-                raise _TooBig
+        self.spent += total_c.size
+        if self.width > 1 and self.spent > _BUDGET:
+            raise _TooBig
         c, m, i, thinned = _pareto(total_c.reshape(rows, -1), total_m.reshape(rows, -1),
                                    self.width, self.cap)
         self.thinned |= thinned
@@ -288,6 +288,12 @@ class _Eliminator:
             ku, kv, fa = a.cost.shape
             _, kw, fb = b.cost.shape
             fm = mid.cost.shape[1]
+            if self.width == 1 and math.isinf(self.cap):  # one entry each: a min-plus product
+                self.spent += ku * kv * kw
+                c, m, i = min_plus(a.cost[:, :, 0] + mid.cost[None, :, 0],
+                                   a.mem[:, :, 0] + mid.mem[None, :, 0], b.cost[:, :, 0],
+                                   b.mem[:, :, 0])
+                return c[..., None], m[..., None], i[..., None], (kv, fa, fm, fb)
             per_row = kv * kw * fa * fm * fb
             if self.width > 1 and per_row > 8 * _CHUNK:
                 raise _TooBig
@@ -473,16 +479,25 @@ def _replay(root: _Table, entry: int, n_nodes: int) -> list[int]:
 
 def _solve(cg: CostGraph, width: int, cap: float, memory_as_cost: bool = False,
            weight: float = 0.0) -> tuple[tuple[int, ...] | None, bool, Counter[str]]:
+    choice, exact, counts, _ = _solve_counting(cg, width, cap, memory_as_cost, weight)
+    return choice, exact, counts
+
+
+def _solve_counting(cg: CostGraph, width: int, cap: float, memory_as_cost: bool = False,
+                    weight: float = 0.0
+                    ) -> tuple[tuple[int, ...] | None, bool, Counter[str], int]:
+    """:func:`_solve`, and how many entries its eliminations combined (with lists of one
+    entry, the least a pass with longer lists combines in the same eliminations)."""
     started = time.perf_counter()
     elim = _Eliminator(cg, width, cap, memory_as_cost, weight)
     root = elim.run(started)
     finite = np.isfinite(root.cost[0])
     if not finite.any():
-        return None, not elim.thinned, elim.counts
+        return None, not elim.thinned, elim.counts, elim.spent
     entry = int(np.argmin(root.cost[0]))
     choice = tuple(_replay(root, entry, len(cg.nodes)))
     assert min(choice) >= 0, "the replay left an op without a strategy"
-    return choice, not elim.thinned, elim.counts
+    return choice, not elim.thinned, elim.counts, elim.spent
 
 
 def solve_dynamic_programming(cg: CostGraph, width: int = 128) -> DPSolution:
@@ -495,7 +510,7 @@ def solve_dynamic_programming(cg: CostGraph, width: int = 128) -> DPSolution:
         raise ValueError(f"solve_dynamic_programming: width must be an int >= 2, got {width!r}")
     if not cg.nodes:
         return DPSolution((), 0.0, 0.0, {}, True, 1)
-    choice, exact, counts = _solve(cg, 1, math.inf)
+    choice, exact, counts, spent = _solve_counting(cg, 1, math.inf)
     if choice is None:
         raise ValueError("search_mode 'dynamic_programming': no plan satisfies every "
                          "constraint (a parameter shared by ops whose user strategies lay it "
@@ -507,6 +522,11 @@ def solve_dynamic_programming(cg: CostGraph, width: int = 128) -> DPSolution:
         if least is None or not cg.fits(least):
             raise _no_available_cost(cg, least)
         try:
+            if spent > _BUDGET and not counts["star"]:
+                # The eliminations with lists of one entry already combine more than the
+                # budget (star eliminations aside, the lists change nothing else about
+                # them): the Pareto pass would stop at the budget, so it is not run.
+                raise _TooBig
             found, exact, counts = _solve(cg, width, cg.memory_capacity)
         except _TooBig:
             log.warning("dynamic programming: the memory cap binds and the (cost, memory) lists "

@@ -178,7 +178,7 @@ def product_variables(cg: CostGraph) -> int:
     (the model :func:`solve_exact` builds has at most this many variables; HiGHS needs about
     1 KiB per variable)."""
     return (sum(len(n.candidates) for n in cg.nodes)
-            + sum(len(e.costs) * len(e.costs[0]) for e in cg.edges if e.costs))
+            + sum(len(e.costs) * len(e.costs[0]) for e in cg.edges if len(e.costs)))
 
 
 # HiGHS's default absolute MIP gap, in the units of the scaled objective.

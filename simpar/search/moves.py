@@ -12,6 +12,14 @@ collectives, groups and buffer sizes, hence every cost model's price, so a calle
 prices one representative pair per distinct signature with the real planner, and checks that
 the planner's steps have exactly that signature (:func:`signature_of`).
 
+The replay is cheap per pair because most of it is not per pair: up to the move without
+pending sums, what the planner does to tensor dimension ``i`` depends only on the source and
+on the fine axes the destination splits dimension ``i`` with, so it is worked out once per
+source and distinct list of axes; a pair combines its dimensions' entries, and only the last
+free slice (which may be blocked by an axis another dimension holds) and the AllGather are
+its own. :func:`plan_moves` gives the plans a block of sources at a time, as the collective
+steps a cost model prices in bulk (:class:`MoveSteps`).
+
 >>> from simpar.layout import TensorLayout
 >>> s0 = TensorLayout((8,), (0, -1), (64, 64))       # rows over 8 ranks
 >>> s1 = TensorLayout((8,), (-1, 0), (64, 64))       # columns over 8 ranks
@@ -24,7 +32,7 @@ the planner's steps have exactly that signature (:func:`signature_of`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -35,8 +43,8 @@ from simpar.layout import TensorLayout
 from simpar.redistribution.refine import refine
 from simpar.redistribution.step import RedistributionPlan
 
-__all__ = ["COLUMNS", "MoveSteps", "decode", "fine_form", "move_steps", "plan_signatures",
-           "signature_of"]
+__all__ = ["COLUMNS", "MoveBlock", "MoveSteps", "decode", "fine_form", "move_steps", "plan_moves",
+           "plan_signatures", "signature_of"]
 
 #: The steps a plan without AllToAll can hold, in the order the planner emits them; the
 #: ReduceScatters (one per tensor dimension, ascending) sit between the first Slice and the
@@ -101,14 +109,6 @@ def fine_form(layout: TensorLayout, p: int, k: int) -> tuple[tuple[tuple[int, ..
             sum(1 << a for a in fine.partial_axes))
 
 
-def _pack(lengths: np.ndarray) -> np.ndarray:
-    """(M, ndim) split counts -> one int64 per row."""
-    out = np.zeros(lengths.shape[0], dtype=np.int64)
-    for i in range(lengths.shape[1]):
-        out |= lengths[:, i].astype(np.int64) << (_BITS * i)
-    return out
-
-
 def _unpack(packed: int, ndim: int) -> tuple[int, ...]:
     return tuple((int(packed) >> (_BITS * i)) & ((1 << _BITS) - 1) for i in range(ndim))
 
@@ -152,70 +152,246 @@ def _log(size: int, p: int) -> int:
     return n
 
 
-class _Pairs:
-    """Every (source, destination) pair's current layout, as arrays over the M pairs."""
-
-    def __init__(self, src: Sequence[tuple[tuple[tuple[int, ...], ...], int]],
-                 dst: Sequence[tuple[tuple[tuple[int, ...], ...], int]], ndim: int,
-                 k: int) -> None:
-        def lists(forms: Sequence[tuple[tuple[tuple[int, ...], ...], int]]) -> np.ndarray:
-            out = np.full((len(forms), ndim, max(k, 1)), -1, dtype=np.int16)
-            for n, (dims, _) in enumerate(forms):
-                for i, axes in enumerate(dims):
-                    out[n, i, :len(axes)] = axes
-            return out
-
-        n_src, n_dst = len(src), len(dst)
-        si = np.repeat(np.arange(n_src), n_dst)
-        di = np.tile(np.arange(n_dst), n_src)
-        self.cur = lists(src)[si]                      # (M, ndim, k) fine axes, -1 padded
-        self.to = lists(dst)[di]
-        self.cur_len = (self.cur >= 0).sum(axis=2)     # (M, ndim)
-        self.to_len = (self.to >= 0).sum(axis=2)
-        self.cur_part = np.array([m for _, m in src], dtype=np.int64)[si]
-        self.to_part = np.array([m for _, m in dst], dtype=np.int64)[di]
-        self.pos = np.arange(max(k, 1))[None, :]
-        self.all = (1 << k) - 1
+#: Pairs planned at once: a block of sources against every destination.
+_BLOCK_PAIRS = 1 << 18
 
 
-def _has(axes: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """(M, k) bool: each listed axis (-1 = none) is in its row's mask."""
-    return ((mask[:, None] >> np.maximum(axes, 0)) & 1).astype(bool) & (axes >= 0)
+class _Forms:
+    """Layouts over ``(p,) * k`` as arrays: the fine axes of each tensor dimension (-1
+    padded), their counts and masks, and the pending-sum mask."""
+
+    def __init__(self, layouts: Sequence[TensorLayout], p: int, k: int) -> None:
+        width = max(k, 1)
+        forms = [fine_form(lay, p, k) for lay in layouts]
+        ndim = len(layouts[0].shape)
+        self.axes = np.full((len(forms), ndim, width), -1, dtype=np.int8)
+        for n, (dims, _) in enumerate(forms):
+            for i, axes in enumerate(dims):
+                self.axes[n, i, :len(axes)] = axes
+        self.lens = (self.axes >= 0).sum(axis=2).astype(np.int8)
+        self.masks = _bits(self.axes)
+        self.part = np.array([m for _, m in forms], dtype=np.int64)
 
 
 def _bits(axes: np.ndarray) -> np.ndarray:
-    """(M, k) fine axes (-1 = none) -> (M,) mask of them."""
+    """Fine-axis lists (last dimension, -1 = none) -> the int64 mask of their axes."""
     return np.where(axes >= 0, np.left_shift(1, np.maximum(axes, 0).astype(np.int64)),
                     0).sum(axis=-1)
 
 
-def _used(pp: _Pairs) -> np.ndarray:
-    return _bits(pp.cur.reshape(pp.cur.shape[0], -1))
+def _leading(ok: np.ndarray) -> np.ndarray:
+    """How many leading entries of the last dimension are true."""
+    return np.cumprod(ok, axis=-1, dtype=np.int8).sum(axis=-1, dtype=np.int8)
 
 
-def _free_slice(pp: _Pairs, active: np.ndarray) -> np.ndarray:
-    """The planner's free slice on ``active`` rows: a dimension whose split is a prefix of the
-    destination's takes the destination's next axes while the source replicates them.
-    Returns the rows it changed."""
-    replica = pp.all & ~_used(pp) & ~pp.cur_part
-    changed = np.zeros(len(active), dtype=bool)
-    for i in range(pp.cur.shape[1]):
-        c, t = pp.cur[:, i], pp.to[:, i]
-        cl, tl = pp.cur_len[:, i][:, None], pp.to_len[:, i][:, None]
-        prefix = ((c == t) | (pp.pos >= cl)).all(axis=1) & (cl[:, 0] <= tl[:, 0])
-        ok = (pp.pos < cl) | ((pp.pos < tl) & _has(t, replica))
-        new = np.where(prefix & active, np.cumprod(ok, axis=1).sum(axis=1), cl[:, 0])
-        grow = new > cl[:, 0]
-        if grow.any():
-            take = (pp.pos >= cl) & (pp.pos < new[:, None])
-            c[take] = t[take]
-            pp.cur_len[:, i] = new
-            changed |= grow
-    return changed
+class _DimTables:
+    """Tensor dimension ``i`` of every source against every distinct list of fine axes that
+    some destination splits dimension ``i`` with: what the planner does to that dimension up
+    to the move without pending sums, which depends on nothing else. Arrays are indexed
+    [source, list]."""
+
+    def __init__(self, src: _Forms, lists: np.ndarray, i: int, size: int, p: int,
+                 k: int) -> None:
+        width = max(k, 1)
+        pos = np.arange(width)
+        s = src.axes[:, None, i, :]                          # (S, 1, K)
+        d = lists[None, :, :]                                # (1, B, K)
+        ls = src.lens[:, i].astype(np.int64)[:, None]        # (S, 1)
+        ld = (lists >= 0).sum(axis=1)[None, :]               # (1, B)
+        part = src.part[:, None]
+        # 1. A pending sum is sliced first (free): dst's next axes that the source replicates.
+        replica = ((1 << k) - 1) & ~src.masks.sum(axis=1) & ~src.part
+        prefix = ((s == d) | (pos >= ls[..., None])).all(axis=2) & (ls <= ld)
+        spare = ((replica[:, None, None] >> np.maximum(d, 0)) & 1).astype(bool) & (d >= 0)
+        grown = _leading((pos < ls[..., None]) | ((pos < ld[..., None]) & spare))
+        c1 = np.where(prefix & (part != 0), grown, ls)
+        cur = np.where(pos < ls[..., None], s, np.where(pos < c1[..., None], d, -1))
+        # 2. Pending axes dst splits this dimension with: one ReduceScatter when they divide.
+        chosen = ((part[..., None] >> np.maximum(d, 0)) & 1).astype(bool) & (d >= 0)
+        count = chosen.sum(axis=2)
+        local = size // np.int64(p) ** c1
+        scatter = (count > 0) & (local % np.int64(p) ** count == 0)
+        at = np.nonzero(chosen & scatter[..., None])
+        cur[at[0], at[1], c1[at[0], at[1]] + np.cumsum(chosen, axis=2)[at] - 1] = \
+            lists[at[1], at[2]]
+        c2 = c1 + np.where(scatter, count, 0)
+        # 3. Where the move without pending sums starts.
+        same = _leading((cur == d) & (pos < c2[..., None]) & (pos < ld[..., None]))
+        self.prefix = same == c2                             # cur is a prefix of dst's list
+        self.c1, self.c2 = c1.astype(np.int8), c2.astype(np.int8)
+        self.common = same.astype(np.int8)
+        self.grew = c1 > ls
+        self.scatter = np.where(scatter, _bits(np.where(chosen, d, -1)), 0).astype(_MASK)
+        self.used = _bits(cur).astype(_MASK)
+        self.rest = np.where(self.prefix, _bits(np.where(pos >= c2[..., None], d, -1)),
+                             0).astype(_MASK)
+        self.gathered = _bits(np.where(pos >= same[..., None], cur, -1)).astype(_MASK)
+        self.done = self.prefix & (c2 == ld)
+        # [list, mask]: the first position of the list holding an axis of the mask (the
+        # list's length if none), flat.
+        masks = np.arange(1 << k, dtype=np.int64)[None, :]
+        first = np.broadcast_to(ld[0][:, None], (len(lists), 1 << k)).astype(np.int8)
+        for j in reversed(range(width)):
+            axis = lists[:, j, None]
+            first = np.where((axis >= 0) & ((masks >> np.maximum(axis, 0)) & 1 == 1), j, first)
+        self.first = first.astype(np.int8).ravel()
 
 
-def _same_dims(pp: _Pairs) -> np.ndarray:
-    return (pp.cur == pp.to).all(axis=(1, 2))
+#: Masks of fine axes: ``k <= 15`` (4096 devices are ``2**12``).
+_MASK = np.uint16
+_Slot = tuple[np.ndarray, np.ndarray, Sequence[np.ndarray], Sequence[np.ndarray]]
+
+
+@dataclass(frozen=True, eq=False)
+class MoveBlock:
+    """The plans from the sources ``sources`` (indices into the source list) to every
+    destination, pair ``n`` being source ``sources[n // D]`` to destination ``n % D``:
+    their collective steps in plan order (``steps``, local steps left out: they move
+    nothing), which steps each plan has (``kinds``: bit ``s`` for step slot ``s``), and
+    :meth:`rows`, the signature rows of chosen pairs."""
+
+    sources: np.ndarray
+    steps: tuple[MoveSteps, ...]
+    kinds: np.ndarray
+    #: Per step slot, arrays [source of the block, destination]: whether the plan has the
+    #: step, its group's mask, and each tensor dimension's split count before and after it.
+    slots: tuple[_Slot, ...]
+
+    def rows(self, pairs: np.ndarray) -> np.ndarray:
+        """:func:`plan_signatures`' rows of the pairs ``pairs`` of this block."""
+        at = np.unravel_index(pairs, self.slots[0][0].shape)
+        out = np.zeros((len(pairs), COLUMNS * len(self.slots)), dtype=np.int64)
+        for s, (present, mask, before, after) in enumerate(self.slots):
+            on = present[at]
+            out[:, COLUMNS * s] = np.where(on, mask[at].astype(np.int64), -1)
+            for i, (b, a) in enumerate(zip(before, after)):
+                out[:, COLUMNS * s + 1] |= np.where(on, b[at], 0).astype(np.int64) << (
+                    _BITS * i)
+                out[:, COLUMNS * s + 2] |= np.where(on, a[at], 0).astype(np.int64) << (
+                    _BITS * i)
+        return out
+
+
+def plan_moves(srcs: Sequence[TensorLayout], dsts: Sequence[TensorLayout], p: int, k: int,
+               block_pairs: int = _BLOCK_PAIRS) -> Iterator[MoveBlock]:
+    """The moves from every ``srcs[i]`` to every ``dsts[j]`` on ``p**k`` devices without
+    AllToAll, a block of sources at a time (about ``block_pairs`` pairs each).
+
+    What the planner does to one tensor dimension before the move without pending sums
+    depends only on the source and on the destination's fine axes for that dimension, so it
+    is worked out once per source and distinct list (:class:`_DimTables`); each pair then
+    combines its dimensions' entries."""
+    if not srcs or not dsts:
+        return
+    shape = srcs[0].shape
+    if any(lay.shape != shape for lay in (*srcs, *dsts)):
+        raise ValueError(f"plan_signatures: every layout must have shape {shape}")
+    if k > 15:
+        raise ValueError(f"plan_moves: at most 2**15 fine axes, got k={k}")
+    ndim = len(shape)
+    src, dst = _Forms(srcs, p, k), _Forms(dsts, p, k)
+    lists, which = [], []
+    for i in range(ndim):
+        found, inverse = np.unique(dst.axes[:, i, :], axis=0, return_inverse=True)
+        lists.append(found)
+        which.append(inverse.ravel())
+    tables = [_DimTables(src, lists[i], i, shape[i], p, k) for i in range(ndim)]
+    width = max(k, 1)
+    factor = [np.array([shape[i] // p ** c for c in range(width + 1)], dtype=np.int64)
+              for i in range(ndim)]
+    order = np.argsort(src.part != 0, kind="stable")   # sources with pending sums last
+    step = max(1, block_pairs // len(dsts))
+    for lo in range(0, len(srcs), step):
+        yield _block(order[lo:lo + step], src, dst, tables, which, factor, k)
+
+
+def _block(sources: np.ndarray, src: _Forms, dst: _Forms, tables: list[_DimTables],
+           which: list[np.ndarray], factor: list[np.ndarray], k: int) -> MoveBlock:
+    """One block of :func:`plan_moves`: arrays [source of the block, destination]."""
+    ndim = len(tables)
+
+    def take(table: np.ndarray, i: int) -> np.ndarray:
+        return table[sources][:, which[i]]
+
+    def elements(counts: Sequence[np.ndarray]) -> np.ndarray:
+        out = factor[0][counts[0]]
+        for i in range(1, ndim):
+            out = out * factor[i][counts[i]]
+        return out
+
+    shape = (len(sources), len(which[0]))
+    ld = [np.broadcast_to(dst.lens[:, i], shape) for i in range(ndim)]
+    c0 = [np.broadcast_to(src.lens[sources, i][:, None], shape) for i in range(ndim)]
+    c1 = [take(t.c1, i) for i, t in enumerate(tables)]
+    c2 = [take(t.c2, i) for i, t in enumerate(tables)]
+    prefix = [take(t.prefix, i) for i, t in enumerate(tables)]
+    used = take(tables[0].used, 0)
+    done = take(tables[0].done, 0)
+    for i in range(1, ndim):
+        used = used | take(tables[i].used, i)
+        done = done & take(tables[i].done, i)
+    moving = ~done
+    # The free slice of the move: dst's next axes that no dimension holds.
+    c3, final, ends = [], [], np.ones(shape, dtype=bool)
+    for i, t in enumerate(tables):
+        blocked = take(t.rest, i) & used
+        first = t.first[which[i][None, :] << k | blocked]
+        grown = np.where(prefix[i] & moving, first - c2[i], 0).astype(np.int8)
+        c3.append(c2[i] + grown)
+        ends &= prefix[i] & (c3[i] == ld[i])
+        final.append(np.where(prefix[i], c3[i], take(t.common, i)))
+    gathering = moving & ~ends
+    gathered = take(tables[0].gathered, 0)
+    for i in range(1, ndim):
+        gathered = gathered | take(tables[i].gathered, i)
+    ps = src.part[sources][:, None].astype(_MASK)
+    pd = dst.part[None, :].astype(_MASK)
+    slots: list[_Slot] = []
+    steps: list[MoveSteps] = []
+    none = np.zeros(shape, dtype=_MASK)
+    sliced = take(tables[0].grew, 0)
+    for i in range(1, ndim):
+        sliced = sliced | take(tables[i].grew, i)
+    slots.append((sliced, none, c0, c1))
+    scattered = np.zeros(shape, dtype=_MASK)
+    pending = bool(ps.any())
+    for i, t in enumerate(tables):
+        mask = take(t.scatter, i) if pending else none
+        scattered |= mask
+        before = [*c2[:i], *c1[i:]]
+        after = [*c2[:i + 1], *c1[i + 1:]]
+        slots.append((mask != 0, mask, before, after))
+        if pending and mask.any():
+            steps.append(MoveSteps(StepKind.REDUCE_SCATTER, (mask != 0).ravel(),
+                                   mask.ravel(), elements(before).ravel(),
+                                   elements(after).ravel()))
+    summed = (ps & ~pd & ~scattered).astype(_MASK)
+    slots.append((summed != 0, summed, c2, c2))
+    if pending and summed.any():
+        both = elements(c2).ravel()
+        steps.append(MoveSteps(StepKind.ALL_REDUCE, (summed != 0).ravel(), summed.ravel(),
+                               both, both))
+    grew = np.zeros(shape, dtype=bool)
+    for i in range(ndim):
+        grew |= c3[i] > c2[i]
+    slots.append((grew, none, c2, c3))
+    gathered = np.where(gathering, gathered, 0).astype(_MASK)
+    slots.append((gathering, gathered, c3, final))
+    if gathering.any():
+        steps.append(MoveSteps(StepKind.ALL_GATHER, gathering.ravel(), gathered.ravel(),
+                               elements(c3).ravel(), elements(final).ravel()))
+    reslice = np.zeros(shape, dtype=bool)
+    for i in range(ndim):
+        reslice |= final[i] != ld[i]
+    slots.append((gathering & reslice, none, final, ld))
+    zero = (pd & ~ps).astype(_MASK)
+    slots.append((zero != 0, zero, ld, ld))
+    kinds = np.zeros(shape, dtype=np.int64)
+    for s, slot in enumerate(slots):
+        kinds |= slot[0].astype(np.int64) << s
+    return MoveBlock(sources, tuple(steps), kinds.ravel(),
+                     tuple((np.broadcast_to(a, shape), np.broadcast_to(m, shape), b, c)
+                           for a, m, b, c in slots))
 
 
 def plan_signatures(srcs: Sequence[TensorLayout], dsts: Sequence[TensorLayout], p: int,
@@ -226,74 +402,10 @@ def plan_signatures(srcs: Sequence[TensorLayout], dsts: Sequence[TensorLayout], 
     Equal rows plan the same collectives over the same groups with the same buffers."""
     if not srcs or not dsts:
         return np.zeros((0, 0), dtype=np.int64)
-    shape = srcs[0].shape
-    ndim = len(shape)
-    if any(lay.shape != shape for lay in (*srcs, *dsts)):
-        raise ValueError(f"plan_signatures: every layout must have shape {shape}")
-    pp = _Pairs([fine_form(s, p, k) for s in srcs], [fine_form(d, p, k) for d in dsts], ndim, k)
-    m = pp.cur.shape[0]
-    slots = _slots(ndim)
-    rows = np.zeros((m, COLUMNS * len(slots)), dtype=np.int64)
-    rows[:, 0::COLUMNS] = -1
-    shape_arr = np.array(shape, dtype=np.int64)[None, :]
-    powers = np.int64(p) ** np.arange(max(k, 1) + 1, dtype=np.int64)
-
-    def record(slot: int, rows_on: np.ndarray, mask: np.ndarray | int,
-               before: np.ndarray) -> None:
-        rows[rows_on, COLUMNS * slot] = (mask[rows_on] if isinstance(mask, np.ndarray)
-                                          else mask)
-        rows[rows_on, COLUMNS * slot + 1] = before[rows_on]
-        rows[rows_on, COLUMNS * slot + 2] = _pack(pp.cur_len)[rows_on]
-
-    active = ~(_same_dims(pp) & (pp.cur_part == pp.to_part))   # equal blocks: nothing moves
-    # 1. A pending sum is sliced first, so that it is reduced only over what dst keeps.
-    before = _pack(pp.cur_len)
-    sliced = _free_slice(pp, active & (pp.cur_part != 0))
-    record(0, sliced, 0, before)
-    # 2. Pending sums dst does not keep: ReduceScatter onto the dimension dst splits with them
-    #    (per dimension, ascending, when the shard divides), AllReduce the rest.
-    resolve = pp.cur_part & ~pp.to_part & np.where(active, -1, 0)
-    for i in range(ndim):
-        t = pp.to[:, i]
-        sel = _has(t, resolve)
-        count = sel.sum(axis=1)
-        local = shape_arr[0, i] // powers[pp.cur_len[:, i]]
-        scatter = (count > 0) & (local % powers[count] == 0)
-        if not scatter.any():
-            continue
-        before = _pack(pp.cur_len)
-        mask = _bits(np.where(sel, t, -1))
-        offset = np.cumsum(sel, axis=1) - 1
-        r, j = np.nonzero(sel & scatter[:, None])
-        pp.cur[r, i, pp.cur_len[r, i] + offset[r, j]] = t[r, j]
-        pp.cur_len[:, i] += np.where(scatter, count, 0)
-        pp.cur_part &= ~np.where(scatter, mask, 0)
-        resolve &= ~np.where(scatter, mask, 0)
-        record(1 + i, scatter, mask, before)
-    reduce_all = resolve & pp.cur_part
-    summed = reduce_all != 0
-    record(1 + ndim, summed, reduce_all, _pack(pp.cur_len))
-    pp.cur_part &= ~reduce_all
-    # 3. The move without pending sums: free slice, then one AllGather (down to each
-    #    dimension's common prefix with dst) and, if dst is not that prefix, a slice.
-    moving = active & ~_same_dims(pp)
-    before = _pack(pp.cur_len)
-    sliced = _free_slice(pp, moving)
-    record(2 + ndim, sliced, 0, before)
-    moving &= ~_same_dims(pp)
-    eq = (pp.cur == pp.to) & (pp.pos[None] < pp.cur_len[:, :, None]) & (
-        pp.pos[None] < pp.to_len[:, :, None])
-    prefix = np.cumprod(eq, axis=2).sum(axis=2)                   # (M, ndim)
-    gathered = np.where(pp.pos[None] >= prefix[:, :, None], pp.cur, -1)
-    mask = _bits(gathered.reshape(m, -1))
-    before = _pack(pp.cur_len)
-    pp.cur_len = np.where(moving[:, None], prefix, pp.cur_len)
-    record(3 + ndim, moving, mask, before)
-    reslice = moving & (prefix != pp.to_len).any(axis=1)
-    before = _pack(pp.cur_len)
-    pp.cur_len = np.where(moving[:, None], pp.to_len, pp.cur_len)
-    record(4 + ndim, reslice, 0, before)
-    # 4. Pending sums only dst has: zero all replicas but one (local).
-    extra = pp.to_part & ~pp.cur_part
-    record(5 + ndim, active & (extra != 0), extra, _pack(pp.cur_len))
-    return rows
+    out = np.zeros((len(srcs) * len(dsts), COLUMNS * len(_slots(len(srcs[0].shape)))),
+                   dtype=np.int64)
+    for block in plan_moves(srcs, dsts, p, k):
+        n = len(block.sources) * len(dsts)
+        at = (block.sources[:, None] * len(dsts) + np.arange(len(dsts))[None, :]).ravel()
+        out[at] = block.rows(np.arange(n))
+    return out

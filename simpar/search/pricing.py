@@ -35,7 +35,7 @@ from simpar.ops._base import OpSharding, registry
 from simpar.ops.strategy import Strategy, StrategyError
 from simpar.optimizer_parallel import OptimizerParallel, ParamFacts, ParamShard, shard_parameters
 from simpar.redistribution import RedistributionPlan, plan
-from simpar.search.moves import COLUMNS, decode, move_steps, plan_signatures, signature_of
+from simpar.search.moves import MoveBlock, decode, plan_moves, signature_of
 
 __all__ = ["ELEMENTWISE_OPS", "NoAvailableCost", "Priced", "Pricer", "Site", "SiteEdge",
            "algo_or_context", "canonical", "check_memory", "listed", "one_layout_per_parameter"]
@@ -271,6 +271,7 @@ class Pricer:
         self.shared = {name: tuple(u) for name, u in uses.items() if len(u) > 1}
         self._priced: dict[tuple[int, Strategy], Priced | None] = {}
         self._moves: dict[tuple[Any, Any, int], float] = {}
+        self._matrices: dict[tuple[Any, ...], np.ndarray] = {}
         # Layouts with one block key cost alike to move when the device count is a prime
         # power (the planner's refinements are then unique); over mixed factors (6, 12) two
         # writings of one pair of layouts can plan differently, so moves are keyed exactly.
@@ -405,10 +406,13 @@ class Pricer:
         us = [srcs[n] for n in s_first.values()]
         ud = [dsts[n] for n in d_first.values()]
         bulk = getattr(self.model, "edge_prices", None)
-        if self._fine_mesh is None or self.enable_alltoall or bulk is None:
+        key = (tuple(s_first), tuple(d_first), itemsize)  # edges of equal layouts: once
+        unique = self._matrices.get(key)
+        if unique is None and (self._fine_mesh is None or self.enable_alltoall or bulk is None):
             unique = np.array([[self._move(s, d, itemsize) for d in ud] for s in us])
-        else:
+        elif unique is None:
             unique = self._signature_matrix(us, ud, itemsize, bulk)
+        self._matrices[key] = unique
         unique = unique * self._scale if self._scale != 1 else unique
         s_at = {key: n for n, key in enumerate(s_first)}
         d_at = {key: n for n, key in enumerate(d_first)}
@@ -418,19 +422,28 @@ class Pricer:
                           itemsize: int, bulk: Any) -> np.ndarray:
         assert self._power is not None and self._fine_mesh is not None
         p, k = self._power
-        rows = plan_signatures(srcs, dsts, p, k)
-        prices = bulk(self._fine_mesh, move_steps(rows, srcs[0].shape, p), itemsize)
+        prices = np.empty((len(srcs), len(dsts)))
+        firsts: dict[int, tuple[MoveBlock, int]] = {}
+        for block in plan_moves(srcs, dsts, p, k):
+            prices[block.sources] = bulk(self._fine_mesh, block.steps, itemsize).reshape(
+                len(block.sources), len(dsts)) if block.steps else 0.0
+            kinds, first = np.unique(block.kinds, return_index=True)
+            for kind, at in zip(kinds.tolist(), first.tolist()):
+                firsts.setdefault(kind, (block, at))
         # Check the numpy replay against the real planner and the model's own edge price on
         # one pair of every kind of plan (which steps it has).
-        kinds = ((rows[:, 0::COLUMNS] >= 0) << np.arange(rows.shape[1] // COLUMNS)).sum(axis=1)
-        _, first = np.unique(kinds, return_index=True)
         ndim = len(srcs[0].shape)
-        for at in first:
-            src, dst = srcs[at // len(dsts)], dsts[at % len(dsts)]
-            planned = signature_of(self.plan(src, dst), p, k)
-            assert planned == decode(rows[at], ndim), (src, dst, planned)
-            assert prices[at] == self._move(src, dst, itemsize), (src, dst, prices[at])
-        return prices.reshape(len(srcs), len(dsts))
+        by_block: dict[int, tuple[MoveBlock, list[int]]] = {}
+        for block, at in firsts.values():
+            by_block.setdefault(id(block), (block, []))[1].append(at)
+        for block, ats in by_block.values():
+            for at, row in zip(ats, block.rows(np.array(ats))):
+                s, d = int(block.sources[at // len(dsts)]), at % len(dsts)
+                src, dst = srcs[s], dsts[d]
+                planned = signature_of(self.plan(src, dst), p, k)
+                assert planned == decode(row, ndim), (src, dst, planned)
+                assert prices[s, d] == self._move(src, dst, itemsize), (src, dst, prices[s, d])
+        return prices
 
     @property
     def moves_priced(self) -> int:
