@@ -39,6 +39,7 @@ import math
 import os
 import re
 import resource
+import shlex
 import subprocess
 import sys
 import time
@@ -216,8 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     print(summary)
     if not args.no_write:
-        command = "python benchmarks/search.py " + " ".join(argv if argv is not None
-                                                            else sys.argv[1:])
+        command = "python benchmarks/search.py " + shlex.join(argv if argv is not None
+                                                             else sys.argv[1:])
         repeats = (f", the fastest and the median of {args.repeats} runs"
                    if args.repeats > 1 else "")
         body = (f"Command: `{command.strip()}` · date: {today()}\n\n{table}\n\n"
@@ -297,7 +298,8 @@ def _summary(checks: list[tuple[str, int, int | None, dict[str, dict]]], limit: 
                 (equal if same else differ).append(f"{model} x {devices}")
     lines = [f"- exact proved its optimum on {proven} configurations within {limit:g} s; "
              f"dynamic programming's objective equals it on {len(equal)} of them"
-             + (f" and differs on {', '.join(differ)}" if differ else "") + "."]
+             + (f" and differs on {', '.join(differ)}" if differ else "") + "."
+             ] if any("exact" in results for *_, results in checks) else []
     targets = {("350M", 64, 24): {"recursive_programming": 1.0, "dynamic_programming": 3.0},
                ("1.3B", 1024, 96): {"recursive_programming": 3.0, "dynamic_programming": 30.0}}
     for model, devices, layers, results in checks:
@@ -354,8 +356,8 @@ def depth_fit(args: argparse.Namespace, argv: list[str] | None) -> int:
     print(table)
     print(fit)
     if not args.no_write:
-        command = "python benchmarks/search.py " + " ".join(argv if argv is not None
-                                                            else sys.argv[1:])
+        command = "python benchmarks/search.py " + shlex.join(argv if argv is not None
+                                                             else sys.argv[1:])
         width = GPT_SUITE[model]
         body = (f"Command: `{command.strip()}` · date: {today()}\n\n"
                 f"{args.depth_mode} on GPT hidden {width[1]}, {width[2]} heads, "
