@@ -454,7 +454,7 @@ def test_memory_dimensions_searched_per_stage_train_as_one_device() -> None:
         problems.append(f"rank {rank}: stage 0 chose {chosen.describe()} under cap {cap}")
     if runner.stage == 1 and chosen.key != (4, None, ()):
         problems.append(f"rank {rank}: stage 1 chose {chosen.describe()}, though it fits")
-    err = max(relative_error(np.float64(a), b) for a, b in zip(losses, ref_losses))
+    err = float(np.max([relative_error(np.float64(a), b) for a, b in zip(losses, ref_losses)]))
     if not err <= 1e-10:
         problems.append(f"rank {rank}: losses {losses} differ from one device's by {err:.2e}")
     for name, (owner, _) in runner.params().items():
@@ -507,7 +507,7 @@ def test_auto_pipeline_chooses_the_stages_and_trains_as_one_device() -> None:
             len(fitting) == len([p for p in squeezed.stage_counts if not p.why]):
         problems.append(f"rank {rank}: under a cap of {cap:.0f} bytes it ran "
                         f"{runner.count if runner else 1} stages of {squeezed.stage_counts}")
-    err = max(relative_error(np.float64(a), b) for a, b in zip(losses, ref_losses))
+    err = float(np.max([relative_error(np.float64(a), b) for a, b in zip(losses, ref_losses)]))
     if not err <= 1e-10:
         problems.append(f"rank {rank}: losses {losses} differ from one device's by {err:.2e}")
     if runner is not None:

@@ -86,7 +86,7 @@ def test_each_stage_saves_its_plan_the_files_merge_and_the_merged_file_plans_aga
                 [p.layouts[v.id] for v in p.graph.inputs] != \
                 [q.layouts[v.id] for v in q.graph.inputs]:
             problems.append(f"rank {rank}: virtual stage {vs} planned otherwise from the file")
-    err = max(relative_error(np.float64(x), y) for x, y in zip(losses, ref_losses))
+    err = float(np.max([relative_error(np.float64(x), y) for x, y in zip(losses, ref_losses)]))
     if not err <= 1e-10:
         problems.append(f"rank {rank}: losses {losses} differ from one device's by {err:.2e}")
     count = comm.all_reduce(np.array([len(problems)], dtype=np.int64), op="max")[0]

@@ -23,6 +23,7 @@ for the settings the wrapper gives nor changed afterwards.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import math
 import os
@@ -267,11 +268,17 @@ class TrainOneStepCell:
         _check_pipeline(ctx, self.mode, world, m, stages)
         files = ctx.strategy_ckpt_config if self.mode in (
             "semi_auto_parallel", "auto_parallel") else context.StrategyCkptConfig()
-        parts, programs = plan_pipeline(
-            self.network, [((x.shape[0] // m, *x.shape[1:]), x.dtype) for x in (data, label)],
-            stages, world, self.mode, ctx.dataset_strategy, m,
-            ctx.pipeline_config.pipeline_interleave and auto is None, files.load_file or None,
-            ctx.pipeline_config.pipeline_scheduler, auto_split=auto is not None)
+        chosen = next((p.plan for p in self.stage_counts if p.stages == auto), None)
+        # The counts' plans are let go: only the chosen one is kept, as the program.
+        self.stage_counts = [dataclasses.replace(p, plan=None) for p in self.stage_counts]
+        if chosen is not None and not files.load_file:   # auto_pipeline planned it already
+            parts, programs = chosen
+        else:
+            parts, programs = plan_pipeline(
+                self.network, [((x.shape[0] // m, *x.shape[1:]), x.dtype) for x in (data, label)],
+                stages, world, self.mode, ctx.dataset_strategy, m,
+                ctx.pipeline_config.pipeline_interleave and auto is None, files.load_file or None,
+                ctx.pipeline_config.pipeline_scheduler, auto_split=auto is not None)
         if files.save_file:   # this rank's stage's plan, as MindSpore saves it per rank
             stage = comm.get_rank() // (world // stages)
             _distinct_per_stage(files.save_file, stage)

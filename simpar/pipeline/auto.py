@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from simpar.cost import SimparCostModel, evaluate
@@ -35,6 +35,8 @@ class StageCount:
     peak_memory: float
     fits: bool
     why: str = ""
+    #: A pipelined count's (stages, programs) as planned, for building the chosen one.
+    plan: Any = field(default=None, compare=False, repr=False)
 
 
 def choose_stages(network: Any, specs: Sequence[tuple[tuple[int, ...], Any]], world: int,
@@ -70,11 +72,13 @@ def choose_stages(network: Any, specs: Sequence[tuple[tuple[int, ...], Any]], wo
                 cost = price_pipeline(parts, programs, s, scheduler, micro_batches,
                                       model.profile, model.optimizer)
                 seconds, peak = cost.step_seconds, float(cost.peak_memory)
+                made = (parts, programs)
         except ValueError as e:   # this count cannot be planned (NoAvailableCost is one)
             refused.append(e)
             priced.append(StageCount(s, math.inf, math.inf, False, str(e)))
             continue
-        priced.append(StageCount(s, seconds, peak, peak <= cap))
+        priced.append(StageCount(s, seconds, peak, peak <= cap,
+                                 plan=made if s > 1 else None))
     planned = [p for p in priced if not p.why]
     if not planned:
         raise refused[0] if refused else ValueError(
