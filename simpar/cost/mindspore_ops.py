@@ -36,7 +36,12 @@ AllReduce), else 0. Forward computation / forward communication / backward commu
   ``ReduceMeanCost`` (ReduceMean): ``bytes(in)``, plus ``bytes(out)`` (ReduceMean: twice)
   when a reduced dim is split / ``bytes(out)`` when a reduced dim is split / ``rep(0)``.
 * ``BatchParallelCost`` (SparseSoftmaxCrossEntropyWithLogits) and ``LayerNormCost``
-  (LayerNorm): the sum of ``bytes(inputs)`` / 0 / the sum of ``rep(i)``.
+  (LayerNorm): the sum of ``bytes(inputs)`` / 0 / the sum of ``rep(i)``. Conv2D and
+  Conv2DTranspose, whose MindSpore class is BatchParallelCost too, add the sum of ``rep(i)``
+  as backward computation (MindSpore's formula) and ``bytes(out)`` of forward communication
+  when C_in (Conv2DTranspose: C_out) is split, a cut MindSpore's search never generates.
+* ``GeLUCost`` also prices MaxPool and AvgPool (MindSpore's ``MaxPoolCost``);
+  ``ReLU6Cost`` ReLU6, Exp and Log; ``CastCost`` Squeeze and ExpandDims.
 * ``GatherV2PCost`` (Gather), with the table's gathered axis unsplit: ``bytes(P) + bytes(I)``
   / 0 / the sum of ``rep(i)``, backward computation ``bytes(out)``; split:
   ``3 bytes(P) + 7 bytes(I)`` / the bytes of the index slice (times P's other slice dim when
@@ -225,6 +230,16 @@ def _gather(v: _View) -> _Terms:
             float(scattered * v.itemsize), reps)
 
 
+def _batch_parallel(v: _View) -> _Terms:
+    """BatchParallelCost (Conv2D, Conv2DTranspose): every input read once, every replicated
+    Parameter's gradient reduced, and its slices again as backward computation. MindSpore's
+    Conv2DInfo generates batch-parallel strategies only; a channel-contraction cut, which
+    simpar also runs, is charged the AllReduce of its output as MatMulCost charges a split k."""
+    reps = sum(v.rep(i) for i in range(len(v.inputs)))
+    fwd_comm = (v.bytes_out() if v.reduced_split() else 0.0) + v.own_collectives()
+    return sum(v.bytes_in(i) for i in range(len(v.inputs))), reps, fwd_comm, reps
+
+
 def _prelu(v: _View) -> _Terms:
     return v.bytes_in(0) + v.bytes_in(1), v.rep(1), v.own_collectives(), v.rep(1)
 
@@ -378,6 +393,7 @@ _RULES: Mapping[CostClass, _Rule] = {
     CostClass.REDUCE_MEAN: _Rule(_reduce(2.0), _out_never, _in_first_param),
     CostClass.REDUCE_MAX: _Rule(_reduce(1.0), _out_if_involved(0), _in_first_param),
     CostClass.SOFTMAX_CROSS_ENTROPY: _Rule(_all_inputs, _out_if_involved(0), _in_params),
+    CostClass.BATCH_PARALLEL: _Rule(_batch_parallel, _out_never, _in_pair),
     CostClass.LAYER_NORM: _Rule(_all_inputs, _out_if_involved(0, 1, 2), _in_layer_norm),
     CostClass.GATHER: _Rule(_gather, _out_never, _in_gather),
     CostClass.DROPOUT: _Rule(_dropout, _out_if_involved(0), _in_first_param),

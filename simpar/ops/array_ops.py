@@ -1,4 +1,5 @@
-"""Data-movement operators: Transpose, Reshape, Concat, Split and Assign.
+"""Data-movement operators: Transpose, Reshape (and its kinds Flatten, Squeeze, ExpandDims),
+Concat, Split and Assign.
 
 Transpose permutes the tensor map and is always local. Reshape keeps the input's layout when
 the split dimensions survive whole (a split dim's block stays one contiguous block of the
@@ -27,7 +28,8 @@ from simpar.ops.kernels import Tape
 from simpar.ops.strategy import IterSpace, Strategy, dim_names
 from simpar.redistribution import RedistributionPlan, plan
 
-__all__ = ["Assign", "Concat", "Reshape", "Split", "Transpose", "reshape_layout"]
+__all__ = ["Assign", "Concat", "ExpandDims", "Flatten", "Reshape", "Split", "Squeeze",
+           "Transpose", "reshape_layout"]
 
 
 # ------------------------------------------------------------------ the two views
@@ -316,6 +318,101 @@ class Reshape(_View):
         # After inner_plan when there is one: the view is between its layout and the output's.
         mid = sh.in_layouts[0] if sh.inner_plan is None else sh.inner_plan.dst
         return _reshapes(sh.out.local_shape(), mid.local_shape())
+
+
+@register(mindspore_cost=CostClass.RESHAPE, elementwise=False)
+class Flatten(Reshape):
+    """MindSpore's ``Flatten()``: (N, d1, d2, ...) to (N, d1 * d2 * ...), a Reshape. Cuts of
+    N and d1 stay (each rank's block is a contiguous block of the flat rows); a cut of a
+    later dim is first redistributed away, as Reshape does. ``Flatten().shard(((2, 4, 1,
+    1),))`` on 8 devices, x (4, 8, 3, 3): rank 5 flattens its (2, 2, 3, 3) block into the
+    (2, 18) block of rows 2..3, columns 18..35, with nothing communicated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    def __call__(self, *xs: Any) -> Any:
+        return Primitive.__call__(self, *xs)
+
+    def attrs(self) -> dict[str, Any]:
+        return {}
+
+    def infer_shape(self, *shapes: tuple[int, ...]) -> tuple[int, ...]:
+        x = tuple(shapes[0])
+        if not x:
+            raise ValueError("Flatten: x must have rank >= 1 (dim 0 is the batch), got a 0-d "
+                             "input")
+        return (x[0], math.prod(x[1:]))
+
+
+@register(mindspore_cost=CostClass.CAST, elementwise=False)
+class Squeeze(Reshape):
+    """MindSpore's ``Squeeze(axis=())``: drop the dims of size 1 named by ``axis`` (an int
+    or a tuple of ints), or every dim of size 1 when ``axis`` is empty. Local on every
+    strategy (a size-1 dim is never cut)."""
+
+    def __init__(self, axis: int | Sequence[int] = ()) -> None:
+        super().__init__()
+        raw = (axis,) if not isinstance(axis, (tuple, list)) else tuple(axis)
+        for a in raw:
+            if isinstance(a, bool) or not isinstance(a, (int, np.integer)):
+                raise TypeError(f"Squeeze: axis must be an int or a tuple of ints, got "
+                                f"{axis!r}")
+        self.axis = tuple(int(a) for a in raw)
+
+    def __call__(self, *xs: Any) -> Any:
+        return Primitive.__call__(self, *xs)
+
+    def attrs(self) -> dict[str, Any]:
+        return {"axis": self.axis}
+
+    def infer_shape(self, *shapes: tuple[int, ...]) -> tuple[int, ...]:
+        x = tuple(shapes[0])
+        if not self.axis:
+            return tuple(n for n in x if n != 1)
+        axes = {checks.axis(a, len(x), "Squeeze: axis") for a in self.axis}
+        for a in sorted(axes):
+            if x[a] != 1:
+                raise ValueError(f"Squeeze: axis {a} of shape {x} has size {x[a]}; only dims "
+                                 "of size 1 can be squeezed")
+        return tuple(n for d, n in enumerate(x) if d not in axes)
+
+
+@register(mindspore_cost=CostClass.CAST, elementwise=False)
+class ExpandDims(Reshape):
+    """MindSpore's ``ExpandDims()(x, axis)``: insert a dim of size 1 at ``axis`` (in
+    ``[-x.ndim - 1, x.ndim]``); simpar also takes it at construction, ``ExpandDims(0)``.
+    Local on every strategy."""
+
+    def __init__(self, axis: int | None = None) -> None:
+        super().__init__()
+        self.axis = None if axis is None else self._check_axis(axis)
+
+    @staticmethod
+    def _check_axis(axis: object) -> int:
+        if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+            raise TypeError(f"ExpandDims: axis must be an int, got {type(axis).__name__} "
+                            f"{axis!r}")
+        return int(axis)
+
+    def __call__(self, *xs: Any) -> Any:
+        if len(xs) == 2:
+            self.axis = self._check_axis(xs[1])
+            xs = xs[:1]
+        return Primitive.__call__(self, *xs)
+
+    def attrs(self) -> dict[str, Any]:
+        return {"axis": self.axis}
+
+    def infer_shape(self, *shapes: tuple[int, ...]) -> tuple[int, ...]:
+        x = tuple(shapes[0])
+        if self.axis is None:
+            raise ValueError("ExpandDims: no axis; use ExpandDims(axis) or op(x, axis)")
+        if not -len(x) - 1 <= self.axis <= len(x):
+            raise ValueError(f"ExpandDims: axis {self.axis} is outside [{-len(x) - 1}, "
+                             f"{len(x)}] for an input of rank {len(x)}")
+        a = self.axis % (len(x) + 1)
+        return x[:a] + (1,) + x[a:]
 
 
 # ------------------------------------------------------------------ Concat and Split

@@ -1,5 +1,5 @@
 """Elementwise operators: Add, Sub, Mul, RealDiv, FloorDiv (numpy broadcasting), BiasAdd,
-PReLU, ReLU, GeLU, Tanh, Sigmoid, Abs, Square and Cast.
+PReLU, ReLU, ReLU6, GeLU, Tanh, Sigmoid, Abs, Square, Exp, Log and Cast.
 
 Every output dimension is one iteration dimension. An input dimension of size 1 that
 broadcasts against a larger one must have cut 1: that input is then replicated along the
@@ -23,8 +23,8 @@ from simpar.ops.kernels import Inline, Tape, gradient_needed
 from simpar.ops.matmul import _unbroadcast
 from simpar.ops.strategy import IterSpace, Strategy, StrategyError, dim_names
 
-__all__ = ["GELU", "Abs", "Add", "BiasAdd", "Cast", "FloorDiv", "GeLU", "Identity", "Mul",
-           "PReLU", "RealDiv", "ReLU", "Sigmoid", "Square", "Sub", "Tanh"]
+__all__ = ["GELU", "Abs", "Add", "BiasAdd", "Cast", "Exp", "FloorDiv", "GeLU", "Identity",
+           "Log", "Mul", "PReLU", "RealDiv", "ReLU", "ReLU6", "Sigmoid", "Square", "Sub", "Tanh"]
 
 
 @functools.lru_cache(maxsize=4096)  # kernels check their shapes on every call
@@ -507,6 +507,65 @@ class Square(_Unary):
         g = xs[0] * 2
         g *= dy
         return (g,)
+
+
+@register(mindspore_cost=CostClass.RELU6, elementwise=True)
+class ReLU6(_Unary):
+    """``min(max(x, 0), 6)``. The gradient is ``dy`` where ``0 < x < 6`` and 0 elsewhere
+    (MindSpore's ReLU6Grad)."""
+
+    tape = Tape.INPUTS
+    flops_per_element = 2
+
+    def kernel(self, *xs: np.ndarray) -> np.ndarray:
+        return np.clip(xs[0], 0, 6)
+
+    def vjp(self, xs: Sequence[np.ndarray], y: np.ndarray, dy: np.ndarray
+            ) -> tuple[np.ndarray | None, ...]:
+        x = xs[0]
+        return (dy * ((x > 0) & (x < 6)),)
+
+
+@register(mindspore_cost=CostClass.RELU6, elementwise=True)
+class Exp(_Unary):
+    """``e ** x``; its gradient ``dy * y`` reads the output, which the forward keeps."""
+
+    tape = Tape.OUTPUT
+    flops_per_element = 4
+
+    def kernel(self, *xs: np.ndarray) -> np.ndarray:
+        return np.exp(xs[0])
+
+    def vjp(self, xs: Sequence[np.ndarray], y: np.ndarray, dy: np.ndarray
+            ) -> tuple[np.ndarray | None, ...]:
+        return (dy * y,)
+
+    def local_forward(self, sh: OpSharding, *xs: np.ndarray,
+                      collectives: Collectives = ONE_DEVICE) -> tuple[np.ndarray, Any]:
+        y = np.exp(xs[0])
+        return y, y
+
+    def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray,
+                       collectives: Collectives = ONE_DEVICE) -> tuple[np.ndarray | None, ...]:
+        return (dy * saved,)
+
+
+@register(mindspore_cost=CostClass.RELU6, elementwise=True)
+class Log(_Unary):
+    """The natural logarithm; its gradient is ``dy / x``. A non-positive x gives -inf or
+    nan, as numpy's and MindSpore's kernels do."""
+
+    tape = Tape.INPUTS
+    flops_per_element = 4
+
+    def kernel(self, *xs: np.ndarray) -> np.ndarray:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.log(xs[0])
+
+    def vjp(self, xs: Sequence[np.ndarray], y: np.ndarray, dy: np.ndarray
+            ) -> tuple[np.ndarray | None, ...]:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return (dy / xs[0],)
 
 
 _CASTS = ("float32", "float64", "int32", "int64")

@@ -56,6 +56,7 @@ class CostClass(StrEnum):
     REDUCE_MEAN = "ReduceMeanCost"
     REDUCE_MAX = "ReduceMaxCost"
     SOFTMAX_CROSS_ENTROPY = "SparseSoftmaxCrossEntropyWithLogitsCost"
+    BATCH_PARALLEL = "BatchParallelCost"
     LAYER_NORM = "LayerNormCost"
     GATHER = "GatherV2PCost"
     DROPOUT = "DropOutCost"
