@@ -13,7 +13,7 @@ import numpy as np
 
 from simpar import counter_rng
 
-__all__ = ["VOCAB_SIZE", "CharCorpus", "load_corpus", "random_classification"]
+__all__ = ["VOCAB_SIZE", "CharCorpus", "load_corpus", "random_classification", "random_images"]
 
 VOCAB_SIZE = 128
 
@@ -61,6 +61,24 @@ def random_classification(step: int, batch_size: int, features: int, classes: in
     x = counter_rng.normal(key, (batch_size, features), ((a, b), (0, features)))
     y = np.argmax(x @ teacher, axis=1).astype(np.int32)
     return x.astype(dtype), y  # type: ignore[call-overload]
+
+
+def random_images(step: int, batch_size: int, channels: int, size: int, classes: int,
+                  seed: int = 0, dtype: object = np.float32,
+                  rows: tuple[int, int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """A learnable synthetic image set for the ResNet: (N, channels, size, size) images, each
+    its class's fixed random pattern plus as much noise, and int32 labels. Each image is a
+    function of (seed, step, its global row), so ``rows=(a, b)`` draws only rows a..b-1, bit
+    for bit those of the whole batch."""
+    a, b = _rows(rows, batch_size)
+    patterns = np.random.default_rng([seed, 2 * 10**6]).standard_normal(
+        (classes, channels, size, size))
+    key = counter_rng.mix_int(counter_rng.mix_int(seed) ^ step ^ 0x5EED)
+    labels = np.minimum((counter_rng.uniform(key, (batch_size,), ((a, b),)) * classes
+                         ).astype(np.int32), classes - 1)
+    noise = counter_rng.normal(counter_rng.mix_int(key), (batch_size, channels, size, size),
+                               ((a, b), (0, channels), (0, size), (0, size)))
+    return (patterns[labels] + noise).astype(dtype), labels
 
 
 def _rows(rows: tuple[int, int] | None, batch_size: int) -> tuple[int, int]:

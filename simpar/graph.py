@@ -22,8 +22,9 @@ from simpar import ops
 from simpar.ops._base import Primitive, recording
 from simpar.parameter import Parameter
 
-__all__ = ["Graph", "Node", "RecomputeSegment", "Value", "current_scope", "record",
-           "recompute_scope", "scope", "stage_scope", "trace", "tracing"]
+__all__ = ["Graph", "Node", "ParameterUpdate", "RecomputeSegment", "Value", "current_scope",
+           "record", "recompute_scope", "scope", "stage_scope", "trace", "tracing",
+           "update_parameter"]
 
 
 def _arithmetic(op: type[Primitive], reflected: bool = False) -> Callable[[Value, Any], Any]:
@@ -102,6 +103,18 @@ class RecomputeSegment:
     opt_comm: bool = False
 
 
+@dataclass(frozen=True)
+class ParameterUpdate:
+    """A Parameter the forward writes (a BatchNorm's moving statistics): after every
+    forward, ``param = (1 - weight) * param + weight * value``, on each rank's own shard,
+    ``value`` being the id of a value the forward computes (laid out as it is computed, and
+    moved to the parameter's layout where the two differ)."""
+
+    param: str
+    value: int
+    weight: float
+
+
 @dataclass
 class Graph:
     """A traced global graph; ``segments`` are the Cells marked for recomputation, each
@@ -116,6 +129,8 @@ class Graph:
     #: Ids of the inputs whose cotangents the backward returns (a pipeline stage's inputs
     #: that an earlier stage computed).
     grad_inputs: tuple[int, ...] = ()
+    #: The Parameters the forward writes, in trace order (:func:`update_parameter`).
+    updates: list[ParameterUpdate] = field(default_factory=list)
 
     def consumers(self) -> dict[int, list[tuple[Node, int]]]:
         """For every value id, the (node, input position) pairs that read it."""
@@ -260,7 +275,7 @@ def record(op: Primitive, args: Sequence[Any]) -> Any:
     inputs = tuple(t.as_value(a) for a in args)
     snapshot = copy.copy(op)
     shapes = [v.shape for v in inputs]
-    out_shape = snapshot.infer_shape(*shapes)
+    out_shapes = snapshot.output_shapes(*shapes)
     node = Node(len(t.graph.nodes), snapshot, inputs,
                 name="/".join(t.scopes) + f"/{op.name}-op{t.op_count}", segment=t.segment,
                 stage=t.stage, chunk=t.chunk)
@@ -268,11 +283,40 @@ def record(op: Primitive, args: Sequence[Any]) -> Any:
     first_float = next((v.dtype for v in inputs if v.dtype.kind == "f"), inputs[0].dtype)
     dtype = snapshot.output_dtype(first_float)
     n_out = snapshot.n_outputs
-    outs = tuple(t.new_value(out_shape, dtype, "op", f"{op.name}{node.id}" + (
+    outs = tuple(t.new_value(out_shapes[k], dtype, "op", f"{op.name}{node.id}" + (
         f".{k}" if n_out > 1 else ""), producer=node, index=k) for k in range(n_out))
     node.outputs = outs
     t.graph.nodes.append(node)
     return outs if n_out > 1 else outs[0]
+
+
+def update_parameter(param: Parameter, value: Any, weight: float) -> None:
+    """Fold ``value`` into ``param`` after the forward: ``param = (1 - weight) * param +
+    weight * value`` (MindSpore's BatchNorm writes its moving statistics so). Traced, it is
+    recorded (:attr:`Graph.updates`) and every training step applies it to each rank's shard;
+    called eagerly on arrays, it updates the Parameter's value at once."""
+    if not isinstance(param, Parameter):
+        raise TypeError(f"update_parameter: param must be a Parameter, got "
+                        f"{type(param).__name__}")
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or \
+            not 0.0 <= weight <= 1.0:
+        raise ValueError(f"update_parameter: weight must be a float in [0, 1], got {weight!r}")
+    t = _tracer()
+    if t is None:
+        new = np.asarray(value)
+        if new.shape != param.shape:
+            raise ValueError(f"update_parameter: {param.name or 'the parameter'} has shape "
+                             f"{param.shape}, the value {new.shape}")
+        param.set_data((1.0 - weight) * param.data + weight * new)
+        return
+    v = t.as_value(value)
+    p = t.as_value(param)
+    if v.shape != p.shape:
+        raise ValueError(f"update_parameter: {p.name} has shape {p.shape}, the value "
+                         f"{v.shape}")
+    if any(u.param == p.name for u in t.graph.updates):
+        raise ValueError(f"update_parameter: {p.name} is written twice in one forward")
+    t.graph.updates.append(ParameterUpdate(p.name, v.id, float(weight)))
 
 
 def trace(fn: Callable[..., Any], input_specs: Sequence[tuple[Sequence[int], Any]],

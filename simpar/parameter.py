@@ -66,6 +66,8 @@ def initializer(kind: str, shape: Sequence[int], dtype: Any = np.float32, **kw: 
     global index (:mod:`simpar.counter_rng`), never of the rank count: a rank draws exactly
     its shard, bit for bit the slice of the one-device tensor, without drawing the rest.
     Kinds: ``"normal"`` (``sigma``), ``"uniform"`` (``scale``), ``"xavier_uniform"``,
+    ``"he_uniform"`` (MindSpore's HeUniform, ``negative_slope``: bound
+    ``sqrt(6 / ((1 + a^2) fan_in))``, fan_in the product of the dims after the first),
     ``"zeros"``, ``"ones"``.
 
     >>> init = initializer("normal", (8, 16))
@@ -73,15 +75,18 @@ def initializer(kind: str, shape: Sequence[int], dtype: Any = np.float32, **kw: 
     True
     """
     shp = tuple(int(s) for s in shape)
-    if kind not in ("normal", "uniform", "xavier_uniform", "zeros", "ones"):
-        raise ValueError(f"initializer: kind must be normal, uniform, xavier_uniform, zeros or "
-                         f"ones, got {kind!r}")
+    if kind not in ("normal", "uniform", "xavier_uniform", "he_uniform", "zeros", "ones"):
+        raise ValueError(f"initializer: kind must be normal, uniform, xavier_uniform, "
+                         f"he_uniform, zeros or ones, got {kind!r}")
 
     if kind == "uniform":
         scale = kw.get("scale", 0.07)
     elif kind == "xavier_uniform":
         fan_in, fan_out = (shp[-1], shp[0]) if len(shp) >= 2 else (shp[0], shp[0])
         scale = math.sqrt(6.0 / (fan_in + fan_out))
+    elif kind == "he_uniform":
+        slope = float(kw.get("negative_slope", 0.0))
+        scale = math.sqrt(6.0 / ((1.0 + slope * slope) * max(math.prod(shp[1:]), 1)))
 
     def draw(key: int, box: tuple[tuple[int, int], ...]) -> np.ndarray:
         if kind == "normal":

@@ -99,8 +99,12 @@ GPT_PRESETS: Mapping[str, GPTSize] = {
 _DEFAULT_PRESET = "125M"
 #: The MLP's sizes when not given: input features, hidden width, classes, hidden layers.
 _MLP_DEFAULTS = {"in_features": 1024, "hidden": 4096, "classes": 1024, "layers": 1}
-_GPT_ONLY = ("preset", "heads", "seq", "vocab")
-_MLP_ONLY = ("in_features", "classes")
+#: ResNet-50's and -18's when not given: ImageNet's classes and image size.
+_RESNET_DEFAULTS = {"classes": 1000, "image_size": 224}
+#: What each model takes of the size options (the others are refused by name).
+_TAKES = {"gpt": ("preset", "layers", "hidden", "heads", "seq", "vocab"),
+          "mlp": ("layers", "hidden", "in_features", "classes"),
+          "resnet18": ("classes", "image_size"), "resnet50": ("classes", "image_size")}
 _MAX_DEVICES = 4096
 _OPTIMIZERS = {"sgd": "sgd", "momentum": "momentum", "adam": "adam", "adamw": "adam"}
 
@@ -120,7 +124,8 @@ class PlanOptions:
     seq: int = 0
     vocab: int = 0
     in_features: int = 0                # MLP
-    classes: int = 0
+    classes: int = 0                    # MLP, ResNet
+    image_size: int = 0                 # ResNet
     dtype: str = "float32"
     cost_model: str = "simpar"
     optimizer: str = "adam"
@@ -139,6 +144,9 @@ class PlanOptions:
             preset = f"preset {self.preset}: " if self.preset else ""
             return (f"GPT ({preset}{self.layers} layers, hidden {self.hidden}, {self.heads} "
                     f"heads, seq {self.seq}, vocab {self.vocab}, {self.dtype})")
+        if self.model.startswith("resnet"):
+            return (f"ResNet-{self.model[6:]} ({self.classes} classes, {self.image_size}x"
+                    f"{self.image_size} images, {self.dtype})")
         return (f"MLP ({self.in_features} -> {self.layers} x {self.hidden} -> {self.classes}, "
                 f"{self.dtype})")
 
@@ -197,7 +205,7 @@ def _default_search() -> str:
 def _parser() -> argparse.ArgumentParser:
     p = _env.RankZeroParser(prog=PROG, description=__doc__, allow_abbrev=False,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="gpt", choices=("gpt", "mlp"))
+    p.add_argument("--model", default="gpt", choices=("gpt", "mlp", "resnet18", "resnet50"))
     p.add_argument("--preset", type=_preset, default=None, choices=list(GPT_PRESETS),
                    help=f"GPT sizes (default {_DEFAULT_PRESET}); --layers, --hidden, --heads, "
                    "--seq and --vocab override it")
@@ -213,7 +221,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--in-features", type=positive_int_arg, default=None,
                    help=f"MLP: input features (default {_MLP_DEFAULTS['in_features']})")
     p.add_argument("--classes", type=positive_int_arg, default=None,
-                   help=f"MLP: output classes (default {_MLP_DEFAULTS['classes']})")
+                   help=f"MLP, ResNet: output classes (default {_MLP_DEFAULTS['classes']}; "
+                   f"ResNet {_RESNET_DEFAULTS['classes']})")
+    p.add_argument("--image-size", type=positive_int_arg, default=None,
+                   help=f"ResNet: image height and width (default "
+                   f"{_RESNET_DEFAULTS['image_size']})")
     p.add_argument("--batch", type=positive_int_arg, default=1024, help="global batch (default "
                    "1024, Alpa's)")
     p.add_argument("--dtype", default="float32", choices=("float16", "float32", "float64"),
@@ -275,11 +287,10 @@ def parse_args(argv: Sequence[str] | None) -> tuple[PlanOptions, argparse.Namesp
     """The checked options; a bad one prints one line and exits 2 (``SystemExit``)."""
     p = _parser()
     args = p.parse_args(argv)
-    given = {k for k in (*_GPT_ONLY, *_MLP_ONLY) if getattr(args, k) is not None}
-    wrong = [k for k in (_MLP_ONLY if args.model == "gpt" else _GPT_ONLY) if k in given]
+    sized = sorted({k for ks in _TAKES.values() for k in ks})
+    wrong = [k for k in sized if getattr(args, k) is not None and k not in _TAKES[args.model]]
     if wrong:
-        takes = ("--preset, --layers, --hidden, --heads, --seq, --vocab" if args.model == "gpt"
-                 else "--layers, --hidden, --in-features, --classes")
+        takes = ", ".join("--" + k.replace("_", "-") for k in _TAKES[args.model])
         p.error(f"argument --{wrong[0].replace('_', '-')}: not an option of --model "
                 f"{args.model}, which takes {takes}")
     try:
@@ -314,6 +325,11 @@ def parse_args(argv: Sequence[str] | None) -> tuple[PlanOptions, argparse.Namesp
                     f"{sizes['hidden']} (each head gets hidden / heads features); up to 128, "
                     f"heads can be {', '.join(map(str, divisors))}")
         opts = PlanOptions("gpt", preset=args.preset, **sizes, **common)
+    elif args.model.startswith("resnet"):
+        sizes = {k: getattr(args, k) if getattr(args, k) is not None else _RESNET_DEFAULTS[k]
+                 for k in ("classes", "image_size")}
+        opts = PlanOptions(args.model, hidden=64, layers=int(args.model[6:]), **sizes,
+                           **common)
     else:
         sizes = {k: getattr(args, k) if getattr(args, k) is not None else _MLP_DEFAULTS[k]
                  for k in ("in_features", "hidden", "classes", "layers")}
@@ -355,6 +371,12 @@ def build_network(opts: PlanOptions, micro_batches: int | None = None
         ids: _Spec = ((batch, opts.seq), np.dtype(np.int32))
         specs = [ids, ids]
         blocks: list[nn.Cell] = list(model.blocks)
+    elif opts.model.startswith("resnet"):
+        resnet = nn.resnet(opts.layers, opts.classes, opts.hidden, dtype=dtype)
+        model = resnet
+        size = opts.image_size
+        specs = [((batch, 3, size, size), dtype), ((batch,), np.dtype(np.int32))]
+        blocks = [block for stage in resnet.stages for block in stage]
     else:
         model = nn.MLP(opts.in_features, opts.hidden, opts.classes, n_hidden=opts.layers,
                        dtype=dtype)

@@ -37,7 +37,6 @@ from simpar.check import CheckReport, check_against_single_device
 from simpar.context import ContextError
 from simpar.cost import CostReport, SimparCostModel, load_profile, profile_names
 from simpar.cost_model_context import set_cost_model_context, set_search_cost_model
-from simpar.dataset import VOCAB_SIZE, CharCorpus, random_classification
 from simpar.nn import presets
 from simpar.pipeline import plan_pipeline, price_pipeline
 from simpar.runtime.lowering import build_program
@@ -45,6 +44,17 @@ from simpar.search import registered_searches
 from simpar.strategy_table import columns as strategy_table_columns
 from simpar.strategy_table import display_names as display_names  # re-exported
 from simpar.strategy_table import strategy_table
+from simpar.train_models import (
+    MODELS,
+    add_model_arguments,
+    batch_shapes,
+    batches,
+    make_model,
+    mesh_problem,
+    recompute_cells,
+    samples_unit,
+    shard_preset,
+)
 from simpar.train_pipeline import (
     SCHEDULES,
     assign_stages,
@@ -78,7 +88,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "semi_auto_parallel): dp, mp (Megatron over every rank), hybrid "
                    "(dp=2 x mp=N/2, N even); in semi_auto_parallel the default is hybrid on an "
                    "even number of ranks, mp otherwise")
-    p.add_argument("--model", default="gpt", choices=("gpt", "mlp"))
+    p.add_argument("--model", default="gpt", choices=MODELS)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=8,
                    help="global batch; must divide among the data-parallel ranks")
@@ -88,6 +98,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--n-heads", type=int, default=8,
                    help="must divide --d-model, and be divisible by the model-parallel cut")
     p.add_argument("--hidden", type=int, default=64, help="MLP hidden width")
+    add_model_arguments(p)
     p.add_argument("--lr", type=positive_float_arg, default=None,
                    help="default 3e-3 (Adam, AdamW) / 0.1 (Momentum, SGD)")
     p.add_argument("--optimizer", default="adam", choices=("adam", "adamw", "momentum", "sgd"))
@@ -318,20 +329,9 @@ def mesh(args: argparse.Namespace, world: int) -> tuple[int, int]:
     if args.batch_size % dp:
         raise UsageError(f"--batch-size {args.batch_size} does not split among {dp} "
                          f"data-parallel ranks ({where}); use a multiple of {dp}")
-    # No option sets the vocabulary: refuse for it first, so that no advice below is moot.
-    if args.model == "gpt" and VOCAB_SIZE % mp:
-        raise UsageError(f"the GPT's vocabulary of {VOCAB_SIZE} characters does not split "
-                         f"among {mp} model-parallel ranks ({where}; the embedding and the LM "
-                         f"head are vocabulary-parallel); use a number of ranks whose mp "
-                         f"divides {VOCAB_SIZE}")
-    if args.model == "gpt" and args.n_heads % mp:
-        raise UsageError(f"--n-heads {args.n_heads} does not split among {mp} model-parallel "
-                         f"ranks ({where}; Megatron gives each rank whole heads); use a "
-                         f"multiple of {mp}")
-    if args.model == "mlp" and args.hidden % mp:
-        raise UsageError(f"--hidden {args.hidden} does not split among {mp} model-parallel "
-                         f"ranks ({where}; Megatron splits the hidden layer); use a multiple "
-                         f"of {mp}")
+    problem = mesh_problem(args, mp, where)
+    if problem is not None:
+        raise UsageError(problem)
     return dp, mp
 
 
@@ -339,6 +339,8 @@ def dataset_strategy(args: argparse.Namespace, dp: int, mp: int, device_num: int
     """Each rank loads only its batch slice where the strategy cuts the batch."""
     if args.parallel_mode == "semi_auto_parallel" and args.model == "gpt" and dp > 1:
         return ((dp, 1), (dp, 1))
+    if args.parallel_mode == "semi_auto_parallel" and args.model == "resnet" and dp > 1:
+        return ((dp, 1, 1, 1), (dp,))
     if args.parallel_mode == "auto_parallel" and dp > 1:
         return "data_parallel"  # MindSpore's default in auto_parallel (full_batch=False)
     return "full_batch"
@@ -374,14 +376,6 @@ def working_world_sizes(args: argparse.Namespace, up_to: int = 16) -> list[int]:
     return ok
 
 
-def batch_shapes(args: argparse.Namespace) -> list[tuple[tuple[int, ...], Any]]:
-    if args.model == "gpt":
-        shape = (args.batch_size, args.seq_length)
-        return [(shape, np.dtype(np.int32)), (shape, np.dtype(np.int32))]
-    return [((args.batch_size, args.d_model), np.dtype(args.dtype)),
-            ((args.batch_size,), np.dtype(np.int32))]
-
-
 def build(args: argparse.Namespace, mode: str, device_num: int, reference: bool = False
           ) -> nn.TrainOneStepCell:
     """The training cell for these options; in semi_auto_parallel its ops carry the preset's
@@ -390,27 +384,16 @@ def build(args: argparse.Namespace, mode: str, device_num: int, reference: bool 
     batch, every activation kept)."""
     dtype = np.dtype(args.dtype)
     loss = nn.SoftmaxCrossEntropyWithLogits()
-    model: nn.Cell
-    if args.model == "gpt":
-        model = nn.GPT(VOCAB_SIZE, args.seq_length, args.d_model, args.n_layers, args.n_heads,
-                       dtype=dtype)
-    else:
-        model = nn.MLP(args.d_model, args.hidden, 8, n_hidden=1, dtype=dtype)
+    model = make_model(args, dtype)
     if mode == "semi_auto_parallel":
         dp, mp = mesh(args, device_num)
-        if strategy_name(args, device_num) == "dp":  # data parallel as semi-auto strategies
-            _data_parallel_strategies(model, device_num)
-        elif isinstance(model, nn.GPT):
-            presets.megatron_gpt(model, dp, mp, loss)
-        else:
-            assert isinstance(model, nn.MLP)
-            presets.megatron_mlp(model, dp, mp)
+        shard_preset(model, loss, dp, mp, strategy_name(args, device_num) == "dp", device_num)
     if args.pipeline_stages > 1 and not reference:
         assign_stages(model, args.pipeline_stages, 2 if args.pipeline_schedule ==
                       "interleaved" else 1)
     # Under --memory-dimensions every block is a candidate; the search picks which recompute.
     if (args.recompute or args.memory_dimensions != "fixed") and not reference:
-        for cell in (model.blocks if isinstance(model, nn.GPT) else model.layers[:-1]):
+        for cell in recompute_cells(model):
             cell.recompute()
     net: nn.Cell = nn.WithLossCell(model, loss)
     params = net.trainable_params()
@@ -430,21 +413,6 @@ def learning_rate(args: argparse.Namespace) -> float:
     """--lr, or the optimizer's default: 3e-3 for Adam and AdamW, 0.1 for Momentum and SGD."""
     return args.lr if args.lr is not None else (
         3e-3 if args.optimizer.startswith("adam") else 0.1)
-
-
-def _data_parallel_strategies(model: nn.Cell, n: int) -> None:
-    for _, cell in model.cells_and_names():
-        if isinstance(cell, nn.Dense):
-            cell.matmul.shard(((n, 1), (1, 1)))
-
-
-def batches(args: argparse.Namespace) -> Any:
-    """``get(k, rows=None)``: the global batch ``k``, or only its rows ``(start, stop)``."""
-    if args.model == "gpt":
-        corpus = CharCorpus(seed=args.seed)
-        return lambda k, rows=None: corpus.batch(k, args.batch_size, args.seq_length, rows)
-    return lambda k, rows=None: random_classification(k, args.batch_size, args.d_model, 8,
-                                                      args.seed, np.dtype(args.dtype), rows)
 
 
 def my_rows(train: nn.TrainOneStepCell, rank: int) -> tuple[int, int] | None:
@@ -554,8 +522,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.parallel_mode == "auto_parallel" and args.profile != "none" and rank == 0 \
             and train.pipeline is None:
         print(why_it_won(args, train, world))
+    per_row, unit = samples_unit(args)   # (tokens, images or samples) per batch row
     say(f"\nplanned in {t_build:.2f} s; training {args.steps} steps of {args.batch_size} x "
-        f"{args.seq_length if args.model == 'gpt' else 1} tokens")
+        f"{per_row} {unit}")
     losses: list[float] = []
     step_times: list[float] = []
     start = 0
@@ -572,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"resumed from {args.resume} after step {start}")
         if start >= args.steps:
             say(f"the checkpoint is after step {start}: nothing left of --steps {args.steps}")
-    tokens = args.batch_size * (args.seq_length if args.model == "gpt" else 1)
+    tokens = args.batch_size * per_row
     rows = my_rows(train, rank)
     with comm.CommTrace() as trace:
         for k in range(start, args.steps):
@@ -591,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             bar = "#" * int(20 * (k + 1) / args.steps)
             say(f"  step {k + 1:>3}/{args.steps} [{bar:<20}] loss {loss:.4f}  "
-                f"{tokens / step_times[-1]:>8.0f} tok/s", flush=True)
+                f"{tokens / step_times[-1]:>8.0f} {unit}/s", flush=True)
             if args.save_every and (k + 1) % args.save_every == 0:
                 saved = checkpoint.save_training(
                     train, os.path.join(args.ckpt_dir, f"step_{k + 1:06d}"),
@@ -600,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
                 say(f"  saved {saved}")
     steady = step_times[1:] or step_times or [math.inf]  # (a resume with no step left)
     tok_s = tokens / float(np.median(steady))
-    say(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; {tok_s:.0f} tokens/s (median step "
+    say(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; {tok_s:.0f} {unit}/s (median step "
         f"{1e3 * float(np.median(steady)):.1f} ms)")
     say("collectives per rank 0 over the run:\n" + "\n".join(
         "  " + line for line in trace.summary().splitlines()))

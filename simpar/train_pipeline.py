@@ -1,7 +1,8 @@
 """The main job's pipeline stages (``--pipeline-stages``): which Cells each stage runs, and
 the per-stage summary line (pure helpers of :mod:`simpar.train`).
 
-The model's units (the GPT's embedding, blocks and head; the MLP's layers) are cut into
+The model's units (the GPT's embedding, blocks and head; the MLP's layers; the ResNet's
+stem, blocks and classifier) are cut into
 contiguous runs, as even as the units allow: with ``--pipeline-schedule interleaved`` into
 two chunks per stage (``pipeline_segment``), in virtual-stage order.
 """
@@ -15,6 +16,7 @@ import numpy as np
 
 from simpar import comm, nn
 from simpar.pipeline import PipelineCost
+from simpar.train_models import stage_units
 
 __all__ = ["SCHEDULES", "assign_stages", "measured_peak", "pipeline_config", "stage_lines",
            "units"]
@@ -30,10 +32,8 @@ def pipeline_config(schedule: str) -> dict[str, Any]:
 
 
 def units(model: nn.Cell) -> list[nn.Cell]:
-    """The Cells stages are cut between, in order."""
-    if isinstance(model, nn.GPT):
-        return [model.embedding, *model.blocks, model.head]
-    return list(model.layers)   # type: ignore[attr-defined]
+    """The Cells stages are cut between, in order (:func:`simpar.train_models.stage_units`)."""
+    return stage_units(model)
 
 
 def assign_stages(model: nn.Cell, stages: int, chunks: int = 1) -> None:

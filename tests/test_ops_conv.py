@@ -229,3 +229,21 @@ def test_bad_shapes() -> None:
         tr(_r(1, 4, 2, 2), _r(4, 3, 3, 3))
     with pytest.raises(ValueError, match=r"dout has shape \(1, 4, 3, 3\) but"):
         tr(_r(1, 4, 3, 3), _r(4, 3, 3, 3), (1, 3, 4, 4))
+
+
+@pytest.mark.parametrize("case", CONV_CASES, ids=[f"{c[3]}-k{c[2]}-s{c[5]}" for c in CONV_CASES])
+def test_per_tap_and_unrolled_kernels_agree(case: tuple, monkeypatch: pytest.MonkeyPatch
+                                            ) -> None:
+    """Both ways of computing a convolution (a GEMM per kernel tap; one GEMM over the
+    unrolled windows, for thin products) give the same forward and weight gradient."""
+    from simpar.ops import conv
+    shape, o, k, mode, pad, stride, dilation = case
+    op = ops.Conv2D(o, k, pad_mode=mode, pad=pad, stride=stride, dilation=dilation)
+    x, w = _r(*shape), _r(o, shape[1], *op.kernel_size)
+    results = []
+    for thin in (0, 10**9):          # never thin: per tap; always thin: unrolled
+        monkeypatch.setattr(conv, "_THIN", thin)
+        y = op.kernel(x, w)
+        results.append((y, *op.vjp([x, w], y, np.ones_like(y))))
+    for a, b in zip(*results):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)

@@ -70,16 +70,20 @@ def test_batch_norm_training_and_inference_match_the_formula() -> None:
     mu = x.mean(axis=(0, 2, 3), keepdims=True)
     sigma2 = x.var(axis=(0, 2, 3), keepdims=True)       # biased, as MindSpore's training
     want = (x - mu) / np.sqrt(sigma2 + 1e-5) * scale.reshape(view) + bias.reshape(view)
-    np.testing.assert_allclose(ops.BatchNorm(True).kernel(x, scale, bias, mean, var), want,
-                               rtol=1e-12, atol=1e-12)
+    y, batch_mean, batch_var = ops.BatchNorm(True).kernel(x, scale, bias, mean, var)
+    np.testing.assert_allclose(y, want, rtol=1e-12, atol=1e-12)
+    # the statistics the moving ones are updated with: the mean, the unbiased variance
+    np.testing.assert_allclose(batch_mean, mu.reshape(-1), rtol=1e-12)
+    np.testing.assert_allclose(batch_var, x.var(axis=(0, 2, 3), ddof=1), rtol=1e-12)
     infer = (x - mean.reshape(view)) / np.sqrt(var.reshape(view) + 1e-3) * scale.reshape(
         view) + bias.reshape(view)
     np.testing.assert_allclose(ops.BatchNorm(False, 1e-3).kernel(x, scale, bias, mean, var),
                                infer, rtol=1e-12)
     x2 = _bn_inputs((6, 3))
-    y2 = ops.BatchNorm(True).kernel(*x2)
+    y2 = ops.BatchNorm(True).kernel(*x2)[0]
     np.testing.assert_allclose(y2.mean(axis=0), x2[2], atol=1e-12)  # the mean is the bias
-    assert ops.BatchNorm(True).kernel(*(a.astype(np.float32) for a in x2)).dtype == np.float32
+    f32 = ops.BatchNorm(True).kernel(*(a.astype(np.float32) for a in x2))
+    assert [a.dtype for a in f32] == [np.float32] * 3
 
 
 def test_assign_returns_the_value_in_the_variables_dtype() -> None:
@@ -91,18 +95,35 @@ def test_assign_returns_the_value_in_the_variables_dtype() -> None:
 
 
 # ------------------------------------------------------------------ gradients
+class _FirstOutput:
+    """A training BatchNorm seen through its first output (y), for ``fd_check``: its
+    statistics outputs carry no gradient."""
+
+    def __init__(self, op: ops.BatchNorm) -> None:
+        self.op = op
+
+    def kernel(self, *xs: np.ndarray) -> np.ndarray:
+        return self.op.kernel(*xs)[0]
+
+    def vjp(self, xs: list[np.ndarray], y: np.ndarray, dy: np.ndarray
+            ) -> tuple[np.ndarray | None, ...]:
+        return self.op.vjp(xs, None, (dy, None, None))
+
+
 FD = [
     ("PReLU", ops.PReLU(), [_r(3, 4, 2), _r(4)], (0, 1)),
     ("PReLU_2d", ops.PReLU(), [_r(5, 3), _r(3)], (0, 1)),
     ("PReLU_shared", ops.PReLU(), [_r(2, 3, 2), _r(1)], (0, 1)),
-    ("BatchNorm_train_4d", ops.BatchNorm(True), _bn_inputs((3, 2, 2, 2)), (0, 1, 2)),
-    ("BatchNorm_train_2d", ops.BatchNorm(True, 1e-3), _bn_inputs((5, 3)), (0, 1, 2)),
+    ("BatchNorm_train_4d", _FirstOutput(ops.BatchNorm(True)), _bn_inputs((3, 2, 2, 2)),
+     (0, 1, 2)),
+    ("BatchNorm_train_2d", _FirstOutput(ops.BatchNorm(True, 1e-3)), _bn_inputs((5, 3)),
+     (0, 1, 2)),
     ("BatchNorm_infer", ops.BatchNorm(False), _bn_inputs((3, 2, 2, 2)), (0, 1, 2)),
 ]
 
 
 @pytest.mark.parametrize("name,op,inputs,diff", FD, ids=[f[0] for f in FD])
-def test_vjp_matches_finite_differences(name: str, op: ops.Primitive, inputs: list[np.ndarray],
+def test_vjp_matches_finite_differences(name: str, op: Any, inputs: list[np.ndarray],
                                         diff: tuple[int, ...]) -> None:
     fd_check(op, inputs, diff=diff)
 
@@ -110,8 +131,12 @@ def test_vjp_matches_finite_differences(name: str, op: ops.Primitive, inputs: li
 def test_batch_norm_gives_the_moving_statistics_no_gradient() -> None:
     xs = _bn_inputs((3, 2, 2, 2))
     op = ops.BatchNorm(True)
-    grads = op.vjp(xs, op.kernel(*xs), _r(3, 2, 2, 2))
+    y, dy = op.kernel(*xs), _r(3, 2, 2, 2)
+    grads = op.vjp(xs, y, (dy, _r(2), _r(2)))
     assert grads[3] is None and grads[4] is None
+    # only y's cotangent reaches x, as in MindSpore's bprop: the statistics' are not used
+    for g, h in zip(grads[:3], op.vjp(xs, y, (dy, None, None))[:3]):
+        np.testing.assert_array_equal(g, h)
     assert [op.gives_gradient(i, np.dtype(np.float64)) for i in range(5)] == [
         True, True, True, False, False]
 
@@ -324,7 +349,8 @@ def test_batch_norm_cost_worked_by_hand() -> None:
     assert (c.cost_class, c.forward_computation, c.forward_communication) == (
         "BatchNormCost", x + 4 * p, 0.0)
     assert (c.backward_communication, c.backward_computation) == (4 * p, 0.0)
-    assert c.memory == x + x                  # the output, always, and x
+    # the outputs, always (y and the two (C,) batch statistics), and x
+    assert c.memory == x + x + 2 * p
     mp = ops.BatchNorm(True).sharding(shapes, 8, ((1, 8, 1, 1),) + ((8,),) * 4)
     cm = ms.op_cost(mp, parameters={1, 2})
     x_mp, p_mp = 64 * 4 * 16 * F32, 4 * F32
@@ -421,8 +447,14 @@ def test_nn_batch_norm_parameters_and_modes() -> None:
     x = 2.0 + _r(4, 3, 2, 2)
     y = bn(x)                                          # training: batch statistics
     np.testing.assert_allclose(y.mean(axis=(0, 2, 3)), 0.0, atol=1e-12)
-    bn.set_train(False)                                # moving statistics 0 and 1
-    np.testing.assert_allclose(bn(x), x / np.sqrt(1.0 + 1e-3), rtol=1e-12)
+    # that forward folded the batch statistics into the moving ones (0 and 1 before)
+    mean, var = x.mean(axis=(0, 2, 3)), x.var(axis=(0, 2, 3), ddof=1)
+    np.testing.assert_allclose(bn.moving_mean.data, 0.1 * mean, rtol=1e-12)
+    np.testing.assert_allclose(bn.moving_variance.data, 0.9 + 0.1 * var, rtol=1e-12)
+    bn.set_train(False)                                # normalised with the moving ones
+    view = (1, 3, 1, 1)
+    np.testing.assert_allclose(bn(x), (x - 0.1 * mean.reshape(view)) / np.sqrt(
+        0.9 + 0.1 * var.reshape(view) + 1e-3), rtol=1e-12)
     fixed = nn.BatchNorm1d(3, use_batch_statistics=True, dtype=np.float64).set_train(False)
     np.testing.assert_allclose(fixed(_r(5, 3)).std(axis=0), 1.0, rtol=1e-3)
     assert not nn.BatchNorm2d(2, affine=False).gamma.requires_grad

@@ -202,7 +202,8 @@ def test_presets_are_alpa_s_and_flags_override_them() -> None:
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--model", "cnn"], "argument --model: invalid choice: 'cnn' (choose from 'gpt', 'mlp')"),
+    (["--model", "cnn"], "argument --model: invalid choice: 'cnn' (choose from 'gpt', 'mlp', "
+     "'resnet18', 'resnet50')"),
     (["--preset", "3B"], "argument --preset: invalid choice: '3B' (choose from '125M'"),
     (["--profile", "tpu9"], "argument --profile: unknown profile 'tpu9'; shipped profiles are"),
     (["--profile", "/nonexistent/p.json"], "argument --profile: cannot read "

@@ -553,7 +553,8 @@ BAD_LAYERS: list[BadInput] = [
     (lambda: nn.SoftmaxCrossEntropyWithLogits(reduction="max"), ValueError,
      "reduction must be 'mean' or 'sum', got 'max'"),
     (lambda: nn.initializer("he", (2, 2)), ValueError,
-     "initializer: kind must be normal, uniform, xavier_uniform, zeros or ones, got 'he'"),
+     "initializer: kind must be normal, uniform, xavier_uniform, he_uniform, zeros or ones, "
+     "got 'he'"),
     (lambda: nn.Parameter(np.zeros(3, np.int64)), TypeError,
      "Parameter: the value must be floating point"),
     (lambda: nn.Parameter(np.zeros(3), name="p").set_data(np.zeros(4)), ValueError,

@@ -257,7 +257,7 @@ def test_checkpoint_options_are_checked_before_any_work(
     (["--batch-size", "-2"], "--batch-size must be >= 1, got -2"),
     (["--n-heads", "0"], "--n-heads must be >= 1, got 0"),
     (["--steps", "three"], "argument --steps: invalid int value: 'three'"),
-    (["--model", "resnet"], "argument --model: invalid choice: 'resnet'"),
+    (["--model", "vgg"], "argument --model: invalid choice: 'vgg'"),
     (["--strategy", "pipeline"], "argument --strategy: invalid choice: 'pipeline'"),
     (["--dtype", "float16"], "argument --dtype: invalid choice: 'float16'"),
     (["--pipeline-stages", "0"], "--pipeline-stages must be >= 1, got 0"),

@@ -3,6 +3,16 @@
 
 from simpar.nn.auto_parallel import AutoParallel
 from simpar.nn.cell import Cell, Parameter, initializer
+from simpar.nn.conv_layers import (
+    AvgPool2d,
+    Conv2d,
+    Conv2dTranspose,
+    Flatten,
+    MaxPool2d,
+    ReLU,
+    ReLU6,
+    SequentialCell,
+)
 from simpar.nn.grad_accumulation import GradAccumulation, Pipeline, PipelineCell
 from simpar.nn.layers import (
     GPT,
@@ -20,9 +30,22 @@ from simpar.nn.layers import (
 )
 from simpar.nn.loss import L1Loss, MSELoss, SoftmaxCrossEntropyWithLogits
 from simpar.nn.optim import SGD, Adam, AdamW, Momentum, Optimizer
+from simpar.nn.resnet import ResNet, resnet, resnet18, resnet50
 from simpar.nn.wrap import TrainOneStepCell, WithLossCell
 
 __all__ = [
+    "AvgPool2d",
+    "Conv2d",
+    "Conv2dTranspose",
+    "Flatten",
+    "MaxPool2d",
+    "ReLU",
+    "ReLU6",
+    "ResNet",
+    "SequentialCell",
+    "resnet",
+    "resnet18",
+    "resnet50",
     "GPT",
     "MLP",
     "SGD",

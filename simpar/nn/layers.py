@@ -140,8 +140,10 @@ class _BatchNorm(Cell):
     when ``affine``), ``moving_mean`` and ``moving_variance`` (not trainable), and two
     primitives, ``bn_train`` (batch statistics) and ``bn_infer`` (the moving ones), as in
     MindSpore; shard both. ``use_batch_statistics`` None uses the batch statistics while the
-    cell trains and the moving ones otherwise. The moving statistics are never updated
-    (simpar has no way to write a Parameter inside a traced graph; see ops.BatchNorm)."""
+    cell trains and the moving ones otherwise. Every forward with the batch statistics folds
+    them into the moving ones as MindSpore does, ``moving = momentum * moving + (1 -
+    momentum) * batch`` (the variance's unbiased), on each rank's own shard
+    (:func:`simpar.graph.update_parameter`)."""
 
     rank: int
 
@@ -177,8 +179,15 @@ class _BatchNorm(Cell):
                              f"{tuple(x.shape)}")
         batch = self.training if self.use_batch_statistics is None else \
             self.use_batch_statistics
-        bn = self.bn_train if batch else self.bn_infer
-        return bn(x, self.gamma, self.beta, self.moving_mean, self.moving_variance)
+        if not batch:
+            return self.bn_infer(x, self.gamma, self.beta, self.moving_mean,
+                                 self.moving_variance)
+        y, mean, variance = self.bn_train(x, self.gamma, self.beta, self.moving_mean,
+                                          self.moving_variance)
+        weight = self.bn_train.momentum
+        graph.update_parameter(self.moving_mean, mean, weight)
+        graph.update_parameter(self.moving_variance, variance, weight)
+        return y
 
 
 class BatchNorm1d(_BatchNorm):

@@ -396,6 +396,7 @@ class TrainOneStepCell:
             outs, tape = prog.forward(local_in, self.params, step=step)
             if checked is not None:   # the batch check: it raises before anything is used
                 checked()
+            prog.write_states(self.params, tape.states)
             loss = outs[0]
             seed = np.full(loss.shape, self._seed, dtype=loss.dtype)
             return float(loss), prog.backward(tape, [seed])
@@ -409,6 +410,7 @@ class TrainOneStepCell:
             outs, tape = prog.forward([p[k] for p in parts], self.params, step=m * step + k)
             if checked is not None and k == 0:
                 checked()
+            prog.write_states(self.params, tape.states)
             loss = outs[0]
             losses.append(float(loss))
             seed = np.full(loss.shape, self._seed / m, dtype=loss.dtype)

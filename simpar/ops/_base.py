@@ -386,6 +386,11 @@ class Primitive:
     def infer_shape(self, *shapes: tuple[int, ...]) -> tuple[int, ...]:
         raise NotImplementedError
 
+    def output_shapes(self, *shapes: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+        """Every output's shape (default: :meth:`infer_shape`'s, for each of ``n_outputs``;
+        a training BatchNorm's statistics are (C,))."""
+        return (self.infer_shape(*shapes),) * self.n_outputs
+
     def kernel(self, *xs: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 

@@ -5,6 +5,8 @@ The kernels are GEMMs, never Python loops over pixels: a convolution is the sum 
 where ``x(i, j)`` is the strided view of the padded input that offset reads (9 GEMMs for a
 3 x 3 kernel, each ``(C_out, C_in) @ (C_in, H_out W_out)`` per image); its input gradient
 scatters the same products back, its weight gradient contracts ``dy`` with the same views.
+Where those products would be thin (few input channels, as in the stem, or few output
+pixels), the windows are unrolled into one matrix and multiplied once (im2col).
 Pooling takes the max or the sum over the same views.
 
 Sharding follows MindSpore's Conv2DInfo: the strategy is ``((n, c_in, h, w), (c_out, c_in, 1,
@@ -213,15 +215,41 @@ def _taps(ah: _Axis, aw: _Axis) -> list[tuple[int, int, slice, slice]]:
 
 
 # ------------------------------------------------------------------ convolution kernels
+#: Below this many input channels or output pixels per image, a convolution is one GEMM over
+#: its unrolled windows (im2col) instead of one per kernel tap: a tap's product would be too
+#: thin for BLAS (ResNet's 3-channel stem, its 7 x 7 last stage). Measured in
+#: benchmarks/conv.py.
+_THIN = 64
+
+
+def _thin(channels: int, ah: _Axis, aw: _Axis) -> bool:
+    return min(channels, ah.out * aw.out) < _THIN
+
+
+def _unrolled(xp: np.ndarray, ah: _Axis, aw: _Axis) -> np.ndarray:
+    """The padded input's windows as rows: (N * H_out * W_out, C * kh * kw), one copy."""
+    n, c = xp.shape[:2]
+    sn, sc, sh, sw = xp.strides
+    windows = np.lib.stride_tricks.as_strided(
+        xp, (n, ah.out, aw.out, c, ah.kernel, aw.kernel),
+        (sn, sh * ah.stride, sw * aw.stride, sc, sh * ah.dilation, sw * aw.dilation),
+        writeable=False)
+    return windows.reshape(n * ah.out * aw.out, c * ah.kernel * aw.kernel)
+
+
 def _conv(x: np.ndarray, w: np.ndarray, ah: _Axis, aw: _Axis) -> np.ndarray:
     """``y[n, o] = sum_{c, i, j} w[o, c, i, j] * x_padded[n, c, tap i, tap j]``."""
     n, c = x.shape[:2]
     xp = _padded(x, ah, aw)
     pixels = ah.out * aw.out
-    y = np.zeros((n, w.shape[0], pixels), np.result_type(x, w))
+    o = w.shape[0]
+    if _thin(c, ah, aw):
+        y2 = _unrolled(xp, ah, aw) @ w.reshape(o, -1).T
+        return np.ascontiguousarray(y2.reshape(n, ah.out, aw.out, o).transpose(0, 3, 1, 2))
+    y = np.zeros((n, o, pixels), np.result_type(x, w))
     for i, j, rows, cols in _taps(ah, aw):
         y += np.matmul(w[:, :, i, j], xp[:, :, rows, cols].reshape(n, c, pixels))
-    return y.reshape(n, w.shape[0], ah.out, aw.out)
+    return y.reshape(n, o, ah.out, aw.out)
 
 
 def _conv_input_grad(dy: np.ndarray, w: np.ndarray, ah: _Axis, aw: _Axis) -> np.ndarray:
@@ -244,8 +272,12 @@ def _conv_weight_grad(dy: np.ndarray, x: np.ndarray, kernel: tuple[int, int], ah
     rows that tap read, over the images and the output pixels."""
     n, c = x.shape[:2]
     xp = _padded(x, ah, aw)
-    dyf = dy.reshape(n, dy.shape[1], -1)
-    dw = np.empty((dy.shape[1], c) + kernel, np.result_type(dy, x))
+    o = dy.shape[1]
+    if _thin(c, ah, aw):
+        rows_dy = dy.transpose(0, 2, 3, 1).reshape(-1, o)
+        return (rows_dy.T @ _unrolled(xp, ah, aw)).reshape((o, c) + kernel)
+    dyf = dy.reshape(n, o, -1)
+    dw = np.empty((o, c) + kernel, np.result_type(dy, x))
     for i, j, rows, cols in _taps(ah, aw):
         taps = xp[:, :, rows, cols].reshape(n, c, -1)
         dw[:, :, i, j] = np.add.reduce(np.matmul(dyf, taps.transpose(0, 2, 1)), axis=0)

@@ -399,22 +399,28 @@ def _channel_view(v: np.ndarray, ndim: int) -> np.ndarray:
 
 
 def _batch_norm(xs: Sequence[np.ndarray], axes: tuple[int, ...], count: int, eps: float,
-                training: bool, reduce: _Reduce) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(y, xhat, rstd) of ``xs = (x, scale, bias, mean, variance)``. Training normalises with
-    the batch statistics over ``axes`` (two passes, as LayerNorm: the mean, then the squared
-    deviations), inference with the given ``mean`` and ``variance``."""
+                training: bool, reduce: _Reduce
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[np.ndarray, ...]]:
+    """(y, xhat, rstd, statistics) of ``xs = (x, scale, bias, mean, variance)``. Training
+    normalises with the batch statistics over ``axes`` (two passes, as LayerNorm: the mean,
+    then the squared deviations) and gives them as ``(batch mean, unbiased batch variance)``,
+    each (C,); inference normalises with the given ``mean`` and ``variance`` and gives ()."""
     x, scale, bias, mean, variance = xs
+    stats: tuple[np.ndarray, ...] = ()
     if training:
         mu = reduce(np.sum(x, axis=axes, keepdims=True), "sum", "sum-x") / count
         xc = x - mu
         var = reduce(np.sum(xc * xc, axis=axes, keepdims=True), "sum", "sum-sq-dev") / count
+        unbiased = count / (count - 1) if count > 1 else 1.0
+        stats = (np.asarray(mu.reshape(-1), dtype=x.dtype),
+                 np.asarray(var.reshape(-1) * unbiased, dtype=x.dtype))
     else:
         xc = x - _channel_view(mean, x.ndim)
         var = _channel_view(variance, x.ndim)
     rstd = 1.0 / np.sqrt(var + eps)
     xhat = xc * rstd
     y = xhat * _channel_view(scale, x.ndim) + _channel_view(bias, x.ndim)
-    return np.asarray(y, dtype=x.dtype), np.asarray(xhat), np.asarray(rstd)
+    return np.asarray(y, dtype=x.dtype), np.asarray(xhat), np.asarray(rstd), stats
 
 
 def _batch_norm_grad(dy: np.ndarray, xhat: np.ndarray, rstd: np.ndarray, scale: np.ndarray,
@@ -444,12 +450,14 @@ class BatchNorm(Primitive):
     channel, with ``mu`` and ``var`` the batch statistics over N, H and W (the biased
     variance) when ``is_training``, else the ``mean`` and ``variance`` inputs.
 
-    Unlike MindSpore, which returns ``(y, batch_mean, batch_variance, reserve_1, reserve_2)``
-    and, in ``nn.BatchNorm2d``, folds the batch statistics into the moving mean and variance,
-    this returns ``y`` only and updates nothing: simpar's traced graphs have no way to write a
-    Parameter, so the running statistics stay at their initial values (an inference-mode call
-    then normalises with those). The ``mean`` and ``variance`` inputs get no gradient (MindSpore
-    gives them zeros); ``x``, ``scale`` and ``bias`` do.
+    Training returns ``(y, batch_mean, batch_variance)``: MindSpore's first three outputs (it
+    adds two reserve spaces), the variance the unbiased one (over ``N*H*W - 1``) that the
+    moving variance is updated with, as MindSpore and PyTorch update it; ``nn.BatchNorm2d``
+    folds them into its ``moving_mean`` and ``moving_variance`` after every forward
+    (:meth:`simpar.graph.update_parameter`). Inference returns ``y`` alone. As MindSpore's
+    bprop does, only ``y``'s cotangent reaches the inputs: the statistics outputs carry no
+    gradient. The ``mean`` and ``variance`` inputs get none either (MindSpore gives them
+    zeros); ``x``, ``scale`` and ``bias`` do.
 
     Sharding (MindSpore's BatchNormInfo): the four (C,) inputs must be cut as x's channel
     dimension; N, C, H and W may all be cut. Training with N, H or W cut is MindSpore's
@@ -458,7 +466,8 @@ class BatchNorm(Primitive):
     (8, 4, 2, 2): device matrix [4, 2, 1, 1]; rank 5 (coordinate (2, 1, 0, 0)) holds
     x[4:6, 2:4] and scale[2:4]. It sums its slice per channel and AllReduces the 2 sums over
     ranks [1, 3, 5, 7] (the ranks of its channels; the mean), then the same with its squared
-    deviations (the variance): two AllReduces of 2 numbers. Backward: one AllReduce of the
+    deviations (the variance): two AllReduces of 2 numbers; its batch-statistics outputs are
+    then the whole batch's, for channels 2..3. Backward: one AllReduce of the
     stacked per-channel ``[sum dy, sum dy*xhat]`` (4 numbers) over the same ranks for dx;
     scale's and bias's gradients are this rank's sums over its slice, completed by the
     framework's AllReduce over the same ranks (their replicas). In inference mode, or with only
@@ -480,6 +489,7 @@ class BatchNorm(Primitive):
             raise TypeError(f"BatchNorm: is_training must be a bool, got "
                             f"{type(is_training).__name__} {is_training!r}")
         self.is_training = is_training
+        self.n_outputs = 3 if is_training else 1
         for name, value, lo_open in (("epsilon", epsilon, True), ("momentum", momentum, False)):
             if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)):
                 raise TypeError(f"BatchNorm: {name} must be a float, got "
@@ -507,6 +517,10 @@ class BatchNorm(Primitive):
                                  f"({x[1]},), one value per channel of x {x}")
         return x
 
+    def output_shapes(self, *shapes: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+        x = self.infer_shape(*shapes)
+        return (x, (x[1],), (x[1],)) if self.is_training else (x,)
+
     def iter_space(self, *shapes: tuple[int, ...]) -> IterSpace:
         x = self.infer_shape(*shapes)
         names = dim_names(len(x))
@@ -523,17 +537,23 @@ class BatchNorm(Primitive):
         for name, a in zip(("x",) + _BN_PARAMS, xs):
             _check_float(self.name, name, a)
 
-    def kernel(self, *xs: np.ndarray) -> np.ndarray:
+    def kernel(self, *xs: np.ndarray) -> Any:
         self._check(xs)
         axes, count = self._geometry(xs[0].shape)
-        return _batch_norm(xs, axes, count, self.epsilon, self.is_training, _identity)[0]
+        y, _, _, stats = _batch_norm(xs, axes, count, self.epsilon, self.is_training,
+                                     _identity)
+        return (y, *stats) if stats else y
 
-    def vjp(self, xs: Sequence[np.ndarray], y: np.ndarray, dy: np.ndarray
-            ) -> tuple[np.ndarray | None, ...]:
+    def vjp(self, xs: Sequence[np.ndarray], y: Any, dy: Any) -> tuple[np.ndarray | None, ...]:
         axes, count = self._geometry(xs[0].shape)
-        _, xhat, rstd = _batch_norm(xs, axes, count, self.epsilon, self.is_training, _identity)
-        return _batch_norm_grad(dy, xhat, rstd, xs[1], axes, count, self.is_training,
-                                _identity)
+        _, xhat, rstd, _ = _batch_norm(xs, axes, count, self.epsilon, self.is_training,
+                                       _identity)
+        return _batch_norm_grad(self._dy(dy), xhat, rstd, xs[1], axes, count,
+                                self.is_training, _identity)
+
+    def _dy(self, dy: Any) -> np.ndarray:
+        """``y``'s cotangent (a training op's statistics outputs carry no gradient)."""
+        return dy[0] if self.is_training else dy
 
     def flops(self, local_in: tuple[tuple[int, ...], ...], local_out: tuple[int, ...]) -> int:
         return (8 if self.is_training else 4) * math.prod(local_out)
@@ -544,6 +564,9 @@ class BatchNorm(Primitive):
         sh = super()._sharding(shapes, strat, out_strategy, device_num, enable_alltoall)
         if not self.is_training:
             return sh
+        # The statistics are laid out as scale is: cut as x's channels, whole elsewhere.
+        stat = sh.in_layouts[1]
+        sh = dataclasses.replace(sh, more_outs=((stat, stat, plan(stat, stat)),) * 2)
         axes, _ = self._geometry(shapes[0])
         group = sh.device_axes_cutting([f"d{a}" for a in axes])
         if not group:
@@ -558,18 +581,19 @@ class BatchNorm(Primitive):
         return dataclasses.replace(sh, internal_forward=fwd, internal_backward=bwd)
 
     def local_forward(self, sh: OpSharding, *xs: np.ndarray,
-                      collectives: Collectives = ONE_DEVICE) -> tuple[np.ndarray, Any]:
+                      collectives: Collectives = ONE_DEVICE) -> tuple[Any, Any]:
         self._check(xs)
         axes, count = self._geometry(sh.input_shapes[0])
-        y, xhat, rstd = _batch_norm(xs, axes, count, self.epsilon, self.is_training,
-                                    _group_reduce(sh, sh.internal_forward, collectives))
-        return y, (xhat, rstd, xs[1])
+        y, xhat, rstd, stats = _batch_norm(xs, axes, count, self.epsilon, self.is_training,
+                                           _group_reduce(sh, sh.internal_forward, collectives))
+        return ((y, *stats) if stats else y), (xhat, rstd, xs[1])
 
-    def local_backward(self, sh: OpSharding, saved: Any, dy: np.ndarray,
+    def local_backward(self, sh: OpSharding, saved: Any, dy: Any,
                        collectives: Collectives = ONE_DEVICE) -> tuple[np.ndarray | None, ...]:
         xhat, rstd, scale = saved
         axes, count = self._geometry(sh.input_shapes[0])
-        return _batch_norm_grad(dy, xhat, rstd, scale, axes, count, self.is_training,
+        return _batch_norm_grad(self._dy(dy), xhat, rstd, scale, axes, count,
+                                self.is_training,
                                 _group_reduce(sh, sh.internal_backward, collectives))
 
 

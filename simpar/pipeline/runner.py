@@ -250,6 +250,7 @@ class PipelineRunner:
                 inputs = [self._input(batch, st, prog, j, k) for j in range(len(st.batch))]
                 with comm.stage_world(self.ranks):
                     outs, tapes[vs, k] = prog.forward(inputs, params, step=m * step + k)
+                    prog.write_states(params, tapes[vs, k].states)
                 for out, b, loss in zip(outs, st.sent, st.loss):
                     if b is None:
                         if loss == 0:

@@ -228,6 +228,7 @@ def _stage(graph: Graph, index: int, nodes: list[Node], boundaries: dict[int, Bo
             g.outputs.append(fresh[vid])
             sent.append(boundaries[vid])
             loss.append(None)
+    g.updates = [u for u in graph.updates if u.value in own]   # a BatchNorm's, say
     for seg in graph.segments:   # a recomputed Cell: its ops on this stage, as a run of them
         mine = tuple(renumber[i] for i in seg.nodes if i in renumber)
         if mine:

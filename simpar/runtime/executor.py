@@ -213,6 +213,9 @@ class Executor:
                                 outs[0] if len(outs) == 1 else -1, outs, keep,
                                 view is not None, plain, pre, post, inline, sh.op.tape))
         self.outputs = tuple(slot[v.id] for v in g.outputs)
+        #: The values the forward writes into parameters (``graph.updates``), returned after
+        #: the outputs.
+        self.states = tuple(slot[u.value] for u in g.updates)
         self.slot = slot
         # Optimizer parallel: the slots of parameters stored in slices (gathered before
         # their first use), and of those level3 drops after the forward and gathers again.
@@ -306,7 +309,7 @@ class Executor:
         for i, r in enumerate(self._fwd):
             for s in r.ins:
                 last[s] = i
-        kept_to_end = set(self.outputs)
+        kept_to_end = set(self.outputs) | set(self.states)
         reads = collections.Counter(s for r in self._fwd for s in r.ins)
         producer = {s: i for i, r in enumerate(self._fwd) for s in r.outs}
         for k, s in enumerate(self.inputs):
@@ -395,7 +398,8 @@ class Executor:
         # each recomputed Cell keeps.
         tapes += [f"params[{name!r}]" for name in self._regathered.values()]
         tapes += [f"S{n}" for n in range(len(self.program.segments))]
-        src.add(f"return [{', '.join(f'v{s}' for s in self.outputs)}], [{', '.join(tapes)}]")
+        src.add(f"return [{', '.join(f'v{s}' for s in self.outputs + self.states)}], "
+                f"[{', '.join(tapes)}]")
         return src.build("forward")
 
     def _gather(self, name: str) -> Moves:

@@ -32,7 +32,7 @@ from simpar.runtime.backward_plan import BackwardPlan
 from simpar.runtime.executor import Executor
 from simpar.runtime.lowered import LoweredGraph
 from simpar.runtime.program_schedule import ProgramStep
-from simpar.runtime.runner import ProgramRunner, Seeds
+from simpar.runtime.runner import ProgramRunner, Seeds, StepTape
 from simpar.search import StrategyMap
 
 __all__ = ["IndexLimits", "ParallelProgram"]
@@ -184,7 +184,7 @@ class ParallelProgram(LoweredGraph):
 
     # ------------------------------------------------------------ execution
     def forward(self, local_inputs: Sequence[np.ndarray], local_params: dict[str, np.ndarray],
-                step: int = 0) -> tuple[list[np.ndarray], list[Any]]:
+                step: int = 0) -> tuple[list[np.ndarray], StepTape]:
         """Run the forward on this rank's shards; returns output shards and the tape (what
         :meth:`backward` takes) (:meth:`ProgramRunner.forward`)."""
         return self.runner.forward(local_inputs, local_params, step)
@@ -198,6 +198,13 @@ class ParallelProgram(LoweredGraph):
         """Reverse pass from the outputs' cotangents; returns each trainable parameter's
         gradient shard, completed by its Mirror AllReduce."""
         return self.runner.backward(tape, output_grads)
+
+    def write_states(self, params: dict[str, np.ndarray], states: Sequence[np.ndarray]
+                     ) -> None:
+        """After a training forward: fold the values it wrote into parameters (a
+        BatchNorm's moving statistics; ``tape.states``) into ``params``
+        (:meth:`ProgramRunner.write_states`)."""
+        self.runner.write_states(params, states)
 
     def sync(self, grads: dict[str, np.ndarray], seeded: Sequence[bool] | None = None
              ) -> dict[str, np.ndarray]:

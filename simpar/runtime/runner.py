@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from simpar import comm, schedule
+from simpar.redistribution import execute, plan
 from simpar.runtime.backward_plan import BackwardPlan
 from simpar.runtime.executor import Executor
 from simpar.runtime.lowered import LoweredGraph
@@ -31,11 +32,13 @@ Seeds = tuple[bool, ...]
 
 class StepTape(list[Any]):
     """A forward's tape (a list, as the executor made it) and the step number the forward
-    ran under, for a backward that runs a recomputed Cell's forward again."""
+    ran under, for a backward that runs a recomputed Cell's forward again; ``states``, this
+    rank's shards of the values the forward writes into parameters (``graph.updates``)."""
 
-    def __init__(self, tape: list[Any], step: int) -> None:
+    def __init__(self, tape: list[Any], step: int, states: Sequence[np.ndarray] = ()) -> None:
         super().__init__(tape)
         self.step = step
+        self.states = tuple(states)
 
 
 def seeds_of(seeded: Sequence[bool] | None, n_outputs: int) -> Seeds:
@@ -120,7 +123,7 @@ class ProgramRunner:
         return comm.get_rank() if self.lowered.device_num > 1 else 0
 
     def forward(self, local_inputs: Sequence[np.ndarray], local_params: dict[str, np.ndarray],
-                step: int = 0) -> tuple[list[np.ndarray], list[Any]]:
+                step: int = 0) -> tuple[list[np.ndarray], StepTape]:
         """The forward on this rank's shards: output shards and the tape.
 
         Collectives run without simpar.comm's cross-rank agreement check: every rank runs
@@ -132,7 +135,8 @@ class ProgramRunner:
                 schedule.following(expected, "forward"):
             outs, tape = self.executor(rank).forward(local_inputs, local_params,
                                                      current_watch())
-        return outs, StepTape(tape, step)
+        n = len(self.lowered.graph.outputs)
+        return outs[:n], StepTape(tape, step, outs[n:])
 
     def backward(self, tape: list[Any], output_grads: Sequence[np.ndarray | None]
                  ) -> dict[str, np.ndarray]:
@@ -151,6 +155,22 @@ class ProgramRunner:
             return self.executor(rank).backward(self.backward_plan(seeded), tape,
                                                 output_grads, current_watch(),
                                                 sync=not accumulating)
+
+    def write_states(self, params: dict[str, np.ndarray], states: Sequence[np.ndarray]
+                     ) -> None:
+        """Fold what a forward wrote (``graph.updates``: a BatchNorm's batch statistics;
+        ``states``, this rank's shards of them, from the forward's tape) into ``params``,
+        each moved to its parameter's layout first where the two differ (every rank moves
+        alike): ``param = (1 - weight) * param + weight * value``."""
+        lowered = self.lowered
+        for update, local in zip(lowered.graph.updates, states):
+            src, dst = lowered.layouts[update.value], lowered.storage_layout(update.param)
+            if src != dst:
+                with comm.label(f"update {update.param}"):
+                    local = execute(plan(src, dst, lowered.enable_alltoall), local)
+            p = params[update.param]
+            p *= 1.0 - update.weight
+            p += update.weight * local
 
     def sync(self, grads: dict[str, np.ndarray], seeded: Sequence[bool] | None = None
              ) -> dict[str, np.ndarray]:
