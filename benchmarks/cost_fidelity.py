@@ -8,9 +8,17 @@ Every strategy trains the main job's GPT (vocabulary 128, sequence 32, d_model 6
 8 heads, batch 8, float64, Adam) or a Megatron MLP (batch 64, 256 -> 1024 -> 256, float32,
 Momentum) on all ranks: pure data parallel, Megatron tensor parallel, hybrids 2x4 and 4x2,
 split-k, vocabulary-parallel, computing everything on every rank, and strategies that
-redistribute at every layer. For each, the prediction is ``program.cost(profile,
-optimizer)`` (pure; the ``cpu-local`` profile that ``python -m simpar.calibrate`` wrote) and
-the measurement is:
+redistribute at every layer. The ResNet rows train the main job's ``--model resnet``
+(:func:`simpar.nn.resnet`, MindSpore's structure with one block per stage, stem width 8,
+8 classes, batch 16, float32, Momentum) on 32 x 32 images of 3 channels from
+:func:`simpar.dataset.random_images` (the job's default is 16 x 16; at 32 the activations
+and the convolutions' unrolled windows, not the parameters and the gradient bucket, set the
+peak): ResNet-18's basic blocks data parallel over all ranks, the same with the classifier's
+classes cut (``semi_auto_parallel``, :func:`simpar.nn.resnet.shard_classifier` 2 x n/2, the
+batch cut 2 ways: every convolution and BatchNorm on 8 images, each BatchNorm's statistics
+AllReduced over 2 ranks), and ResNet-50's bottlenecks data parallel. For each, the
+prediction is ``program.cost(profile, optimizer)`` (pure; the ``cpu-local`` profile that
+``python -m simpar.calibrate`` wrote) and the measurement is:
 
 * step time: the median over ``--steps`` timed steps (after two untimed ones) of the slowest
   rank's time for one ``TrainOneStepCell`` call, each step started after a barrier, its batch
@@ -20,7 +28,8 @@ the measurement is:
   parts the model counts.
 
 Reported: both per strategy, Spearman's rho between predicted and measured step time, the
-median |predicted / measured - 1|, and how many strategies' memory is within 15%. Targets
+median |predicted / measured - 1|, and how many strategies' memory is within 15%, over every
+row (the ResNet rows included, to the same targets). Targets
 (issue 13): rho >= 0.9, median error <= 25%, memory within 15%.
 """
 
@@ -46,8 +55,9 @@ from _common import host_line, markdown_table, today, write_section
 import simpar
 from simpar import nn
 from simpar.cost import load_profile
-from simpar.dataset import CharCorpus, random_classification
+from simpar.dataset import CharCorpus, random_classification, random_images
 from simpar.nn import presets
+from simpar.nn.resnet import shard_classifier
 from simpar.pipeline import price_pipeline
 from simpar.runtime import watching_memory
 from simpar.train_pipeline import assign_stages, pipeline_config
@@ -56,6 +66,10 @@ SCRIPT = "python benchmarks/cost_fidelity.py"
 GPT = {"vocab_size": 128, "seq_length": 32, "d_model": 64, "n_layers": 2, "n_heads": 8}
 GPT_BATCH = 8
 MLP_SIZES, MLP_BATCH = (256, 1024, 256), 64
+# The main job's --model resnet (one block per stage, stem width 8, 8 classes), on images
+# twice its default side, so that activations count.
+RESNET = {"num_classes": 8, "width": 8, "layer_nums": (1, 1, 1, 1)}
+RESNET_BATCH, RESNET_IMAGE = 16, 32
 
 
 @dataclass(frozen=True)
@@ -63,7 +77,7 @@ class Strategy:
     """One row: how to build the cell, its mode and dataset strategy, and its optimizer."""
 
     name: str
-    model: str                      # "gpt" or "mlp"
+    model: str                      # "gpt", "mlp" or "resnet"
     mode: str
     dataset: Any
     annotate: Callable[[Any, Any, int], None]
@@ -73,6 +87,7 @@ class Strategy:
     recompute: bool = False         # every GPT block (MLP layer but the last) recomputed
     stages: int = 1                 # pipeline stages (the main job's cut of the units)
     schedule: str = "1f1b"          # --pipeline-schedule's choices
+    depth: int = 18                 # the ResNet's structure: 18 (basic blocks) or 50
 
 
 def _none(model: Any, loss: Any, n: int) -> None:
@@ -114,6 +129,12 @@ def _gpt_mix(model: Any, loss: Any, n: int) -> None:
     presets.mixed_gpt(model, loss, n)  # every block boundary changes the layout
 
 
+def _classifier(dp: int, mp: int) -> Callable[[Any, Any, int], None]:
+    def apply(model: Any, loss: Any, n: int) -> None:
+        shard_classifier(model, dp, mp, loss)   # the batch over dp, the classes over mp
+    return apply
+
+
 def strategies(n: int) -> list[Strategy]:
     semi = "semi_auto_parallel"
     half = max(1, n // 2)
@@ -153,6 +174,15 @@ def strategies(n: int) -> list[Strategy]:
                  "adam"),
         Strategy("gpt mixed layouts (poor)", "gpt", semi, ((1, 1), (1, 1)), _gpt_mix, "adam"),
     ]
+    # Convolutional networks: the main job's --model resnet (ResNet-18 and -50 structures).
+    rows += [
+        Strategy("resnet18 data parallel", "resnet", "data_parallel", "data_parallel", _none,
+                 "momentum"),
+        Strategy(f"resnet18 classes cut 2x{half}", "resnet", semi, ((2, 1, 1, 1), (2,)),
+                 _classifier(2, half), "momentum"),
+        Strategy("resnet50 data parallel", "resnet", "data_parallel", "data_parallel", _none,
+                 "momentum", depth=50),
+    ]
     return rows
 
 
@@ -177,12 +207,17 @@ def _batch(model: str, step: int) -> tuple[np.ndarray, np.ndarray]:
     if model == "mlp":
         return random_classification(step, MLP_BATCH, MLP_SIZES[0], MLP_SIZES[2], 0,
                                      np.dtype(np.float32))
+    if model == "resnet":
+        return random_images(step, RESNET_BATCH, 3, RESNET_IMAGE, RESNET["num_classes"], 0,
+                             np.dtype(np.float32))
     return CharCorpus(seed=0).batch(step, GPT_BATCH, GPT["seq_length"])
 
 
 def _build(s: Strategy, n: int) -> nn.TrainOneStepCell:
     if s.model == "mlp":
         net: nn.Cell = nn.MLP(*MLP_SIZES, n_hidden=1, dtype=np.dtype(np.float32))
+    elif s.model == "resnet":
+        net = nn.resnet(s.depth, dtype=np.dtype(np.float32), **RESNET)
     else:
         net = nn.GPT(**GPT, dtype=np.dtype(np.float64))
     loss = nn.SoftmaxCrossEntropyWithLogits()

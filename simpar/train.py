@@ -49,6 +49,7 @@ from simpar.train_models import (
     add_model_arguments,
     batch_shapes,
     batches,
+    make_loss,
     make_model,
     mesh_problem,
     recompute_cells,
@@ -383,7 +384,7 @@ def build(args: argparse.Namespace, mode: str, device_num: int, reference: bool 
     ``--micro-batches`` and ``--recompute`` (the single-device check's reference: one whole
     batch, every activation kept)."""
     dtype = np.dtype(args.dtype)
-    loss = nn.SoftmaxCrossEntropyWithLogits()
+    loss = make_loss(args)
     model = make_model(args, dtype)
     if mode == "semi_auto_parallel":
         dp, mp = mesh(args, device_num)

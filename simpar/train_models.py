@@ -6,9 +6,9 @@ is.
 * ``gpt``: :class:`simpar.nn.GPT` on the shipped character corpus; presets Megatron's.
 * ``mlp``: :class:`simpar.nn.MLP` on a random linear teacher's classes; presets Megatron's.
 * ``resnet``: a small ResNet (MindSpore's structure, one block per stage, ``--depth`` 18 or
-  50, ``--width`` channels in the stem) on generated images of ``--num-classes`` classes;
-  the presets cut the batch (``dp``) and the classifier's classes (``mp``,
-  :func:`simpar.nn.resnet.shard_classifier`).
+  50, ``--width`` channels in the stem) on generated images of ``--num-classes`` classes,
+  with MindSpore's label-smoothed loss; the presets cut the batch (``dp``) and the
+  classifier's classes (``mp``, :func:`simpar.nn.resnet.shard_classifier`).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import numpy as np
 from simpar import nn
 from simpar.dataset import VOCAB_SIZE, CharCorpus, random_classification, random_images
 from simpar.nn import presets
-from simpar.nn.resnet import ResNet, shard_classifier
+from simpar.nn.resnet import CrossEntropySmooth, ResNet, shard_classifier
 
-__all__ = ["MODELS", "add_model_arguments", "batch_shapes", "batches", "make_model",
+__all__ = ["MODELS", "add_model_arguments", "batch_shapes", "batches", "make_loss", "make_model",
            "mesh_problem", "recompute_cells", "samples_unit", "shard_preset",
            "stage_units"]
 
@@ -56,8 +56,16 @@ def make_model(args: argparse.Namespace, dtype: np.dtype) -> nn.Cell:
     return nn.MLP(args.d_model, args.hidden, MLP_CLASSES, n_hidden=1, dtype=dtype)
 
 
-def shard_preset(model: nn.Cell, loss: nn.SoftmaxCrossEntropyWithLogits, dp: int, mp: int,
-                 data_parallel: bool,
+def make_loss(args: argparse.Namespace) -> nn.Cell:
+    """The loss: the sparse cross entropy; the ResNet's is MindSpore's ResNet recipe's,
+    label smoothing 0.1 (:class:`~simpar.nn.resnet.CrossEntropySmooth`: OneHot, then the
+    dense cross entropy)."""
+    if args.model == "resnet":
+        return CrossEntropySmooth(smooth_factor=0.1, num_classes=args.num_classes)
+    return nn.SoftmaxCrossEntropyWithLogits()
+
+
+def shard_preset(model: nn.Cell, loss: Any, dp: int, mp: int, data_parallel: bool,
                  device_num: int) -> None:
     """The semi_auto_parallel preset: ``data_parallel`` (preset ``dp``) cuts only the batch
     over every rank; else Megatron's dp x mp (GPT, MLP) or the ResNet's class cut."""

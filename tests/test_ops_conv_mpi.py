@@ -1,7 +1,7 @@
 """The convolutional network's operators on real ranks (mpirun -n 2, 4 or 8) against one
 device: Conv2D (batch, input-channel and output-channel cuts, and the spatial cuts whose
 windows stay inside a slice), Conv2DTranspose, MaxPool, AvgPool, ReLU6, Exp, Log, Flatten,
-Squeeze and ExpandDims.
+Squeeze, ExpandDims and OneHot (its class dim cut too).
 
 Every candidate strategy of each op (repeated calculation included): on every rank the
 output and every input gradient equal the single-device kernel and VJP, each shard has the
@@ -22,6 +22,7 @@ import pytest
 import simpar.comm as comm
 from simpar import ops
 from simpar.parallel import run_op
+from tests.mpi_guard import raised_everywhere
 from tests.ophelpers import check_strategies
 
 pytestmark = pytest.mark.mpi
@@ -57,6 +58,10 @@ CASES: list[tuple[str, Callable[[], ops.Primitive], list[np.ndarray]]] = [
     ("Flatten", ops.Flatten, [_r(4, 8, 2, 2)]),
     ("Squeeze", lambda: ops.Squeeze(1), [_r(4, 1, 8)]),
     ("ExpandDims", lambda: ops.ExpandDims(1), [_r(8, 4)]),
+    ("OneHot", lambda: ops.OneHot(depth=8), [RNG.integers(-1, 9, 8).astype(np.int32),
+                                              np.asarray(0.9), np.asarray(0.0125)]),
+    ("OneHot_2d", lambda: ops.OneHot(depth=4), [RNG.integers(0, 4, (4, 2)).astype(np.int64),
+                                                 np.asarray(1.0), np.asarray(0.0)]),
 ]
 
 
@@ -88,3 +93,26 @@ def test_the_input_channel_cut_sums_the_partial_outputs() -> None:
             run_op(ops.Conv2D(p, 3).shard(strategy), _r(p, 2, 4, 4), _r(p, 2, 3, 3),
                    check=True)
         assert not [e for e in trace.events if "run_op:forward" in e.label]
+
+
+def test_a_strategy_that_needs_the_halo_is_refused_on_every_rank() -> None:
+    """A ResNet whose stem's H is cut (a 7x7 window crosses every slice edge): building it
+    raises the same StrategyError on every rank, before any collective."""
+    import simpar
+    from simpar import nn
+    from simpar.ops import StrategyError
+
+    p = comm.get_group_size()
+    simpar.set_auto_parallel_context(parallel_mode="semi_auto_parallel")
+    try:
+        net = nn.resnet(18, num_classes=4, width=4, layer_nums=(1, 1, 1, 1), dtype=np.float64)
+        net.conv1.conv2d.shard(((1, 1, p, 1), (1, 1, 1, 1)))
+        train = nn.TrainOneStepCell(nn.WithLossCell(net, nn.SoftmaxCrossEntropyWithLogits()),
+                                    nn.SGD(net.trainable_params(), 0.1))
+        x = np.zeros((p, 3, 8 * p, 8))
+        raised_everywhere(lambda: train.build(x, np.zeros(p, np.int32)), StrategyError,
+                          f"cuts H into {p}, which this op cannot compute on slices")
+        raised_everywhere(lambda: ops.Conv2D(4, 3, stride=0), ValueError,
+                          "Conv2D: stride must be >= 1, got 0")
+    finally:
+        simpar.reset_auto_parallel_context()

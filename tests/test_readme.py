@@ -43,6 +43,7 @@ PAGE_OUTPUT: dict[str, list[tuple[str, int]]] = {
     ],
     "strategy-files.md": [("was written for device_num 8, but device_num is 4", 8)],
     "cost-model.md": [("whole program", 8)],
+    "convnets.md": [("rank 5: holds (2, 4, 6, 6), AllReduce over [5, 7]", 1)],
     "pipeline.md": [("pipeline: the same losses and parameters as one device", 8),
                     ("stage 0, 17 parameters, tasks ['F0', 'F1', 'B0', 'F2', 'B1', 'F3', "
                      "'B2', 'B3']", 4)],

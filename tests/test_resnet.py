@@ -75,3 +75,31 @@ def test_layers_shapes_and_errors() -> None:
         nn.resnet(20)
     with pytest.raises(ValueError, match="Conv2D: group must be 1"):
         nn.Conv2d(4, 4, 3, group=2)
+
+
+def test_label_smoothed_loss_is_that_of_mindspore() -> None:
+    from simpar.nn.resnet import CrossEntropySmooth
+    rng = np.random.default_rng(4)
+    x, y = rng.standard_normal((6, 5)), rng.integers(0, 5, 6).astype(np.int32)
+    labels = np.full((6, 5), 0.1 / 4)
+    labels[np.arange(6), y] = 0.9
+    log_p = x - np.log(np.exp(x).sum(axis=1, keepdims=True))
+    want = -(labels * log_p).sum(axis=1).mean()
+    assert CrossEntropySmooth(smooth_factor=0.1, num_classes=5)(x, y) == pytest.approx(want)
+    dense = nn.SoftmaxCrossEntropyWithLogits(sparse=False, reduction="sum")
+    assert dense(x, labels) == pytest.approx(-(labels * log_p).sum())
+    assert nn.SoftmaxCrossEntropyWithLogits(sparse=False)(x, np.eye(5)[y]) == pytest.approx(
+        nn.SoftmaxCrossEntropyWithLogits()(x, y))
+    with pytest.raises(ValueError, match=r"smooth_factor must be a float in \[0, 1\)"):
+        CrossEntropySmooth(smooth_factor=1.0)
+
+
+def test_an_op_of_scalars_plans_on_one_device() -> None:
+    """The dense cross entropy ends with a product of two 0-d values: on one device its
+    device matrix is one axis of one device (it had none, and no strategy was valid)."""
+    from simpar import ops
+    assert ops.Mul().sharding([(), ()], 1, ((), ())).device_matrix == (1,)
+    net = nn.Dense(4, 3, dtype=np.float64)
+    train = nn.TrainOneStepCell(nn.WithLossCell(net, nn.SoftmaxCrossEntropyWithLogits(
+        sparse=False)), nn.SGD(net.trainable_params(), 0.1))
+    assert np.isfinite(train(np.ones((2, 4)), np.eye(3)[[0, 1]]))

@@ -3,7 +3,8 @@ shortcuts, global mean, classifier) trained on real ranks (mpirun -n 2, 4 or 8) 
 mode, against one device on every rank (``check_against_single_device``: every step's loss,
 every rank's parameter shards, the moving statistics of every BatchNorm included).
 
-* data_parallel; semi_auto_parallel with the classifier's classes cut (``shard_classifier``);
+* data_parallel; semi_auto_parallel with the classifier's classes cut (``shard_classifier``,
+  with MindSpore's label-smoothed loss: OneHot and the dense cross entropy cut alike);
   auto_parallel with each search. The collectives traced in a further step are exactly the
   program's schedule, in order;
 * the BatchNorms' moving statistics move off their initial values, equal on every rank to
@@ -26,7 +27,7 @@ import simpar.comm as comm
 from simpar import nn
 from simpar.check import check_against_single_device
 from simpar.comm import CommTrace
-from simpar.nn.resnet import shard_classifier
+from simpar.nn.resnet import CrossEntropySmooth, shard_classifier
 
 pytestmark = pytest.mark.mpi
 
@@ -36,7 +37,9 @@ CLASSES = 8
 def _make(mode: str, depth: int = 18, dtype: type = np.float64,
           stages: int = 1) -> nn.TrainOneStepCell:
     net = nn.resnet(depth, num_classes=CLASSES, width=4, layer_nums=(1, 1, 1, 1), dtype=dtype)
-    loss = nn.SoftmaxCrossEntropyWithLogits()
+    # ResNet-50 trains with MindSpore's recipe's loss (OneHot, then the dense cross entropy)
+    loss: Any = CrossEntropySmooth(smooth_factor=0.1, num_classes=CLASSES) if depth == 50 \
+        else nn.SoftmaxCrossEntropyWithLogits()
     if mode == "semi_auto_parallel":
         p = comm.get_group_size()
         shard_classifier(net, max(p // 2, 1), min(p, 2), loss)
@@ -49,9 +52,10 @@ def _make(mode: str, depth: int = 18, dtype: type = np.float64,
     return nn.TrainOneStepCell(cell, nn.Momentum(net.trainable_params(), 0.05, 0.9))
 
 
-def _batches(n: int = 3, dtype: type = np.float64) -> list[tuple[np.ndarray, np.ndarray]]:
+def _batches(n: int = 3, dtype: type = np.float64, size: int = 16
+             ) -> list[tuple[np.ndarray, np.ndarray]]:
     rng = np.random.default_rng(11)
-    return [(rng.standard_normal((8, 3, 16, 16)).astype(dtype),
+    return [(rng.standard_normal((8, 3, size, size)).astype(dtype),
              rng.integers(0, CLASSES, 8).astype(np.int32)) for _ in range(n)]
 
 
@@ -69,7 +73,7 @@ def _moving_statistics(train: nn.TrainOneStepCell) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize(("mode", "search", "depth"), [
     ("data_parallel", None, 18), ("semi_auto_parallel", None, 50),
     ("auto_parallel", "dynamic_programming", 18), ("auto_parallel", "recursive_programming", 50),
-    ("auto_parallel", "sharding_propagation", 18)])
+    ("auto_parallel", "sharding_propagation", 50)])
 def test_each_mode_trains_like_one_device(mode: str, search: str | None, depth: int,
                                           _context: None) -> None:
     settings: dict[str, Any] = {"parallel_mode": mode, "gradients_mean": True}
@@ -95,9 +99,9 @@ def test_each_mode_trains_like_one_device(mode: str, search: str | None, depth: 
     assert [e.step for e in trace.events if e.step is not None] == [
         s.index for s in steps if s.collective]
     if mode == "semi_auto_parallel" and comm.get_group_size() > 1:
-        # the classes are cut: the loss's statistics are AllReduced over the class group
+        # the classes are cut: the loss's row statistics are AllReduced over the class group
         labels = [e.label for e in trace.events]
-        assert any("SparseSoftmaxCrossEntropyWithLogits" in lab for lab in labels)
+        assert any("LogSoftmax" in lab for lab in labels), labels
         weight = train.program.param_layouts["end_point.weight"]
         assert weight.local_shape()[0] == CLASSES // min(comm.get_group_size(), 2)
 
@@ -105,8 +109,11 @@ def test_each_mode_trains_like_one_device(mode: str, search: str | None, depth: 
 def test_float32_data_parallel(_context: None) -> None:
     simpar.set_auto_parallel_context(parallel_mode="data_parallel", gradients_mean=True)
     train = _make("data_parallel", 18, np.float32)
+    # 64 x 64 images: at 16 x 16 the last stage's BatchNorms normalise 8 numbers (a 1 x 1
+    # image of 8), whose float32 gradients cancel to ~1e-5 relative round-off (seen:
+    # 1.03e-5 for layer4.0.conv1.weight on 4 ranks), the tolerance itself.
     report = check_against_single_device(train, lambda: _make("stand_alone", 18, np.float32),
-                                         _batches(2, np.float32))
+                                         _batches(2, np.float32, 64))
     assert report.passed, str(report)
 
 

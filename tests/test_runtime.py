@@ -549,7 +549,8 @@ BAD_LAYERS: list[BadInput] = [
      "MultiHeadAttention: d_model 64 must be divisible by n_heads 3"),
     (lambda: nn.GPT(n_layers=0), ValueError, "GPT: n_layers must be an int >= 1, got 0"),
     (lambda: nn.GPT(vocab_size="128"), TypeError, "GPT: vocab_size must be an int >= 1"),  # type: ignore[arg-type]
-    (lambda: nn.SoftmaxCrossEntropyWithLogits(sparse=False), ValueError, "only sparse=True"),
+    (lambda: nn.SoftmaxCrossEntropyWithLogits(sparse=1), TypeError,  # type: ignore[arg-type]
+     "sparse must be a bool, got 1"),
     (lambda: nn.SoftmaxCrossEntropyWithLogits(reduction="max"), ValueError,
      "reduction must be 'mean' or 'sum', got 'max'"),
     (lambda: nn.initializer("he", (2, 2)), ValueError,

@@ -182,6 +182,22 @@ def test_gpt_hybrid_preset(tmp_path: Path) -> None:
 
 
 @pytest.mark.mpi(min_size=2)
+def test_resnet_with_its_classes_cut(tmp_path: Path) -> None:
+    """``--model resnet --strategy mp``: the classifier's classes cut over every rank (its
+    weight rows, the one-hot labels and the dense cross entropy), the rest data parallel
+    over none; the job trains like one device."""
+    n = comm.get_group_size()
+    code, summary = _main(["--model", "resnet", "--strategy", "mp", "--steps", "2"], tmp_path)
+    assert code == 0
+    _check_summary(summary, 2)
+    assert (summary["model"], summary["dp"], summary["mp"]) == ("resnet", 1, n)
+    head = [v for k, v in summary["strategies"].items() if "end_point-Dense/MatMul" in k]
+    assert head == [[[1, 1], [n, 1]]]
+    onehot = [v for k, v in summary["strategies"].items() if "/OneHot" in k]
+    assert onehot == [[[1, n], [], []]]
+
+
+@pytest.mark.mpi(min_size=2)
 def test_gpt_data_parallel_momentum(tmp_path: Path) -> None:
     code, summary = _main(["--steps", "2", "--parallel-mode", "data_parallel", "--optimizer",
                            "momentum"], tmp_path)

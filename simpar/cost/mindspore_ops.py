@@ -40,6 +40,7 @@ AllReduce), else 0. Forward computation / forward communication / backward commu
   Conv2DTranspose, whose MindSpore class is BatchParallelCost too, add the sum of ``rep(i)``
   as backward computation (MindSpore's formula) and ``bytes(out)`` of forward communication
   when C_in (Conv2DTranspose: C_out) is split, a cut MindSpore's search never generates.
+* ``OneHotCost`` (OneHot): ``bytes(indices)`` / 0 / 0; it keeps nothing.
 * ``GeLUCost`` also prices MaxPool and AvgPool (MindSpore's ``MaxPoolCost``);
   ``ReLU6Cost`` ReLU6, Exp and Log; ``CastCost`` Squeeze and ExpandDims.
 * ``GatherV2PCost`` (Gather), with the table's gathered axis unsplit: ``bytes(P) + bytes(I)``
@@ -240,6 +241,15 @@ def _batch_parallel(v: _View) -> _Terms:
     return sum(v.bytes_in(i) for i in range(len(v.inputs))), reps, fwd_comm, reps
 
 
+def _one_hot(v: _View) -> _Terms:
+    """OneHotCost: the index slice read once; nothing communicated."""
+    return v.bytes_in(0), 0.0, 0.0, 0.0
+
+
+def _in_nothing(n: int, p: _Flags, inv: _Flags, prev: _Flags) -> _Flags:
+    return frozenset()
+
+
 def _prelu(v: _View) -> _Terms:
     return v.bytes_in(0) + v.bytes_in(1), v.rep(1), v.own_collectives(), v.rep(1)
 
@@ -394,6 +404,7 @@ _RULES: Mapping[CostClass, _Rule] = {
     CostClass.REDUCE_MAX: _Rule(_reduce(1.0), _out_if_involved(0), _in_first_param),
     CostClass.SOFTMAX_CROSS_ENTROPY: _Rule(_all_inputs, _out_if_involved(0), _in_params),
     CostClass.BATCH_PARALLEL: _Rule(_batch_parallel, _out_never, _in_pair),
+    CostClass.ONE_HOT: _Rule(_one_hot, _out_never, _in_nothing),
     CostClass.LAYER_NORM: _Rule(_all_inputs, _out_if_involved(0, 1, 2), _in_layer_norm),
     CostClass.GATHER: _Rule(_gather, _out_never, _in_gather),
     CostClass.DROPOUT: _Rule(_dropout, _out_if_involved(0), _in_first_param),

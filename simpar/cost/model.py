@@ -118,7 +118,7 @@ class MemoryRow:
     activations: int
     comm_buffer: int
     capacity: int
-    backward: int = 0      # the largest op backward's cotangent and input gradients at once
+    backward: int = 0      # the largest op backward's cotangent, input gradients, workspace
     update: int = 0        # the optimizer's temporaries (after the backward: no activations)
 
     @property
@@ -392,7 +392,8 @@ def _memory_of(program: _Program, rank: int, optimizer: str, prof: DeviceProfile
     # While an op's backward runs, the tapes are all still alive; beside them it holds its
     # output's cotangent and the gradients it computes for its float inputs, but for a
     # parameter's own shard: that gradient is already counted among the gradients (a sliced
-    # one's is whole until it is reduce-scattered: its block beyond the counted slice).
+    # one's is whole until it is reduce-scattered: its block beyond the counted slice), and
+    # its kernels' workspace (a convolution's unrolled windows).
     # The ops before whose backward level3 gathers a dropped weight again (the schedule's).
     regather_at = {st.op for st in program.schedule(rank) if st.backward
                    and st.role == "weight-gather"}   # Role.GATHER
@@ -405,6 +406,7 @@ def _memory_of(program: _Program, rank: int, optimizer: str, prof: DeviceProfile
                                or v.name in program.param_shards))
                     + (_regathered(program, s) if i not in segment_of
                        and s.node.name in regather_at else 0)
+                    + _workspace(s)
                     for i, s in enumerate(program.steps) if s.node.id in program.grad_nodes),
                    default=0) + rerun
     largest = max((program.storage_layout(n).local_size()   # the update runs on the slice
@@ -413,6 +415,14 @@ def _memory_of(program: _Program, rank: int, optimizer: str, prof: DeviceProfile
     return MemoryRow(rank, params, grads, OPTIMIZER_STATE[optimizer] * grads, activations,
                      buffer, prof.memory_capacity, backward,
                      OPTIMIZER_TEMPORARIES[optimizer] * largest)
+
+
+def _workspace(step: Any) -> int:
+    """Bytes ``step``'s kernels hold beside the arrays counted above (a convolution's
+    unrolled windows: :meth:`simpar.ops.Primitive.workspace`)."""
+    sh, node = step.sharding, step.node
+    return node.op.workspace(tuple(lay.local_shape() for lay in sh.in_layouts),
+                             sh.outputs[0][0].local_shape()) * node.outputs[0].dtype.itemsize
 
 
 def _regathered(program: _Program, step: Any) -> int:

@@ -16,31 +16,51 @@ _REDUCTIONS = ("none", "mean", "sum")
 
 
 class SoftmaxCrossEntropyWithLogits(Cell):
-    """Cross entropy of logits (..., C) against integer labels (...) (MindSpore's
-    ``nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")``).
+    """Cross entropy of logits (..., C) (MindSpore's ``nn.SoftmaxCrossEntropyWithLogits``),
+    against integer labels (...) with ``sparse=True`` (simpar's default), or against
+    probability rows (..., C) of the logits' dtype with ``sparse=False`` (one-hot or smoothed
+    labels, as MindSpore's ResNet trains with). ``reduction`` is "mean" or "sum" over the rows.
 
     Logits of rank > 2 are flattened to (N, C) first. The class axis may be split (vocabulary
-    parallel): the loss op never gathers the logits. ``reduction`` is "mean" or "sum".
+    parallel): neither form gathers the logits. Sparse, one primitive
+    (``ce``, SparseSoftmaxCrossEntropyWithLogits) does it all; dense, the loss is built from
+    primitives that each shard, ``-reduce(sum_c(labels * log_softmax(logits)))``:
+    ``log_softmax`` (its split class axis AllReduces per-row statistics), ``mul``,
+    ``sum_classes`` (a split class axis leaves partial row sums, completed by an AllReduce)
+    and ``reduce`` (ReduceMean or ReduceSum over the rows).
     """
 
     def __init__(self, sparse: bool = True, reduction: str = "mean") -> None:
         super().__init__()
-        if sparse is not True:
-            raise ValueError("SoftmaxCrossEntropyWithLogits: only sparse=True (integer labels) "
-                             "is supported")
+        if not isinstance(sparse, bool):
+            raise TypeError(f"SoftmaxCrossEntropyWithLogits: sparse must be a bool, got "
+                            f"{sparse!r}")
         if reduction not in ("mean", "sum"):
             raise ValueError(f"SoftmaxCrossEntropyWithLogits: reduction must be 'mean' or "
                              f"'sum', got {reduction!r}")
-        self.reduction = reduction
-        self.ce = ops.SparseSoftmaxCrossEntropyWithLogits()
+        self.sparse, self.reduction = sparse, reduction
         self.flat_logits, self.flat_labels = ops.Reshape(), ops.Reshape()
-        self.to_sum = ops.Mul()
+        if sparse:
+            self.ce = ops.SparseSoftmaxCrossEntropyWithLogits()
+            self.to_sum = ops.Mul()
+        else:
+            self.log_softmax = ops.LogSoftmax(axis=-1)
+            self.mul = ops.Mul()
+            self.sum_classes = ops.ReduceSum(axis=-1)
+            self.reduce = ops.ReduceMean(axis=()) if reduction == "mean" else \
+                ops.ReduceSum(axis=())
+            self.negate = ops.Mul()
 
     def construct(self, logits: Any, labels: Any) -> Any:
         c = logits.shape[-1]
         n = math.prod(logits.shape[:-1])
         if len(logits.shape) > 2:
             logits = self.flat_logits(logits, (n, c))
+        if not self.sparse:
+            if tuple(labels.shape) != (n, c) and tuple(labels.shape) != tuple(logits.shape):
+                labels = self.flat_labels(labels, (n, c))
+            rows = self.sum_classes(self.mul(labels, self.log_softmax(logits)))
+            return self.negate(self.reduce(rows), np.asarray(-1.0, dtype=logits.dtype))
         if len(labels.shape) != 1:
             labels = self.flat_labels(labels, (n,))
         loss = self.ce(logits, labels)

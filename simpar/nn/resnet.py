@@ -29,9 +29,10 @@ from simpar import ops
 from simpar.nn.cell import Cell
 from simpar.nn.conv_layers import Conv2d, Flatten, MaxPool2d, ReLU, SequentialCell
 from simpar.nn.layers import BatchNorm2d, Dense, _check_sizes
+from simpar.nn.loss import SoftmaxCrossEntropyWithLogits
 
-__all__ = ["ResNet", "ResidualBlock", "ResidualBlockBase", "resnet", "resnet18", "resnet50",
-           "shard_classifier"]
+__all__ = ["CrossEntropySmooth", "ResNet", "ResidualBlock", "ResidualBlockBase", "resnet",
+           "resnet18", "resnet50", "shard_classifier"]
 
 
 def _conv(cin: int, cout: int, k: int, stride: int, dtype: Any) -> Conv2d:
@@ -176,10 +177,42 @@ def resnet18(num_classes: int = 1000, width: int = 64, dtype: Any = np.float32) 
     return resnet(18, num_classes, width, dtype=dtype)
 
 
+class CrossEntropySmooth(Cell):
+    """The loss MindSpore's ResNet trains with (its model zoo's ``CrossEntropySmooth(sparse,
+    reduction, smooth_factor, num_classes)``): integer labels one-hot encoded (``onehot``,
+    :class:`~simpar.ops.OneHot`) with ``1 - smooth_factor`` at the label and
+    ``smooth_factor / (num_classes - 1)`` elsewhere, then the dense
+    :class:`~simpar.nn.SoftmaxCrossEntropyWithLogits` (``ce``). With ``sparse=False`` the
+    labels are already rows of probabilities."""
+
+    def __init__(self, sparse: bool = True, reduction: str = "mean",
+                 smooth_factor: float = 0.0, num_classes: int = 1000) -> None:
+        super().__init__()
+        _check_sizes("CrossEntropySmooth", num_classes=num_classes)
+        if isinstance(smooth_factor, bool) or not isinstance(smooth_factor, (int, float)) or \
+                not 0.0 <= smooth_factor < 1.0:
+            raise ValueError(f"CrossEntropySmooth: smooth_factor must be a float in [0, 1), "
+                             f"got {smooth_factor!r}")
+        self.sparse, self.num_classes = sparse, num_classes
+        self.on_value = 1.0 - smooth_factor
+        self.off_value = smooth_factor / (num_classes - 1) if num_classes > 1 else 0.0
+        self.onehot = ops.OneHot()
+        self.ce = SoftmaxCrossEntropyWithLogits(sparse=False, reduction=reduction)
+
+    def construct(self, logit: Any, label: Any) -> Any:
+        if self.sparse:
+            dtype = np.dtype(logit.dtype)
+            label = self.onehot(label, self.num_classes, np.asarray(self.on_value, dtype),
+                                np.asarray(self.off_value, dtype))
+        return self.ce(logit, label)
+
+
 def shard_classifier(net: ResNet, dp: int, mp: int, loss: Any = None) -> ResNet:
     """The classifier model parallel: ``end_point``'s weight rows (the classes) cut ``mp``
-    ways, its input's rows ``dp`` ways, the cross entropy's class axis ``mp`` ways (no logits
-    gathered); every convolution and BatchNorm data parallel over ``dp`` (on the batch)."""
+    ways, its input's rows ``dp`` ways, the loss's class axis ``mp`` ways (no logits
+    gathered: the sparse cross entropy's ``ce``, or :class:`CrossEntropySmooth`'s one-hot
+    labels and dense cross entropy); every convolution and BatchNorm data parallel over
+    ``dp`` (on the batch)."""
     for _, cell in net.cells_and_names():
         if isinstance(cell, Conv2d):
             cell.conv2d.shard(((dp, 1, 1, 1), (1, 1, 1, 1)))
@@ -188,6 +221,13 @@ def shard_classifier(net: ResNet, dp: int, mp: int, loss: Any = None) -> ResNet:
                 bn.shard(((dp, 1, 1, 1),) + ((1,),) * 4)
     net.end_point.matmul.shard(((dp, 1), (mp, 1)))
     net.end_point.bias_add.shard(((dp, mp), (mp,)))
-    if loss is not None:
+    rows = ((dp, mp),)
+    if isinstance(loss, CrossEntropySmooth):
+        loss.onehot.shard((rows[0], (), ()))
+        dense = loss.ce
+        dense.log_softmax.shard(rows)
+        dense.mul.shard(rows * 2)
+        dense.sum_classes.shard(rows)
+    elif loss is not None:
         loss.ce.shard(((dp, mp), (dp,)))
     return net

@@ -49,6 +49,7 @@ from simpar.ops.nn_ops import (
     Softmax,
     SparseSoftmaxCrossEntropyWithLogits,
 )
+from simpar.ops.one_hot import OneHot
 from simpar.ops.reduce_ops import ReduceMax, ReduceMean, ReduceSum
 from simpar.ops.strategy import IterSpace, Strategy, StrategyError
 
@@ -83,6 +84,7 @@ __all__ = [
     "MatMul",
     "MaxPool",
     "Mul",
+    "OneHot",
     "OpSharding",
     "PReLU",
     "Primitive",

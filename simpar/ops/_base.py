@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -417,6 +417,28 @@ class Primitive:
         """Floating-point operations of the local kernel (default: one per output element)."""
         return math.prod(local_out)
 
+    def strategy_of(self, space: IterSpace, cuts: Mapping[str, int]) -> Strategy:
+        """The strategy that cuts the iteration dims as ``cuts`` says: each input's dims'
+        cuts (OneHot's strategy cuts its output instead). Searches that walk iteration dims
+        (recursive programming) build their strategies with it."""
+        return tuple(tuple(cuts[it] if it is not None else 1 for it in dims)
+                     for dims in space.inputs)
+
+    def strategy_dims(self, space: IterSpace, shapes: Sequence[tuple[int, ...]]
+                      ) -> tuple[tuple[tuple[str | None, ...], tuple[int, ...]], ...]:
+        """Per entry of a strategy: the iteration dims it cuts and their sizes (each input's,
+        by default; :meth:`strategy_of`'s inverse)."""
+        return tuple(zip(space.inputs, (tuple(s) for s in shapes)))
+
+    def workspace(self, local_in: tuple[tuple[int, ...], ...], local_out: tuple[int, ...]
+                  ) -> int:
+        """Elements (of the output's dtype) the local kernels hold at once beside their
+        inputs, outputs, tape, cotangent and input gradients, forward or backward: what the
+        cost model adds to the op's backward transient. Default 0 (an op's temporaries are a
+        few arrays of its own sizes); a convolution's unrolled windows are many times its
+        input."""
+        return 0
+
     def default_strategy(self, shapes: Sequence[tuple[int, ...]], device_num: int) -> Strategy:
         """Data parallel on the first dimension that fits, else fully replicated."""
         cands = self.candidate_strategies(shapes, device_num, fully_use_devices=False)
@@ -501,7 +523,7 @@ class Primitive:
         shapes_t = self._check_shapes(shapes)
         space = self.iter_space(*shapes_t)
         sizes: dict[str, int] = {}
-        for dims, shape in zip(space.inputs, shapes_t):
+        for dims, shape in self.strategy_dims(space, shapes_t):
             for it, n in zip(dims, shape):
                 if it is not None:
                     sizes[it] = n
@@ -515,8 +537,7 @@ class Primitive:
                 if fully_use_devices and used != device_num and not (
                         used == 1 and self.fully_used_keeps_unsplit):
                     return
-                strat = tuple(tuple(chosen[it] if it is not None else 1 for it in dims)
-                              for dims in space.inputs)
+                strat = self.strategy_of(space, chosen)
                 if self._strategy_allowed(strat, shapes_t, slice_align):
                     out.append(strat)
                 return
@@ -609,6 +630,7 @@ def build_sharding(op: Primitive, shapes: tuple[tuple[int, ...], ...], strat: St
     # With dp outermost and mp innermost, an op that uses only the dp cuts then holds the same
     # rows on the same ranks as its Megatron neighbours, so no redistribution is needed.
     dm = tuple(cuts[it] for it in space.order) + ((repeat,) if repeat > 1 else ())
+    dm = dm or (1,)   # an op of 0-d tensors on one device: one axis of one device
     axis_of = {it: k for k, it in enumerate(space.order)}
     in_layouts = tuple(_layout(dm, axis_of, dims, shape)
                        for dims, shape in zip(space.inputs, shapes))

@@ -210,6 +210,13 @@ def _padded(x: np.ndarray, ah: _Axis, aw: _Axis, fill: float = 0.0) -> np.ndarra
     return np.pad(x, ((0, 0), (0, 0), (ah.lo, ah.hi), (aw.lo, aw.hi)), constant_values=fill)
 
 
+def _padded_size(image: tuple[int, ...], ah: _Axis, aw: _Axis) -> int:
+    """Elements of :func:`_padded`'s copy of ``image`` (0: no padding, no copy)."""
+    if not (ah.lo or ah.hi or aw.lo or aw.hi):
+        return 0
+    return image[0] * image[1] * (ah.lo + ah.size + ah.hi) * (aw.lo + aw.size + aw.hi)
+
+
 def _taps(ah: _Axis, aw: _Axis) -> list[tuple[int, int, slice, slice]]:
     return [(i, j, ah.taps(i), aw.taps(j)) for i in range(ah.kernel) for j in range(aw.kernel)]
 
@@ -224,6 +231,17 @@ _THIN = 64
 
 def _thin(channels: int, ah: _Axis, aw: _Axis) -> bool:
     return min(channels, ah.out * aw.out) < _THIN
+
+
+def _conv_workspace(image: tuple[int, ...], ah: _Axis, aw: _Axis, other: int) -> int:
+    """Elements the convolution kernels over ``image`` (N, C, H, W) hold beside their
+    operands, the larger of forward and backward: the padded copy (or the input gradient's
+    padded buffer), the unrolled windows (im2col: ``kh * kw`` times the output pixels' share
+    of the image) or one tap's slice, and a product of ``other`` elements (the output side:
+    im2col's GEMM result before it is laid out NCHW, the weight gradient's rows of dy)."""
+    n, c = image[:2]
+    taps = ah.kernel * aw.kernel if _thin(c, ah, aw) else 1
+    return _padded_size(image, ah, aw) + n * ah.out * aw.out * c * taps + other
 
 
 def _unrolled(xp: np.ndarray, ah: _Axis, aw: _Axis) -> np.ndarray:
@@ -381,6 +399,11 @@ class Conv2D(_ConvBase):
         (_, c, _, _), (_, _, kh, kw) = local_in
         return 2 * math.prod(local_out) * c * kh * kw
 
+    def workspace(self, local_in: tuple[tuple[int, ...], ...], local_out: tuple[int, ...]
+                  ) -> int:
+        ah, aw = self._geometry(local_in[0])
+        return _conv_workspace(local_in[0], ah, aw, math.prod(local_out))
+
     def _sharding(self, shapes: tuple[tuple[int, ...], ...], strat: Strategy,
                   out_strategy: Strategy | None, device_num: int,
                   enable_alltoall: bool = False) -> OpSharding:
@@ -486,6 +509,12 @@ class Conv2DTranspose(_ConvBase):
         dout, (_, _, kh, kw) = local_in
         return 2 * math.prod(dout) * local_out[1] * kh * kw
 
+    def workspace(self, local_in: tuple[tuple[int, ...], ...], local_out: tuple[int, ...]
+                  ) -> int:
+        # The image its windows walk is its output (the Conv2D's input it is the gradient of).
+        ah, aw = self._local_axes(local_in[0], local_in[1])
+        return _conv_workspace(local_out, ah, aw, math.prod(local_in[0]))
+
     def _sharding(self, shapes: tuple[tuple[int, ...], ...], strat: Strategy,
                   out_strategy: Strategy | None, device_num: int,
                   enable_alltoall: bool = False) -> OpSharding:
@@ -532,6 +561,13 @@ class _Pool(_Window):
 
     def flops(self, local_in: tuple[tuple[int, ...], ...], local_out: tuple[int, ...]) -> int:
         return math.prod(local_out) * math.prod(self.kernel_size)
+
+    def workspace(self, local_in: tuple[tuple[int, ...], ...], local_out: tuple[int, ...]
+                  ) -> int:
+        """The padded copy (the backward's padded input gradient) and one output-sized
+        temporary (a tap's window, its share of dy)."""
+        ah, aw = self._geometry(local_in[0])
+        return _padded_size(local_in[0], ah, aw) + math.prod(local_out)
 
 
 @register(mindspore_cost=CostClass.GELU, elementwise=False)

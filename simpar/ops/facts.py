@@ -57,6 +57,7 @@ class CostClass(StrEnum):
     REDUCE_MAX = "ReduceMaxCost"
     SOFTMAX_CROSS_ENTROPY = "SparseSoftmaxCrossEntropyWithLogitsCost"
     BATCH_PARALLEL = "BatchParallelCost"
+    ONE_HOT = "OneHotCost"
     LAYER_NORM = "LayerNormCost"
     GATHER = "GatherV2PCost"
     DROPOUT = "DropOutCost"

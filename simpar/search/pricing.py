@@ -408,7 +408,10 @@ class Pricer:
         bulk = getattr(self.model, "edge_prices", None)
         key = (tuple(s_first), tuple(d_first), itemsize)  # edges of equal layouts: once
         unique = self._matrices.get(key)
-        if unique is None and (self._fine_mesh is None or self.enable_alltoall or bulk is None):
+        # A 0-d tensor (a loss before its last scaling) has no dims for the bulk tables: its
+        # few moves (pending sums, completed or not) are priced pair by pair.
+        if unique is None and (self._fine_mesh is None or self.enable_alltoall or bulk is None
+                               or not us[0].ndim):
             unique = np.array([[self._move(s, d, itemsize) for d in ud] for s in us])
         elif unique is None:
             unique = self._signature_matrix(us, ud, itemsize, bulk)

@@ -87,11 +87,6 @@ class RecSolution:
     remembered: int
 
 
-def _strategy(space: IterSpace, cuts: dict[str, int]) -> Strategy:
-    return tuple(tuple(cuts[it] if it is not None else 1 for it in dims)
-                 for dims in space.inputs)
-
-
 class _Rec:
     """The rounds' state: one sharding per op, and which ops are settled in this round."""
 
@@ -118,13 +113,18 @@ class _Rec:
         self._near: dict[tuple[Any, ...], list[Strategy]] = {}
         self._memo: dict[tuple[Any, ...], Strategy] = {}
 
+    def _strategy(self, n: int, space: IterSpace, cuts: dict[str, int]) -> Strategy:
+        return self.pr.sites[n].node.op.strategy_of(space, cuts)
+
     def _space(self, n: int) -> tuple[IterSpace, dict[str, int], dict[str, int]]:
         """The op's iteration space, each iteration dimension's size and its current cut."""
         site = self.pr.sites[n]
-        space = site.node.op.iter_space(*site.shapes)
+        op = site.node.op
+        space = op.iter_space(*site.shapes)
         sizes: dict[str, int] = {}
         cuts = dict.fromkeys(space.order, 1)
-        for dims, shape, strat in zip(space.inputs, site.shapes, self.state[n].strategy):
+        for (dims, shape), strat in zip(op.strategy_dims(space, site.shapes),
+                                        self.state[n].strategy):
             for it, size, c in zip(dims, shape, strat):
                 if it is not None:
                     sizes[it], cuts[it] = size, c
@@ -141,12 +141,12 @@ class _Rec:
                 for it, c in zip(space.inputs[k], want):
                     if it is not None:
                         cuts[it] = c
-        return _strategy(space, cuts)
+        return self._strategy(n, space, cuts)
 
     def successors(self, n: int, p: int) -> list[Strategy]:
         """The op's strategies with one iteration dimension cut ``p`` times more."""
         space, sizes, cuts = self._space(n)
-        return [_strategy(space, {**cuts, it: cuts[it] * p}) for it in space.order
+        return [self._strategy(n, space, {**cuts, it: cuts[it] * p}) for it in space.order
                 if it not in space.unsplittable and sizes.get(it, 1) % (cuts[it] * p) == 0]
 
     def neighbourhood(self, n: int) -> list[Strategy]:
@@ -164,11 +164,11 @@ class _Rec:
         for a in space.order:
             for p in sorted(set(prime_factors(cuts[a]))):
                 if not self.fully:
-                    out.append(_strategy(space, {**cuts, a: cuts[a] // p}))
+                    out.append(self._strategy(n, space, {**cuts, a: cuts[a] // p}))
                 for b in space.order:
                     c = cuts[b] * p
                     if b != a and b not in space.unsplittable and sizes.get(b, 1) % c == 0:
-                        out.append(_strategy(space, {**cuts, a: cuts[a] // p, b: c}))
+                        out.append(self._strategy(n, space, {**cuts, a: cuts[a] // p, b: c}))
         for p in sorted(set(prime_factors(self.pr.device_num // self.used[n]))):
             out.extend(self.successors(n, p))
         return out
