@@ -79,6 +79,7 @@ def test_float32_convolution_with_every_rank_cutting() -> None:
                                                ((1, 1, 1, 1), (p, 1, 1, 1))])
 
 
+@pytest.mark.mpi(min_size=2)
 def test_the_input_channel_cut_sums_the_partial_outputs() -> None:
     """C_in cut p ways: one AllReduce over all p ranks of this rank's whole output; a batch
     or an output-channel cut: nothing forward."""
@@ -95,6 +96,7 @@ def test_the_input_channel_cut_sums_the_partial_outputs() -> None:
         assert not [e for e in trace.events if "run_op:forward" in e.label]
 
 
+@pytest.mark.mpi(min_size=2)
 def test_a_strategy_that_needs_the_halo_is_refused_on_every_rank() -> None:
     """A ResNet whose stem's H is cut (a 7x7 window crosses every slice edge): building it
     raises the same StrategyError on every rank, before any collective."""
