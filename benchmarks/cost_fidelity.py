@@ -53,7 +53,7 @@ import numpy as np
 from _common import host_line, markdown_table, today, write_section
 
 import simpar
-from simpar import nn
+from simpar import nn, viz
 from simpar.cost import load_profile
 from simpar.dataset import CharCorpus, random_classification, random_images
 from simpar.nn import presets
@@ -325,25 +325,13 @@ PNG = Path(__file__).resolve().parent / "cost_fidelity.png"
 
 
 def _scatter(names: list[str], predicted: list[float], measured: list[float]) -> str:
-    """Predicted against measured step time as a PNG (matplotlib, the optional ``viz``
-    extra); the line for RESULTS.md says where it is or why there is none."""
+    """Predicted against measured step time as a PNG (:func:`simpar.viz.fidelity_png`,
+    matplotlib: the optional ``viz`` extra); the line for RESULTS.md says where it is or why
+    there is none."""
     try:
-        import matplotlib  # noqa: PLC0415 (optional extra: imported only to draw)
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
+        viz.fidelity_png(names, predicted, measured, PNG)
     except ImportError:
         return "(No scatter plot: matplotlib is not installed; `pip install -e .[viz]` adds it.)"
-    fig, ax = plt.subplots(figsize=(5, 5))
-    ms, ps = [m * 1e3 for m in measured], [p * 1e3 for p in predicted]
-    ax.scatter(ms, ps)
-    for name, m, p in zip(names, ms, ps):
-        ax.annotate(name, (m, p), fontsize=6)
-    top = max(ms + ps) * 1.1
-    ax.plot([0, top], [0, top], linewidth=0.5)
-    ax.set_xlabel("measured step (ms)")
-    ax.set_ylabel("predicted step (ms)")
-    fig.tight_layout()
-    fig.savefig(PNG, dpi=120)
     return f"![predicted against measured step time]({PNG.name})"
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from simpar import comm, context, graph
+from simpar.cake import cake
 from simpar.compare import relative_error
 from simpar.layout import TensorLayout, distribute
 from simpar.ops._base import OpSharding, Primitive
@@ -22,8 +23,8 @@ from simpar.runtime.op_runner import OpRunner
 from simpar.search import StrategyMap, plan_request, request_from_context
 from simpar.strategy_file import load_strategy, save_strategy
 
-__all__ = ["OpCheckError", "OpRun", "export_strategy", "get_parallel_info", "import_strategy",
-           "run_op", "search_strategies"]
+__all__ = ["OpCheckError", "OpRun", "describe_sharding", "export_strategy", "get_parallel_info",
+           "import_strategy", "run_op", "search_strategies"]
 
 
 class OpCheckError(AssertionError):
@@ -77,13 +78,16 @@ def _check(what: str, got: np.ndarray, want: np.ndarray, local: np.ndarray | Non
 
 
 def run_op(op: Primitive, *global_inputs: np.ndarray, grad_output: np.ndarray | None = None,
-           check: bool = False, full: bool = False) -> Any:
+           check: bool = False, full: bool = False, verbose: bool = False) -> Any:
     """Run ``op`` on the MPI world under its strategy and return the global result.
 
     Each rank takes its shard of every input, runs the op's per-rank program (local kernel and
     collectives) and the output is assembled afterwards. With ``grad_output`` it also runs the
     backward and returns ``(output, input_grads)``. ``check=True`` compares with the
     single-device kernel/VJP and raises :class:`OpCheckError` on every rank if they differ.
+    ``verbose=True``: rank 0 prints the plan first, each input's and output's cut drawn as the
+    grid of its blocks and the ranks holding each (:func:`simpar.cake.cake`), and the
+    collectives forward and backward.
 
     >>> out = run_op(MatMul().shard(((2, 1), (1, 4))), a, b)   # doctest: +SKIP
     """
@@ -102,6 +106,8 @@ def run_op(op: Primitive, *global_inputs: np.ndarray, grad_output: np.ndarray | 
             *((f"grad_output {k}", np.asarray(d)) for k, d in enumerate(given))])
     op.check_values(*xs)
     sh = _planned(op, xs)
+    if verbose and rank == 0:
+        print(describe_sharding(sh, [x.dtype.name for x in xs][0]), flush=True)
     runner = OpRunner(sh)
     local_in = tuple(distribute(x, lay, rank) for x, lay in zip(xs, sh.in_layouts))
     with comm.label("run_op:forward"):
@@ -158,13 +164,44 @@ def _planned(op: Primitive, xs: Sequence[np.ndarray]) -> OpSharding:
                        enable_alltoall=request.enable_alltoall)
 
 
+def _cakes(sh: OpSharding) -> tuple[list[str], list[str]]:
+    """Each input's and output's cut, drawn (:func:`simpar.cake.cake`)."""
+    ins = [cake(lay, f"input {i}") for i, lay in enumerate(sh.in_layouts)]
+    outs = []
+    for k, (raw, out, _) in enumerate(sh.outputs):
+        name = f"output {k}" if len(sh.outputs) > 1 else "output"
+        if raw != out:   # the kernel's partial (or other) layout, then the op's collectives'
+            outs.append(cake(raw, f"{name} as the kernel leaves it"))
+        outs.append(cake(out, name))
+    return ins, outs
+
+
+def describe_sharding(sh: OpSharding, dtype: str = "float32", rank: int = 0) -> str:
+    """``sh`` as ``run_op(verbose=True)`` prints it: the strategy and device matrix, every
+    input's and output's cut drawn, and ``rank``'s collectives forward and backward."""
+    itemsize = np.dtype(dtype).itemsize
+    out_size = sh.op.output_dtype(np.dtype(dtype)).itemsize
+    ins, outs = _cakes(sh)
+
+    def comms(specs: Sequence[Any]) -> str:
+        listed = [c.describe(rank, itemsize, out_size) for c in specs]
+        return ", ".join(f"{c['op']} over {c['group']}" for c in listed) or "none"
+
+    return "\n".join([f"{sh.op.name}: strategy {[list(s) for s in sh.strategy]}, device "
+                      f"matrix {list(sh.device_matrix)}", *ins, *outs,
+                      f"rank {rank}: forward {comms(sh.forward_comm)}; backward "
+                      f"{comms(sh.backward_comm)}"])
+
+
 def get_parallel_info(op: Primitive, input_shapes: Sequence[Sequence[int]],
                       device_num: int | None = None, rank: int | None = None,
                       dtype: str = "float32") -> dict[str, Any]:
     """What ``op`` does in parallel, as a JSON-serialisable dict, without running it.
 
     ``forward_comm``/``backward_comm`` list ``{"op", "group", "groups", "bytes", "reason"}``:
-    ``group`` is ``rank``'s group, ``bytes`` what it receives. For
+    ``group`` is ``rank``'s group, ``bytes`` what it receives. ``inputs_cake`` and
+    ``outputs_cake`` draw each cut as the grid of its blocks, each cell the ranks holding it
+    (:func:`simpar.cake.cake`; ``print(info["inputs_cake"][0])``). For
     ``MatMul().shard(((2, 4), (4, 1)))`` on 8 devices the forward is one AllReduce, over
     [0, 1, 2, 3] for ranks 0..3 and [4, 5, 6, 7] for the others.
     """
@@ -185,6 +222,8 @@ def get_parallel_info(op: Primitive, input_shapes: Sequence[Sequence[int]],
         "outputs_tensor_map": [o.to_dict()["tensor_map"] for _, o, _ in sh.outputs],
         "inputs_slice_shape": [list(lay.local_shape()) for lay in sh.in_layouts],
         "outputs_slice_shape": [list(o.local_shape()) for _, o, _ in sh.outputs],
+        "inputs_cake": _cakes(sh)[0],
+        "outputs_cake": _cakes(sh)[1],
         "forward_comm": [c.describe(rank, in_size, out_size) for c in sh.forward_comm],
         "backward_comm": [c.describe(rank, in_size, out_size) for c in sh.backward_comm],
         "flops": int(sh.local_flops()),

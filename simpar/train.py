@@ -24,6 +24,7 @@ import argparse
 import json
 import math
 import os
+import pathlib
 import sys
 import time
 from typing import Any
@@ -36,6 +37,7 @@ from simpar._checks import positive_float_arg
 from simpar.check import CheckReport, check_against_single_device
 from simpar.context import ContextError
 from simpar.cost import CostReport, SimparCostModel, load_profile, profile_names
+from simpar.cost.model import predicted_timeline
 from simpar.cost_model_context import set_cost_model_context, set_search_cost_model
 from simpar.nn import presets
 from simpar.pipeline import plan_pipeline, price_pipeline
@@ -44,6 +46,7 @@ from simpar.search import registered_searches
 from simpar.strategy_table import columns as strategy_table_columns
 from simpar.strategy_table import display_names as display_names  # re-exported
 from simpar.strategy_table import strategy_table
+from simpar.trace_events import write_trace
 from simpar.train_models import (
     MODELS,
     add_model_arguments,
@@ -150,6 +153,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-check", action="store_true", help="skip the single-device check")
     p.add_argument("--out", default=None, help="directory for summary.json")
+    p.add_argument("--trace", default=None, metavar="FILE",
+                   help="write every rank's steps, collectives and kernels, and the cost "
+                   "model's predicted step, as a Chrome trace-event JSON file (Perfetto, "
+                   "chrome://tracing)")
     p.add_argument("--profile", default="cpu-local",
                    help="device profile the cost model predicts the step on: a shipped name "
                    f"({', '.join(profile_names())}), a .json path (python -m simpar.calibrate "
@@ -242,6 +249,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         problem = _unwritable_dir(args.out)
         if problem:
             p.error(f"--out {args.out}: {problem}")
+    if args.trace is not None:
+        problem = _env.unwritable_file(pathlib.Path(args.trace))
+        if problem:
+            p.error(f"--trace {args.trace}: {problem}")
     return args
 
 
@@ -544,14 +555,17 @@ def main(argv: list[str] | None = None) -> int:
             say(f"the checkpoint is after step {start}: nothing left of --steps {args.steps}")
     tokens = args.batch_size * per_row
     rows = my_rows(train, rank)
+    spans: list[tuple[int, float, float, float]] = []   # (step, barrier, start, end)
     with comm.CommTrace() as trace:
         for k in range(start, args.steps):
             data, label = (data0, label0) if k == 0 else get_batch(k, rows)  # only its rows
+            waited = time.perf_counter()
             comm.world().Barrier()  # untraced: only to time steps fairly
             t0 = time.perf_counter()
             _injected_failure(rank, k + 1)
             loss = train(data, label)
             step_times.append(time.perf_counter() - t0)
+            spans.append((k + 1, waited, t0, t0 + step_times[-1]))
             losses.append(loss)
             if args.stop_on_nonfinite and not math.isfinite(loss):
                 # Every rank computed the same global loss, so every rank stops here alike.
@@ -589,6 +603,13 @@ def main(argv: list[str] | None = None) -> int:
             f" ms (measured median {1e3 * float(np.median(steady)):.1f} ms), peak memory "
             f"{predicted.peak_memory / 2**20:.2f} MiB per rank (program.cost(profile) has "
             "the table)")
+    if args.trace is not None:
+        priced = None
+        if isinstance(predicted, CostReport) and train.program is not None:
+            priced = (predicted_timeline(train.program, args.profile, predicted.slowest_rank),
+                      load_profile(args.profile).name, predicted.slowest_rank)
+        write_trace(args.trace, spans, trace.events, priced)
+        say(f"wrote the timeline to {args.trace} (Perfetto or chrome://tracing opens it)")
     summary: dict[str, Any] = {
         "mode": args.parallel_mode, "strategy": strategy_name(args, world), "dp": dp,
         "search_mode": args.search_mode if args.parallel_mode == "auto_parallel" else None,

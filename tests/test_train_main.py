@@ -181,6 +181,37 @@ def test_gpt_hybrid_preset(tmp_path: Path) -> None:
         assert summary["comm"]["AllReduce"]["count"] >= 3 * (2 + 4 * 2)
 
 
+@pytest.mark.mpi
+def test_trace_is_chrome_trace_events_with_every_rank_and_the_prediction(tmp_path: Path
+                                                                         ) -> None:
+    """``--trace FILE`` on 1, 2, 4 and 8 ranks: a trace-event file in which every event has
+    name, ph, ts, pid and tid and every complete event a dur; one process per rank (its
+    steps, collectives and kernels, the collectives being exactly those the job traced) and
+    the cost model's predicted timeline as a process of its own."""
+    n = comm.get_group_size()
+    path = shared_dir(tmp_path) / "trace.json"
+    code, summary = _main(["--model", "mlp", "--steps", "2", "--trace", str(path)], tmp_path)
+    assert code == 0
+    comm.barrier()
+    events = json.loads(path.read_text())["traceEvents"]
+    for e in events:
+        assert {"name", "ph", "ts", "pid", "tid"} <= set(e), e
+        if e["ph"] == "X":
+            assert e["dur"] >= 0, e
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert [names[r] for r in range(n)] == [f"rank {r}" for r in range(n)]
+    assert names[n].startswith("predicted (cost model on cpu-local")
+    assert set(names) == set(range(n + 1))
+    for r in range(n):
+        mine = [e for e in events if e["pid"] == r and e["ph"] == "X"]
+        assert [e["name"] for e in mine if e.get("cat") == "step"] == ["step 1", "step 2"]
+        kinds = sorted(e["name"] for e in mine if e.get("cat") == "collective")
+        traced = sum(int(row["count"]) for row in summary["comm"].values())
+        assert len(kinds) == traced or r != 0   # the summary counts rank 0's, the whole run
+    predicted = [e for e in events if e["pid"] == n and e["ph"] == "X"]
+    assert {e["cat"] for e in predicted} >= {"compute"}
+
+
 @pytest.mark.mpi(min_size=2)
 def test_resnet_with_its_classes_cut(tmp_path: Path) -> None:
     """``--model resnet --strategy mp``: the classifier's classes cut over every rank (its

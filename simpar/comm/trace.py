@@ -23,6 +23,7 @@ This module does not import MPI.
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -55,6 +56,8 @@ class CommEvent:
     label: str = ""
     #: Index of the program step that ran it (``ParallelProgram.schedule``), None outside one.
     step: int | None = None
+    #: ``time.perf_counter()`` when it finished, on this rank (it started ``seconds`` before).
+    finished: float = 0.0
 
     def __str__(self) -> str:
         op = f"({self.op})" if self.op else ""
@@ -244,6 +247,6 @@ def record(kind: str, group: tuple[int, ...], bytes_sent: int, bytes_recv: int, 
     step = at if at is not None else _step()
     index, text = step if step is not None else (None, "/".join(_labels()))
     event = CommEvent(kind, group, int(bytes_sent), int(bytes_recv), seconds, str(dtype), shape,
-                      op, text, index)
+                      op, text, index, time.perf_counter())
     for t in traces:
         t.events.append(event)

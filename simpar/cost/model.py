@@ -42,7 +42,7 @@ from simpar.cost.profile import DeviceProfile, load_profile
 
 __all__ = ["OPTIMIZER_KERNELS", "OPTIMIZER_PASSES", "OPTIMIZER_STATE", "OPTIMIZER_TEMPORARIES",
            "CostReport", "MemoryRow", "OpCostRow", "evaluate", "optimizer_seconds",
-           "phase_seconds"]
+           "phase_seconds", "predicted_timeline"]
 
 #: Optimizer state per trainable parameter element, in parameter-sized copies.
 OPTIMIZER_STATE = {"sgd": 0, "momentum": 1, "adam": 2}
@@ -282,6 +282,27 @@ def _step_seconds(s: Any, by_name: Mapping[str, Any], prof: DeviceProfile
     if s.role == "mirror":
         return -1, seconds
     return (1 if s.role == "op-collective" else 2), seconds
+
+
+#: What each bucket of :func:`_step_seconds` is, for a timeline.
+_BUCKETS = {0: "compute", 1: "op collective", 2: "redistribution", -1: "gradient sync"}
+
+
+def predicted_timeline(program: _Program, profile: str | DeviceProfile = "cpu-local",
+                       rank: int = 0) -> list[tuple[str, str, float]]:
+    """Every step ``rank`` runs for one forward and backward, in order, as the model prices
+    it: ``(name, kind, seconds)``, the kind one of compute, op collective, redistribution and
+    gradient sync (the Mirrors). What ``--trace`` draws beside the measured timeline; the
+    optimizer's update and the fixed costs are left out."""
+    prof = load_profile(profile)
+    by_name = {s.node.name: s for s in program.steps}
+    out = []
+    for st in program.schedule(rank):
+        bucket, seconds = _step_seconds(st, by_name, prof)
+        name = (f"{st.op.rsplit('/', 1)[-1]}{' backward' if st.backward else ''}"
+                if st.collective is None else f"{st.collective} {st.label}")
+        out.append((name, _BUCKETS[bucket], seconds))
+    return out
 
 
 def phase_seconds(program: _Program, profile: str | DeviceProfile = "cpu-local",

@@ -1,0 +1,138 @@
+"""Pictures of a plan, as PNG files (matplotlib, the optional ``viz`` extra:
+``pip install -e .[viz]``). Each function draws one figure, writes it to ``path`` and
+returns the path; none of them needs MPI.
+
+* :func:`layout_png`: the cake, a tensor layout's blocks coloured by the ranks that hold them
+  (one colour per holder set; copies and partial sums written in the cells as
+  :mod:`simpar.cake` writes them);
+* :func:`cost_png`: a plan's predicted step split into compute, op communication,
+  redistribution, gradient sync, the optimizer and fixed costs, and its peak memory per rank
+  split into parameters, gradients, optimizer state, activations and transients;
+* :func:`fidelity_png`: predicted against measured step time, one point per strategy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from simpar.cake import cake_cells
+from simpar.layout import TensorLayout
+
+__all__ = ["cost_png", "fidelity_png", "layout_png"]
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib  # noqa: PLC0415 (an optional extra, imported only to draw)
+    except ImportError:
+        raise ImportError("simpar.viz draws with matplotlib, the optional 'viz' extra: "
+                          "pip install -e .[viz]") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+    return plt
+
+
+def _save(fig: Any, path: str | Path) -> Path:
+    out = Path(path)
+    tmp = out.with_name(out.name + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    fig.clf()
+    tmp.replace(out)   # never half a picture under the name
+    return out
+
+
+def layout_png(layout: TensorLayout, path: str | Path, name: str = "tensor") -> Path:
+    """``layout`` as a grid of blocks (its last two dims; the blocks of the first of the
+    dims before them only), each coloured by the set of ranks holding it."""
+    plt = _pyplot()
+    cells = cake_cells(layout)
+    ndim = len(layout.shape)
+    grid: dict[tuple[tuple[int, int], ...], str]
+    if ndim == 0:
+        grid = {((0, 1), (0, 1)): cells[()]}
+    elif ndim == 1:
+        grid = {((0, 1), block[0]): text for block, text in cells.items()}
+    else:
+        first = min(block[:-2] for block in cells)
+        grid = {block[-2:]: text for block, text in cells.items() if block[:-2] == first}
+    rows = sorted({b[0] for b in grid})
+    cols = sorted({b[1] for b in grid})
+    holders = sorted(set(grid.values()))
+    palette = plt.get_cmap("tab20")
+    fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(cols), 1.0 + 0.8 * len(rows)))
+    for (r, c), text in grid.items():
+        y, x = rows.index(r), cols.index(c)
+        ax.add_patch(plt.Rectangle((x, -y - 1), 1, 1, facecolor=palette(
+            holders.index(text) % 20), edgecolor="black"))
+        ax.text(x + 0.5, -y - 0.5, text, ha="center", va="center", fontsize=8)
+    ax.set_xlim(0, len(cols))
+    ax.set_ylim(-len(rows), 0)
+    ax.set_xticks([k + 0.5 for k in range(len(cols))],
+                  [f"{a}:{b}" for a, b in cols], fontsize=7)
+    ax.set_yticks([-k - 0.5 for k in range(len(rows))],
+                  [f"{a}:{b}" for a, b in rows], fontsize=7)
+    partial = f", partial over device axes {list(layout.partial_axes)}" \
+        if layout.partial_axes else ""
+    ax.set_title(f"{name} {tuple(layout.shape)}, cut {tuple(layout.cuts)} on "
+                 f"{list(layout.device_matrix)}{partial}", fontsize=8)
+    return _save(fig, path)
+
+
+def cost_png(report: Any, path: str | Path, title: str = "") -> Path:
+    """A :class:`~simpar.cost.CostReport`: the predicted step by part (one bar) and the
+    peak memory of each rank priced, by part."""
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
+    parts = [("compute", report.compute), ("op comm", report.op_comm),
+             ("redistribution", report.redistribution), ("grad sync", report.grad_sync),
+             ("optimizer", report.optimizer), ("fixed", report.overhead)]
+    bottom = 0.0
+    for label, seconds in parts:
+        left.bar(0, seconds * 1e3, bottom=bottom, label=label)
+        bottom += seconds * 1e3
+    left.set_xticks([0], ["step"])
+    left.set_ylabel("predicted ms")
+    left.legend(fontsize=7)
+    ranks = [m.rank for m in report.memory]
+    mib = 2.0 ** 20
+    stack = [("parameters", [m.parameters for m in report.memory]),
+             ("gradients", [m.gradients for m in report.memory]),
+             ("optimizer state", [m.optimizer for m in report.memory]),
+             ("activations", [m.activations for m in report.memory]),
+             ("transient", [m.peak - m.parameters - m.gradients - m.optimizer - m.activations
+                            for m in report.memory])]
+    base = [0.0] * len(ranks)
+    for label, values in stack:
+        right.bar([str(r) for r in ranks], [v / mib for v in values], bottom=base, label=label)
+        base = [b + v / mib for b, v in zip(base, values)]
+    right.set_xlabel("rank")
+    right.set_ylabel("peak MiB")
+    right.legend(fontsize=7)
+    fig.suptitle(title or f"predicted on {report.profile}: {report.step_seconds * 1e3:.2f} ms "
+                 f"per step, {report.device_num} devices", fontsize=9)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def fidelity_png(names: Sequence[str], predicted: Sequence[float], measured: Sequence[float],
+                 path: str | Path) -> Path:
+    """Predicted against measured step time (seconds), one labelled point per strategy and
+    the line where they agree."""
+    if not (len(names) == len(predicted) == len(measured)) or not names:
+        raise ValueError(f"fidelity_png: names, predicted and measured must be as long as "
+                         f"each other and not empty, got {len(names)}, {len(predicted)} and "
+                         f"{len(measured)}")
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5, 5))
+    ms, ps = [m * 1e3 for m in measured], [p * 1e3 for p in predicted]
+    ax.scatter(ms, ps)
+    for name, m, p in zip(names, ms, ps):
+        ax.annotate(name, (m, p), fontsize=6)
+    top = max(ms + ps) * 1.1
+    ax.plot([0, top], [0, top], linewidth=0.5)
+    ax.set_xlabel("measured step (ms)")
+    ax.set_ylabel("predicted step (ms)")
+    fig.tight_layout()
+    return _save(fig, path)

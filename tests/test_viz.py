@@ -1,0 +1,50 @@
+"""simpar.viz's pictures on small cases: each PNG is written, has the size asked for, and is
+not blank (its pixels take many values; the cake's blocks each their holders' colour)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from simpar import ops, viz
+from simpar.cost import load_profile
+from simpar.plan import PlanOptions, make_plan
+
+
+def _pixels(path: Path) -> np.ndarray:
+    import matplotlib.image as mpimg
+    return np.asarray(mpimg.imread(path))
+
+
+def _colours(img: np.ndarray) -> int:
+    return len(np.unique(img.reshape(-1, img.shape[-1])[:, :3].round(3), axis=0))
+
+
+def test_the_cake_colours_each_holder_set(tmp_path: Path) -> None:
+    sh = ops.MatMul().shard(((2, 4), (4, 1))).sharding([(8, 16), (16, 4)], 8)
+    a = _pixels(viz.layout_png(sh.in_layouts[0], tmp_path / "a.png", "a"))
+    b = _pixels(viz.layout_png(sh.in_layouts[1], tmp_path / "b.png", "b"))
+    partial = _pixels(viz.layout_png(sh.raw_out, tmp_path / "raw.png", "raw"))
+    assert a.shape[0] > 100 and a.shape[1] > 200
+    # eight blocks of eight holders: at least eight fill colours besides white and text
+    assert _colours(a) > _colours(partial) >= 4
+    assert a.std() > 0.1 and b.std() > 0.1
+    scalar = ops.ReduceSum(axis=()).sharding([(8,)], 4, ((4,),)).raw_out
+    assert _pixels(viz.layout_png(scalar, tmp_path / "s.png")).std() > 0.05
+
+
+def test_cost_and_fidelity_pictures(tmp_path: Path) -> None:
+    plan = make_plan(PlanOptions("mlp", hidden=256, layers=1, batch=64, device_num=8,
+                                 search_mode="dynamic_programming",
+                                 profile=load_profile("cpu-local"), in_features=64,
+                                 classes=16))
+    img = _pixels(viz.cost_png(plan.report, tmp_path / "cost.png"))
+    assert img.shape[1] > 600 and img.std() > 0.1 and _colours(img) > 8
+    img = _pixels(viz.fidelity_png(["dp", "mp"], [0.010, 0.004], [0.012, 0.005],
+                                   tmp_path / "fidelity.png"))
+    assert img.std() > 0.05
+    with pytest.raises(ValueError, match="must be as long as each other"):
+        viz.fidelity_png(["dp"], [0.01, 0.02], [0.01], tmp_path / "bad.png")
+    assert not (tmp_path / "bad.png").exists()
