@@ -360,7 +360,27 @@ def _print_rank_logs(run: RunResults, logdir: Path) -> None:
             print(f"----- {log.name} ({run.label}) -----\n{text[-6000:]}")
 
 
+def _browser() -> None:
+    """The report's test opens it in headless Chromium: install Debian's package where it is
+    missing and this may (root, apt-get). Best effort: without it that test is skipped and
+    says why."""
+    if shutil.which("chromium") or shutil.which("chromium-browser"):
+        return
+    if not shutil.which("apt-get") or os.geteuid() != 0:
+        print("dev.py: no chromium, and no apt-get as root to install it: the report's "
+              "browser test will be skipped", flush=True)
+        return
+    print("dev.py: installing Debian's chromium for the report's browser test", flush=True)
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.STDOUT}
+    if subprocess.call(["apt-get", "install", "-y", "-q", "chromium"], **quiet) != 0:
+        subprocess.call(["apt-get", "update", "-q"], **quiet)
+        if subprocess.call(["apt-get", "install", "-y", "-q", "chromium"], **quiet) != 0:
+            print("dev.py: apt-get could not install chromium: the report's browser test "
+                  "will be skipped", flush=True)
+
+
 def test(args: list[str]) -> int:
+    _browser()
     env = _env()
     runs = [_pytest("1 process", [PY, "-m", "pytest", "-q", "--with-mpi", *args], env, 1)]
     for n in MPI_RUNS:

@@ -33,6 +33,7 @@ import numpy as np
 
 import simpar
 from simpar import _env, checkpoint, comm, graph, nn
+from simpar import report as simpar_report
 from simpar._checks import positive_float_arg
 from simpar.check import CheckReport, check_against_single_device
 from simpar.context import ContextError
@@ -153,6 +154,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-check", action="store_true", help="skip the single-device check")
     p.add_argument("--out", default=None, help="directory for summary.json")
+    p.add_argument("--report", default=None, metavar="DIR",
+                   help="write DIR/report.html (the strategies, why they won, the loss curve, "
+                   "predicted against measured, the cost and memory per rank, the cuts drawn, "
+                   "the check) with its pictures and report.json; python -m simpar.report DIR "
+                   "builds it again")
     p.add_argument("--trace", default=None, metavar="FILE",
                    help="write every rank's steps, collectives and kernels, and the cost "
                    "model's predicted step, as a Chrome trace-event JSON file (Perfetto, "
@@ -249,6 +255,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         problem = _unwritable_dir(args.out)
         if problem:
             p.error(f"--out {args.out}: {problem}")
+    if args.report is not None:
+        problem = _unwritable_dir(args.report)
+        if problem:
+            p.error(f"--report {args.report}: {problem}")
     if args.trace is not None:
         problem = _env.unwritable_file(pathlib.Path(args.trace))
         if problem:
@@ -531,9 +541,11 @@ def main(argv: list[str] | None = None) -> int:
         say(optimizer_shard_line(train))
     if train.program_dimensions is not None and rank == 0:
         print(dimensions_table(train))
+    why = ""
     if args.parallel_mode == "auto_parallel" and args.profile != "none" and rank == 0 \
             and train.pipeline is None:
-        print(why_it_won(args, train, world))
+        why = why_it_won(args, train, world)
+        print(why)
     per_row, unit = samples_unit(args)   # (tokens, images or samples) per batch row
     say(f"\nplanned in {t_build:.2f} s; training {args.steps} steps of {args.batch_size} x "
         f"{per_row} {unit}")
@@ -633,6 +645,8 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(summary, f, indent=1, default=float, allow_nan=False)
         os.replace(tmp, path)
         say(f"wrote {path}")
+    if args.report and rank == 0:
+        say(f"wrote {write_report(args, train, summary, why, trace, predicted, report)}")
     if report is None:
         return 0
     say("\n" + (report.summary() if report.passed else str(report)))  # the verdict, last
@@ -642,6 +656,30 @@ def main(argv: list[str] | None = None) -> int:
               f"the check cannot judge this run; train stably (--lr {learning_rate(args):g} "
               "is too large here) to check it", file=sys.stderr)
     return {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 2}[report.verdict]
+
+
+def write_report(args: argparse.Namespace, train: nn.TrainOneStepCell,
+                 summary: dict[str, Any], why: str, trace: comm.CommTrace, predicted: Any,
+                 check: CheckReport | None) -> Any:
+    """``--report DIR``: the run's data as ``report.json``, then its page
+    (:mod:`simpar.report`); returns the page's path. Rank 0 only."""
+    prog = train.program
+    trainable = [] if prog is None else [
+        n for n in prog.param_layouts
+        if getattr(prog.param_values[n].param, "requires_grad", False)]
+    data = {**summary, "title": f"{args.model}, {args.parallel_mode}, {comm.get_group_size()} "
+                                f"ranks",
+            "settings": json.dumps(job_settings(args) | {
+                "parallel_mode": args.parallel_mode, "ranks": comm.get_group_size(),
+                "search_mode": summary["search_mode"]}, indent=1),
+            "strategy_table": strategy_table(prog) if prog is not None else "",
+            "why_it_won": why, "collectives": trace.summary(),
+            "cost": predicted.to_dict() if isinstance(predicted, CostReport) else None,
+            "layouts": [{"name": n, "layout": prog.storage_layout(n).to_dict()}
+                        for n in trainable[:3]] if prog is not None else [],
+            "check": "" if check is None else (check.summary() if check.passed else str(check))}
+    simpar_report.write_data(args.report, data)
+    return simpar_report.build(args.report)
 
 
 def optimizer(args: argparse.Namespace) -> str:

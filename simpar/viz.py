@@ -8,19 +8,20 @@ returns the path; none of them needs MPI.
 * :func:`cost_png`: a plan's predicted step split into compute, op communication,
   redistribution, gradient sync, the optimizer and fixed costs, and its peak memory per rank
   split into parameters, gradients, optimizer state, activations and transients;
-* :func:`fidelity_png`: predicted against measured step time, one point per strategy.
+* :func:`fidelity_png`: predicted against measured step time, one point per strategy;
+* :func:`lines_png`: series per step (a loss curve; measured and predicted step times).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from simpar.cake import cake_cells
 from simpar.layout import TensorLayout
 
-__all__ = ["cost_png", "fidelity_png", "layout_png"]
+__all__ = ["cost_png", "fidelity_png", "layout_png", "lines_png"]
 
 
 def _pyplot() -> Any:
@@ -134,5 +135,19 @@ def fidelity_png(names: Sequence[str], predicted: Sequence[float], measured: Seq
     ax.plot([0, top], [0, top], linewidth=0.5)
     ax.set_xlabel("measured step (ms)")
     ax.set_ylabel("predicted step (ms)")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def lines_png(series: Mapping[str, Sequence[float]], xlabel: str, ylabel: str,
+              path: str | Path) -> Path:
+    """Each named series against its step number (1, 2, ...), one line each."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    for label, values in series.items():
+        ax.plot(range(1, len(values) + 1), values, marker="o", markersize=3, label=label)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     return _save(fig, path)

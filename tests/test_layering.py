@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("simpar.parallel",),
     ("simpar.nn", "simpar.auto_parallel"),
     ("simpar.check", "simpar.dataset", "simpar.pipeline.search", "simpar.checkpoint",
-     "simpar.viz", "simpar.trace_events",
+     "simpar.viz", "simpar.trace_events", "simpar.report",
      "simpar.checkpoint.manifest", "simpar.checkpoint.save", "simpar.checkpoint.load",
      "simpar.checkpoint.training", "simpar.checkpoint.cli"),
     ("simpar.train", "simpar.launch", "simpar.launch.rank_table", "simpar.launch.mpi",

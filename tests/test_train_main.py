@@ -212,6 +212,20 @@ def test_trace_is_chrome_trace_events_with_every_rank_and_the_prediction(tmp_pat
     assert {e["cat"] for e in predicted} >= {"compute"}
 
 
+@pytest.mark.mpi
+def test_report_on_every_world_size(tmp_path: Path) -> None:
+    """``--report DIR`` on 1, 2, 4 and 8 ranks: rank 0 writes the page, its data and its
+    pictures; the page holds the check's verdict and every picture inlined."""
+    out = shared_dir(tmp_path) / "report"
+    code, _ = _main(["--model", "mlp", "--steps", "2", "--report", str(out)], tmp_path)
+    assert code == 0
+    comm.barrier()
+    data = json.loads((out / "report.json").read_text())
+    assert f"{comm.get_group_size()} ranks" in data["title"]
+    page = (out / "report.html").read_text()
+    assert page.count("data:image/png;base64,") >= 4 and ": PASS</pre>" in page
+
+
 @pytest.mark.mpi(min_size=2)
 def test_resnet_with_its_classes_cut(tmp_path: Path) -> None:
     """``--model resnet --strategy mp``: the classifier's classes cut over every rank (its
