@@ -5,8 +5,9 @@ DIR`` builds the pictures and the page again from ``report.json`` (no MPI).
 
 The page: the run's settings; the strategy table and why the plan won; the loss curve; each
 step's measured time against the cost model's prediction; the predicted step by part and the
-peak memory per rank by part (:func:`simpar.viz.cost_png`); the cut of the first parameters,
-drawn (:func:`simpar.viz.layout_png`); the collectives; the single-device check.
+peak memory per rank by part (:func:`simpar.viz.cost_png`); the strategy graph
+(:func:`simpar.viz.program_png`, drawn by the job); the cut of the first parameters, drawn
+(:func:`simpar.viz.layout_png`); the collectives; the single-device check.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ __all__ = ["build", "main", "write_data"]
 
 DATA = "report.json"
 PAGE = "report.html"
+#: The program's strategy graph, which the job draws (report.json does not hold the program).
+GRAPH = "graph.png"
 
 
 def write_data(directory: str | Path, data: Mapping[str, Any]) -> Path:
@@ -64,6 +67,9 @@ def _pictures(data: Mapping[str, Any], out: Path) -> list[tuple[str, Path]]:
     if data.get("cost"):
         pics.append(("The predicted step by part, and the peak memory of each rank",
                      viz.cost_png(_cost_report(data["cost"]), out / "cost.png")))
+    if (out / GRAPH).is_file():   # drawn from the program by the job (not from the data)
+        pics.append(("The strategy graph: each op's strategy, and the collectives on each "
+                     "edge", out / GRAPH))
     for k, lay in enumerate(data.get("layouts", ())):
         layout = TensorLayout.from_dict(lay["layout"])
         pics.append((f"How {lay['name']} is cut",

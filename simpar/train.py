@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 import simpar
-from simpar import _env, checkpoint, comm, graph, nn
+from simpar import _env, checkpoint, comm, graph, nn, viz
 from simpar import report as simpar_report
 from simpar._checks import positive_float_arg
 from simpar.check import CheckReport, check_against_single_device
@@ -679,6 +679,8 @@ def write_report(args: argparse.Namespace, train: nn.TrainOneStepCell,
                         for n in trainable[:3]] if prog is not None else [],
             "check": "" if check is None else (check.summary() if check.passed else str(check))}
     simpar_report.write_data(args.report, data)
+    if prog is not None:
+        viz.program_png(prog, pathlib.Path(args.report) / simpar_report.GRAPH)
     return simpar_report.build(args.report)
 
 

@@ -5,6 +5,9 @@ returns the path; none of them needs MPI.
 * :func:`layout_png`: the cake, a tensor layout's blocks coloured by the ranks that hold them
   (one colour per holder set; copies and partial sums written in the cells as
   :mod:`simpar.cake` writes them);
+* :func:`program_png`: a program's strategy graph: its ops in order, each with its strategy
+  and its own collectives, and every edge between them with the collectives that move the
+  value (its redistribution), or none;
 * :func:`cost_png`: a plan's predicted step split into compute, op communication,
   redistribution, gradient sync, the optimizer and fixed costs, and its peak memory per rank
   split into parameters, gradients, optimizer state, activations and transients;
@@ -21,7 +24,7 @@ from typing import Any
 from simpar.cake import cake_cells
 from simpar.layout import TensorLayout
 
-__all__ = ["cost_png", "fidelity_png", "layout_png", "lines_png"]
+__all__ = ["cost_png", "fidelity_png", "layout_png", "lines_png", "program_png"]
 
 
 def _pyplot() -> Any:
@@ -149,5 +152,55 @@ def lines_png(series: Mapping[str, Sequence[float]], xlabel: str, ylabel: str,
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.legend(fontsize=7)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+#: Ops a strategy graph draws before it says how many more there are.
+MAX_OPS = 48
+
+
+def _kinds(steps: Sequence[Any]) -> str:
+    kinds = [str(st.kind) for st in steps if str(st.kind) not in ("Slice", "Local")]
+    return ", ".join(kinds)
+
+
+def program_png(program: Any, path: str | Path, title: str = "") -> Path:
+    """The strategy graph of a lowered program (:class:`~simpar.runtime.ParallelProgram`):
+    one box per op in trace order (its type, strategy and forward collectives; red where it
+    communicates), and an arc from each producer to each consumer, red and labelled with the
+    redistribution's collectives where the value must move between their layouts."""
+    plt = _pyplot()
+    steps = list(program.steps)[:MAX_OPS]
+    index = {st.node.id: k for k, st in enumerate(steps)}
+    fig, ax = plt.subplots(figsize=(9, 0.9 + 0.34 * len(steps)))
+    for k, st in enumerate(steps):
+        sh = st.sharding
+        comm = ", ".join(dict.fromkeys(str(c.kind) for c in sh.forward_comm))
+        text = f"{st.node.op.name} {[list(s) for s in sh.strategy]}" + (
+            f"  [{comm}]" if comm else "")
+        ax.text(0.32, -k, text, va="center", fontsize=7, family="monospace",
+                bbox={"boxstyle": "round", "facecolor": "#fde0dc" if comm else "#e3f0fb",
+                      "edgecolor": "#999999"})
+        for v, moves in zip(st.node.inputs, st.in_plans):
+            if v.producer is None or v.producer.id not in index:
+                continue
+            a = index[v.producer.id]
+            label = _kinds(moves.steps)
+            depth = 0.05 + 0.03 * min(k - a, 8)
+            ax.annotate("", xy=(0.3, -k), xytext=(0.3, -a),
+                        arrowprops={"arrowstyle": "->", "color": "red" if label else "#777777",
+                                    "connectionstyle": f"arc3,rad={depth}", "linewidth": 0.8})
+            if label:
+                ax.text(0.3 - depth * (k - a) * 0.6, -(a + k) / 2, label, fontsize=6,
+                        color="red", ha="right", va="center")
+    if len(program.steps) > len(steps):
+        ax.text(0.32, -len(steps), f"... and {len(program.steps) - len(steps)} more ops",
+                fontsize=7, va="center")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(-len(steps) - 0.5, 0.8)
+    ax.axis("off")
+    ax.set_title(title or f"strategy graph, {program.device_num} devices ({program.mode})",
+                 fontsize=9)
     fig.tight_layout()
     return _save(fig, path)

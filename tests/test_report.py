@@ -38,8 +38,8 @@ def test_the_job_writes_the_report(run_dir: Path) -> None:
                     "peak memory of each rank", "How _backbone.fc1.weight is cut",
                     "Against one device"):
         assert heading in page, heading
-    assert page.count("data:image/png;base64,") == 3 + len(data["layouts"])
-    for png in ("loss.png", "steps.png", "cost.png", "layout0.png"):
+    assert page.count("data:image/png;base64,") == 4 + len(data["layouts"])   # + the graph
+    for png in ("loss.png", "steps.png", "cost.png", "graph.png", "layout0.png"):
         _not_blank(run_dir / png)
 
 
@@ -48,6 +48,7 @@ def test_the_report_is_built_again_from_its_data(run_dir: Path, tmp_path: Path,
     again = tmp_path / "again"
     again.mkdir()
     shutil.copy(run_dir / "report.json", again)
+    shutil.copy(run_dir / "graph.png", again)   # the job's drawing of its program
     assert report.main([str(again)]) == 0
     assert capsys.readouterr().out.strip() == f"wrote {again / 'report.html'}"
     assert (again / "report.html").read_text() == (run_dir / "report.html").read_text()

@@ -48,3 +48,22 @@ def test_cost_and_fidelity_pictures(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="must be as long as each other"):
         viz.fidelity_png(["dp"], [0.01, 0.02], [0.01], tmp_path / "bad.png")
     assert not (tmp_path / "bad.png").exists()
+
+
+def test_the_strategy_graph_marks_the_moves(tmp_path: Path) -> None:
+    import simpar
+    from simpar import graph, nn
+    from simpar.nn import presets
+    from simpar.runtime.lowering import build_program
+    net = nn.MLP(16, 32, 8, n_hidden=2, dtype=np.float64)
+    presets.redistributing_mlp(net, 8)
+    cell = nn.WithLossCell(net, nn.SoftmaxCrossEntropyWithLogits())
+    g = graph.trace(cell, [((16, 16), np.float64), ((16,), np.int32)], ["data", "label"])
+    try:
+        prog = build_program(g, 8, "semi_auto_parallel", "full_batch", True, cell=cell)
+    finally:
+        simpar.reset_auto_parallel_context()
+    img = _pixels(viz.program_png(prog, tmp_path / "graph.png"))
+    assert img.shape[0] > 300 and img.std() > 0.05
+    red = (img[:, :, 0] > 0.8) & (img[:, :, 1] < 0.3) & (img[:, :, 2] < 0.3)
+    assert red.sum() > 50   # the AllGather and AllToAll edges are drawn red
