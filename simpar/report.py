@@ -25,6 +25,7 @@ from typing import Any
 from simpar import viz
 from simpar.cost.model import CostReport, MemoryRow, OpCostRow
 from simpar.layout import TensorLayout
+from simpar.pipeline.price import PipelineCost, StageCost
 
 __all__ = ["build", "main", "write_data"]
 
@@ -67,6 +68,11 @@ def _pictures(data: Mapping[str, Any], out: Path) -> list[tuple[str, Path]]:
     if data.get("cost"):
         pics.append(("The predicted step by part, and the peak memory of each rank",
                      viz.cost_png(_cost_report(data["cost"]), out / "cost.png")))
+    if data.get("pipeline_cost"):
+        pics.append(("The predicted pipelined step per stage: busy, the bubble, sync; and "
+                     "each stage's peak memory",
+                     viz.pipeline_png(_pipeline_cost(data["pipeline_cost"]),
+                                      out / "pipeline.png")))
     if (out / GRAPH).is_file():   # drawn from the program by the job (not from the data)
         pics.append(("The strategy graph: each op's strategy, and the collectives on each "
                      "edge", out / GRAPH))
@@ -75,6 +81,11 @@ def _pictures(data: Mapping[str, Any], out: Path) -> list[tuple[str, Path]]:
         pics.append((f"How {lay['name']} is cut",
                      viz.layout_png(layout, out / f"layout{k}.png", lay["name"])))
     return pics
+
+
+def _pipeline_cost(d: Mapping[str, Any]) -> PipelineCost:
+    """A :class:`PipelineCost` back from ``dataclasses.asdict``."""
+    return PipelineCost(**{**d, "stages": tuple(StageCost(**s) for s in d["stages"])})
 
 
 def _inline(path: Path) -> str:

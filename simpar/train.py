@@ -21,6 +21,7 @@ or INCONCLUSIVE (the single-device run diverged, so nothing can be judged).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -675,6 +676,8 @@ def write_report(args: argparse.Namespace, train: nn.TrainOneStepCell,
             "strategy_table": strategy_table(prog) if prog is not None else "",
             "why_it_won": why, "collectives": trace.summary(),
             "cost": predicted.to_dict() if isinstance(predicted, CostReport) else None,
+            "pipeline_cost": (dataclasses.asdict(predicted) if predicted is not None
+                              and not isinstance(predicted, CostReport) else None),
             "layouts": [{"name": n, "layout": prog.storage_layout(n).to_dict()}
                         for n in trainable[:3]] if prog is not None else [],
             "check": "" if check is None else (check.summary() if check.passed else str(check))}

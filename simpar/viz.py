@@ -11,6 +11,8 @@ returns the path; none of them needs MPI.
 * :func:`cost_png`: a plan's predicted step split into compute, op communication,
   redistribution, gradient sync, the optimizer and fixed costs, and its peak memory per rank
   split into parameters, gradients, optimizer state, activations and transients;
+* :func:`pipeline_png`: a pipelined step's prediction per stage: busy, idle in the bubble,
+  once-per-step sync, and each stage's peak memory;
 * :func:`fidelity_png`: predicted against measured step time, one point per strategy;
 * :func:`lines_png`: series per step (a loss curve; measured and predicted step times).
 """
@@ -24,7 +26,8 @@ from typing import Any
 from simpar.cake import cake_cells
 from simpar.layout import TensorLayout
 
-__all__ = ["cost_png", "fidelity_png", "layout_png", "lines_png", "program_png"]
+__all__ = ["cost_png", "fidelity_png", "layout_png", "lines_png", "pipeline_png",
+           "program_png"]
 
 
 def _pyplot() -> Any:
@@ -202,5 +205,29 @@ def program_png(program: Any, path: str | Path, title: str = "") -> Path:
     ax.axis("off")
     ax.set_title(title or f"strategy graph, {program.device_num} devices ({program.mode})",
                  fontsize=9)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def pipeline_png(cost: Any, path: str | Path) -> Path:
+    """A :class:`~simpar.pipeline.PipelineCost`: per stage, its busy time, its idle time
+    inside the step (the bubble) and its once-per-step sync (one stacked bar each), and its
+    peak memory."""
+    plt = _pyplot()
+    stages = [f"stage {s.stage}" for s in cost.stages]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
+    base = [0.0] * len(stages)
+    for label, values in (("busy", [s.busy for s in cost.stages]),
+                          ("idle (bubble)", [s.idle for s in cost.stages]),
+                          ("sync", [s.sync for s in cost.stages])):
+        left.bar(stages, [v * 1e3 for v in values], bottom=base, label=label)
+        base = [b + v * 1e3 for b, v in zip(base, values)]
+    left.set_ylabel("predicted ms")
+    left.legend(fontsize=7)
+    right.bar(stages, [s.peak_memory / 2.0 ** 20 for s in cost.stages], color="tab:purple")
+    right.set_ylabel("peak MiB")
+    fig.suptitle(f"predicted on {cost.profile}: {cost.step_seconds * 1e3:.2f} ms per step, "
+                 f"{cost.scheduler}, {cost.micro_batches} micro-batches, bubble "
+                 f"{cost.bubble:.0%}", fontsize=9)
     fig.tight_layout()
     return _save(fig, path)

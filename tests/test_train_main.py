@@ -227,6 +227,18 @@ def test_report_on_every_world_size(tmp_path: Path) -> None:
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_pipelined_report_draws_each_stage(tmp_path: Path) -> None:
+    out = shared_dir(tmp_path) / "report"
+    code, _ = _main(["--model", "mlp", "--steps", "2", "--pipeline-stages", "2",
+                     "--micro-batches", "2", "--report", str(out)], tmp_path)
+    assert code == 0
+    comm.barrier()
+    data = json.loads((out / "report.json").read_text())
+    assert len(data["pipeline_cost"]["stages"]) == 2 and data["cost"] is None
+    assert "predicted pipelined step per stage" in (out / "report.html").read_text()
+
+
+@pytest.mark.mpi(min_size=2)
 def test_resnet_with_its_classes_cut(tmp_path: Path) -> None:
     """``--model resnet --strategy mp``: the classifier's classes cut over every rank (its
     weight rows, the one-hot labels and the dense cross entropy), the rest data parallel

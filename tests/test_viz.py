@@ -67,3 +67,12 @@ def test_the_strategy_graph_marks_the_moves(tmp_path: Path) -> None:
     assert img.shape[0] > 300 and img.std() > 0.05
     red = (img[:, :, 0] > 0.8) & (img[:, :, 1] < 0.3) & (img[:, :, 2] < 0.3)
     assert red.sum() > 50   # the AllGather and AllToAll edges are drawn red
+
+
+def test_the_pipelined_step_per_stage(tmp_path: Path) -> None:
+    from simpar.pipeline.price import PipelineCost, StageCost
+    stages = tuple(StageCost(k, 0.002, 0.004, 0.024, 0.006 * k, 0.001, 0.03, 2 - k,
+                             (3 - k) * 2**20) for k in range(2))
+    cost = PipelineCost("cpu-local", "1f1b", stages, 4, 1, 0.031, 0.2, 0.0005)
+    img = _pixels(viz.pipeline_png(cost, tmp_path / "pipeline.png"))
+    assert img.shape[1] > 600 and img.std() > 0.1 and _colours(img) > 8
