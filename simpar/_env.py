@@ -34,8 +34,9 @@ import os
 import pathlib
 import secrets
 import sys
+import warnings
 from collections.abc import Iterator
-from typing import IO, NoReturn
+from typing import IO, NoReturn, TextIO
 
 __all__ = ["RANK_VARS", "RankZeroParser", "SETTINGS", "apply", "atomic_file", "launcher_rank",
            "local_ranks", "sync_directory", "unwritable_file", "usable_cores",
@@ -152,10 +153,39 @@ def apply() -> dict[str, object]:
         wait = "spin"
         wait_why = "SIMPAR_WAIT_POLICY" if policy else f"{ranks} ranks <= {cores} cores"
     malloc, malloc_why = _tune_malloc()
+    _show_warnings_once_on_rank_zero()
     SETTINGS.update(cores=cores, local_ranks=ranks, blas_threads=threads, threads_from=why,
                     wait_policy=wait, wait_policy_from=wait_why, malloc=malloc,
                     malloc_from=malloc_why)
     return SETTINGS
+
+
+_SIMPAR_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _show_warnings_once_on_rank_zero() -> None:
+    """simpar's own warnings (of a class of its own, or raised from a file of this package)
+    are shown by rank 0 only,
+    once per message, as one line without the source line: an 8-rank job says a thing
+    once, not eight times with a line of simpar's code. Other warnings, and warnings caught
+    by ``warnings.catch_warnings`` or ``pytest.warns``, are left as they are."""
+    shown: set[tuple[type, str]] = set()
+    original = warnings.showwarning
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+             file: TextIO | None = None, line: str | None = None) -> None:
+        ours = category.__module__.startswith("simpar.") or \
+            os.path.abspath(filename).startswith(_SIMPAR_DIR + os.sep)
+        if not ours:
+            original(message, category, filename, lineno, file, line)
+            return
+        key = (category, str(message))
+        if launcher_rank() != 0 or key in shown:
+            return
+        shown.add(key)
+        print(f"simpar: {category.__name__}: {message}", file=file or sys.stderr, flush=True)
+
+    warnings.showwarning = show
 
 
 class RankZeroParser(argparse.ArgumentParser):
