@@ -155,6 +155,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-check", action="store_true", help="skip the single-device check")
     p.add_argument("--out", default=None, help="directory for summary.json")
+    p.add_argument("--save-strategy", default=None, metavar="FILE",
+                   help="save the plan as MindSpore's JSON strategy file (strategy_ckpt_config's "
+                   "save_file; semi_auto_parallel and auto_parallel)")
+    p.add_argument("--load-strategy", default=None, metavar="FILE",
+                   help="take the plan from a strategy file instead of searching or "
+                   "propagating (strategy_ckpt_config's load_file)")
     p.add_argument("--report", default=None, metavar="DIR",
                    help="write DIR/report.html (the strategies, why they won, the loss curve, "
                    "predicted against measured, the cost and memory per rank, the cuts drawn, "
@@ -256,6 +262,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         problem = _unwritable_dir(args.out)
         if problem:
             p.error(f"--out {args.out}: {problem}")
+    for flag, value in (("--save-strategy", args.save_strategy),
+                        ("--load-strategy", args.load_strategy)):
+        if value is not None and args.parallel_mode not in ("semi_auto_parallel",
+                                                            "auto_parallel"):
+            p.error(f"{flag} applies to semi_auto_parallel and auto_parallel (as MindSpore's "
+                    f"strategy_ckpt_config), but --parallel-mode is {args.parallel_mode}")
+    if args.save_strategy is not None:
+        problem = _env.unwritable_file(pathlib.Path(args.save_strategy))
+        if problem:
+            p.error(f"--save-strategy {args.save_strategy}: {problem}")
+    if args.load_strategy is not None and not os.path.isfile(args.load_strategy):
+        p.error(f"--load-strategy {args.load_strategy}: no such file")
     if args.report is not None:
         problem = _unwritable_dir(args.report)
         if problem:
@@ -504,6 +522,8 @@ def main(argv: list[str] | None = None) -> int:
         simpar.set_algo_parameters(memory_dimensions=args.memory_dimensions)
         simpar.set_auto_parallel_context(pipeline_stages=args.pipeline_stages,
                                          pipeline_config=pipeline_config(args.pipeline_schedule))
+        simpar.set_auto_parallel_context(strategy_ckpt_config={
+            "load_file": args.load_strategy or "", "save_file": args.save_strategy or ""})
         if args.device_memory_capacity is not None:
             set_cost_model_context(device_memory_capacity=args.device_memory_capacity)
         set_search_cost_model(SimparCostModel(
@@ -533,10 +553,15 @@ def main(argv: list[str] | None = None) -> int:
         say(f"mesh: dp x mp = {dp} x {mp}, strategy preset {strategy_name(args, world)!r}"
             + (f" in each of {args.pipeline_stages} pipeline stages (stage 0's table below)"
                if args.pipeline_stages > 1 else ""))
-    if args.parallel_mode == "auto_parallel":
+    if args.load_strategy:
+        say(f"strategies loaded from {args.load_strategy} (strategy_ckpt_config's load_file): "
+            "nothing searched")
+    elif args.parallel_mode == "auto_parallel":
         say(f"strategies searched by {args.search_mode} on the "
             f"{args.profile.name if args.profile != 'none' else 'cpu-local'} profile, "
             f"dataset {dataset_strategy(args, dp, mp, world)}")
+    if args.save_strategy:
+        say(f"saved the plan to {args.save_strategy} (MindSpore's strategy file)")
     print_strategy_table(train) if rank == 0 else None
     if train.program is not None and train.program.param_shards:
         say(optimizer_shard_line(train))
@@ -697,7 +722,8 @@ def why_it_won(args: argparse.Namespace, train: nn.TrainOneStepCell, world: int)
     ``world`` ranks and pure data parallelism (planned from shapes, nothing run)."""
     assert train.program is not None
     rows: list[tuple[str, CostReport | str]] = [
-        (f"searched ({args.search_mode})", train.program.cost(args.profile, optimizer(args)))]
+        (f"loaded ({args.load_strategy})" if args.load_strategy else
+         f"searched ({args.search_mode})", train.program.cost(args.profile, optimizer(args)))]
     for name in presets.PRESETS:
         alt = argparse.Namespace(**{**vars(args), "parallel_mode": "semi_auto_parallel",
                                     "strategy": name})

@@ -227,6 +227,27 @@ def test_report_on_every_world_size(tmp_path: Path) -> None:
 
 
 @pytest.mark.mpi(min_size=2)
+def test_the_job_saves_its_plan_and_runs_a_saved_one(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]
+                                                     ) -> None:
+    """``--save-strategy FILE`` writes MindSpore's strategy file of the searched plan;
+    ``--load-strategy FILE`` runs that plan with nothing searched, says so, and passes."""
+    path = shared_dir(tmp_path) / "plan.json"
+    code, saved = _main(["--model", "mlp", "--steps", "2", "--save-strategy", str(path)],
+                        tmp_path / "a")
+    assert code == 0 and "parallel_strategy_item" in json.loads(path.read_text())
+    capsys.readouterr()
+    code, loaded = _main(["--model", "mlp", "--steps", "2", "--load-strategy", str(path)],
+                         tmp_path / "b")
+    assert code == 0 and loaded["passed"] is True
+    assert loaded["strategies"] == saved["strategies"]
+    if comm.get_rank() == 0:
+        out = capsys.readouterr().out
+        assert f"strategies loaded from {path} (strategy_ckpt_config's load_file)" in out
+        assert "searched by" not in out
+
+
+@pytest.mark.mpi(min_size=2)
 def test_a_pipelined_report_draws_each_stage(tmp_path: Path) -> None:
     out = shared_dir(tmp_path) / "report"
     code, _ = _main(["--model", "mlp", "--steps", "2", "--pipeline-stages", "2",
@@ -332,6 +353,9 @@ def test_checkpoint_options_are_checked_before_any_work(
     (["--steps", "three"], "argument --steps: invalid int value: 'three'"),
     (["--model", "vgg"], "argument --model: invalid choice: 'vgg'"),
     (["--strategy", "pipeline"], "argument --strategy: invalid choice: 'pipeline'"),
+    (["--parallel-mode", "data_parallel", "--save-strategy", "plan.json"],
+     "--save-strategy applies to semi_auto_parallel and auto_parallel"),
+    (["--load-strategy", "/no/such/plan.json"], "--load-strategy /no/such/plan.json: no such file"),
     (["--dtype", "float16"], "argument --dtype: invalid choice: 'float16'"),
     (["--pipeline-stages", "0"], "--pipeline-stages must be >= 1, got 0"),
     (["--pipeline-stages", "2", "--parallel-mode", "stand_alone"],
@@ -339,7 +363,8 @@ def test_checkpoint_options_are_checked_before_any_work(
     (["--pipeline-schedule", "zb"], "argument --pipeline-schedule: invalid choice: 'zb'"),
     (["--pipeline-stages", "4", "--micro-batches", "2"],
      "--pipeline-schedule 1f1b needs --micro-batches >= --pipeline-stages"),
-], ids=["steps-0", "batch-negative", "heads-0", "steps-not-int", "model", "strategy", "dtype",
+], ids=["steps-0", "batch-negative", "heads-0", "steps-not-int", "model", "strategy",
+        "save-strategy-dp", "load-strategy-missing", "dtype",
         "pipeline-stages-0", "pipeline-stand-alone", "pipeline-schedule",
         "pipeline-fewer-micro-batches"])
 def test_bad_arguments_exit_with_a_usage_message(argv: list[str], message: str,
