@@ -88,6 +88,7 @@ class Strategy:
     stages: int = 1                 # pipeline stages (the main job's cut of the units)
     schedule: str = "1f1b"          # --pipeline-schedule's choices
     depth: int = 18                 # the ResNet's structure: 18 (basic blocks) or 50
+    search: str | None = None       # auto_parallel's search_mode (None: the context default)
 
 
 def _none(model: Any, loss: Any, n: int) -> None:
@@ -213,7 +214,9 @@ def _batch(model: str, step: int) -> tuple[np.ndarray, np.ndarray]:
     return CharCorpus(seed=0).batch(step, GPT_BATCH, GPT["seq_length"])
 
 
-def _build(s: Strategy, n: int) -> nn.TrainOneStepCell:
+def _build(s: Strategy, n: int, context: bool = True) -> nn.TrainOneStepCell:
+    """``s``'s training cell on ``n`` ranks. ``context=False`` leaves the auto-parallel
+    context alone (a single-device check's reference, built on rank 0 only)."""
     if s.model == "mlp":
         net: nn.Cell = nn.MLP(*MLP_SIZES, n_hidden=1, dtype=np.dtype(np.float32))
     elif s.model == "resnet":
@@ -222,10 +225,13 @@ def _build(s: Strategy, n: int) -> nn.TrainOneStepCell:
         net = nn.GPT(**GPT, dtype=np.dtype(np.float64))
     loss = nn.SoftmaxCrossEntropyWithLogits()
     s.annotate(net, loss, n)
-    simpar.reset_auto_parallel_context()
-    simpar.set_auto_parallel_context(parallel_mode=s.mode, gradients_mean=True,
-                                     dataset_strategy=s.dataset, enable_alltoall=True)
-    if s.level is not None:
+    if context:
+        simpar.reset_auto_parallel_context()
+        simpar.set_auto_parallel_context(parallel_mode=s.mode, gradients_mean=True,
+                                         dataset_strategy=s.dataset, enable_alltoall=True)
+    if context and s.search is not None:
+        simpar.set_auto_parallel_context(search_mode=s.search)
+    if context and s.level is not None:
         simpar.set_auto_parallel_context(enable_parallel_optimizer=True, parallel_optimizer_config={
             "optimizer_level": s.level, "parallel_optimizer_threshold": 0})
     if s.recompute:
@@ -250,11 +256,16 @@ def _slowest(seconds: float) -> float:
     return float(comm.all_reduce(np.array([seconds]), op="max")[0])
 
 
-def measure(s: Strategy, n: int, steps: int) -> tuple[float, float, list[int], Any]:
+def measure(s: Strategy, n: int, steps: int,
+            warmup: Callable[[nn.TrainOneStepCell, list[Any]], None] | None = None
+            ) -> tuple[float, float, list[int], Any]:
     """(median slowest-rank step seconds, predicted seconds, per-rank measured peak bytes,
-    the cost report)."""
+    the cost report). ``warmup(train, batches)``, if given, runs the two untimed steps on
+    these two batches instead (e.g. the single-device check, and more untimed steps)."""
     train = _build(s, n)
-    for k in range(2):
+    if warmup is not None:
+        warmup(train, [_batch(s.model, k) for k in range(2)])
+    for k in range(2 if warmup is None else 0):
         train(*_batch(s.model, k))
     times = []
     for k in range(steps):

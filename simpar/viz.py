@@ -14,7 +14,8 @@ returns the path; none of them needs MPI.
 * :func:`pipeline_png`: a pipelined step's prediction per stage: busy, idle in the bubble,
   once-per-step sync, and each stage's peak memory;
 * :func:`fidelity_png`: predicted against measured step time, one point per strategy;
-* :func:`lines_png`: series per step (a loss curve; measured and predicted step times).
+* :func:`lines_png`: series per step (a loss curve; measured and predicted step times);
+* :func:`bars_png`: grouped bars (a measured step time per model and parallel mode).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 from simpar.cake import cake_cells
 from simpar.layout import TensorLayout
 
-__all__ = ["cost_png", "fidelity_png", "layout_png", "lines_png", "pipeline_png",
+__all__ = ["bars_png", "cost_png", "fidelity_png", "layout_png", "lines_png", "pipeline_png",
            "program_png"]
 
 
@@ -229,5 +230,30 @@ def pipeline_png(cost: Any, path: str | Path) -> Path:
     fig.suptitle(f"predicted on {cost.profile}: {cost.step_seconds * 1e3:.2f} ms per step, "
                  f"{cost.scheduler}, {cost.micro_batches} micro-batches, bubble "
                  f"{cost.bubble:.0%}", fontsize=9)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def bars_png(groups: Mapping[str, Mapping[str, float]], path: str | Path,
+             ylabel: str) -> Path:
+    """Grouped bars: one group per key of ``groups`` (e.g. a model), in it one bar per key of
+    its mapping (e.g. a parallel mode: one colour per such key across all groups, a key a
+    group lacks left out), each labelled with its value."""
+    if not groups or not any(groups.values()):
+        raise ValueError("bars_png: groups must hold at least one value")
+    plt = _pyplot()
+    series = list(dict.fromkeys(key for bars in groups.values() for key in bars))
+    width = 0.8 / len(series)
+    fig, ax = plt.subplots(figsize=(2.0 + 0.35 * len(series) * len(groups), 4.0))
+    for k, key in enumerate(series):
+        xs = [g + (k - (len(series) - 1) / 2) * width
+              for g, bars in enumerate(groups.values()) if key in bars]
+        values = [bars[key] for bars in groups.values() if key in bars]
+        drawn = ax.bar(xs, values, width, label=key)
+        ax.bar_label(drawn, fmt="%.3g", fontsize=6, rotation=90, padding=2)
+    ax.set_xticks(range(len(groups)), list(groups))
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(0, max(v for bars in groups.values() for v in bars.values()) * 1.2)
+    ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     return _save(fig, path)

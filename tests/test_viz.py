@@ -76,3 +76,11 @@ def test_the_pipelined_step_per_stage(tmp_path: Path) -> None:
     cost = PipelineCost("cpu-local", "1f1b", stages, 4, 1, 0.031, 0.2, 0.0005)
     img = _pixels(viz.pipeline_png(cost, tmp_path / "pipeline.png"))
     assert img.shape[1] > 600 and img.std() > 0.1 and _colours(img) > 8
+
+
+def test_grouped_bars(tmp_path: Path) -> None:
+    img = _pixels(viz.bars_png({"GPT": {"dp": 21.4, "mp": 42.2}, "MLP": {"dp": 17.1, "mp": 7.0}},
+                               tmp_path / "bars.png", "ms"))
+    assert img.shape[1] > 200 and img.std() > 0.05 and _colours(img) > 4
+    with pytest.raises(ValueError, match="at least one value"):
+        viz.bars_png({}, tmp_path / "none.png", "ms")
