@@ -6,9 +6,10 @@ and the barrier that lines the ranks up before it, a wait), ``collectives`` (eve
 the rank ran, from simpar.comm's trace: kind, group, bytes, what ran it; a collective's time
 includes waiting for the slowest member of its group) and ``kernels`` (the time between
 collectives inside a step: the local kernels the program ran there). One more process,
-``predicted``, holds the cost model's timeline of the slowest rank's step
-(:func:`simpar.cost.model.predicted_timeline`), laid from the start of each measured step of
-rank 0, so a reader sees where the run and the prediction part.
+``predicted``, holds the cost model's timeline of the step, laid from the start of each
+measured step of rank 0, so a reader sees where the run and the prediction part: the slowest
+rank's steps one thread per kind (:func:`simpar.cost.model.predicted_timeline`), or, for a
+pipelined run, every stage's forward and backward tasks one thread per stage.
 
 Times are microseconds from the first step's start on each rank, which starts right after a
 barrier, so the ranks' clocks line up to within that barrier's skew.
@@ -26,7 +27,8 @@ import numpy as np
 from simpar import comm
 from simpar.comm import CommEvent
 
-__all__ = ["predicted_events", "rank_events", "write_trace"]
+__all__ = ["Placed", "pipelined", "predicted_events", "rank_events", "sequential",
+           "write_trace"]
 
 _STEPS, _COLLECTIVES, _KERNELS = 0, 1, 2
 _THREADS = {_STEPS: "steps", _COLLECTIVES: "collectives", _KERNELS: "kernels"}
@@ -82,20 +84,39 @@ def rank_events(rank: int, steps: Sequence[tuple[int, float, float, float]],
     return out
 
 
-def predicted_events(pid: int, starts: Sequence[float],
-                     timeline: Sequence[tuple[str, str, float]], profile: str,
-                     rank: int) -> list[dict[str, Any]]:
-    """The cost model's ``timeline`` of one step of ``rank``, from each of ``starts``
-    (seconds from the origin), on one thread per kind of step."""
-    kinds = sorted({kind for _, kind, _ in timeline})
-    tids = {kind: k for k, kind in enumerate(kinds)}
-    out = _meta(pid, f"predicted (cost model on {profile}, rank {rank})",
-                {tid: kind for kind, tid in tids.items()})
+#: A predicted event: (thread, name, category, start, seconds), start from the step's start.
+Placed = tuple[str, str, str, float, float]
+
+
+def sequential(timeline: Sequence[tuple[str, str, float]]) -> list[Placed]:
+    """A one-rank timeline (:func:`simpar.cost.model.predicted_timeline`: name, kind,
+    seconds) laid end to end, one thread per kind of step."""
+    out, at = [], 0.0
+    for name, kind, seconds in timeline:
+        out.append((kind, name, kind, at, seconds))
+        at += seconds
+    return out
+
+
+def pipelined(tasks: Sequence[tuple[int, str, int, int, float, float]], chunks: int
+              ) -> list[Placed]:
+    """A pipelined step's predicted tasks (:attr:`simpar.pipeline.PipelineCost.tasks`), one
+    thread per stage: ``F3`` the forward of micro-batch 3 (of chunk c when interleaved)."""
+    return [(f"stage {stage}", f"{kind}{micro}" + (f" chunk {chunk}" if chunks > 1 else ""),
+             "forward" if kind == "F" else "backward", start, end - start)
+            for stage, kind, chunk, micro, start, end in tasks]
+
+
+def predicted_events(pid: int, starts: Sequence[float], placed: Sequence[Placed],
+                     title: str) -> list[dict[str, Any]]:
+    """The ``placed`` predicted events of one step, from each of ``starts`` (seconds from the
+    origin), in a process named ``title``."""
+    threads = list(dict.fromkeys(thread for thread, *_ in placed))
+    tids = {thread: k for k, thread in enumerate(threads)}
+    out = _meta(pid, title, {tid: thread for thread, tid in tids.items()})
     for start in starts:
-        at = start
-        for name, kind, seconds in timeline:
-            out.append(_span(name, kind, pid, tids[kind], at, seconds))
-            at += seconds
+        for thread, name, cat, at, seconds in placed:
+            out.append(_span(name, cat, pid, tids[thread], start + at, seconds))
     return out
 
 
@@ -118,22 +139,22 @@ def _gather_json(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]] | N
 
 
 def write_trace(path: str, steps: Sequence[tuple[int, float, float, float]],
-                events: Sequence[CommEvent],
-                predicted: tuple[Sequence[tuple[str, str, float]], str, int] | None
+                events: Sequence[CommEvent], predicted: tuple[Sequence[Placed], str] | None
                 ) -> None:
     """Every rank's timeline (collective: every rank calls) and, if given, ``predicted``
-    (``(timeline, profile name, rank)``) into one trace-event file at ``path``, written by
-    rank 0 (to a temporary name first, then renamed: never half a file)."""
+    (``(placed events of one step, the process's title)``: :func:`sequential`,
+    :func:`pipelined`) into one trace-event file at ``path``, written by rank 0 (to a
+    temporary name first, then renamed: never half a file)."""
     rank = comm.get_rank()
     gathered = _gather_json(rank_events(rank, steps, events))
     if gathered is None:
         return
     trace = [e for per_rank in gathered for e in per_rank]
     if predicted is not None and steps:
-        timeline, profile, priced_rank = predicted
+        placed, title = predicted
         origin = steps[0][2]
         trace += predicted_events(len(gathered), [start - origin for _, _, start, _ in steps],
-                                  timeline, profile, priced_rank)
+                                  placed, title)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump({"traceEvents": trace, "displayTimeUnit": "ms",

@@ -48,7 +48,7 @@ from simpar.search import registered_searches
 from simpar.strategy_table import columns as strategy_table_columns
 from simpar.strategy_table import display_names as display_names  # re-exported
 from simpar.strategy_table import strategy_table
-from simpar.trace_events import write_trace
+from simpar.trace_events import pipelined, sequential, write_trace
 from simpar.train_models import (
     MODELS,
     add_model_arguments,
@@ -644,8 +644,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.trace is not None:
         priced = None
         if isinstance(predicted, CostReport) and train.program is not None:
-            priced = (predicted_timeline(train.program, args.profile, predicted.slowest_rank),
-                      load_profile(args.profile).name, predicted.slowest_rank)
+            priced = (sequential(predicted_timeline(train.program, args.profile,
+                                                    predicted.slowest_rank)),
+                      f"predicted (cost model on {predicted.profile}, rank "
+                      f"{predicted.slowest_rank})")
+        elif predicted is not None:   # a pipelined step's tasks, stage by stage
+            priced = (pipelined(predicted.tasks, predicted.chunks),
+                      f"predicted (cost model on {predicted.profile}, {predicted.scheduler}, "
+                      f"{predicted.micro_batches} micro-batches)")
         write_trace(args.trace, spans, trace.events, priced)
         say(f"wrote the timeline to {args.trace} (Perfetto or chrome://tracing opens it)")
     summary: dict[str, Any] = {

@@ -248,6 +248,24 @@ def test_the_job_saves_its_plan_and_runs_a_saved_one(tmp_path: Path,
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_pipelined_trace_predicts_every_stage_s_tasks(tmp_path: Path) -> None:
+    """``--trace`` of a pipelined run: the predicted process has a thread per stage with its
+    forward and backward tasks (``F0``, ``B1``, ...), every micro-batch's, each step."""
+    path = shared_dir(tmp_path) / "trace.json"
+    code, _ = _main(["--model", "mlp", "--steps", "2", "--pipeline-stages", "2",
+                     "--micro-batches", "2", "--trace", str(path)], tmp_path)
+    assert code == 0
+    comm.barrier()
+    events = json.loads(path.read_text())["traceEvents"]
+    n = comm.get_group_size()
+    threads = {e["tid"]: e["args"]["name"] for e in events
+               if e["name"] == "thread_name" and e["pid"] == n}
+    assert sorted(threads.values()) == ["stage 0", "stage 1"]
+    tasks = [e["name"] for e in events if e["pid"] == n and e["ph"] == "X"]
+    assert sorted(tasks) == sorted(["F0", "F1", "B0", "B1"] * 2 * 2)   # 2 stages, 2 steps
+
+
+@pytest.mark.mpi(min_size=2)
 def test_a_pipelined_report_draws_each_stage(tmp_path: Path) -> None:
     out = shared_dir(tmp_path) / "report"
     code, _ = _main(["--model", "mlp", "--steps", "2", "--pipeline-stages", "2",

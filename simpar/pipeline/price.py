@@ -124,6 +124,8 @@ class PipelineCost:
     step_seconds: float
     bubble: float
     p2p_seconds: float      # every message of the step, summed over the stages
+    #: Every task of the step: (stage, "F" or "B", chunk, micro-batch, start, end) seconds.
+    tasks: tuple[tuple[int, str, int, int, float, float], ...] = ()
 
     @property
     def peak_memory(self) -> int:
@@ -195,8 +197,10 @@ def price_pipeline(stages: Sequence[Stage], programs: Sequence[ParallelProgram],
         "Broadcast", range(count * per), 8, 8)
     spans_total = [r.busy + r.idle for r in rows]
     bubble = sum(r.idle for r in rows) / sum(spans_total) if sum(spans_total) else 0.0
+    placed = tuple((st, kind, c, m, b, e) for (st, kind, c, m), (b, e)
+                   in sorted(spans.items(), key=lambda item: item[1]))
     return PipelineCost(prof.name, scheduler, tuple(rows), micro_batches, chunks,
-                        last_step + fixed, bubble, p2p)
+                        last_step + fixed, bubble, p2p, placed)
 
 
 def _stage_peak(tasks: Sequence[Task], rows: Sequence[MemoryRow]) -> int:
