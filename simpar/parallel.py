@@ -214,6 +214,7 @@ def get_parallel_info(op: Primitive, input_shapes: Sequence[Sequence[int]],
     out_size = op.output_dtype(np.dtype(dtype)).itemsize
     sh = op.sharding(input_shapes, device_num,
                      enable_alltoall=bool(context.get_auto_parallel_context("enable_alltoall")))
+    in_cakes, out_cakes = _cakes(sh)
     return {
         "op": op.name,
         "strategy": [list(s) for s in sh.strategy],
@@ -222,8 +223,8 @@ def get_parallel_info(op: Primitive, input_shapes: Sequence[Sequence[int]],
         "outputs_tensor_map": [o.to_dict()["tensor_map"] for _, o, _ in sh.outputs],
         "inputs_slice_shape": [list(lay.local_shape()) for lay in sh.in_layouts],
         "outputs_slice_shape": [list(o.local_shape()) for _, o, _ in sh.outputs],
-        "inputs_cake": _cakes(sh)[0],
-        "outputs_cake": _cakes(sh)[1],
+        "inputs_cake": in_cakes,
+        "outputs_cake": out_cakes,
         "forward_comm": [c.describe(rank, in_size, out_size) for c in sh.forward_comm],
         "backward_comm": [c.describe(rank, in_size, out_size) for c in sh.backward_comm],
         "flops": int(sh.local_flops()),

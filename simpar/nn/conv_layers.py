@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -131,43 +131,40 @@ class Conv2dTranspose(_Conv):
 
 
 class _Pool2d(Cell):
-    def __init__(self, kernel_size: int | tuple[int, int], stride: int | tuple[int, int],
-                 pad_mode: str, data_format: str) -> None:
+    """A pooling layer: its primitive (``primitive``, a pooling op class) under MindSpore's
+    attribute name (``attr``), and the check that the input is NCHW."""
+
+    primitive: ClassVar[type[ops.Primitive]]
+    attr: ClassVar[str]
+
+    def __init__(self, kernel_size: int | tuple[int, int] = 1, stride: int | tuple[int, int] = 1,
+                 pad_mode: str = "valid", data_format: str = "NCHW") -> None:
         super().__init__()
         self.kernel_size, self.stride, self.pad_mode = kernel_size, stride, pad_mode
+        setattr(self, self.attr, self.primitive(kernel_size, stride, pad_mode,  # type: ignore
+                                                data_format))
 
-    def _check(self, x: Any) -> None:
+    def construct(self, x: Any) -> Any:
         if len(x.shape) != 4:
             raise ValueError(f"{type(self).__name__}: x must be (N, C, H, W), got shape "
                              f"{tuple(x.shape)}")
+        return getattr(self, self.attr)(x)
 
 
 class MaxPool2d(_Pool2d):
     """MindSpore's ``nn.MaxPool2d(kernel_size=1, stride=1, pad_mode="valid",
     data_format="NCHW")``, primitive ``max_pool``."""
 
-    def __init__(self, kernel_size: int | tuple[int, int] = 1, stride: int | tuple[int, int] = 1,
-                 pad_mode: str = "valid", data_format: str = "NCHW") -> None:
-        super().__init__(kernel_size, stride, pad_mode, data_format)
-        self.max_pool = ops.MaxPool(kernel_size, stride, pad_mode, data_format)
-
-    def construct(self, x: Any) -> Any:
-        self._check(x)
-        return self.max_pool(x)
+    primitive = ops.MaxPool
+    attr = "max_pool"
 
 
 class AvgPool2d(_Pool2d):
     """MindSpore's ``nn.AvgPool2d(kernel_size=1, stride=1, pad_mode="valid",
     data_format="NCHW")``, primitive ``avg_pool``."""
 
-    def __init__(self, kernel_size: int | tuple[int, int] = 1, stride: int | tuple[int, int] = 1,
-                 pad_mode: str = "valid", data_format: str = "NCHW") -> None:
-        super().__init__(kernel_size, stride, pad_mode, data_format)
-        self.avg_pool = ops.AvgPool(kernel_size, stride, pad_mode, data_format)
-
-    def construct(self, x: Any) -> Any:
-        self._check(x)
-        return self.avg_pool(x)
+    primitive = ops.AvgPool
+    attr = "avg_pool"
 
 
 class Flatten(Cell):

@@ -478,7 +478,7 @@ class Conv2DTranspose(_ConvBase):
     def _image(self, shapes: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
         return self._out()
 
-    def _local_axes(self, dout: tuple[int, ...], w: tuple[int, ...]) -> tuple[_Axis, _Axis]:
+    def _local_axes(self, dout: tuple[int, ...]) -> tuple[_Axis, _Axis]:
         """The geometry of the Conv2D whose input gradient this computes, for a shard whose
         H and W are ``dout``'s times the stride (a spatial cut, where allowed) or whole."""
         out = self._out()
@@ -494,12 +494,12 @@ class Conv2DTranspose(_ConvBase):
         dout, w = xs
         _check_float(self.name, "dout", dout)
         _check_float(self.name, "the weight", w)
-        ah, aw = self._local_axes(dout.shape, w.shape)
+        ah, aw = self._local_axes(dout.shape)
         return _conv_input_grad(dout, w, ah, aw)
 
     def vjp(self, xs: Sequence[np.ndarray], y: Any, dy: Any) -> tuple[np.ndarray | None, ...]:
         dout, w = xs
-        ah, aw = self._local_axes(dout.shape, w.shape)
+        ah, aw = self._local_axes(dout.shape)
         g_dout = _conv(dy, w, ah, aw) if gradient_needed(0) else None
         g_w = _conv_weight_grad(dout, dy, self.kernel_size, ah, aw) if gradient_needed(1) \
             else None
@@ -512,7 +512,7 @@ class Conv2DTranspose(_ConvBase):
     def workspace(self, local_in: tuple[tuple[int, ...], ...], local_out: tuple[int, ...]
                   ) -> int:
         # The image its windows walk is its output (the Conv2D's input it is the gradient of).
-        ah, aw = self._local_axes(local_in[0], local_in[1])
+        ah, aw = self._local_axes(local_in[0])
         return _conv_workspace(local_out, ah, aw, math.prod(local_in[0]))
 
     def _sharding(self, shapes: tuple[tuple[int, ...], ...], strat: Strategy,
