@@ -107,8 +107,8 @@ class RecomputeSegment:
 class ParameterUpdate:
     """A Parameter the forward writes (a BatchNorm's moving statistics): after every
     forward, ``param = (1 - weight) * param + weight * value``, on each rank's own shard,
-    ``value`` being the id of a value the forward computes (laid out as it is computed, and
-    moved to the parameter's layout where the two differ)."""
+    ``value`` being the id of a value the forward computes, laid out as the parameter is
+    stored (lowering checks)."""
 
     param: str
     value: int

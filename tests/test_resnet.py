@@ -103,3 +103,30 @@ def test_an_op_of_scalars_plans_on_one_device() -> None:
     train = nn.TrainOneStepCell(nn.WithLossCell(net, nn.SoftmaxCrossEntropyWithLogits(
         sparse=False)), nn.SGD(net.trainable_params(), 0.1))
     assert np.isfinite(train(np.ones((2, 4)), np.eye(3)[[0, 1]]))
+
+
+def test_a_written_value_laid_out_unlike_its_parameter_is_refused_at_lowering() -> None:
+    """graph.update_parameter's value must be laid out as its parameter is stored: lowering
+    refuses, naming both layouts, rather than every step moving it."""
+    import simpar
+    from simpar import graph, ops
+    from simpar.runtime.lowering import build_program
+
+    class Writes(nn.Cell):
+        def __init__(self) -> None:
+            super().__init__()
+            self.p = nn.Parameter(np.zeros(4), requires_grad=False)
+            self.mul = ops.Mul().shard(((1, 2), (2,)))
+            self.total = ops.ReduceSum(axis=0).shard(((1, 1),))
+
+        def construct(self, x: object) -> object:
+            graph.update_parameter(self.p, self.total(x), 0.5)
+            return self.mul(x, self.p)
+
+    g = graph.trace(Writes(), [((4, 4), np.float64)])
+    try:
+        with pytest.raises(ValueError, match=r"lower: p is stored as .* but the value the "
+                                             r"forward writes into it is laid out as"):
+            build_program(g, 2, "semi_auto_parallel", "full_batch")
+    finally:
+        simpar.reset_auto_parallel_context()

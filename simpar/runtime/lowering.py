@@ -96,6 +96,7 @@ def lower(graph: Graph, strategy_map: StrategyMap, enable_alltoall: bool = False
                            {v.name: v for v in graph.params}, frozenset(needs),
                            enable_alltoall, grad_nodes, shards, gathers, smap.micro_batches,
                            _segments(graph, smap))
+    _check_updates(lowered)
     plans = _backward_plans(lowered, seeds)
     program = ParallelProgram(
         **{f.name: getattr(lowered, f.name) for f in dataclasses.fields(lowered)},
@@ -103,6 +104,20 @@ def lower(graph: Graph, strategy_map: StrategyMap, enable_alltoall: bool = False
         index_limits=_index_limits(lowered), runner=ProgramRunner(lowered, plans))
     _warn_if_nothing_is_parallel(program)
     return program
+
+
+def _check_updates(lowered: LoweredGraph) -> None:
+    """Each value the forward writes into a parameter (``graph.updates``) is laid out as the
+    parameter is stored, so every rank folds its own shard in with nothing moved: a
+    BatchNorm's statistics are cut as its scale, which is how its moving statistics, read by
+    it alone and never sliced for the optimizer (they are not trained), are stored."""
+    for update in lowered.graph.updates:
+        have = lowered.layouts[update.value]
+        want = lowered.storage_layout(update.param)
+        if have != want:
+            raise ValueError(f"lower: {update.param} is stored as {want}, but the value the "
+                             f"forward writes into it is laid out as {have}; the op that "
+                             "writes it must read it as it is stored")
 
 
 def _segments(graph: Graph, smap: StrategyMap) -> tuple[Segment, ...]:

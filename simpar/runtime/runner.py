@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 
 from simpar import comm, schedule
-from simpar.redistribution import execute, plan
 from simpar.runtime.backward_plan import BackwardPlan
 from simpar.runtime.executor import Executor
 from simpar.runtime.lowered import LoweredGraph
@@ -159,15 +158,10 @@ class ProgramRunner:
     def write_states(self, params: dict[str, np.ndarray], states: Sequence[np.ndarray]
                      ) -> None:
         """Fold what a forward wrote (``graph.updates``: a BatchNorm's batch statistics;
-        ``states``, this rank's shards of them, from the forward's tape) into ``params``,
-        each moved to its parameter's layout first where the two differ (every rank moves
-        alike): ``param = (1 - weight) * param + weight * value``."""
-        lowered = self.lowered
-        for update, local in zip(lowered.graph.updates, states):
-            src, dst = lowered.layouts[update.value], lowered.storage_layout(update.param)
-            if src != dst:
-                with comm.label(f"update {update.param}"):
-                    local = execute(plan(src, dst, lowered.enable_alltoall), local)
+        ``states``, this rank's shards of them, from the forward's tape) into ``params``:
+        ``param = (1 - weight) * param + weight * value``, shard by shard (lowering checked
+        that each value is laid out as its parameter is stored)."""
+        for update, local in zip(self.lowered.graph.updates, states):
             p = params[update.param]
             p *= 1.0 - update.weight
             p += update.weight * local
