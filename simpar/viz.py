@@ -15,7 +15,9 @@ returns the path; none of them needs MPI.
   once-per-step sync, and each stage's peak memory;
 * :func:`fidelity_png`: predicted against measured step time, one point per strategy;
 * :func:`lines_png`: series per step (a loss curve; measured and predicted step times);
-* :func:`bars_png`: grouped bars (a measured step time per model and parallel mode).
+* :func:`bars_png`: grouped bars (a measured step time per model and parallel mode);
+* :func:`scaling_png`: panels of lines against the device count (a step time per parallel
+  mode, measured and predicted).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from simpar.cake import cake_cells
 from simpar.layout import TensorLayout
 
 __all__ = ["bars_png", "cost_png", "fidelity_png", "layout_png", "lines_png", "pipeline_png",
-           "program_png"]
+           "program_png", "scaling_png"]
 
 
 def _pyplot() -> Any:
@@ -256,4 +258,41 @@ def bars_png(groups: Mapping[str, Mapping[str, float]], path: str | Path,
     ax.set_ylim(0, max(v for bars in groups.values() for v in bars.values()) * 1.2)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
+    return _save(fig, path)
+
+
+def scaling_png(panels: Mapping[str, Mapping[str, Mapping[int, float]]], path: str | Path,
+                ylabel: str, columns: int = 3) -> Path:
+    """One panel per key of ``panels`` (e.g. a model, measured or predicted), ``columns`` to a
+    row; in each, one line per series (e.g. a parallel mode: one colour per series name across
+    all panels) through its {device count: value} points, on log-2 axes."""
+    if not panels or not any(points for lines in panels.values() for points in lines.values()):
+        raise ValueError("scaling_png: panels must hold at least one point")
+    if not isinstance(columns, int) or columns < 1:
+        raise ValueError(f"scaling_png: columns must be a positive int, got {columns!r}")
+    plt = _pyplot()
+    names = list(dict.fromkeys(name for lines in panels.values() for name in lines))
+    colour = {name: f"C{k % 10}" for k, name in enumerate(names)}
+    rows = -(-len(panels) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(3.3 * columns, 2.8 * rows + 0.6),
+                             squeeze=False)
+    for ax, (title, lines) in zip(axes.flat, panels.items()):
+        counts = sorted({n for points in lines.values() for n in points})
+        for name, points in lines.items():
+            xs = sorted(points)
+            ax.plot(xs, [points[x] for x in xs], marker="o", markersize=3, color=colour[name],
+                    label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log", base=2)
+        ax.set_xticks(counts, [str(n) for n in counts])
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("devices", fontsize=8)
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.tick_params(labelsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    handles = [plt.Line2D([], [], color=colour[name], marker="o", markersize=3)
+               for name in names]
+    fig.legend(handles, names, loc="lower center", ncol=min(len(names), 4), fontsize=7)
+    fig.tight_layout(rect=(0, 0.1 if rows == 1 else 0.06, 1, 1))
     return _save(fig, path)

@@ -84,3 +84,18 @@ def test_grouped_bars(tmp_path: Path) -> None:
     assert img.shape[1] > 200 and img.std() > 0.05 and _colours(img) > 4
     with pytest.raises(ValueError, match="at least one value"):
         viz.bars_png({}, tmp_path / "none.png", "ms")
+
+
+def test_lines_against_the_device_count(tmp_path: Path) -> None:
+    panels = {"GPT measured": {"dp": {1: 30.0, 2: 20.0, 4: 21.0, 8: 22.0},
+                               "tp": {2: 35.0, 4: 40.0, 8: 42.0}},
+              "GPT predicted": {"dp": {1: 30.0, 2: 16.0, 4: 9.0, 8: 5.0}},
+              "MLP measured": {"dp": {2: 10.0, 8: 17.0}}}
+    img = _pixels(viz.scaling_png(panels, tmp_path / "scaling.png", "ms", columns=2))
+    assert img.shape[0] > 400 and img.shape[1] > 500
+    assert img.std() > 0.05 and _colours(img) > 4
+    with pytest.raises(ValueError, match="at least one point"):
+        viz.scaling_png({"GPT": {"dp": {}}}, tmp_path / "none.png", "ms")
+    with pytest.raises(ValueError, match="columns must be a positive int, got 0"):
+        viz.scaling_png(panels, tmp_path / "bad.png", "ms", columns=0)
+    assert not (tmp_path / "none.png").exists() and not (tmp_path / "bad.png").exists()
