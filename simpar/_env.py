@@ -87,6 +87,17 @@ def local_ranks() -> int:
     return 1
 
 
+def local_rank() -> int:
+    """This process's rank among the job's ranks on its host, read from the launcher's
+    environment (0 if none)."""
+    for var in ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK",
+                "SLURM_LOCALID"):
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
 def _threads_wanted(cores: int, ranks: int) -> tuple[int, str]:
     override = os.environ.get("SIMPAR_NUM_THREADS", "")
     if override:

@@ -278,7 +278,9 @@ def check_against_single_device(train: TrainOneStepCell,
     it are ignored: the twin runs stand-alone). Rank 0 alone trains the twin, from the same
     seed, and broadcasts its results; every rank compares its own shards with the matching
     slices. ``losses`` says that ``train`` has already run these batches and returned these
-    losses (the main job prints progress while it trains); otherwise this runs them.
+    losses (the main job prints progress while it trains); otherwise this runs them. A
+    ``per_device`` cell (MindSpore's ``full_batch=False``) is given each rank's own slices,
+    and the check assembles the global batches from them (:meth:`TrainOneStepCell.global_batch`).
     ``tolerance`` defaults to :func:`default_tolerance` for the parameters' dtype, the
     optimizer and the number of steps.
 
@@ -292,6 +294,8 @@ def check_against_single_device(train: TrainOneStepCell,
         raise TypeError("check_against_single_device: build_reference must be a callable "
                         f"that returns a new TrainOneStepCell, got {build_reference!r}")
     data = [(np.asarray(x), np.asarray(y)) for x, y in batches]
+    if train.per_device and data:   # each rank passed its slices: the twin takes the whole
+        data = [train.global_batch(x, y) for x, y in data]
     if not data:
         raise ValueError("check_against_single_device: batches is empty; give at least one "
                          "(data, label) pair")

@@ -41,9 +41,11 @@ costmodel_allreduce_fusion_computation_time_parameter     0.1         a float in
 ========================================================= =========== =========================
 
 ``costmodel_beta`` is MindSpore's Ascend default; MindSpore switches it to 50.0 when the device
-target is GPU (``set_costmodel_context_for_device``); simpar has no device target and keeps
-400.0. Types are strict, as MindSpore's ``args_type_check`` is: ``costmodel_beta=400`` (an int)
-raises ``TypeError``, and a bool is never a number. The allreduce-fusion keys are accepted and
+target is GPU (``set_costmodel_context_for_device``), and so does
+:func:`set_costmodel_context_for_device` here (``simpar.mindspore.set_context(device_target=
+"GPU")`` calls it): the default moves, so the objective does not count as changed by the user,
+and a beta the user set stays. An int is taken where a float goes (``costmodel_beta=50``); a
+bool is never a number. The allreduce-fusion keys are accepted and
 validated but simpar does not fuse AllReduces (a :class:`~simpar.context.NotHonouredWarning`
 says so once); MindSpore checks none of their ranges when they are set and silently skips
 fusion for values outside them, so the ranges above are simpar's. ``multi_subgraphs`` is not a
@@ -70,7 +72,7 @@ from simpar._keyspec import (
 
 __all__ = ["CostModelContext", "cost_model_context", "get_cost_model_context",
            "get_search_cost_model", "reset_cost_model_context", "set_cost_model_context",
-           "set_search_cost_model"]
+           "set_costmodel_context_for_device", "set_search_cost_model"]
 
 _TRAINING, _INFERENCE = 0, 1
 _FUSION = "simpar does not fuse gradient AllReduces"
@@ -118,7 +120,14 @@ _OBJECTIVE = ("costmodel_alpha", "costmodel_beta", "costmodel_gamma",
               "costmodel_communi_bias", "run_phase")
 
 
+#: costmodel_beta's default per device target (MindSpore's Ascend and GPU values).
+_BETA_FOR_DEVICE = {"Ascend": 400.0, "GPU": 50.0, "CPU": 400.0}
+_device_target = "Ascend"
+
+
 def _default(key: str) -> Any:
+    if key == "costmodel_beta":
+        return _BETA_FOR_DEVICE[_device_target]
     return _SPECS[key].default
 
 
@@ -224,6 +233,26 @@ def set_cost_model_context(**kwargs: Any) -> None:
     warn_not_honoured(func, _SPECS, _state, _NOT_HONOURED, _warned)
 
 
+def set_costmodel_context_for_device(device_target: str) -> None:
+    """Use ``device_target``'s defaults (MindSpore's: ``costmodel_beta`` 50.0 on GPU, 400.0
+    on Ascend and CPU). A beta still at the old default moves to the new one; one the user
+    set stays.
+
+    >>> set_costmodel_context_for_device("GPU")
+    >>> get_cost_model_context("costmodel_beta"), cost_model_context().objective_changed
+    (50.0, False)
+    >>> reset_cost_model_context()
+    """
+    global _device_target, _state, _snapshot
+    if device_target not in _BETA_FOR_DEVICE:
+        raise ValueError(f"set_costmodel_context_for_device: device_target must be one of "
+                         f"{sorted(_BETA_FOR_DEVICE)}, got {device_target!r}")
+    old = _default("costmodel_beta")
+    _device_target = device_target
+    if _state["costmodel_beta"] == old:
+        _state, _snapshot = {**_state, "costmodel_beta": _default("costmodel_beta")}, None
+
+
 def get_cost_model_context(attr_key: str) -> Any:
     """The current value of one key, as ``mindspore.get_cost_model_context`` returns it.
 
@@ -244,8 +273,9 @@ def reset_cost_model_context() -> None:
     >>> get_cost_model_context("costmodel_gamma")
     0.001
     """
-    global _state, _snapshot, _search_model
+    global _state, _snapshot, _search_model, _device_target
     _state, _snapshot, _search_model = spec_defaults(_SPECS), None, None
+    _device_target = "Ascend"
 
 
 def cost_model_context() -> CostModelContext:

@@ -36,7 +36,7 @@ LAYERS: list[tuple[str, ...]] = [
      "simpar.checkpoint.training", "simpar.checkpoint.cli"),
     ("simpar.train", "simpar.launch", "simpar.launch.rank_table", "simpar.launch.mpi",
      "simpar.launch.rank_wrapper", "simpar.launch.supervisor", "simpar.launch.cli",
-     "simpar.calibrate", "simpar"),
+     "simpar.calibrate", "simpar", "simpar.mindspore"),
 ]
 
 

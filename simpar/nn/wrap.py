@@ -45,7 +45,13 @@ from simpar.pipeline.strategy_files import save_pipeline_strategy
 from simpar.redistribution import execute, plan
 from simpar.runtime.lowering import lower
 from simpar.runtime.program import ParallelProgram
-from simpar.search import PlanRequest, complete_plan, plan_request, request_from_context
+from simpar.search import (
+    PlanRequest,
+    complete_plan,
+    global_input_shapes,
+    plan_request,
+    request_from_context,
+)
 from simpar.search.dimensions import MICRO_BATCH_CHOICES, graph_of
 from simpar.seed import get_seed
 from simpar.strategy_file import load_strategy, save_strategy
@@ -73,6 +79,13 @@ class TrainOneStepCell:
     slice. ``parallel_mode`` overrides the context's mode (tests build a stand-alone reference
     in the same process this way).
 
+    ``per_device=True`` is MindSpore's ``full_batch=False`` feeding, which
+    :class:`simpar.mindspore.train.Model` uses: every call, the first too, passes this rank's
+    own slice, laid out by the dataset strategy (``"data_parallel"``: rank r holds block r of
+    the batch); the global shapes are the slices' times the strategy's cuts. Ranks whose
+    slices are copies of one block must pass the same data, as MindSpore's sharded datasets
+    give them (not checked: only the shapes are).
+
     With an :class:`~simpar.nn.auto_parallel.AutoParallel` in ``network``, the mode and the
     other parallel settings are the wrapper's; ``parallel_mode`` may then only repeat the
     wrapper's mode or be ``"stand_alone"`` (the single-device twin, whose program the
@@ -80,7 +93,8 @@ class TrainOneStepCell:
     """
 
     def __init__(self, network: Cell, optimizer: Optimizer, sens: float = 1.0,
-                 parallel_mode: str | None = None, seed: int | None = None) -> None:
+                 parallel_mode: str | None = None, seed: int | None = None,
+                 per_device: bool = False) -> None:
         checks.instance(network, Cell, "TrainOneStepCell: network", "a Cell")
         checks.instance(optimizer, Optimizer, "TrainOneStepCell: optimizer",
                         "a simpar.nn Optimizer")
@@ -93,8 +107,11 @@ class TrainOneStepCell:
                                  or seed < 0):
             raise ValueError(f"TrainOneStepCell: seed must be None (the global seed) or an int "
                              f">= 0, got {seed!r}")
+        checks.instance(per_device, bool, "TrainOneStepCell: per_device", "a bool")
         self.network = network
         self.optimizer = optimizer
+        #: Whether every call passes this rank's own slice (MindSpore's full_batch=False).
+        self.per_device = per_device
         self.sens = float(sens)
         self.auto_parallel = _auto_parallel_of(network)
         if self.auto_parallel is None:
@@ -135,7 +152,30 @@ class TrainOneStepCell:
     def build(self, data: np.ndarray, label: np.ndarray) -> ParallelProgram:
         """Trace and lower for these global input shapes, and lay out the parameters."""
         with self._settings() as ctx:
+            if self.per_device:
+                return self._build_per_device(ctx, data, label)
             return self._build(ctx, data, label)
+
+    def _build_per_device(self, ctx: context.ParallelContext, data: np.ndarray,
+                          label: np.ndarray) -> ParallelProgram:
+        """Build from this rank's slices: the global shapes are theirs times the dataset
+        strategy's cuts (the ranks must agree on the slices' shapes, not their bytes)."""
+        world = 1 if self.mode == "stand_alone" else comm.get_group_size()
+        dataset = "full_batch" if world == 1 else (
+            "data_parallel" if self.mode == "data_parallel" else ctx.dataset_strategy)
+        if world > 1:
+            comm.check_same_arrays("TrainOneStepCell.build", [
+                (f"{what} (this rank's slice; shape)", np.asarray(x.shape, dtype=np.int64))
+                for what, x in (("data", data), ("label", label))])
+            if ctx.pipeline_stages > 1 or ctx.auto_pipeline:
+                raise ValueError("TrainOneStepCell: per_device=True (MindSpore's "
+                                 "full_batch=False) with pipeline stages is not supported: "
+                                 "pass the global batch on every rank (full_batch=True)")
+        shapes = global_input_shapes([data.shape, label.shape], world, dataset)
+        # Stand-ins of the global shapes that hold no memory: only shapes and dtypes are read.
+        stand_ins = [np.broadcast_to(np.zeros((), x.dtype), shape)
+                     for x, shape in zip((data, label), shapes)]
+        return self._build(ctx, stand_ins[0], stand_ins[1], agreed=True)
 
     def _settings(self) -> contextlib.AbstractContextManager[context.ParallelContext]:
         """The parallel context to compile under: the network's AutoParallel's, scoped to the
@@ -169,11 +209,11 @@ class TrainOneStepCell:
         self.program_dimensions = smap.dimensions
         return lower(graph_of(request, smap), smap, request.enable_alltoall)
 
-    def _build(self, ctx: context.ParallelContext, data: np.ndarray, label: np.ndarray
-               ) -> ParallelProgram:
+    def _build(self, ctx: context.ParallelContext, data: np.ndarray, label: np.ndarray,
+               agreed: bool = False) -> ParallelProgram:
         self._ctx = ctx
         world = 1 if self.mode == "stand_alone" else comm.get_group_size()
-        if world > 1:  # shapes decide the program: every rank must trace the same
+        if world > 1 and not agreed:  # shapes decide the program: every rank traces the same
             comm.check_context()  # device_num against the world, once: the request has it
             comm.check_same_arrays("TrainOneStepCell.build", [("data", data), ("label", label)])
         m = self.micro_batches
@@ -421,6 +461,24 @@ class TrainOneStepCell:
                     total[name] += g
             del tape
         return float(np.mean(losses)), prog.sync(total)
+
+    def global_batch(self, data: np.ndarray, label: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray]:
+        """The global batch of which every rank passed its own slice (``per_device``; built
+        first), on every rank: each input redistributed from its batch layout to whole
+        (collective; an AllGather of the slices under "data_parallel")."""
+        if self.program is None:
+            self.build(data, label)
+        if self.pipeline is not None or not self.per_device:
+            return np.asarray(data), np.asarray(label)
+        out = []
+        for x, lay in zip((data, label), self.batch_layouts()):
+            x = np.ascontiguousarray(x)
+            if tuple(x.shape) != lay.local_shape():
+                raise ValueError(f"TrainOneStepCell.global_batch: this rank's slice has shape "
+                                 f"{x.shape}, the batch layout's slice {lay.local_shape()}")
+            out.append(execute(plan(lay, lay.replicated()), x))
+        return out[0], out[1]
 
     # ------------------------------------------------------------ inspection
     def batch_layouts(self) -> list[TensorLayout]:

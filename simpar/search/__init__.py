@@ -40,6 +40,7 @@ from simpar.search.request import (
     MODES,
     PlanRequest,
     dataset_layouts,
+    global_input_shapes,
     parameter_plans,
     request_from_context,
 )
@@ -63,6 +64,7 @@ __all__ = [
     "StrategyMap",
     "complete_plan",
     "dataset_layouts",
+    "global_input_shapes",
     "brute_force",
     "build_cost_graph",
     "follow_producers",

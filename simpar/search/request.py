@@ -30,7 +30,8 @@ from simpar.graph import Graph
 from simpar.layout import TensorLayout
 from simpar.optimizer_parallel import OptimizerParallel
 
-__all__ = ["MODES", "PlanRequest", "dataset_layouts", "parameter_plans", "request_from_context"]
+__all__ = ["MODES", "PlanRequest", "dataset_layouts", "global_input_shapes", "parameter_plans",
+           "request_from_context"]
 
 #: The modes planned from the user's strategies and the fill-in (auto_parallel searches).
 MODES = ("stand_alone", "data_parallel", "semi_auto_parallel")
@@ -216,6 +217,26 @@ def parameter_plans(cell: Any) -> dict[str, tuple[int, ...]]:
         for key, cuts in sub.parameter_plan.items():
             key = key.removeprefix("self.")
             out[f"{path}.{key}" if path else key] = cuts
+    return out
+
+
+def global_input_shapes(local_shapes: Sequence[Sequence[int]], device_num: int,
+                        dataset_strategy: Any) -> list[tuple[int, ...]]:
+    """The global shapes of inputs of which each device holds the slice of ``local_shapes``
+    (MindSpore's ``full_batch=False`` feeding): "full_batch" (and 0-d inputs) as given,
+    "data_parallel" dim 0 times every device, a tuple of cuts each dim times its cut."""
+    out = []
+    for k, shape in enumerate(local_shapes):
+        shape = tuple(int(d) for d in shape)
+        if dataset_strategy == "full_batch" or not shape:
+            out.append(shape)
+        elif dataset_strategy == "data_parallel":
+            out.append((shape[0] * device_num, *shape[1:]))
+        else:
+            if k >= len(dataset_strategy) or len(dataset_strategy[k]) != len(shape):
+                raise ValueError(f"dataset_strategy {dataset_strategy} has no cut per dimension "
+                                 f"for input {k} of per-device shape {shape}")
+            out.append(tuple(d * int(c) for d, c in zip(shape, dataset_strategy[k])))
     return out
 
 

@@ -1,0 +1,205 @@
+"""simpar.mindspore: MindSpore's import paths, its defaults where simpar's differ, the names it
+does not implement (NotImplementedError, saying what to use), and the datasets."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+import simpar
+import simpar.mindspore as ms
+from simpar.context import NotHonouredWarning
+
+
+@pytest.fixture(autouse=True)
+def _fresh() -> Iterator[None]:
+    yield
+    simpar.reset_auto_parallel_context()
+    simpar.reset_cost_model_context()
+    ms.set_context(mode=ms.GRAPH_MODE, device_target="Ascend", device_id=0)
+    ms.set_seed(0)
+
+
+def test_mindspore_names_lead_to_simpars() -> None:
+    assert ms.nn.Dense is simpar.nn.Dense and ms.ops.MatMul is simpar.ops.MatMul
+    assert ms.Parameter is simpar.nn.Parameter
+    assert ms.parallel.auto_parallel.AutoParallel is simpar.nn.AutoParallel
+    assert ms.set_auto_parallel_context is simpar.set_auto_parallel_context
+    assert ms.parallel.set_algo_parameters is simpar.set_algo_parameters
+    assert ms.Model is ms.train.Model
+    assert ms.ParallelMode.SEMI_AUTO_PARALLEL == "semi_auto_parallel"
+    assert ms.communication.get_rank() == simpar.comm.get_rank()
+    assert ms.communication.get_group_size("hccl_world_group") == simpar.comm.get_group_size()
+
+
+@pytest.mark.parametrize("module, name, hint", [
+    (ms, "jit", "traces the network"),
+    (ms, "value_and_grad", "value_and_grad(data, label)"),
+    (ms.nn, "LSTM", "recurrent"),
+    (ms.nn, "DistributedGradReducer", "TrainOneStepCell reduces"),
+    (ms.ops, "matmul", "ops.MatMul()"),
+    (ms.ops, "relu", "ops.ReLU()"),
+    (ms.ops, "GradOperation", "TrainOneStepCell"),
+    (ms.dataset, "MnistDataset", "NumpySlicesDataset"),
+    (ms.train, "Accuracy", "trains only"),
+    (ms.communication, "create_group", "simpar.comm.create_group"),
+    (ms.parallel, "transform_checkpoints", "simpar.checkpoint transform"),
+])
+def test_documented_names_simpar_lacks_say_what_to_use(module: object, name: str, hint: str
+                                                       ) -> None:
+    with pytest.raises(NotImplementedError, match=name) as e:
+        getattr(module, name)
+    assert hint in str(e.value)
+
+
+def test_an_unknown_name_is_an_attribute_error() -> None:
+    with pytest.raises(AttributeError, match="MatMull"):
+        ms.ops.MatMull  # noqa: B018
+    with pytest.raises(AttributeError, match="no attribute 'jitt'"):
+        ms.jitt  # noqa: B018
+
+
+def test_tensor_is_an_array_with_mindsporess_dtypes() -> None:
+    t = ms.Tensor([1.0, 2.0])
+    assert isinstance(t, np.ndarray) and t.dtype == np.float32   # Python floats: float32
+    assert ms.Tensor([1, 2]).dtype == np.int64
+    assert ms.Tensor(np.arange(3.0)).dtype == np.float64          # an array keeps its dtype
+    assert ms.Tensor(np.arange(3), ms.float16).dtype == np.float16
+    assert type(t.asnumpy()) is np.ndarray and t.asnumpy().tolist() == [1.0, 2.0]
+    assert ms.Tensor(shape=(2, 3), dtype=ms.int32).shape == (2, 3)
+    with pytest.raises(ValueError, match="give input_data, or a shape"):
+        ms.Tensor()
+
+
+def test_the_device_target_sets_the_cost_models_beta() -> None:
+    ms.set_context(device_target="GPU")
+    assert simpar.get_cost_model_context("costmodel_beta") == 50.0
+    assert not simpar.cost_model_context.cost_model_context().objective_changed
+    ms.set_context(device_target="Ascend")
+    assert simpar.get_cost_model_context("costmodel_beta") == 400.0
+    simpar.set_cost_model_context(costmodel_beta=7)         # the user's beta stays
+    ms.set_context(device_target="GPU")
+    assert simpar.get_cost_model_context("costmodel_beta") == 7.0
+    assert ms.get_context("device_target") == "GPU"
+
+
+def test_set_context_checks_every_key_first() -> None:
+    with pytest.raises(ValueError, match="device_target must be one of .*'TPU'"):
+        ms.set_context(mode=ms.PYNATIVE_MODE, device_target="TPU")
+    assert ms.get_context("mode") == ms.GRAPH_MODE            # nothing changed
+    with pytest.raises(ValueError, match="unknown key 'devise_target'"):
+        ms.set_context(devise_target="GPU")
+    with pytest.warns(NotHonouredWarning, match="save_graphs"):
+        ms.set_context(save_graphs=False)
+
+
+def test_a_sub_cells_named_parameters_take_its_prefix() -> None:
+    class Dense(ms.nn.Cell):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = ms.Parameter(np.ones((2, 2), np.float32), name="weight")
+            self.bias = ms.Parameter(np.zeros(2, np.float32))
+
+    class Net(ms.nn.Cell):
+        def __init__(self) -> None:
+            super().__init__()
+            self.dense1, self.dense2 = Dense(), Dense()
+
+    names = [p.name for p in Net().trainable_params()]
+    assert names == ["dense1.weight", "dense1.bias", "dense2.weight", "dense2.bias"]
+
+
+def test_mindsporess_loss_defaults() -> None:
+    with pytest.raises(NotImplementedError, match="reduction='none'"):
+        ms.nn.SoftmaxCrossEntropyWithLogits()
+    assert ms.nn.SoftmaxCrossEntropyWithLogits(reduction="mean").sparse is False
+    assert ms.nn.CrossEntropyLoss().sparse is True
+    with pytest.raises(NotImplementedError, match="label_smoothing=0.1"):
+        ms.nn.CrossEntropyLoss(label_smoothing=0.1)
+
+
+def test_shard_sets_a_cells_strategy() -> None:
+    cell = ms.nn.Dense(4, 4)
+    assert ms.shard(cell, ((2, 1),)) is cell and cell.in_strategy == ((2, 1),)
+    with pytest.raises(NotImplementedError, match="shards Cells"):
+        ms.shard(lambda x: x, ((2, 1),))
+    with pytest.raises(ValueError, match="level must be 0"):
+        ms.shard(cell, ((2, 1),), level=1)
+
+
+# ------------------------------------------------------------------ datasets
+
+def _rows(dataset: ms.dataset.Dataset, epoch: int = 0) -> list[tuple[int, ...]]:
+    return [tuple(int(v) for v in np.ravel(row[0])) for row in dataset.epoch(epoch)]
+
+
+def test_shards_partition_each_epochs_samples() -> None:
+    data = np.arange(10)
+    for shuffle in (False, True):
+        for epoch in (0, 1):
+            parts = [_rows(ms.dataset.NumpySlicesDataset(data, shuffle=shuffle, num_shards=4,
+                                                         shard_id=s), epoch) for s in range(4)]
+            assert [len(p) for p in parts] == [3, 3, 3, 3]   # 10 padded to 12 by wrapping
+            seen = sorted(v for p in parts for (v,) in p)
+            assert set(seen) == set(range(10)) and len(seen) == 12
+    first = _rows(ms.dataset.NumpySlicesDataset(data, num_shards=4, shard_id=0), 0)
+    again = _rows(ms.dataset.NumpySlicesDataset(data, num_shards=4, shard_id=0), 1)
+    assert first != again                                      # reshuffled each epoch
+    plain = _rows(ms.dataset.NumpySlicesDataset(data, shuffle=False, num_shards=4, shard_id=1))
+    assert plain == [(1,), (5,), (9,)]
+
+
+def test_the_dataset_seed_decides_the_order() -> None:
+    ms.set_seed(3)
+    a = _rows(ms.dataset.NumpySlicesDataset(np.arange(20)))
+    ms.set_seed(3)
+    b = _rows(ms.dataset.NumpySlicesDataset(np.arange(20)))
+    ms.dataset.config.set_seed(4)
+    c = _rows(ms.dataset.NumpySlicesDataset(np.arange(20)))
+    assert a == b != c and sorted(a) == [(k,) for k in range(20)]
+
+
+def test_batch_map_repeat_and_iterators() -> None:
+    x = np.arange(14, dtype=np.float32).reshape(7, 2)
+    y = np.arange(7, dtype=np.int32)
+    ds = ms.dataset.NumpySlicesDataset({"x": x, "y": y}, shuffle=False)
+    batched = ds.map(lambda v: v * 2, input_columns="y").batch(3)
+    assert batched.get_dataset_size() == 3 and batched.get_col_names() == ["x", "y"]
+    rows = list(batched.create_tuple_iterator(output_numpy=True, num_epochs=1))
+    assert [r[0].shape for r in rows] == [(3, 2), (3, 2), (1, 2)]
+    np.testing.assert_array_equal(rows[0][1], [0, 2, 4])
+    assert ds.batch(3, drop_remainder=True).get_dataset_size() == 2
+    tensors = next(iter(ds.batch(2)))
+    assert isinstance(tensors[0], ms.Tensor)
+    d = next(ds.batch(2).create_dict_iterator(output_numpy=True))
+    assert set(d) == {"x", "y"}
+    assert ds.repeat(2).get_dataset_size() == 14
+    shuffled = sorted(int(r[1]) for r in ds.shuffle(4).epoch(0))
+    assert shuffled == list(range(7))
+
+
+def test_generator_dataset_sources() -> None:
+    pairs = [(np.full(2, k, np.float32), np.int32(k)) for k in range(6)]
+    ds = ms.dataset.GeneratorDataset(pairs, column_names=["data", "label"], shuffle=False,
+                                     num_shards=2, shard_id=1)
+    assert [int(r[1]) for r in ds.epoch(0)] == [1, 3, 5]
+
+    def gen() -> Iterator[tuple[np.ndarray, np.int32]]:
+        yield from pairs
+
+    stream = ms.dataset.GeneratorDataset(gen, column_names=["data", "label"])
+    assert [len(r[1]) for r in stream.batch(4).epoch(0)] == [4, 2]
+    assert stream.batch(4).get_dataset_size() == 2
+    with pytest.raises(ValueError, match="need a random-access source"):
+        ms.dataset.GeneratorDataset(gen, column_names=["data", "label"], num_shards=2,
+                                    shard_id=0)
+    with pytest.raises(ValueError, match="column_names is required"):
+        ms.dataset.GeneratorDataset(pairs)
+    with pytest.raises(ValueError, match="shard_id must be an int in \\[0, 2\\)"):
+        ms.dataset.NumpySlicesDataset(np.arange(4), num_shards=2, shard_id=2)
+    with pytest.raises(ValueError, match="num_shards and shard_id must be given together"):
+        ms.dataset.NumpySlicesDataset(np.arange(4), num_shards=2)
+    with pytest.raises(ValueError, match="batch_size must be a positive int, got 0"):
+        ms.dataset.NumpySlicesDataset(np.arange(4)).batch(0)

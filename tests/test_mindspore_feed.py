@@ -1,0 +1,103 @@
+"""MindSpore's feeding through simpar.mindspore's Model, on every world size: with
+``full_batch=False`` each rank passes its own slice of the batch, laid out by the dataset
+strategy ("data_parallel", or cuts whose copies feed the same rows); with ``full_batch=True``
+every rank passes the whole batch. Each way trains like one device (the check assembles the
+global batches from the ranks' slices)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import simpar
+import simpar.mindspore as ms
+from simpar import comm, nn
+from simpar.check import check_against_single_device
+from tests.recording import Record
+
+ROWS, FEATURES, CLASSES = 64, 8, 4
+
+
+@pytest.fixture(autouse=True)
+def _fresh() -> Iterator[None]:
+    yield
+    simpar.reset_auto_parallel_context()
+    ms.set_seed(0)
+
+
+def _network() -> Any:
+    net = ms.nn.SequentialCell([ms.nn.Dense(FEATURES, 16), ms.nn.ReLU(),
+                                ms.nn.Dense(16, CLASSES)])
+    net[0].matmul.shard(((1, 1), (2, 1)))   # a tensor cut too, besides the batch's
+    return net
+
+
+def _dataset(num_shards: int | None, shard_id: int | None, batch: int) -> Any:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((ROWS, FEATURES)).astype(np.float32)
+    y = rng.integers(0, CLASSES, ROWS).astype(np.int32)
+    return ms.dataset.NumpySlicesDataset((x, y), column_names=["x", "y"], num_shards=num_shards,
+                                         shard_id=shard_id).batch(batch, drop_remainder=True)
+
+
+def _train(dataset: Any, full_batch: bool, dataset_strategy: Any) -> None:
+    ms.set_seed(5)
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel",
+                                 dataset_strategy=dataset_strategy)
+    if full_batch:
+        ms.set_auto_parallel_context(full_batch=True)
+    net = _network()
+    params = net.trainable_params()
+    loss = ms.nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
+    model = ms.Model(net, loss_fn=loss, optimizer=ms.nn.Momentum(params, 0.1, 0.9))
+    record = Record()
+    model.train(2, dataset, callbacks=[record])
+    train = model.train_network
+    assert train.per_device is not full_batch
+    batches = [b for e in range(2) for b in dataset.epoch(e)]
+
+    def reference() -> nn.TrainOneStepCell:
+        ms.set_seed(5)
+        net = _network()
+        params = net.trainable_params()
+        return nn.TrainOneStepCell(
+            nn.WithLossCell(net, ms.nn.SoftmaxCrossEntropyWithLogits(sparse=True,
+                                                                     reduction="mean")),
+            ms.nn.Momentum(params, 0.1, 0.9))
+
+    report = check_against_single_device(train, reference, batches, losses=record.losses)
+    assert report.passed, report.summary()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_each_rank_feeds_its_own_rows_data_parallel() -> None:
+    n, rank = comm.get_group_size(), comm.get_rank()
+    _train(_dataset(n, rank, 16 // n), full_batch=False, dataset_strategy="data_parallel")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_copies_of_one_block_feed_the_same_rows() -> None:
+    """((2, 1), (2,)) on n ranks: rank r holds block r // (n/2) of the batch, so the ranks
+    of one block shard the dataset alike (num_shards=2)."""
+    n, rank = comm.get_group_size(), comm.get_rank()
+    _train(_dataset(2, rank // (n // 2), 8), full_batch=False,
+           dataset_strategy=((2, 1), (2,)))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_full_batch_feeds_every_rank_the_whole_batch() -> None:
+    _train(_dataset(None, None, 16), full_batch=True, dataset_strategy="full_batch")
+
+
+def test_one_device_feeds_the_whole_batch() -> None:
+    ms.set_seed(5)
+    net = _network()
+    model = ms.Model(net, ms.nn.CrossEntropyLoss(),
+                     ms.nn.Momentum(net.trainable_params(), 0.1, 0.9))
+    record = Record()
+    model.train(1, _dataset(None, None, 16), callbacks=[record])
+    assert len(record.losses) == ROWS // 16 and not model.train_network.per_device
+    assert all(np.isfinite(record.losses))
