@@ -117,6 +117,7 @@ from simpar._keyspec import (
 )
 
 __all__ = ["AlgoParameters", "BUILTIN_SEARCH_MODES", "ContextError", "ContextTypeError",
+           "MINDSPORE_KEYS_NOT_IMPLEMENTED",
            "MEMORY_DIMENSIONS",
            "NotHonouredWarning", "ParallelContext", "ParallelMode", "ParallelOptimizerConfig",
            "PIPELINE_SCHEDULERS", "PipelineConfig",
@@ -475,8 +476,24 @@ _ALGO_SPECS: dict[str, KeySpec] = {
 _NOT_HONOURED: dict[str, str] = {
     "search_mode": "no strategy search is registered under this name yet",
     "gradient_fp32_sync": "simpar has no float16 gradients, so there is nothing to cast",
-    "fully_use_devices": "the semi-auto fill-in considers every candidate (auto_parallel's "
-                         "searches honour it)",
+}
+# (fully_use_devices is honoured by every auto_parallel search, the only mode in which
+# MindSpore reads the algo parameters; semi_auto_parallel's fill-in is simpar's own.)
+
+#: set_auto_parallel_context keys MindSpore documents that simpar does not implement, with
+#: what to use instead: setting one raises NotImplementedError, not "unknown key".
+MINDSPORE_KEYS_NOT_IMPLEMENTED: dict[str, str] = {
+    "parameter_broadcast": "every rank draws its own block of each parameter from the same "
+                           "seed (simpar.set_seed): nothing to broadcast",
+    "all_reduce_fusion_config": "simpar does not fuse gradient AllReduces",
+    "comm_fusion": "simpar does not fuse collectives",
+    "force_fp32_communication": "simpar communicates in the tensors' own dtype",
+    "pipeline_result_broadcast": "the pipelined step's loss is returned on every rank already",
+    "group_ckpt_save_file": "simpar.checkpoint's manifest lists each tensor's ranks",
+    "dump_local_norm": "nothing: simpar does not dump norms",
+    "dump_local_norm_path": "nothing: simpar does not dump norms",
+    "dump_device_local_norm": "nothing: simpar does not dump norms",
+    "grad_accumulation_step": "nn.GradAccumulation(network, micro_size) (MindSpore 1.x's key)",
 }
 _warned: set[str] = set()
 _HONOURED_SEARCHES: set[str] = set(BUILTIN_SEARCH_MODES)  # and what register_search adds
@@ -601,6 +618,10 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
 
 def _staged_auto(func: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """The auto-parallel state ``kwargs`` would give, validated against the world."""
+    for key in kwargs:
+        if key in MINDSPORE_KEYS_NOT_IMPLEMENTED:
+            raise NotImplementedError(f"{func}: {key} is MindSpore's, but simpar does not "
+                                      f"implement it: {MINDSPORE_KEYS_NOT_IMPLEMENTED[key]}")
     staged = stage_call(func, _AUTO_KEYS, _auto, kwargs)
     staged["explicit"] = staged["explicit"] | {_VIEW_OF.get(key, key) for key in kwargs}
     if _world is not None:

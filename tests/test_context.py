@@ -696,11 +696,14 @@ def test_a_key_simpar_does_not_honour_yet_warns_once_naming_it() -> None:
                 set_auto_parallel_context(search_mode=mode)
             set_algo_parameters(elementwise_op_strategy_follow=True, enable_algo_approxi=True,
                                 algo_approxi_epsilon=0.5)
-        with pytest.warns(NotHonouredWarning, match="fully_use_devices=True"):
-            set_algo_parameters(fully_use_devices=True)
-        with warnings.catch_warnings():  # MatMul honours the slice alignment: no warning
-            warnings.simplefilter("error", NotHonouredWarning)
+        with warnings.catch_warnings():  # MatMul honours the slice alignment, and every
+            warnings.simplefilter("error", NotHonouredWarning)   # auto search fully_use_devices
             set_algo_parameters(tensor_slice_align_enable=True)
+            set_algo_parameters(fully_use_devices=True)
+        for key in ("comm_fusion", "parameter_broadcast", "dump_local_norm"):
+            with pytest.raises(NotImplementedError, match=f"{key} is MindSpore's, but simpar "
+                                                          "does not implement it: "):
+                set_auto_parallel_context(**{key: True})
     finally:
         reset_auto_parallel_context()
         reset_algo_parameters()

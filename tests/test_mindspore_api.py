@@ -203,3 +203,21 @@ def test_generator_dataset_sources() -> None:
         ms.dataset.NumpySlicesDataset(np.arange(4), num_shards=2)
     with pytest.raises(ValueError, match="batch_size must be a positive int, got 0"):
         ms.dataset.NumpySlicesDataset(np.arange(4)).batch(0)
+
+
+def test_the_api_table_lists_every_key() -> None:
+    """docs/mindspore.md has a row for every key simpar's contexts know and for every
+    MindSpore key simpar refuses, each with its status."""
+    import re
+    from pathlib import Path
+
+    from simpar import context
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "mindspore.md").read_text()
+    rows = dict(re.findall(r"^\| `(\w+)` \| ([a-z' ]+) \|", page, flags=re.M))
+    for key in [*context._AUTO_KEYS, *context._ALGO_SPECS]:
+        assert rows.get(key) in ("supported", "difference", "simpar's own"), key
+    for key in context.MINDSPORE_KEYS_NOT_IMPLEMENTED:
+        assert rows.get(key) == "not supported", key
+        with pytest.raises(NotImplementedError, match=key):
+            ms.set_auto_parallel_context(**{key: 1})

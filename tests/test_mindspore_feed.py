@@ -15,7 +15,8 @@ import pytest
 import simpar
 import simpar.mindspore as ms
 from simpar import comm, nn
-from simpar.check import check_against_single_device
+from simpar.check import CheckReport, check_against_single_device
+from tests.mpi_guard import raised_everywhere
 from tests.recording import Record
 
 ROWS, FEATURES, CLASSES = 64, 8, 4
@@ -43,7 +44,7 @@ def _dataset(num_shards: int | None, shard_id: int | None, batch: int) -> Any:
                                          shard_id=shard_id).batch(batch, drop_remainder=True)
 
 
-def _train(dataset: Any, full_batch: bool, dataset_strategy: Any) -> None:
+def _train(dataset: Any, full_batch: bool, dataset_strategy: Any) -> CheckReport:
     ms.set_seed(5)
     ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel",
                                  dataset_strategy=dataset_strategy)
@@ -68,14 +69,15 @@ def _train(dataset: Any, full_batch: bool, dataset_strategy: Any) -> None:
                                                                      reduction="mean")),
             ms.nn.Momentum(params, 0.1, 0.9))
 
-    report = check_against_single_device(train, reference, batches, losses=record.losses)
-    assert report.passed, report.summary()
+    return check_against_single_device(train, reference, batches, losses=record.losses)
 
 
 @pytest.mark.mpi(min_size=2)
 def test_each_rank_feeds_its_own_rows_data_parallel() -> None:
     n, rank = comm.get_group_size(), comm.get_rank()
-    _train(_dataset(n, rank, 16 // n), full_batch=False, dataset_strategy="data_parallel")
+    report = _train(_dataset(n, rank, 16 // n), full_batch=False,
+                    dataset_strategy="data_parallel")
+    assert report.passed, report.summary()
 
 
 @pytest.mark.mpi(min_size=2)
@@ -83,13 +85,26 @@ def test_copies_of_one_block_feed_the_same_rows() -> None:
     """((2, 1), (2,)) on n ranks: rank r holds block r // (n/2) of the batch, so the ranks
     of one block shard the dataset alike (num_shards=2)."""
     n, rank = comm.get_group_size(), comm.get_rank()
-    _train(_dataset(2, rank // (n // 2), 8), full_batch=False,
-           dataset_strategy=((2, 1), (2,)))
+    report = _train(_dataset(2, rank // (n // 2), 8), full_batch=False,
+                    dataset_strategy=((2, 1), (2,)))
+    assert report.passed, report.summary()
+
+
+@pytest.mark.mpi(min_size=4)
+def test_copies_fed_different_rows_fail_the_check() -> None:
+    """The ranks of one block feeding different rows (shard_id = rank % 2, crosswise) is not
+    caught while training, but the check against one device says so, on every rank."""
+    rank = comm.get_rank()
+    raised_everywhere(lambda: _train(_dataset(2, rank % 2, 8), full_batch=False,
+                                     dataset_strategy=((2, 1), (2,))),
+                      ValueError, "the ranks that hold copies of one block of the batch fed "
+                                  "different rows")
 
 
 @pytest.mark.mpi(min_size=2)
 def test_full_batch_feeds_every_rank_the_whole_batch() -> None:
-    _train(_dataset(None, None, 16), full_batch=True, dataset_strategy="full_batch")
+    report = _train(_dataset(None, None, 16), full_batch=True, dataset_strategy="full_batch")
+    assert report.passed, report.summary()
 
 
 def test_one_device_feeds_the_whole_batch() -> None:

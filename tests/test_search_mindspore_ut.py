@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -37,7 +36,6 @@ import pytest
 
 from simpar import context, graph, nn, ops
 from simpar import cost_model_context as cmc
-from simpar.context import NotHonouredWarning
 from simpar.cost.interface import MindSporeCostModel
 from simpar.nn.cell import Cell
 from simpar.nn.loss import SoftmaxCrossEntropyWithLogits
@@ -71,9 +69,7 @@ R1_0_ALGO = {
 
 
 def _set_algo(**kwargs: Any) -> None:
-    with warnings.catch_warnings():  # fully_use_devices warns for semi_auto; the search honours it
-        warnings.simplefilter("ignore", NotHonouredWarning)
-        context.set_algo_parameters(**kwargs)
+    context.set_algo_parameters(**kwargs)
 
 
 @pytest.fixture(autouse=True)

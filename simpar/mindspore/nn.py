@@ -75,6 +75,10 @@ def full_batch_feeding(mode: str) -> bool:
     return mode == "stand_alone" or (mode != "data_parallel" and ctx.full_batch)
 
 
+#: MindSpore 2.1-2.9's name of the wrapper (``mindspore.parallel.nn.GradAccumulation`` since).
+GradAccumulationCell = GradAccumulation
+
+
 class Cell(_nn.Cell):
     """MindSpore's ``nn.Cell``: a sub-Cell assigned to an attribute prefixes the names of its
     named Parameters with the attribute (``Parameter(..., name="weight")`` in ``dense1``

@@ -478,6 +478,16 @@ class TrainOneStepCell:
                 raise ValueError(f"TrainOneStepCell.global_batch: this rank's slice has shape "
                                  f"{x.shape}, the batch layout's slice {lay.local_shape()}")
             out.append(execute(plan(lay, lay.replicated()), x))
+        if comm.get_group_size() > 1:
+            try:
+                comm.check_same_arrays("TrainOneStepCell.global_batch",
+                                       [("data", out[0]), ("label", out[1])])
+            except comm.InputMismatchError as e:
+                raise ValueError(
+                    "TrainOneStepCell.global_batch: the ranks that hold copies of one block "
+                    "of the batch fed different rows, so the ranks assembled different global "
+                    "batches: shard the dataset by block (num_shards = the batch's cut, "
+                    f"shard_id = the rank's block) ({e})") from None
         return out[0], out[1]
 
     # ------------------------------------------------------------ inspection

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from simpar.context import get_algo_parameters, reset_algo_parameters, set_algo_parameters
 from simpar.mindspore._missing import missing
-from simpar.mindspore.parallel import auto_parallel
+from simpar.mindspore.parallel import auto_parallel, nn
 from simpar.pipeline.strategy_files import merge_pipeline_strategys
 
-__all__ = ["auto_parallel", "get_algo_parameters", "merge_pipeline_strategys",
+__all__ = ["auto_parallel", "get_algo_parameters", "merge_pipeline_strategys", "nn",
            "reset_algo_parameters", "set_algo_parameters"]
 
 __getattr__ = missing("mindspore.parallel", {
