@@ -119,10 +119,19 @@ def test_shard_refuses_zero_and_negative_cuts_at_once(strategy):
 
 
 def test_bad_strategy_types():
-    with pytest.raises(TypeError, match="tuple of tuples"):
+    """MindSpore's checks and messages: a tuple, of tuples, of ints."""
+    with pytest.raises(TypeError, match="in_strategy must be tuple type, but got:<class 'int'>"):
         ops.MatMul().shard(2)
-    with pytest.raises(TypeError, match="must be ints"):
+    with pytest.raises(TypeError, match="in_strategy must be tuple type, but got:<class 'list'>"):
+        ops.MatMul().shard([(2, 1), (1, 4)])
+    with pytest.raises(TypeError, match="The element of strategy must be tuple type, but "
+                                        "got:<class 'list'>"):
+        ops.MatMul().shard(((2, 1), [1, 4]))
+    with pytest.raises(TypeError, match="of MatMul is not valid, the value of strategy must be "
+                                        "int type, but got:<class 'float'>"):
         ops.MatMul().shard(((2.0, 1), (1, 4)))
+    with pytest.raises(TypeError, match="out_strategy must be tuple type"):
+        ops.MatMul().shard(((2, 1), (1, 4)), out_strategy=[(2, 4)])
     with pytest.raises(StrategyError, match="out_strategy is not supported"):
         ops.Add().shard(((1, 1), (1, 1)), out_strategy=((1, 1),))
 

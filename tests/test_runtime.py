@@ -561,9 +561,20 @@ BAD_LAYERS: list[BadInput] = [
     (lambda: nn.Parameter(np.zeros(3), name="p").set_data(np.zeros(4)), ValueError,
      r"Parameter p: set_data got shape \(4,\), expected \(3,\)"),
     (lambda: nn.Dense(2, 2).shard(5), TypeError,  # type: ignore[arg-type]
-     "Dense.shard: in_strategy must be a tuple of tuples, got 5"),
-    (lambda: nn.Dense(2, 2).shard(((1, 1),), out_strategy=((1, 1),)), ValueError,
-     "out_strategy on a Cell is not supported"),
+     r"For 'Shard', the 'in_strategy' should be a tuple, but got int \(Dense.shard: 5\)"),
+    (lambda: nn.Dense(2, 2).shard([(1, 1)]), TypeError,
+     "For 'Shard', the 'in_strategy' should be a tuple, but got list"),
+    (lambda: nn.Dense(2, 2).shard(([1, 1],)), TypeError,
+     r"The 'in_strategy' should be a tuple\(tuple\(int\)\), but got list"),
+    (lambda: nn.Dense(2, 2).shard(((1, "2"),)), TypeError,
+     r"The tuple strategy for each dimension should be tuple\(int\)"),
+    (lambda: nn.Dense(2, 2).shard(((1, 1),), out_strategy=[(1, 1)]), TypeError,
+     "the 'out_strategy' should be None or tuple, but got list"),
+    (lambda: nn.Dense(2, 2).shard(((1, 1),), parameter_plan=[("weight", (2, 1))]), TypeError,
+     "the 'parameter_plan' should be a dict or None, but got list"),
+    (lambda: nn.Dense(2, 2).shard(((1, 1),), parameter_plan={"weight": [2, 1]}), TypeError,
+     "the type of each key and value in 'parameter_plan' must be str and tuple, but got str "
+     "and list"),
     (lambda: presets.apply("pipeline", nn.MLP(2, 2, 2), 8), ValueError,
      r"strategy preset must be one of \['dp', 'mp', 'hybrid'\], got 'pipeline'"),
     (lambda: presets.apply("mp", nn.Dense(2, 2), 8), TypeError,
@@ -629,3 +640,18 @@ def test_tracing_a_cell_names_its_parameters_and_duplicate_names_are_refused() -
     b = nn.Parameter(np.ones((4, 4)), name="w")
     with pytest.raises(ValueError, match="two Parameters are named 'w'"):
         graph.trace(lambda x: ops.MatMul()(ops.MatMul()(x, a), b), [((4, 4), np.float64)])
+
+
+def test_a_cells_out_strategy_is_ignored_with_a_warning() -> None:
+    from simpar.context import NotHonouredWarning
+
+    with pytest.warns(NotHonouredWarning, match="out_strategy is not in use, and is ignored"):
+        cell = nn.Dense(2, 2).shard(((1, 1),), out_strategy=((1, 1),))
+    assert cell.in_strategy == ((1, 1),)
+
+
+def test_a_cell_strategy_gives_one_entry_per_input() -> None:
+    cell = nn.Dense(4, 4).shard(((2, 1), (2, 1)))
+    with pytest.raises(ValueError, match="in_strategy has 2 entries but construct got 1 "
+                                         "inputs: give one per input"):
+        graph.trace(cell, [((8, 4), np.float32)])

@@ -201,8 +201,8 @@ def test_parameter_plan_refuses_unknown_names_and_wrong_lengths() -> None:
     with pytest.raises(ValueError, match=r"parameter_plan: the network has no parameter named "
                        r"'_backbone.fc1.weigth'; did you mean '_backbone.fc1.weight'"):
         _planned_mlp({"weigth": (4, 1)}, annotate=False)
-    with pytest.raises(TypeError, match=r"Dense.shard: parameter_plan\['weight'\] must be a "
-                       r"tuple of int cuts, one per dimension, got 4"):
+    with pytest.raises(TypeError, match=r"the type of each key and value in 'parameter_plan' "
+                       r"must be str and tuple, but got str and int \(Dense.shard: 'weight': 4"):
         _planned_mlp({"weight": 4}, annotate=False)  # type: ignore[dict-item]
     for bad in ((4,), (0, 1), (3, 1)):
         with pytest.raises(ValueError, match=r"_backbone.fc1.weight has shape \(32, 16\), so "
@@ -274,7 +274,7 @@ def test_complete_lays_out_every_parameter_the_map_leaves_open() -> None:
 
         def construct(self, x: object) -> object:
             first = ops.MatMul().shard(((1, 1), (1, 8)))(x, self.w)
-            second = ops.MatMul().shard(((1, 8), (8, 1)))(first, self.w)
+            second = ops.MatMul()(first, self.w)   # semi_auto: the fill-in's strategy
             return ops.MatMul()(second, self.v), self.spare   # an output no op reads
 
     net = TwoReaders()
@@ -306,3 +306,18 @@ def test_lowering_plans_the_backward_once() -> None:
     assert set(only.backward_plans) == {(True,)}
     with pytest.raises(ValueError, match=re.escape("seeded [False] has no backward plan")):
         only.backward_plan((False,))
+
+
+def test_semi_auto_refuses_a_parameter_two_strategies_cut_differently() -> None:
+    """As MindSpore does, and as every auto_parallel search does: a parameter has one
+    layout, so two .shard() readers that cut it differently cannot both hold."""
+    w = nn.Parameter(np.zeros((16, 16)), "w")
+    m1, m2 = ops.MatMul().shard(((1, 1), (1, 8))), ops.MatMul().shard(((1, 8), (8, 1)))
+    g = graph.trace(lambda x: m2(m1(x, w), w), [((4, 16), np.float64)], ["x"])
+    with pytest.raises(ValueError, match=r"semi_auto_parallel: Default/MatMul-op0 \(.shard\(\[\["
+                       r"1, 1\], \[1, 8\]\]\)\) reads parameter w cut \(1, 8\), and Default/"
+                       r"MatMul-op1 .* reads it cut \(8, 1\); a shared parameter has one layout"):
+        plan_strategies(g, 8, SEMI)
+    agreeing = ops.MatMul().shard(((1, 1), (1, 8)))
+    g = graph.trace(lambda x: agreeing(m1(x, w), w), [((4, 16), np.float64)], ["x"])
+    assert plan_strategies(g, 8, SEMI).params["w"].cuts == (1, 8)

@@ -8,12 +8,14 @@ the global graph that the runtime lowers to a per-rank program.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from simpar import graph, ops
+from simpar.context import NotHonouredWarning
 from simpar.parameter import Parameter, initializer
 
 __all__ = ["Cell", "Parameter", "Wrapper", "initializer"]
@@ -90,26 +92,52 @@ class Cell:
         return self
 
     # -- MindSpore's cell-level sharding
-    def shard(self, in_strategy: Sequence[Sequence[int]] | None,
+    def shard(self, in_strategy: Sequence[Sequence[int] | None] | None,
               out_strategy: Sequence[Sequence[int]] | None = None,
               parameter_plan: dict[str, Sequence[int]] | None = None) -> Cell:
-        """Cell-level strategy: cuts for each input of ``construct`` (None to leave one as it
-        arrives) and ``parameter_plan`` {parameter name relative to this cell: cuts}."""
-        if in_strategy is not None and not isinstance(in_strategy, (tuple, list)):
-            raise TypeError(f"{type(self).__name__}.shard: in_strategy must be a tuple of "
-                            f"tuples, got {in_strategy!r}")
+        """Cell-level strategy: one tuple of cuts per input of ``construct`` (None to leave
+        that input as it arrives) and ``parameter_plan`` {parameter name relative to this
+        cell: cuts}, checked as MindSpore's ``shard`` checks them, with its messages (tuples,
+        not lists). ``out_strategy`` is accepted and ignored with a warning, as MindSpore
+        ignores it."""
+        name = f"{type(self).__name__}.shard"
+        if in_strategy is not None:
+            if not isinstance(in_strategy, tuple):
+                raise TypeError(f"For 'Shard', the 'in_strategy' should be a tuple, but got "
+                                f"{type(in_strategy).__name__} ({name}: {in_strategy!r})")
+            for cuts in in_strategy:
+                if cuts is None:
+                    continue
+                if not isinstance(cuts, tuple):
+                    raise TypeError(f"The 'in_strategy' should be a tuple(tuple(int)), but got "
+                                    f"{type(cuts).__name__} ({name}: {cuts!r} in "
+                                    f"{in_strategy!r})")
+                if not all(isinstance(c, (int, np.integer)) and not isinstance(c, bool)
+                           and c >= 1 for c in cuts):
+                    raise TypeError(f"The tuple strategy for each dimension should be "
+                                    f"tuple(int) ({name}: {cuts!r} in {in_strategy!r}; each "
+                                    "cut an int >= 1)")
         if out_strategy is not None:
-            raise ValueError(f"{type(self).__name__}.shard: out_strategy on a Cell is not "
-                             "supported; shard the op that produces the output instead")
-        object.__setattr__(self, "in_strategy", None if in_strategy is None else tuple(
-            None if s is None else tuple(int(c) for c in s) for s in in_strategy))
+            if not isinstance(out_strategy, tuple):
+                raise TypeError(f"For 'Shard', the 'out_strategy' should be None or tuple, but "
+                                f"got {type(out_strategy).__name__} ({name})")
+            warnings.warn(f"{name}: out_strategy is not in use, and is ignored (as MindSpore "
+                          "ignores it); shard the op that produces the output instead",
+                          NotHonouredWarning, stacklevel=2)
+        if parameter_plan is not None and not isinstance(parameter_plan, dict):
+            raise TypeError(f"For 'Shard', the 'parameter_plan' should be a dict or None, but "
+                            f"got {type(parameter_plan).__name__} ({name})")
         plan = {}
         for key, cuts in (parameter_plan or {}).items():
-            if not isinstance(cuts, (tuple, list)) or not all(
+            if not isinstance(key, str) or not isinstance(cuts, tuple) or not all(
                     isinstance(c, (int, np.integer)) and not isinstance(c, bool) for c in cuts):
-                raise TypeError(f"{type(self).__name__}.shard: parameter_plan[{key!r}] must be "
-                                f"a tuple of int cuts, one per dimension, got {cuts!r}")
+                raise TypeError(f"For 'Shard', the type of each key and value in "
+                                f"'parameter_plan' must be str and tuple, but got "
+                                f"{type(key).__name__} and {type(cuts).__name__} ({name}: "
+                                f"{key!r}: {cuts!r}; a tuple of int cuts, one per dimension)")
             plan[key] = tuple(int(c) for c in cuts)
+        object.__setattr__(self, "in_strategy", None if in_strategy is None else tuple(
+            None if c is None else tuple(int(x) for x in c) for c in in_strategy))
         object.__setattr__(self, "parameter_plan", plan)
         return self
 
@@ -231,9 +259,10 @@ def _reshard_inputs(cell: Any, args: Sequence[Any]) -> tuple[Any, ...]:
     """Insert an Identity with the cell's strategy on each annotated input: the lowering then
     redistributes the input to that layout."""
     strategies = cell.in_strategy
-    if len(strategies) > len(args):
+    if len(strategies) != len(args):
         raise ValueError(f"{type(cell).__name__}.shard: in_strategy has {len(strategies)} "
-                         f"entries but construct got {len(args)} inputs")
+                         f"entries but construct got {len(args)} inputs: give one per input "
+                         "(None leaves an input as it arrives)")
     out = list(args)
     for k, cuts in enumerate(strategies):
         if cuts is None:

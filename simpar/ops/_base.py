@@ -53,6 +53,7 @@ from simpar.ops.strategy import (
     StrategyError,
     as_strategy,
     check_device_num,
+    check_shard_strategy,
     divisors,
     iteration_cuts,
 )
@@ -367,9 +368,12 @@ class Primitive:
     # -- MindSpore API
     def shard(self, in_strategy: Sequence[Sequence[int]],
               out_strategy: Sequence[Sequence[int]] | None = None) -> Primitive:
-        """Set the strategy: one tuple of cuts per input (and optionally per output)."""
+        """Set the strategy: one tuple of cuts per input (and optionally per output), checked
+        as MindSpore checks it (tuples, not lists)."""
+        check_shard_strategy(in_strategy, self.name, "in_strategy")
         self.in_strategy = as_strategy(in_strategy, self.name, "in_strategy")
         if out_strategy is not None:
+            check_shard_strategy(out_strategy, self.name, "out_strategy")
             if not self.supports_out_strategy:
                 raise StrategyError(f"{self.name}: out_strategy is not supported for this "
                                     "operator (MindSpore accepts it for MatMul/BatchMatMul)")

@@ -15,6 +15,7 @@ import numpy as np
 from simpar import _checks as checks
 
 __all__ = ["IterSpace", "Strategy", "StrategyError", "as_strategy", "check_device_num",
+           "check_shard_strategy",
            "dim_names", "divisors", "iteration_cuts"]
 
 Strategy = tuple[tuple[int, ...], ...]
@@ -60,7 +61,26 @@ def dim_names(ndim: int) -> tuple[str, ...]:
     return tuple(f"d{d}" for d in range(ndim))
 
 
+def check_shard_strategy(strategy: object, op: str, what: str) -> None:
+    """What a user passes to ``.shard()``, checked as MindSpore's ``Primitive.shard`` checks
+    it, with its messages: a tuple, of tuples, of ints (numpy ints too). Lists are refused, as
+    MindSpore refuses them (simpar's own code, reading JSON, goes through :func:`as_strategy`)."""
+    if not isinstance(strategy, tuple):
+        raise TypeError(f"{op}: {what} must be tuple type, but got:{type(strategy)} "
+                        f"({strategy!r}; one tuple of ints per input, e.g. ((2, 1), (1, 4)))")
+    for s in strategy:
+        if not isinstance(s, tuple):
+            raise TypeError(f"{op}: The element of strategy must be tuple type, but got:"
+                            f"{type(s)} ({s!r} in {what} {strategy!r})")
+        for c in s:
+            if isinstance(c, bool) or not isinstance(c, (int, np.integer)):
+                raise TypeError(f"The {what}: {strategy!r} of {op} is not valid, the value of "
+                                f"strategy must be int type, but got:{type(c)}")
+
+
 def as_strategy(strategy: object, op: str, what: str) -> Strategy:
+    """``strategy`` (tuples or lists, as JSON gives them) as a tuple of tuples of ints, each
+    cut >= 1."""
     if not isinstance(strategy, (tuple, list)):
         raise TypeError(f"{op}: {what} must be a tuple of tuples of ints, got "
                         f"{type(strategy).__name__} {strategy!r}")

@@ -38,7 +38,8 @@ from simpar.redistribution import RedistributionPlan, plan
 from simpar.search.moves import MoveBlock, decode, plan_moves, signature_of
 
 __all__ = ["ELEMENTWISE_OPS", "NoAvailableCost", "Priced", "Pricer", "Site", "SiteEdge",
-           "algo_or_context", "canonical", "check_memory", "listed", "one_layout_per_parameter"]
+           "algo_or_context", "canonical", "check_memory", "listed", "one_layout_per_parameter",
+           "users_read_one_layout"]
 
 #: The registered ops MindSpore counts elementwise (``IsElementWiseOperator``: the unary
 #: ones), read from each op's own ``elementwise`` fact, which is what the pricer reads. Under
@@ -547,6 +548,35 @@ def one_layout_per_parameter(pricer: Pricer, shardings: list[OpSharding], search
                          "layouts that all their readers can read them in together")
 
 
+def users_read_one_layout(pricer: Pricer, shardings: Sequence[OpSharding], search: str
+                          ) -> None:
+    """Raise if two ops with ``.shard()`` strategies read one parameter in two layouts: a
+    parameter has one layout (MindSpore refuses such strategies in every mode)."""
+    for name, uses in pricer.shared.items():
+        _users_agree(pricer, shardings, search, name, uses)
+
+
+def _users_agree(pricer: Pricer, shardings: Sequence[OpSharding], search: str, name: str,
+                 uses: Sequence[tuple[int, int]]) -> None:
+    sites = pricer.sites
+    readers = sorted({n for n, _ in uses})
+    positions = {n: [k for m, k in uses if m == n] for n in readers}
+
+    def key_of(n: int) -> Any:
+        keys = {canonical(shardings[n].in_layouts[k]) for k in positions[n]}
+        return keys.pop() if len(keys) == 1 else None
+
+    users = [n for n in readers if sites[n].user]
+    for a, b in zip(users, users[1:]):
+        if key_of(a) != key_of(b):
+            raise ValueError(
+                f"{search}: {sites[a].name} (.shard({listed(shardings[a].strategy)})) "
+                f"reads parameter {name} cut {_cuts_of(shardings[a], positions[a])}, and "
+                f"{sites[b].name} (.shard({listed(shardings[b].strategy)})) reads it "
+                f"cut {_cuts_of(shardings[b], positions[b])}; a shared parameter has one "
+                "layout, so these strategies cannot both hold: make them agree")
+
+
 def _one_layout(pricer: Pricer, shardings: list[OpSharding], search: str, name: str,
                 uses: Sequence[tuple[int, int]], settled: Mapping[str, Any]) -> Any:
     """One parameter of :func:`one_layout_per_parameter`; returns its layout's block key."""
@@ -561,15 +591,8 @@ def _one_layout(pricer: Pricer, shardings: list[OpSharding], search: str, name: 
     current = {key_of(n, shardings[n]) for n in readers}
     if len(current) == 1 and None not in current:
         return current.pop()
+    _users_agree(pricer, shardings, search, name, uses)
     users = [n for n in readers if sites[n].user]
-    for a, b in zip(users, users[1:]):
-        if key_of(a, shardings[a]) != key_of(b, shardings[b]):
-            raise ValueError(
-                f"{search}: {sites[a].name} (.shard({listed(shardings[a].strategy)})) "
-                f"reads parameter {name} cut {_cuts_of(shardings[a], positions[a])}, and "
-                f"{sites[b].name} (.shard({listed(shardings[b].strategy)})) reads it "
-                f"cut {_cuts_of(shardings[b], positions[b])}; a shared parameter has one "
-                "layout, so these strategies cannot both hold: make them agree")
 
     def options(n: int, keep: Mapping[str, Any]) -> dict[Any, tuple[float, OpSharding]]:
         if sites[n].user:

@@ -52,6 +52,7 @@ from simpar.search.pricing import (
     check_memory,
     listed,
     one_layout_per_parameter,
+    users_read_one_layout,
 )
 from simpar.search.strategy_map import OpStrategy, Source, StrategyMap, lay_out_by_consumer
 
@@ -310,6 +311,8 @@ def propagate(pricer: Pricer, mode: str, input_layouts: Sequence[TensorLayout],
                 raise StrategyError(f"{site.name}: no valid strategy for shapes "
                                     f"{list(site.shapes)} on {pricer.device_num} devices")
             prop.settle(site.index, cands[0].sharding)
+    if mode == "semi_auto_parallel":   # the user's strategies must agree on a parameter
+        users_read_one_layout(pricer, [sh for sh in prop.chosen if sh is not None], mode)
     if mode == "auto_parallel":  # as every search: one layout per parameter, a plan that fits
         chosen = [sh for sh in prop.chosen if sh is not None]
         one_layout_per_parameter(pricer, chosen, "sharding_propagation")
