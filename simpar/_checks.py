@@ -96,6 +96,48 @@ def ints(values: Sequence[object], what: str, low: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def shapes(value: object, what: str) -> list[tuple[int, ...]]:
+    """A sequence of shapes (each a sequence of ints >= 0), as a list of tuples.
+
+    >>> shapes(None, "f: input_shapes")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    TypeError: f: input_shapes must be a list of shapes (tuples of ints), one per input, ...
+    """
+    if not isinstance(value, (list, tuple)) or isinstance(value, str):
+        raise TypeError(f"{what} must be a list of shapes (tuples of ints), one per input, got "
+                        f"{shown(value)}")
+    out = []
+    for k, shape in enumerate(value):
+        if not isinstance(shape, (list, tuple)):
+            raise TypeError(f"{what}[{k}] must be a shape (a tuple of ints), got {shown(shape)}")
+        out.append(ints(shape, f"{what}[{k}]", 0))
+    return out
+
+
+def input_specs(value: object, what: str) -> list[tuple[tuple[int, ...], np.dtype]]:
+    """A sequence of ``(shape, dtype)`` pairs, one per input, checked.
+
+    >>> input_specs([(8, 4)], "trace: input_specs")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    TypeError: trace: input_specs[0] must be a (shape, dtype) pair such as ..., got tuple (8, 4)
+    """
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{what} must be a list of (shape, dtype) pairs, one per input, got "
+                        f"{shown(value)}")
+    out = []
+    for k, spec in enumerate(value):
+        if not (isinstance(spec, (list, tuple)) and len(spec) == 2
+                and isinstance(spec[0], (list, tuple))):
+            raise TypeError(f"{what}[{k}] must be a (shape, dtype) pair such as ((8, 16), "
+                            f"np.float32), got {shown(spec)}")
+        try:
+            dtype = np.dtype(spec[1])
+        except TypeError:
+            raise TypeError(f"{what}[{k}]: {shown(spec[1])} is not a dtype") from None
+        out.append((ints(spec[0], f"{what}[{k}] shape", 0), dtype))
+    return out
+
+
 def axis(value: object, ndim: int, what: str) -> int:
     """A tensor axis of an input of rank ``ndim``, counted from either end, as ``0..ndim-1``."""
     value = integer(value, what)

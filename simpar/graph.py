@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from simpar import _checks as checks
 from simpar import ops
 from simpar.ops._base import Primitive, recording
 from simpar.parameter import Parameter
@@ -324,6 +325,15 @@ def trace(fn: Callable[..., Any], input_specs: Sequence[tuple[Sequence[int], Any
     """Trace ``fn(*inputs)`` for inputs of the given ``(shape, dtype)``."""
     if tracing():
         raise RuntimeError("trace() cannot nest")
+    if not callable(fn):
+        raise TypeError(f"trace: the network must be a Cell or a function, got "
+                        f"{checks.shown(fn)}")
+    input_specs = checks.input_specs(input_specs, "trace: input_specs")
+    if input_names is not None and (
+            not isinstance(input_names, (list, tuple)) or len(input_names) != len(input_specs)
+            or not all(isinstance(n, str) for n in input_names)):
+        raise TypeError(f"trace: input_names must be None or {len(input_specs)} strings, one "
+                        f"per input, got {checks.shown(input_names)}")
     name_parameters = getattr(fn, "name_parameters", None)  # a Cell: dotted-path names
     if callable(name_parameters):
         name_parameters()

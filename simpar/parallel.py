@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from simpar import _checks as checks
 from simpar import comm, context, graph
 from simpar.cake import cake
 from simpar.compare import relative_error
@@ -205,6 +206,13 @@ def get_parallel_info(op: Primitive, input_shapes: Sequence[Sequence[int]],
     ``MatMul().shard(((2, 4), (4, 1)))`` on 8 devices the forward is one AllReduce, over
     [0, 1, 2, 3] for ranks 0..3 and [4, 5, 6, 7] for the others.
     """
+    if not isinstance(op, Primitive):
+        raise TypeError(f"get_parallel_info: op must be a simpar.ops primitive, got "
+                        f"{checks.shown(op)}")
+    input_shapes = checks.shapes(input_shapes, "get_parallel_info: input_shapes")
+    _planning_args("get_parallel_info", device_num)
+    if rank is not None:
+        checks.integer(rank, "get_parallel_info: rank", 0, expected="an int or None")
     if device_num is None:
         device_num = int(context.get_auto_parallel_context("device_num"))
     if rank is None:
@@ -244,8 +252,11 @@ def search_strategies(cell: Any, input_specs: Sequence[tuple[Sequence[int], Any]
     ("dynamic_programming", MindSpore's; "exact", the ILP optimum). An argument left None is
     the context's ``device_num``, ``search_mode``, ``dataset_strategy`` or
     ``enable_alltoall`` where the user set it, else ``"dynamic_programming"``,
-    ``"full_batch"`` and False; the algo parameters and the cost model are the context's."""
-    g = graph.trace(cell, input_specs, input_names)
+    ``"full_batch"`` and False; the algo parameters and the cost model are the context's.
+    The training step is planned: a Cell is put in training mode (``set_train()``)."""
+    _planning_args("search_strategies", device_num, search_mode, dataset_strategy,
+                   enable_alltoall)
+    g = graph.trace(_training(cell), input_specs, input_names)
     return plan_request(request_from_context(
         g, cell=cell, device_num=device_num, mode="auto_parallel", search_mode=search_mode,
         dataset_strategy=dataset_strategy, enable_alltoall=enable_alltoall,
@@ -262,7 +273,11 @@ def export_strategy(path: str, cell: Any, input_specs: Sequence[tuple[Sequence[i
     the ``.shard()`` strategies and propagation in semi_auto_parallel) and save the plan to
     ``path`` as MindSpore's JSON strategy file (:func:`simpar.strategy_file.save_strategy`),
     without running anything. Returns the saved map."""
-    g = graph.trace(cell, input_specs, input_names)
+    checks.path(path, "export_strategy: path")
+    checks.positive_int(device_num, "export_strategy: device_num")
+    _planning_args("export_strategy", device_num, search_mode, dataset_strategy,
+                   enable_alltoall)
+    g = graph.trace(_training(cell), input_specs, input_names)
     smap = plan_request(request_from_context(
         g, cell=cell, device_num=device_num, mode=mode, dataset_strategy=dataset_strategy,
         enable_alltoall=enable_alltoall, search_mode=search_mode))
@@ -277,5 +292,32 @@ def import_strategy(path: str, cell: Any, input_specs: Sequence[tuple[Sequence[i
     on ``device_num`` devices (:func:`simpar.strategy_file.load_strategy`: what differs is
     named). A plain MindSpore file has no input layouts: they come from
     ``dataset_strategy``. ``simpar.runtime.lower(graph, map)`` runs it, no search."""
-    g = graph.trace(cell, input_specs, input_names)
+    checks.path(path, "import_strategy: path")
+    checks.positive_int(device_num, "import_strategy: device_num")
+    _planning_args("import_strategy", device_num, None, dataset_strategy, None)
+    g = graph.trace(_training(cell), input_specs, input_names)
     return load_strategy(path, g, device_num, dataset_strategy=dataset_strategy)
+
+
+def _training(cell: Any) -> Any:
+    """``cell`` in training mode, the step these helpers plan (as MindSpore's Model puts its
+    network; a function is left as it is)."""
+    set_train = getattr(cell, "set_train", None)
+    if callable(set_train):
+        set_train(True)
+    return cell
+
+
+def _planning_args(func: str, device_num: object, search_mode: object = None,
+                   dataset_strategy: object = None, enable_alltoall: object = None) -> None:
+    """The planning helpers' optional arguments: None (the context's), or a valid value."""
+    if device_num is not None:
+        checks.positive_int(device_num, f"{func}: device_num")
+    if search_mode is not None and not isinstance(search_mode, str):
+        raise TypeError(f"{func}: search_mode must be None (the context's) or a search's name "
+                        f"such as 'dynamic_programming', got {checks.shown(search_mode)}")
+    if dataset_strategy is not None:
+        context.check_dataset_strategy(func, "dataset_strategy", dataset_strategy)
+    if enable_alltoall is not None and not isinstance(enable_alltoall, bool):
+        raise TypeError(f"{func}: enable_alltoall must be None (the context's) or a bool, got "
+                        f"{checks.shown(enable_alltoall)}")

@@ -385,7 +385,7 @@ def build_network(opts: PlanOptions, micro_batches: int | None = None
     if opts.recompute or opts.memory_dimensions != "fixed":   # (a candidate when searched)
         for block in blocks:
             block.recompute()
-    return nn.WithLossCell(model, nn.SoftmaxCrossEntropyWithLogits()), specs
+    return nn.WithLossCell(model, nn.SoftmaxCrossEntropyWithLogits()).set_train(), specs
 
 
 def search_model(opts: PlanOptions) -> CostModel:

@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("simpar.redistribution", "simpar.cotangent", "simpar.optimizer_parallel", "simpar.cake"),
     ("simpar.ops",),
     ("simpar.graph",),
-    ("simpar.search", "simpar.cost", "simpar.strategy_file"),
+    ("simpar.search", "simpar.cost", "simpar.strategy_file", "simpar.strategy_import"),
     ("simpar.runtime", "simpar.pipeline"),
     ("simpar.parallel",),
     ("simpar.nn", "simpar.auto_parallel"),

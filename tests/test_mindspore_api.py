@@ -4,12 +4,14 @@ does not implement (NotImplementedError, saying what to use), and the datasets."
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 
 import simpar
 import simpar.mindspore as ms
+import simpar.parallel
 from simpar.context import NotHonouredWarning
 
 
@@ -221,3 +223,58 @@ def test_the_api_table_lists_every_key() -> None:
         assert rows.get(key) == "not supported", key
         with pytest.raises(NotImplementedError, match=key):
             ms.set_auto_parallel_context(**{key: 1})
+
+
+_NET_SPECS = [((8, 4), np.float32), ((8,), np.int32)]
+
+
+def _net() -> simpar.nn.Cell:
+    return simpar.nn.WithLossCell(simpar.nn.Dense(4, 4), simpar.nn.SoftmaxCrossEntropyWithLogits())
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: simpar.parallel.search_strategies(_net(), None), TypeError,
+     "input_specs must be a list of \\(shape, dtype\\) pairs, one per input, got None"),
+    (lambda: simpar.parallel.search_strategies(None, _NET_SPECS), TypeError,
+     "the network must be a Cell or a function, got None"),
+    (lambda: simpar.parallel.search_strategies(_net(), [(8, 4)]), TypeError,
+     "input_specs\\[0\\] must be a \\(shape, dtype\\) pair"),
+    (lambda: simpar.parallel.search_strategies(_net(), _NET_SPECS, device_num="8"), TypeError,
+     "search_strategies: device_num must be a positive int, got str '8'"),
+    (lambda: simpar.parallel.search_strategies(_net(), _NET_SPECS, 8, search_mode=3), TypeError,
+     "search_strategies: search_mode must be None"),
+    (lambda: simpar.parallel.search_strategies(_net(), _NET_SPECS, 8, dataset_strategy="half"),
+     ValueError, "search_strategies: dataset_strategy must be 'full_batch', 'data_parallel'"),
+    (lambda: simpar.parallel.search_strategies(_net(), _NET_SPECS, 8, enable_alltoall=1),
+     TypeError, "enable_alltoall must be None \\(the context's\\) or a bool, got int 1"),
+    (lambda: simpar.parallel.get_parallel_info(None, [(8, 4), (4, 4)]), TypeError,
+     "get_parallel_info: op must be a simpar.ops primitive, got None"),
+    (lambda: simpar.parallel.get_parallel_info(ms.ops.MatMul(), None), TypeError,
+     "get_parallel_info: input_shapes must be a list of shapes"),
+    (lambda: simpar.parallel.export_strategy(None, _net(), _NET_SPECS, 8), TypeError,
+     "export_strategy: path"),
+    (lambda: simpar.parallel.import_strategy("s.json", _net(), _NET_SPECS, None), TypeError,
+     "import_strategy: device_num must be a positive int, got None"),
+])
+def test_public_functions_refuse_none_and_wrong_types(call: Any, error: type, match: str
+                                                      ) -> None:
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_cells_start_in_evaluation_mode_and_set_train_switches() -> None:
+    def cells() -> tuple[Any, Any]:
+        net = ms.nn.SequentialCell([ms.nn.Dense(2, 2), ms.nn.Dropout(0.5)])
+        return net, ms.nn.Momentum(net.trainable_params(), 0.1, 0.9)
+
+    net, opt = cells()
+    assert not net.training and not net[1].training           # as MindSpore's Cells
+    loss = ms.nn.CrossEntropyLoss()
+    train = ms.nn.TrainOneStepCell(ms.nn.WithLossCell(net, loss), opt)
+    assert not net.training                                   # MindSpore's leaves the mode
+    assert train.set_train() is train and net[1].training     # ... to set_train()
+    net, opt = cells()
+    simpar.nn.TrainOneStepCell(simpar.nn.WithLossCell(net, loss), opt)
+    assert net[1].training                                    # simpar's puts it in training
+    with pytest.raises(TypeError, match="set_train: mode must be a bool, got 1"):
+        net.set_train(1)  # type: ignore[arg-type]

@@ -390,7 +390,7 @@ class _Net(nn.Cell):
 
 
 def test_both_cost_models_price_a_program_of_the_new_ops() -> None:
-    net = nn.WithLossCell(_Net(), nn.MSELoss())
+    net = nn.WithLossCell(_Net(), nn.MSELoss()).set_train()   # BatchNorm's batch statistics
     net.name_parameters()
     g = graph.trace(net, [((8, 4, 2, 2), np.float64), ((8, 4, 2, 2), np.float64)])
     program = build_program(g, 8, "data_parallel", "data_parallel")
@@ -438,6 +438,8 @@ def test_nn_cells_refuse(make: Any, exc: type, words: str) -> None:
 
 def test_nn_batch_norm_parameters_and_modes() -> None:
     bn = nn.BatchNorm2d(3, eps=1e-3, dtype=np.float64)
+    assert not bn.training                             # a Cell starts in evaluation mode,
+    bn.set_train()                                     # as MindSpore's do
     params = dict(bn.parameters_and_names())
     assert set(params) == {"gamma", "beta", "moving_mean", "moving_variance"}
     assert [p.requires_grad for p in params.values()] == [True, True, False, False]

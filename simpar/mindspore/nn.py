@@ -96,7 +96,10 @@ class Cell(_nn.Cell):
 class TrainOneStepCell(_nn.TrainOneStepCell):
     """MindSpore's ``nn.TrainOneStepCell(network, optimizer, sens=1.0)``: one call, one step,
     fed as MindSpore feeds it (each rank its own slice unless ``full_batch``; decided by the
-    context when the first step builds the program)."""
+    context when the first step builds the program). As MindSpore's, it leaves the network's
+    mode alone: call ``set_train()`` (``Model.train`` does)."""
+
+    sets_train_mode = False
 
     def __init__(self, network: _nn.Cell, optimizer: Optimizer, sens: float = 1.0) -> None:
         super().__init__(network, optimizer, sens)

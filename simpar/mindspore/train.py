@@ -258,6 +258,7 @@ class Model:
             [callbacks] if isinstance(callbacks, Callback) else list(callbacks))
         if not all(isinstance(cb, Callback) for cb in cbs):
             raise TypeError(f"Model.train: callbacks must be Callbacks, got {callbacks!r}")
+        self.train_network.set_train(True)
         params = CallbackParams(self.train_network, epoch, train_dataset.get_dataset_size(),
                                 cur_step_num=initial_epoch * train_dataset.get_dataset_size())
         run = RunContext(params)

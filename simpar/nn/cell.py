@@ -42,7 +42,7 @@ class Cell:
         object.__setattr__(self, "_cells", {})
         object.__setattr__(self, "in_strategy", None)
         object.__setattr__(self, "parameter_plan", {})
-        object.__setattr__(self, "training", True)
+        object.__setattr__(self, "training", False)   # MindSpore's: set_train() switches it
 
     def __setattr__(self, key: str, value: Any) -> None:
         if "_params" not in self.__dict__:
@@ -87,6 +87,13 @@ class Cell:
         return [p for _, p in self.parameters_and_names()]
 
     def set_train(self, mode: bool = True) -> Cell:
+        """Put this Cell and every Cell inside it in training mode (``mode=True``: Dropout
+        drops, BatchNorm normalises by the batch's statistics and updates its moving ones) or
+        in evaluation mode. A Cell starts in evaluation mode, as MindSpore's do;
+        :class:`~simpar.nn.TrainOneStepCell` puts its network in training mode."""
+        if not isinstance(mode, bool):
+            raise TypeError(f"{type(self).__name__}.set_train: mode must be a bool, got "
+                            f"{mode!r}")
         for _, cell in self.cells_and_names():
             object.__setattr__(cell, "training", mode)
         return self

@@ -47,14 +47,14 @@ from simpar.runtime.lowering import lower
 from simpar.runtime.program import ParallelProgram
 from simpar.search import (
     PlanRequest,
-    complete_plan,
     global_input_shapes,
     plan_request,
     request_from_context,
 )
 from simpar.search.dimensions import MICRO_BATCH_CHOICES, graph_of
 from simpar.seed import get_seed
-from simpar.strategy_file import load_strategy, save_strategy
+from simpar.strategy_file import save_strategy
+from simpar.strategy_import import plan_with_file
 
 __all__ = ["TrainOneStepCell", "WithLossCell"]
 
@@ -92,6 +92,10 @@ class TrainOneStepCell:
     wrapper's settings do not change). ``auto_parallel`` is that wrapper, or None.
     """
 
+    #: Whether the constructor puts the network in training mode (simpar's; MindSpore's
+    #: TrainOneStepCell leaves the mode to ``set_train()``, as simpar.mindspore's does).
+    sets_train_mode = True
+
     def __init__(self, network: Cell, optimizer: Optimizer, sens: float = 1.0,
                  parallel_mode: str | None = None, seed: int | None = None,
                  per_device: bool = False) -> None:
@@ -108,6 +112,8 @@ class TrainOneStepCell:
             raise ValueError(f"TrainOneStepCell: seed must be None (the global seed) or an int "
                              f">= 0, got {seed!r}")
         checks.instance(per_device, bool, "TrainOneStepCell: per_device", "a bool")
+        if self.sets_train_mode:
+            network.set_train(True)
         self.network = network
         self.optimizer = optimizer
         #: Whether every call passes this rank's own slice (MindSpore's full_batch=False).
@@ -193,10 +199,8 @@ class TrainOneStepCell:
         g = request.graph
         files = ctx.strategy_ckpt_config if self.mode in (
             "semi_auto_parallel", "auto_parallel") else context.StrategyCkptConfig()
-        if files.load_file:
-            smap = complete_plan(request, load_strategy(
-                files.load_file, g, request.device_num, mode=self.mode,
-                dataset_strategy=ctx.dataset_strategy))
+        if files.load_file:   # simpar's file, or MindSpore's (simpar.strategy_import)
+            smap = plan_with_file(files.load_file, request, ctx.dataset_strategy)
         else:
             smap = plan_request(request)
         g = graph_of(request, smap)
@@ -374,6 +378,16 @@ class TrainOneStepCell:
         dp = program.loss_batch_cut()
         seed = self.sens * (1.0 if ctx.gradients_mean or self.mode == "stand_alone" else dp)
         return seed if ctx.loss_repeated_mean else seed * replicas
+
+    def set_train(self, mode: bool = True) -> TrainOneStepCell:
+        """The network's :meth:`~simpar.nn.Cell.set_train`, before the first step builds the
+        program (the mode decides the traced graph)."""
+        if self.program is not None and self.network.training != mode:
+            raise ValueError("TrainOneStepCell.set_train: the program was built in "
+                             f"{'training' if self.network.training else 'evaluation'} mode "
+                             "on the first step; set the mode before it")
+        self.network.set_train(mode)
+        return self
 
     # ------------------------------------------------------------ one step
     def __call__(self, data: np.ndarray, label: np.ndarray) -> float:
