@@ -246,6 +246,15 @@ def _check_map_fits_graph(smap: StrategyMap, graph: Graph) -> None:
                                  "for another shape")
 
 
+def layouts_document(layouts: Mapping[str, TensorLayout], device_num: int) -> dict[str, Any]:
+    """A strategy file of parameter layouts alone (``parallel_layout_item``, no op): what
+    MindSpore's checkpoint tools read to place each rank's slices (a checkpoint's export,
+    :mod:`simpar.checkpoint.export`)."""
+    return {"current_stage": 1, "parallel_strategy_item": {},
+            "parallel_layout_item": {name: _layout_item(name, lay, device_num)
+                                     for name, lay in layouts.items()}}
+
+
 def _layout_item(name: str, lay: TensorLayout, device_num: int,
                  shard: ParamShard | None = None) -> dict[str, Any]:
     """MindSpore's ``parallel_layout_item`` entry for a parameter held in ``lay``; under

@@ -33,7 +33,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("simpar.check", "simpar.dataset", "simpar.pipeline.search", "simpar.checkpoint",
      "simpar.viz", "simpar.trace_events", "simpar.report",
      "simpar.checkpoint.manifest", "simpar.checkpoint.save", "simpar.checkpoint.load",
-     "simpar.checkpoint.training", "simpar.checkpoint.cli"),
+     "simpar.checkpoint.training", "simpar.checkpoint.export", "simpar.checkpoint.cli"),
     ("simpar.train", "simpar.launch", "simpar.launch.rank_table", "simpar.launch.mpi",
      "simpar.launch.rank_wrapper", "simpar.launch.supervisor", "simpar.launch.cli",
      "simpar.calibrate", "simpar", "simpar.mindspore"),

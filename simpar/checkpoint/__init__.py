@@ -48,6 +48,7 @@ resharding, merging), :mod:`~simpar.checkpoint.training` (a training cell's chec
 """
 
 from simpar.checkpoint.cli import main
+from simpar.checkpoint.export import export_merged, export_per_rank, safetensors_bytes
 from simpar.checkpoint.load import (
     load_shard,
     load_tensor,
@@ -70,6 +71,7 @@ from simpar.checkpoint.save import finish_checkpoint, save_shards, writer_rank
 from simpar.checkpoint.training import load_training, save_training
 
 __all__ = ["FORMAT_VERSION", "MANIFEST", "Manifest", "ShardFile", "StoredFile", "TensorEntry",
+           "export_merged", "export_per_rank", "safetensors_bytes",
            "check_against", "finish_checkpoint", "latest_checkpoint", "load_shard", "load_tensor",
            "load_training", "main", "merge_checkpoint", "read_manifest", "save_shards",
            "save_training", "shard_sources", "transform_checkpoint", "writer_rank"]

@@ -1,5 +1,7 @@
 """``python -m simpar.checkpoint``: ``inspect DIR [--verify]``, ``merge DIR OUT`` (``OUT`` a
-directory, or a ``.npz`` file) and ``transform SRC DST --strategy FILE.json``."""
+directory, or a ``.npz`` file), ``export DIR OUT`` (MindSpore's safetensors files: per rank
+into the directory ``OUT``, or merged into ``OUT.safetensors``) and ``transform SRC DST
+--strategy FILE.json``."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import NoReturn
 
+from simpar.checkpoint.export import export_merged, export_per_rank
 from simpar.checkpoint.load import merge_checkpoint, transform_checkpoint, verify_file
 from simpar.checkpoint.manifest import (
     Manifest,
@@ -44,6 +47,11 @@ def _parser() -> argparse.ArgumentParser:
     merge = sub.add_parser("merge", help="write every tensor whole")
     merge.add_argument("directory", metavar="DIR")
     merge.add_argument("out", metavar="OUT", help="a new directory, or a .npz file")
+    export = sub.add_parser("export", help="write MindSpore's safetensors files: per rank "
+                                           "(OUT a new directory) or merged (OUT.safetensors)")
+    export.add_argument("directory", metavar="DIR")
+    export.add_argument("out", metavar="OUT", help="a new directory (rank_{r}/ folders and "
+                                                  "strategy.json), or a .safetensors file")
     transform = sub.add_parser("transform", help="rewrite for another strategy or device count")
     transform.add_argument("src", metavar="SRC")
     transform.add_argument("dst", metavar="DST")
@@ -106,6 +114,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "merge":
             merge_checkpoint(args.directory, args.out, progress=progress)
             print(f"merged {args.directory} into {args.out}")
+        elif args.command == "export":
+            if str(args.out).endswith(".safetensors"):
+                export_merged(args.directory, args.out, progress=progress)
+                print(f"exported {args.directory} whole into {args.out}")
+            else:
+                files = export_per_rank(args.directory, args.out, progress=progress)
+                print(f"exported {args.directory} into {args.out}: {len(files) - 1} rank files "
+                      "and strategy.json")
         else:
             smap = load_strategy(args.strategy)
             manifest = read_manifest(args.src)

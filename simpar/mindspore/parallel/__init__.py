@@ -19,7 +19,8 @@ __getattr__ = missing("mindspore.parallel", {
     "transform_checkpoints": "python -m simpar.checkpoint transform SRC DST --strategy FILE",
     "rank_list_for_transform": "python -m simpar.checkpoint transform (it reads only the "
                                "blocks a rank needs)",
-    "unified_safetensors": "nothing yet: simpar's checkpoints are .npy blocks",
+    "unified_safetensors": "python -m simpar.checkpoint export DIR OUT.safetensors (every "
+                           "tensor whole)",
     "shard": "mindspore.shard(cell, in_strategy, ...) or Cell.shard(...)",
     "Layout": "tuple strategies (MindSpore's higher-order layouts are not implemented)",
 })
