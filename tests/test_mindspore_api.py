@@ -45,7 +45,7 @@ def test_mindspore_names_lead_to_simpars() -> None:
     (ms.ops, "relu", "ops.ReLU()"),
     (ms.ops, "GradOperation", "TrainOneStepCell"),
     (ms.dataset, "MnistDataset", "NumpySlicesDataset"),
-    (ms.train, "Accuracy", "trains only"),
+    (ms.train, "Precision", "train.Accuracy"),
     (ms.communication, "create_group", "simpar.comm.create_group"),
     (ms.parallel, "transform_checkpoints", "simpar.checkpoint transform"),
 ])

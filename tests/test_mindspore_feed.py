@@ -116,3 +116,48 @@ def test_one_device_feeds_the_whole_batch() -> None:
     model.train(1, _dataset(None, None, 16), callbacks=[record])
     assert len(record.losses) == ROWS // 16 and not model.train_network.per_device
     assert all(np.isfinite(record.losses))
+
+
+def _eval_reference(train: Any, dataset: Any) -> dict[str, float]:
+    """Accuracy and mean loss of the trained parameters on one device, eagerly, in
+    evaluation mode, over the whole (unsharded) dataset."""
+    whole = train.global_parameters()
+    net = _network()
+    for name, param in net.parameters_and_names():
+        param.set_data(whole[name])
+    net.set_train(False)
+    correct = total = 0
+    loss_sum = 0.0
+    for x, y in dataset.epoch(0):
+        logits = np.asarray(net(x), dtype=np.float64)
+        shifted = logits - logits.max(axis=1, keepdims=True)
+        log_p = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+        loss_sum += float(-log_p[np.arange(len(y)), y].sum())
+        correct += int((logits.argmax(axis=1) == y).sum())
+        total += len(y)
+    return {"accuracy": correct / total, "loss": loss_sum / total}
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("full_batch", [False, True])
+def test_eval_gives_one_devices_metrics(full_batch: bool) -> None:
+    """Model.eval in parallel (each rank its rows, or the whole batch) against one device's
+    forward with the same parameters: the same accuracy, the same loss."""
+    n, rank = comm.get_group_size(), comm.get_rank()
+    ms.set_seed(5)
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel",
+                                 dataset_strategy="full_batch" if full_batch else "data_parallel")
+    net = _network()
+    model = ms.Model(net, ms.nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"),
+                     ms.nn.Momentum(net.trainable_params(), 0.1, 0.9),
+                     metrics={"accuracy", "loss"})
+    shards = (None, None) if full_batch or n == 1 else (n, rank)
+    batch = 16 if full_batch else 16 // n
+    model.train(1, _dataset(*shards, batch))
+    got = model.eval(_dataset(*shards, batch))
+    want = _eval_reference(model.train_network, _dataset(None, None, 16))
+    assert got["accuracy"] == pytest.approx(want["accuracy"], abs=1e-12)
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+    assert net.training                                   # eval left the training mode alone
+    every = comm.all_gather(np.array([[got["accuracy"], got["loss"]]]), axis=0)
+    assert (every == every[0]).all()                      # the same on every rank

@@ -28,11 +28,12 @@ from simpar.context import NotHonouredWarning
 from simpar.mindspore import nn
 from simpar.mindspore._missing import missing
 from simpar.mindspore.dataset import Dataset
+from simpar.mindspore.evaluate import Accuracy, Evaluator, Loss, Metric, metrics_of
 from simpar.mindspore.tensor import Tensor
 from simpar.nn import Cell, Optimizer, WithLossCell
 
-__all__ = ["Callback", "CheckpointConfig", "LossMonitor", "Model", "ModelCheckpoint",
-           "RunContext", "TimeMonitor"]
+__all__ = ["Accuracy", "Callback", "CheckpointConfig", "Loss", "LossMonitor", "Metric", "Model",
+           "ModelCheckpoint", "RunContext", "TimeMonitor"]
 
 
 @dataclass
@@ -208,8 +209,9 @@ class ModelCheckpoint(Callback):
 
 class Model:
     """``Model(network, loss_fn=None, optimizer=None, metrics=None)``: :meth:`train` one step
-    per batch. Without ``loss_fn`` the network computes its loss itself; ``metrics`` and
-    :meth:`eval` are not implemented yet (NotImplementedError)."""
+    per batch; :meth:`eval` the ``metrics`` (``{"accuracy", "loss"}``, or {name: Metric})
+    over a dataset, in evaluation mode and in parallel (:mod:`simpar.mindspore.evaluate`).
+    Without ``loss_fn`` the network computes its loss itself, and ``eval`` needs one."""
 
     def __init__(self, network: Cell, loss_fn: Cell | None = None,
                  optimizer: Optimizer | None = None, metrics: Any = None,
@@ -222,15 +224,17 @@ class Model:
             raise TypeError(f"Model: optimizer must be a simpar optimizer (nn.Momentum, "
                             f"nn.SGD, nn.Adam, ...): simpar's Model trains only, got "
                             f"{optimizer!r}")
-        if metrics is not None or eval_network is not None:
-            raise NotImplementedError("Model: metrics and eval_network are not implemented by "
-                                      "simpar (Model.eval is not); LossMonitor prints the "
-                                      "training loss")
+        if eval_network is not None:
+            raise NotImplementedError("Model: eval_network is not implemented by simpar: "
+                                      "Model.eval runs the network with loss_fn")
         if kwargs:
             raise NotImplementedError(f"Model: simpar does not implement {sorted(kwargs)}")
         self.network = network
+        self.metrics = {} if metrics is None else metrics_of(metrics)
         self.train_network = nn.TrainOneStepCell(
             network if loss_fn is None else WithLossCell(network, loss_fn), optimizer)
+        self._evaluator = None if loss_fn is None else Evaluator(network, loss_fn,
+                                                                 self.train_network)
 
     def train(self, epoch: int, train_dataset: Dataset,
               callbacks: Callback | Sequence[Callback] | None = None,
@@ -287,17 +291,37 @@ class Model:
 
     def eval(self, valid_dataset: Dataset, callbacks: Any = None,
              dataset_sink_mode: bool = False) -> dict[str, float]:
-        raise NotImplementedError("Model.eval is not implemented by simpar: it trains only "
-                                  "(LossMonitor prints the training loss)")
+        """{metric name: value} over one epoch of ``valid_dataset`` (rows (data, label)), the
+        network in evaluation mode; the same on every rank."""
+        if not isinstance(valid_dataset, Dataset):
+            raise TypeError(f"Model.eval: valid_dataset must be a mindspore.dataset Dataset, "
+                            f"got {valid_dataset!r}")
+        if self._evaluator is None:
+            raise ValueError("Model.eval needs the Model's loss_fn (the network alone gives "
+                             "no loss to evaluate)")
+        if not self.metrics:
+            raise ValueError("Model.eval: the Model has no metrics; pass metrics={'accuracy'} "
+                             "(or 'loss', or {name: Metric})")
+        if callbacks is not None:
+            raise NotImplementedError("Model.eval: callbacks are not implemented by simpar")
+        for metric in self.metrics.values():
+            metric.clear()
+        for data, label in valid_dataset.epoch(0):
+            loss, logits, labels = self._evaluator(data, label)
+            for metric in self.metrics.values():
+                metric.update(logits, labels, loss)
+        return {name: metric.eval() for name, metric in self.metrics.items()}
 
     def predict(self, *predict_data: Any) -> Any:
         raise NotImplementedError("Model.predict is not implemented by simpar: it trains only")
 
 
 __getattr__ = missing("mindspore.train", {
-    "Accuracy": "nothing yet: Model trains only (LossMonitor prints the training loss)",
-    "Loss": "nothing yet: Model trains only (LossMonitor prints the training loss)",
-    "Metric": "nothing yet: Model trains only",
+    "Precision": "train.Accuracy or train.Loss",
+    "Recall": "train.Accuracy or train.Loss",
+    "F1": "train.Accuracy or train.Loss",
+    "MAE": "train.Loss",
+    "MSE": "train.Loss",
     "SummaryCollector": "python -m simpar.train --report DIR (simpar's run report)",
     "LearningRateScheduler": "a fixed learning rate on the optimizer",
     "EarlyStopping": "run_context.request_stop() in a Callback of your own",

@@ -157,18 +157,27 @@ class TrainOneStepCell:
     # ------------------------------------------------------------ build
     def build(self, data: np.ndarray, label: np.ndarray) -> ParallelProgram:
         """Trace and lower for these global input shapes, and lay out the parameters."""
-        with self._settings() as ctx:
+        with self.settings() as ctx:
             if self.per_device:
                 return self._build_per_device(ctx, data, label)
             return self._build(ctx, data, label)
+
+    def global_shapes(self, ctx: context.ParallelContext, data: np.ndarray,
+                      label: np.ndarray) -> list[tuple[int, ...]]:
+        """The global shapes of a batch of which this rank passed ``data`` and ``label``: theirs
+        without ``per_device``, else theirs times the dataset strategy's cuts under ``ctx``."""
+        shapes = [tuple(int(d) for d in data.shape), tuple(int(d) for d in label.shape)]
+        world = 1 if self.mode == "stand_alone" else comm.get_group_size()
+        if not self.per_device or world == 1:
+            return shapes
+        dataset = "data_parallel" if self.mode == "data_parallel" else ctx.dataset_strategy
+        return global_input_shapes(shapes, world, dataset)
 
     def _build_per_device(self, ctx: context.ParallelContext, data: np.ndarray,
                           label: np.ndarray) -> ParallelProgram:
         """Build from this rank's slices: the global shapes are theirs times the dataset
         strategy's cuts (the ranks must agree on the slices' shapes, not their bytes)."""
         world = 1 if self.mode == "stand_alone" else comm.get_group_size()
-        dataset = "full_batch" if world == 1 else (
-            "data_parallel" if self.mode == "data_parallel" else ctx.dataset_strategy)
         if world > 1:
             comm.check_same_arrays("TrainOneStepCell.build", [
                 (f"{what} (this rank's slice; shape)", np.asarray(x.shape, dtype=np.int64))
@@ -177,13 +186,13 @@ class TrainOneStepCell:
                 raise ValueError("TrainOneStepCell: per_device=True (MindSpore's "
                                  "full_batch=False) with pipeline stages is not supported: "
                                  "pass the global batch on every rank (full_batch=True)")
-        shapes = global_input_shapes([data.shape, label.shape], world, dataset)
+        shapes = self.global_shapes(ctx, data, label)
         # Stand-ins of the global shapes that hold no memory: only shapes and dtypes are read.
         stand_ins = [np.broadcast_to(np.zeros((), x.dtype), shape)
                      for x, shape in zip((data, label), shapes)]
         return self._build(ctx, stand_ins[0], stand_ins[1], agreed=True)
 
-    def _settings(self) -> contextlib.AbstractContextManager[context.ParallelContext]:
+    def settings(self) -> contextlib.AbstractContextManager[context.ParallelContext]:
         """The parallel context to compile under: the network's AutoParallel's, scoped to the
         compilation (a stand-alone twin's too: one device's program does not depend on them),
         or else the global one."""
