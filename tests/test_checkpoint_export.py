@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ import simpar
 from simpar import comm, nn
 from simpar.checkpoint import export_merged, export_per_rank, safetensors_bytes, save_training
 from simpar.checkpoint.cli import main
+from simpar.checkpoint.export import ckpt_bytes
 from tests.mpi_guard import shared_dir
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
@@ -75,11 +77,72 @@ def test_per_rank_and_merged_files_of_a_trained_cell(tmp_path: Path) -> None:
     merged = safetensors_numpy.load_file(str(root / "merged.safetensors"))
     for name, value in whole.items():
         np.testing.assert_array_equal(merged[name], value)
+    if rank == 0:
+        assert main(["export", str(root / "ckpt"), str(root / "ms_ckpt"), "--format",
+                     "ckpt"]) == 0
+    comm.barrier()
+    again = read_ckpt((root / "ms_ckpt" / f"rank_{rank}" / f"checkpoint_{rank}.ckpt"
+                       ).read_bytes())
+    for name, shard in train.params.items():
+        np.testing.assert_array_equal(again[name], shard)
 
 
 def test_export_refuses_what_it_cannot_write(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="out must end in '.safetensors'"):
+    with pytest.raises(ValueError, match="out must end in '.safetensors' or '.ckpt'"):
         export_merged(tmp_path, tmp_path / "x.npz")
     (tmp_path / "exists").mkdir()
     with pytest.raises(ValueError, match="exists; export into a new directory"):
         export_per_rank(tmp_path, tmp_path / "exists")
+
+
+def _ckpt_class() -> Any:
+    """MindSpore's checkpoint.proto messages (Checkpoint, its Value, TensorProto), built for
+    the protobuf library, which then parses the files."""
+    descriptor_pb2 = pytest.importorskip("google.protobuf.descriptor_pb2")
+    from google.protobuf import descriptor_pool, message_factory
+
+    field = descriptor_pb2.FieldDescriptorProto
+    proto = descriptor_pb2.FileDescriptorProto(name="checkpoint.proto", syntax="proto2")
+    tensor = proto.message_type.add(name="TensorProto")
+    tensor.field.add(name="dims", number=1, type=field.TYPE_INT64, label=field.LABEL_REPEATED)
+    tensor.field.add(name="tensor_type", number=2, type=field.TYPE_STRING,
+                     label=field.LABEL_REQUIRED)
+    tensor.field.add(name="tensor_content", number=3, type=field.TYPE_BYTES,
+                     label=field.LABEL_REQUIRED)
+    checkpoint = proto.message_type.add(name="Checkpoint")
+    value = checkpoint.nested_type.add(name="Value")
+    value.field.add(name="tag", number=1, type=field.TYPE_STRING, label=field.LABEL_REQUIRED)
+    value.field.add(name="tensor", number=2, type=field.TYPE_MESSAGE,
+                    label=field.LABEL_REQUIRED, type_name=".TensorProto")
+    checkpoint.field.add(name="value", number=1, type=field.TYPE_MESSAGE,
+                         label=field.LABEL_REPEATED, type_name=".Checkpoint.Value")
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(proto)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("Checkpoint"))
+
+
+_NP = {"Float16": np.float16, "Float32": np.float32, "Float64": np.float64, "Int8": np.int8,
+       "Int32": np.int32, "Int64": np.int64, "UInt8": np.uint8, "Bool": np.bool_}
+
+
+def read_ckpt(data: bytes) -> dict[str, np.ndarray]:
+    message = _ckpt_class()()
+    message.ParseFromString(data)
+    out = {}
+    for value in message.value:
+        dims = list(value.tensor.dims)
+        array = np.frombuffer(value.tensor.tensor_content, _NP[value.tensor.tensor_type])
+        out[value.tag] = array.reshape(()) if dims == [0] else array.reshape(dims)
+    return out
+
+
+def test_the_ckpt_is_mindsporess_protobuf() -> None:
+    rng = np.random.default_rng(1)
+    tensors = {"fc1.weight": rng.standard_normal((4, 3)).astype(np.float32),
+               "moments.fc1.weight": rng.standard_normal((4, 3)),
+               "global_step": np.array(7, np.int32), "mask": np.array([True, False])}
+    back = read_ckpt(ckpt_bytes(tensors))
+    assert sorted(back) == sorted(tensors)
+    for name, value in tensors.items():
+        assert back[name].dtype == value.dtype and back[name].shape == value.shape
+        np.testing.assert_array_equal(back[name], value)

@@ -51,7 +51,10 @@ def _parser() -> argparse.ArgumentParser:
                                            "(OUT a new directory) or merged (OUT.safetensors)")
     export.add_argument("directory", metavar="DIR")
     export.add_argument("out", metavar="OUT", help="a new directory (rank_{r}/ folders and "
-                                                  "strategy.json), or a .safetensors file")
+                                                  "strategy.json), or a .safetensors or "
+                                                  ".ckpt file")
+    export.add_argument("--format", default="safetensors", choices=("safetensors", "ckpt"),
+                        help="the per-rank files' format (default safetensors)")
     transform = sub.add_parser("transform", help="rewrite for another strategy or device count")
     transform.add_argument("src", metavar="SRC")
     transform.add_argument("dst", metavar="DST")
@@ -115,11 +118,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             merge_checkpoint(args.directory, args.out, progress=progress)
             print(f"merged {args.directory} into {args.out}")
         elif args.command == "export":
-            if str(args.out).endswith(".safetensors"):
+            if str(args.out).endswith((".safetensors", ".ckpt")):
                 export_merged(args.directory, args.out, progress=progress)
                 print(f"exported {args.directory} whole into {args.out}")
             else:
-                files = export_per_rank(args.directory, args.out, progress=progress)
+                files = export_per_rank(args.directory, args.out, progress=progress,
+                                        file_format=args.format)
                 print(f"exported {args.directory} into {args.out}: {len(files) - 1} rank files "
                       "and strategy.json")
         else:

@@ -19,10 +19,11 @@ rank's whole slice, copies included. The per-rank export therefore writes each c
 holder's file, so that every ``rank_{r}`` file is complete on its own, as MindSpore's tools
 read it.
 
-The files are written by simpar (a safetensors file is an 8-byte little-endian header
-length, a JSON header ``{name: {"dtype", "shape", "data_offsets"}}`` and the raw
-little-endian data), atomically; ``safetensors.numpy.load_file`` reads them back.
-MindSpore's protobuf ``.ckpt`` is not written.
+The files are written by simpar, atomically: a safetensors file is an 8-byte little-endian
+header length, a JSON header ``{name: {"dtype", "shape", "data_offsets"}}`` and the raw
+little-endian data (``safetensors.numpy.load_file`` reads it back); with ``file_format="ckpt"``
+(or an ``OUT.ckpt``), MindSpore's own ``.ckpt``, a protobuf ``Checkpoint`` message encoded
+here (:func:`ckpt_bytes`; the protobuf library parses it back against that schema).
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ from simpar.checkpoint.manifest import read_manifest
 from simpar.layout import TensorLayout
 from simpar.strategy_file import layouts_document
 
-__all__ = ["MINDSPORE_SLOTS", "SAFETENSORS_DTYPES", "export_merged", "export_per_rank",
-           "mindspore_names", "safetensors_bytes"]
+__all__ = ["CKPT_DTYPES", "MINDSPORE_SLOTS", "SAFETENSORS_DTYPES", "ckpt_bytes",
+           "export_merged", "export_per_rank", "mindspore_names", "safetensors_bytes"]
 
 #: numpy's dtypes and the safetensors format's names for them.
 SAFETENSORS_DTYPES = {"float16": "F16", "float32": "F32", "float64": "F64", "int8": "I8",
@@ -99,12 +100,56 @@ def safetensors_bytes(tensors: Mapping[str, np.ndarray],
     return struct.pack("<Q", len(text)) + text + b"".join(chunks)
 
 
+#: numpy's dtypes and the ``tensor_type`` names of MindSpore's ``.ckpt`` for them.
+CKPT_DTYPES = {"float16": "Float16", "float32": "Float32", "float64": "Float64", "int8": "Int8",
+               "int16": "Int16", "int32": "Int32", "int64": "Int64", "uint8": "UInt8",
+               "uint16": "UInt16", "uint32": "UInt32", "uint64": "UInt64", "bool": "Bool"}
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """A length-delimited protobuf field (wire type 2)."""
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def ckpt_bytes(tensors: Mapping[str, np.ndarray]) -> bytes:
+    """``tensors`` as MindSpore's ``.ckpt``: its protobuf ``Checkpoint`` (``repeated Value
+    value = 1``; a Value holds ``string tag = 1`` and ``TensorProto tensor = 2``; a
+    TensorProto ``repeated int64 dims = 1``, ``string tensor_type = 2`` and ``bytes
+    tensor_content = 3``), in name order, a 0-d tensor with dims [0] as MindSpore saves it."""
+    out = bytearray()
+    for name in sorted(tensors):
+        array = np.asarray(tensors[name])
+        kind = CKPT_DTYPES.get(array.dtype.name)
+        if kind is None:
+            raise ValueError(f"ckpt: tensor {name!r} has dtype {array.dtype.name}, which "
+                             f"MindSpore's checkpoint does not hold (it holds "
+                             f"{sorted(CKPT_DTYPES)})")
+        dims = b"".join(_varint(1 << 3 | 0) + _varint(d) for d in (array.shape or (0,)))
+        content = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
+        tensor = dims + _field(2, kind.encode()) + _field(3, content)
+        out += _field(1, _field(1, name.encode()) + _field(2, tensor))
+    return bytes(out)
+
+
 def export_per_rank(directory: str | os.PathLike[str], out: str | os.PathLike[str], *,
-                    progress: Callable[[str], None] | None = None) -> list[str]:
+                    progress: Callable[[str], None] | None = None,
+                    file_format: str = "safetensors") -> list[str]:
     """Write the per-rank files and the strategy file of the module docstring; returns the
     files written. ``out`` must not exist yet (a directory is made)."""
     func = "export_per_rank"
     target = checks.path(out, f"{func}: out")
+    if file_format not in ("safetensors", "ckpt"):
+        raise ValueError(f"{func}: file_format must be 'safetensors' or 'ckpt', got "
+                         f"{file_format!r}")
     if os.path.exists(target):
         raise ValueError(f"{func}: {target!r} exists; export into a new directory")
     manifest = read_manifest(directory)
@@ -124,10 +169,11 @@ def export_per_rank(directory: str | os.PathLike[str], out: str | os.PathLike[st
                    for name, lay in layouts.items()}
         folder = os.path.join(target, f"rank_{rank}")
         os.makedirs(folder)
-        path = os.path.join(folder, f"checkpoint_{rank}.safetensors")
-        write_atomically(path, safetensors_bytes(tensors, {"producer": "simpar",
-                                                           "step": str(manifest.step),
-                                                           "rank": str(rank)}))
+        path = os.path.join(folder, f"checkpoint_{rank}.{file_format}")
+        write_atomically(path, ckpt_bytes(tensors) if file_format == "ckpt" else
+                         safetensors_bytes(tensors, {"producer": "simpar",
+                                                     "step": str(manifest.step),
+                                                     "rank": str(rank)}))
         written.append(path)
         if progress is not None:
             progress(f"rank {rank}: {len(tensors)} tensors -> {path}")
@@ -141,13 +187,15 @@ def export_merged(directory: str | os.PathLike[str], out: str | os.PathLike[str]
                   progress: Callable[[str], None] | None = None) -> str:
     """Write every tensor of the checkpoint whole into the one safetensors file ``out``."""
     target = checks.path(out, "export_merged: out")
-    if not target.endswith(".safetensors"):
-        raise ValueError(f"export_merged: out must end in '.safetensors', got {target!r}")
+    if not target.endswith((".safetensors", ".ckpt")):
+        raise ValueError(f"export_merged: out must end in '.safetensors' or '.ckpt', got "
+                         f"{target!r}")
     manifest = read_manifest(directory)
     names = mindspore_names(list(manifest.tensors), manifest.extra.get("optimizer"))
     tensors = {names[name]: load_tensor(directory, name) for name in manifest.tensors}
-    write_atomically(target, safetensors_bytes(tensors, {"producer": "simpar",
-                                                         "step": str(manifest.step)}))
+    write_atomically(target, ckpt_bytes(tensors) if target.endswith(".ckpt") else
+                     safetensors_bytes(tensors, {"producer": "simpar",
+                                                 "step": str(manifest.step)}))
     if progress is not None:
         progress(f"{len(tensors)} tensors -> {target}")
     return target
