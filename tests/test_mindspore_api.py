@@ -3,7 +3,9 @@ does not implement (NotImplementedError, saying what to use), and the datasets."
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -278,3 +280,41 @@ def test_cells_start_in_evaluation_mode_and_set_train_switches() -> None:
     assert net[1].training                                    # simpar's puts it in training
     with pytest.raises(TypeError, match="set_train: mode must be a bool, got 1"):
         net.set_train(1)  # type: ignore[arg-type]
+
+
+def test_model_train_runs_its_callbacks(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                        ) -> None:
+    """LossMonitor and TimeMonitor print MindSpore's lines; ModelCheckpoint saves every
+    save_checkpoint_steps steps as {prefix}-{epoch}_{step} and keeps the newest
+    keep_checkpoint_max; a callback may stop the training."""
+    from simpar.checkpoint import read_manifest
+
+    ms.set_seed(2)
+    net = ms.nn.Dense(4, 3)
+    model = ms.Model(net, ms.nn.CrossEntropyLoss(), ms.nn.SGD(net.trainable_params(), 0.1))
+    rng = np.random.default_rng(0)
+    data = ms.dataset.NumpySlicesDataset(
+        (rng.standard_normal((12, 4)).astype(np.float32), rng.integers(0, 3, 12).astype(np.int32)),
+        column_names=["x", "y"], shuffle=False).batch(4)
+    saver = ms.train.ModelCheckpoint("net", str(tmp_path), ms.train.CheckpointConfig(
+        save_checkpoint_steps=2, keep_checkpoint_max=2))
+
+    class StopAt(ms.train.Callback):
+        def on_train_step_end(self, run_context: Any) -> None:
+            if run_context.original_args().cur_step_num == 5:
+                run_context.request_stop()
+
+    model.train(3, data, callbacks=[ms.train.LossMonitor(2), ms.train.TimeMonitor(), saver,
+                                    StopAt()])
+    out = capsys.readouterr().out
+    assert re.findall(r"^epoch: (\d) step: (\d), loss is \d", out, flags=re.M) == [
+        ("1", "2"), ("2", "1")]                                 # steps 2 and 4 of 5
+    assert len(re.findall(r"^epoch time: [\d.]+ ms, per step time: [\d.]+ ms$", out,
+                          flags=re.M)) == 2                     # stopped in epoch 2
+    assert model.train_network.step_count == 5
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["net-1_2", "net-2_1"]
+    assert read_manifest(tmp_path / "net-2_1").step == 4
+    with pytest.raises(ValueError, match="epoch must be a positive int, got 0"):
+        model.train(0, data)
+    with pytest.raises(ValueError, match="keep_checkpoint_max must be a positive int"):
+        ms.train.CheckpointConfig(keep_checkpoint_max=0)
