@@ -26,7 +26,7 @@ def _gpt() -> nn.GPT:
 
 
 def test_each_dropout_layer_has_its_own_seed():
-    net = nn.WithLossCell(_gpt(), nn.SoftmaxCrossEntropyWithLogits())
+    net = nn.WithLossCell(_gpt(), nn.SoftmaxCrossEntropyWithLogits()).set_train()
     net.name_parameters()
     g = graph.trace(net, [((2, 8), np.int32), ((2, 8), np.int32)])
     seeds = [n.op.seed1 for n in g.nodes if n.op.name == "Dropout"]
