@@ -294,6 +294,8 @@ def check_against_single_device(train: TrainOneStepCell,
         raise TypeError("check_against_single_device: build_reference must be a callable "
                         f"that returns a new TrainOneStepCell, got {build_reference!r}")
     data = [(np.asarray(x), np.asarray(y)) for x, y in batches]
+    if train.program is None and data:   # how the cell feeds is decided as it builds
+        train.build(*data[0])
     if train.per_device and data:   # each rank passed its slices: the twin takes the whole
         data = [train.global_batch(x, y) for x, y in data]
     if not data:

@@ -123,6 +123,7 @@ _OBJECTIVE = ("costmodel_alpha", "costmodel_beta", "costmodel_gamma",
 #: costmodel_beta's default per device target (MindSpore's Ascend and GPU values).
 _BETA_FOR_DEVICE = {"Ascend": 400.0, "GPU": 50.0, "CPU": 400.0}
 _device_target = "Ascend"
+_beta_set = False   # whether the user set costmodel_beta (the device target then leaves it)
 
 
 def _default(key: str) -> Any:
@@ -227,16 +228,16 @@ def set_cost_model_context(**kwargs: Any) -> None:
     simpar.context.ContextTypeError: ...costmodel_alpha must be a float in (0, inf), but got '1'...
     >>> reset_cost_model_context()
     """
-    global _state, _snapshot
+    global _state, _snapshot, _beta_set
     func = "set_cost_model_context"
     _state, _snapshot = stage_call(func, _SPECS, _state, kwargs), None
+    _beta_set = _beta_set or "costmodel_beta" in kwargs
     warn_not_honoured(func, _SPECS, _state, _NOT_HONOURED, _warned)
 
 
 def set_costmodel_context_for_device(device_target: str) -> None:
     """Use ``device_target``'s defaults (MindSpore's: ``costmodel_beta`` 50.0 on GPU, 400.0
-    on Ascend and CPU). A beta still at the old default moves to the new one; one the user
-    set stays.
+    on Ascend and CPU). A beta the user set stays; otherwise it takes the new default.
 
     >>> set_costmodel_context_for_device("GPU")
     >>> get_cost_model_context("costmodel_beta"), cost_model_context().objective_changed
@@ -247,9 +248,8 @@ def set_costmodel_context_for_device(device_target: str) -> None:
     if device_target not in _BETA_FOR_DEVICE:
         raise ValueError(f"set_costmodel_context_for_device: device_target must be one of "
                          f"{sorted(_BETA_FOR_DEVICE)}, got {device_target!r}")
-    old = _default("costmodel_beta")
     _device_target = device_target
-    if _state["costmodel_beta"] == old:
+    if not _beta_set:
         _state, _snapshot = {**_state, "costmodel_beta": _default("costmodel_beta")}, None
 
 
@@ -273,9 +273,9 @@ def reset_cost_model_context() -> None:
     >>> get_cost_model_context("costmodel_gamma")
     0.001
     """
-    global _state, _snapshot, _search_model, _device_target
+    global _state, _snapshot, _search_model, _device_target, _beta_set
     _state, _snapshot, _search_model = spec_defaults(_SPECS), None, None
-    _device_target = "Ascend"
+    _device_target, _beta_set = "Ascend", False
 
 
 def cost_model_context() -> CostModelContext:

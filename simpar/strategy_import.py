@@ -98,9 +98,13 @@ def plan_with_file(path: str, request: PlanRequest, dataset_strategy: Any = None
     unmatched = sorted(set(items) - set(matched))
     params = {v.name: tuple(v.shape) for v in graph.params}
     plan = {**file_parameter_plan(doc, params), **dict(request.parameter_plan)}
+    graphs = [graph, *(g for g in (request.micro_graphs or {}).values() if g is not graph)]
     for name, item in matched.items():
         strategy = tuple(tuple(int(c) for c in s) for s in item["parallel_strategy"])
-        nodes[name].op.shard(strategy)
+        for g in graphs:   # every micro-batch count's graph that auto_parallel may choose
+            for node in g.nodes:
+                if node.name == name:
+                    node.op.shard(strategy)
     if unmatched:
         shown = ", ".join(repr(n) for n in unmatched[:5]) + (
             f" and {len(unmatched) - 5} more" if len(unmatched) > 5 else "")

@@ -312,9 +312,72 @@ def test_model_train_runs_its_callbacks(tmp_path: Path, capsys: pytest.CaptureFi
     assert len(re.findall(r"^epoch time: [\d.]+ ms, per step time: [\d.]+ ms$", out,
                           flags=re.M)) == 2                     # stopped in epoch 2
     assert model.train_network.step_count == 5
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["net-1_2", "net-2_1"]
+    # steps 2 and 4, and the last (5) as training ends; the newest 2 kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["net-2_1", "net-2_2"]
     assert read_manifest(tmp_path / "net-2_1").step == 4
+    assert read_manifest(tmp_path / "net-2_2").step == 5
     with pytest.raises(ValueError, match="epoch must be a positive int, got 0"):
         model.train(0, data)
     with pytest.raises(ValueError, match="keep_checkpoint_max must be a positive int"):
         ms.train.CheckpointConfig(keep_checkpoint_max=0)
+
+
+
+def test_iterators_run_one_epoch_per_loop_as_mindsporess() -> None:
+    ds = ms.dataset.NumpySlicesDataset((np.arange(3), np.arange(3)), shuffle=False)
+    it = ds.create_tuple_iterator(output_numpy=True, num_epochs=2)
+    epochs = [[int(row[0]) for row in it] for _ in range(3)]
+    assert epochs == [[0, 1, 2], [0, 1, 2], []]              # num_epochs=2, then done
+    forever = ds.create_dict_iterator(output_numpy=True)
+    assert [[int(r["column_0"]) for r in forever] for _ in range(3)] == [[0, 1, 2]] * 3
+    with pytest.raises(ValueError, match="num_epochs must be -1 or an int >= 1, got 0"):
+        ds.create_tuple_iterator(num_epochs=0)
+
+
+def test_map_lists_and_batch_sizes_as_mindsporess() -> None:
+    # a list is one column; a tuple is a column per entry
+    rows = ms.dataset.NumpySlicesDataset([[1, 2], [3, 4], [5, 6]], shuffle=False)
+    assert rows.get_col_names() == ["column_0"] and rows.get_dataset_size() == 3
+    ds = ms.dataset.NumpySlicesDataset((np.arange(4.0), np.arange(4)), column_names=["x", "y"],
+                                       shuffle=False)
+    scaled = ds.map(lambda x: x / 2)                         # the first column only
+    assert [(float(x), int(y)) for x, y in scaled.epoch(0)] == [(0, 0), (0.5, 1), (1, 2),
+                                                                (1.5, 3)]
+    swapped = ds.map(lambda x, y: (y, x), input_columns=["x", "y"])
+    assert [(float(x), float(y)) for x, y in swapped.epoch(0)][1] == (1.0, 1.0)
+    assert ds.batch(3).shuffle(2).get_batch_size() == 3
+    assert ds.batch(3).last_batch_short() and not ds.batch(2).last_batch_short()
+    with pytest.raises(ValueError, match="set_seed: seed must be an int in \\[0, 2\\*\\*32\\)"):
+        ms.set_seed(2 ** 32)
+
+
+def test_model_eval_before_and_after_training_and_a_short_last_batch() -> None:
+    """Model.eval on one device against the network run eagerly: before training (the
+    initial parameters, and training still works after), after it, with a last batch shorter
+    than the others; and Model.train refuses a short last batch up front."""
+    ms.set_seed(4)
+    net = ms.nn.Dense(4, 3)
+    model = ms.Model(net, ms.nn.CrossEntropyLoss(), ms.nn.SGD(net.trainable_params(), 0.5),
+                     metrics={"accuracy", "loss"})
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((10, 4)).astype(np.float32)
+    y = rng.integers(0, 3, 10).astype(np.int32)
+    uneven = ms.dataset.NumpySlicesDataset((x, y), shuffle=False).batch(4)   # 4, 4, 2
+
+    def eager() -> dict[str, float]:
+        params = model.train_network.params or {
+            p.name: p.initial_value(model.train_network.seed, tuple((0, d) for d in p.shape))
+            for p in net.trainable_params()}
+        logits = x @ params["weight"].T + params["bias"]
+        shifted = logits - logits.max(axis=1, keepdims=True)
+        log_p = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+        return {"accuracy": float((logits.argmax(axis=1) == y).mean()),
+                "loss": float(-log_p[np.arange(10), y].mean())}
+
+    before = model.eval(uneven)
+    assert before == pytest.approx(eager(), rel=1e-5)
+    with pytest.raises(ValueError, match="last batch is shorter than the others"):
+        model.train(1, uneven)
+    model.train(2, ms.dataset.NumpySlicesDataset((x, y), shuffle=False).batch(5))
+    after = model.eval(uneven)
+    assert after == pytest.approx(eager(), rel=1e-5) and after["loss"] < before["loss"]

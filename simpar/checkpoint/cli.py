@@ -54,7 +54,8 @@ def _parser() -> argparse.ArgumentParser:
                                                   "strategy.json), or a .safetensors or "
                                                   ".ckpt file")
     export.add_argument("--format", default="safetensors", choices=("safetensors", "ckpt"),
-                        help="the per-rank files' format (default safetensors)")
+                        help="the per-rank files' format (default safetensors; a merged "
+                             "file's is its suffix)")
     transform = sub.add_parser("transform", help="rewrite for another strategy or device count")
     transform.add_argument("src", metavar="SRC")
     transform.add_argument("dst", metavar="DST")
@@ -119,6 +120,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"merged {args.directory} into {args.out}")
         elif args.command == "export":
             if str(args.out).endswith((".safetensors", ".ckpt")):
+                if args.format == "ckpt" and not str(args.out).endswith(".ckpt"):
+                    raise ValueError(f"--format ckpt with OUT {args.out!r}: a merged file's "
+                                     "format is its suffix, .safetensors or .ckpt")
                 export_merged(args.directory, args.out, progress=progress)
                 print(f"exported {args.directory} whole into {args.out}")
             else:

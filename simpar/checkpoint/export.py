@@ -72,8 +72,10 @@ def mindspore_names(names: list[str], optimizer: str | None) -> dict[str, str]:
             out[name] = f"{slots.get(parts[2], parts[2])}.{parts[1]}"
         else:
             out[name] = name
-    if len(set(out.values())) != len(out):
-        return {name: name for name in names}   # never two tensors under one name
+    clash = {v for v in out.values() if list(out.values()).count(v) > 1}
+    if clash:
+        raise ValueError(f"mindspore_names: tensors would share MindSpore's names "
+                         f"{sorted(clash)}; rename the parameters")
     return out
 
 
@@ -185,7 +187,8 @@ def export_per_rank(directory: str | os.PathLike[str], out: str | os.PathLike[st
 
 def export_merged(directory: str | os.PathLike[str], out: str | os.PathLike[str], *,
                   progress: Callable[[str], None] | None = None) -> str:
-    """Write every tensor of the checkpoint whole into the one safetensors file ``out``."""
+    """Write every tensor of the checkpoint whole into the one file ``out``: safetensors
+    (``.safetensors``) or MindSpore's ``.ckpt``."""
     target = checks.path(out, "export_merged: out")
     if not target.endswith((".safetensors", ".ckpt")):
         raise ValueError(f"export_merged: out must end in '.safetensors' or '.ckpt', got "

@@ -117,7 +117,9 @@ def get_context(attr_key: str) -> Any:
 
 def set_seed(seed: int) -> None:
     """The global seed (parameters' initial values, dropout masks) and the dataset seed, as
-    MindSpore's ``set_seed`` sets both."""
+    MindSpore's ``set_seed`` sets both (an int in [0, 2**32), checked before either)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 32:
+        raise ValueError(f"set_seed: seed must be an int in [0, 2**32), got {seed!r}")
     _set_seed(seed)
     dataset.config.set_seed(seed)
 

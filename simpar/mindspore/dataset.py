@@ -8,7 +8,8 @@
   (:class:`simpar.mindspore.train.Model`);
 * ``shuffle`` (the source's sampler) and :meth:`Dataset.shuffle` draw from the dataset seed
   (:func:`config.set_seed`, which ``mindspore.set_seed`` sets too) and the epoch, the same on
-  every rank, so the shards of one epoch are a partition of the samples;
+  every rank, so the shards of one epoch cover every sample (padded, as MindSpore's sampler
+  pads, by repeating the first ones when the shards do not divide the samples);
 * :meth:`Dataset.batch`, :meth:`Dataset.map` (Python callables), :meth:`Dataset.repeat`,
   :meth:`Dataset.create_tuple_iterator` and :meth:`Dataset.create_dict_iterator`.
 
@@ -115,7 +116,9 @@ class Dataset:
 
     def map(self, operations: Callable[..., Any] | Sequence[Callable[..., Any]],
             input_columns: str | Sequence[str] | None = None, **kwargs: Any) -> Dataset:
-        """Apply Python callables to columns (each maps the column's value to a new one)."""
+        """Apply Python callables, in order, as MindSpore does: each takes the
+        ``input_columns`` (default: the first column) as its arguments and returns their new
+        values (one value for one column, else a tuple of as many)."""
         if kwargs:
             raise NotImplementedError(f"Dataset.map: simpar takes operations and "
                                       f"input_columns only, got {sorted(kwargs)}")
@@ -123,7 +126,7 @@ class Dataset:
         if not ops or not all(callable(f) for f in ops):
             raise TypeError(f"Dataset.map: operations must be callables, got {operations!r}")
         names = ([input_columns] if isinstance(input_columns, str) else
-                 list(self._columns if input_columns is None else input_columns))
+                 list(self._columns[:1] if input_columns is None else input_columns))
         unknown = [c for c in names if c not in self._columns]
         if unknown:
             raise ValueError(f"Dataset.map: input_columns {unknown} are not columns of the "
@@ -146,26 +149,36 @@ class Dataset:
         return list(self._columns)
 
     def get_batch_size(self) -> int:
-        return 1
+        """Rows per batch: the batch size after :meth:`batch`, else 1."""
+        child = getattr(self, "_child", None)
+        return child.get_batch_size() if isinstance(child, Dataset) else 1
+
+    def last_batch_short(self) -> bool:
+        """Whether an epoch ends in a batch smaller than the others (``batch`` without
+        ``drop_remainder`` of rows it does not divide)."""
+        child = getattr(self, "_child", None)
+        return child.last_batch_short() if isinstance(child, Dataset) else False
 
     def create_tuple_iterator(self, columns: Sequence[str] | None = None,
                               num_epochs: int = -1, output_numpy: bool = False,
-                              do_copy: bool = True) -> Iterator[list[Any]]:
-        """Each row as a list (Tensors, or numpy arrays with ``output_numpy``), epoch after
-        epoch (``num_epochs``: -1, without end)."""
+                              do_copy: bool = True) -> _EpochIterator:
+        """An iterator of rows, each a list (Tensors, or numpy arrays with ``output_numpy``).
+        As MindSpore's, a ``for`` loop over it runs one epoch; looping over it again runs the
+        next, up to ``num_epochs`` (-1: without end)."""
         picks = self._picks(columns)
-        epochs = range(num_epochs) if num_epochs != -1 else _forever()
-        for epoch in epochs:
-            for row in self._rows(epoch):
-                yield [row[k] if output_numpy else Tensor(row[k]) for k in picks]
+        _check_epochs("create_tuple_iterator", num_epochs)
+        return _EpochIterator(self, num_epochs, lambda row: [
+            row[k] if output_numpy else Tensor(row[k]) for k in picks])
 
     def create_dict_iterator(self, num_epochs: int = -1, output_numpy: bool = False,
-                             do_copy: bool = True) -> Iterator[dict[str, Any]]:
-        for row in self.create_tuple_iterator(None, num_epochs, output_numpy):
-            yield dict(zip(self._columns, row))
+                             do_copy: bool = True) -> _EpochIterator:
+        """As :meth:`create_tuple_iterator`, each row a dict {column name: value}."""
+        _check_epochs("create_dict_iterator", num_epochs)
+        return _EpochIterator(self, num_epochs, lambda row: {
+            name: v if output_numpy else Tensor(v) for name, v in zip(self._columns, row)})
 
     def __iter__(self) -> Iterator[list[Any]]:
-        return self.create_tuple_iterator(num_epochs=1)
+        return iter(self.create_tuple_iterator(num_epochs=1))
 
     def epoch(self, epoch: int) -> Iterator[Row]:
         """The rows of epoch ``epoch`` as numpy tuples (what :class:`Model` trains on)."""
@@ -181,11 +194,38 @@ class Dataset:
         return [self._columns.index(c) for c in columns]
 
 
-def _forever() -> Iterator[int]:
-    epoch = 0
-    while True:
-        yield epoch
-        epoch += 1
+def _check_epochs(func: str, num_epochs: object) -> None:
+    if isinstance(num_epochs, bool) or not isinstance(num_epochs, int) or (
+            num_epochs < 1 and num_epochs != -1):
+        raise ValueError(f"{func}: num_epochs must be -1 or an int >= 1, got {num_epochs!r}")
+
+
+class _EpochIterator:
+    """MindSpore's dataset iterator: ``next`` gives the rows of one epoch, then raises
+    StopIteration; iterating it again starts the next epoch, until ``num_epochs`` ran."""
+
+    def __init__(self, dataset: Dataset, num_epochs: int, shape: Callable[[Row], Any]) -> None:
+        self._dataset, self._left, self.shape = dataset, num_epochs, shape
+        self._epoch = 0
+        self._rows: Iterator[Row] | None = None
+
+    def __iter__(self) -> _EpochIterator:
+        if self._rows is None and self._left != 0:
+            self._rows = self._dataset.epoch(self._epoch)
+        return self
+
+    def __next__(self) -> Any:
+        if self._rows is None:
+            self.__iter__()
+            if self._rows is None:
+                raise StopIteration
+        try:
+            return self.shape(next(self._rows))
+        except StopIteration:
+            self._rows = None
+            self._epoch += 1
+            self._left -= 1 if self._left > 0 else 0
+            raise
 
 
 class _Source(Dataset):
@@ -226,6 +266,8 @@ class _Stream(Dataset):
     def __init__(self, func: str, source: Callable[[], Any] | Any,
                  column_names: Sequence[str], num_samples: int | None) -> None:
         super().__init__(column_names)
+        if not callable(source) and iter(source) is source:   # one pass only: keep its rows
+            source = list(source)
         self._func, self._source, self._num_samples = func, source, num_samples
 
     def _rows(self, epoch: int) -> Iterator[Row]:
@@ -271,8 +313,8 @@ def NumpySlicesDataset(data: Any, column_names: str | Sequence[str] | None = Non
         names = list(data) if column_names is None else _names(func, column_names, len(data))
         arrays = [np.asarray(v) for v in data.values()]
     else:
-        arrays = ([np.asarray(v) for v in data] if isinstance(data, tuple) or (
-            isinstance(data, list) and data and not np.isscalar(data[0])) else [np.asarray(data)])
+        # As MindSpore's: a tuple is one column per entry; a list or an array is one column.
+        arrays = [np.asarray(v) for v in data] if isinstance(data, tuple) else [np.asarray(data)]
         names = _names(func, column_names, len(arrays))
     if not arrays or any(a.ndim == 0 for a in arrays):
         raise ValueError(f"{func}: data must hold arrays with a first dimension to slice, got "
@@ -349,6 +391,9 @@ class _Batch(Dataset):
     def get_batch_size(self) -> int:
         return self._size_
 
+    def last_batch_short(self) -> bool:
+        return not self._drop and self._child._size() % self._size_ != 0
+
 
 class _Shuffle(Dataset):
     def __init__(self, child: Dataset, buffer: int) -> None:
@@ -378,9 +423,15 @@ class _Map(Dataset):
     def _rows(self, epoch: int) -> Iterator[Row]:
         for row in self._child._rows(epoch):
             out = list(row)
-            for k in self._which:
-                for f in self._ops:
-                    out[k] = np.asarray(f(out[k]))
+            values = [out[k] for k in self._which]
+            for f in self._ops:
+                result = f(*values)
+                values = list(result) if len(self._which) > 1 else [result]
+                if len(values) != len(self._which):
+                    raise ValueError(f"Dataset.map: an operation returned {len(values)} "
+                                     f"values for the {len(self._which)} input columns")
+            for k, v in zip(self._which, values):
+                out[k] = np.asarray(v)
             yield tuple(out)
 
     def _size(self) -> int:
@@ -398,9 +449,6 @@ class _Repeat(Dataset):
 
     def _size(self) -> int:
         return self._child._size() * self._count
-
-    def get_batch_size(self) -> int:
-        return self._child.get_batch_size()
 
 
 __getattr__ = missing("mindspore.dataset", {

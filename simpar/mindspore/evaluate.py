@@ -133,12 +133,11 @@ class Evaluator:
     def __init__(self, network: Cell, loss_fn: Cell, train: TrainOneStepCell) -> None:
         self.cell = _WithOutputs(network, loss_fn)
         self.train = train
-        self.program: ParallelProgram | None = None
+        #: One program per batch shape (a shorter last batch is a program of its own).
+        self.programs: dict[tuple[tuple[int, ...], ...], ParallelProgram] = {}
 
     def _build(self, data: np.ndarray, label: np.ndarray) -> ParallelProgram:
         train = self.train
-        if train.program is None:     # the parameters come from the training cell's build
-            train.build(data, label)
         with train.settings() as ctx:
             shapes = train.global_shapes(ctx, data, label)
             modes = {id(c): c.training for _, c in self.cell.cells_and_names()}
@@ -157,14 +156,23 @@ class Evaluator:
         """(loss, the logits whole, the labels whole) of one batch: global arrays, or each
         rank's slice when the training cell feeds per device."""
         data, label = np.asarray(data), np.asarray(label)
-        if self.program is None:
-            self.program = self._build(data, label)
-        prog, train = self.program, self.train
-        assert train.program is not None
+        key = (tuple(data.shape), tuple(label.shape))
+        if self.train.mode != "stand_alone" and comm.get_group_size() > 1:
+            comm.check_same_arrays("Model.eval", [   # every rank builds and runs the same
+                ("batch shapes", np.asarray([*key[0], -1, *key[1]], dtype=np.int64))])
+        if key not in self.programs:
+            self.programs[key] = self._build(data, label)
+        prog, train = self.programs[key], self.train
         rank = comm.get_rank() if prog.device_num > 1 else 0
         params = {}
         for name in prog.param_layouts:
-            src, dst = train.program.storage_layout(name), prog.storage_layout(name)
+            dst = prog.storage_layout(name)
+            if train.program is None:   # not trained yet: the initial values, as training's
+                value = prog.param_values[name].param
+                assert value is not None
+                params[name] = value.initial_value(train.seed, dst.slice_of(rank))
+                continue
+            src = train.program.storage_layout(name)
             params[name] = execute(plan(src, dst), train.params[name])
         local = []
         for x, lay in zip((data, label), prog.input_layouts()):

@@ -68,10 +68,11 @@ __all__ = ["Adam", "AdamW", "AutoParallel", "AvgPool2d", "BatchNorm1d", "BatchNo
            "SoftmaxCrossEntropyWithLogits", "TrainOneStepCell", "TransformerBlock", "WithLossCell"]
 
 
-def full_batch_feeding(mode: str) -> bool:
-    """Whether a MindSpore script feeds the global batch to every rank in ``mode``
-    (``full_batch=True``, or one device), rather than each rank its own slice."""
-    ctx = context.auto_parallel_context()
+def full_batch_feeding(mode: str, ctx: context.ParallelContext | None = None) -> bool:
+    """Whether a MindSpore script feeds the global batch to every rank in ``mode`` under
+    ``ctx`` (default: the global context) (``full_batch=True``, or one device), rather than
+    each rank its own slice."""
+    ctx = ctx or context.auto_parallel_context()
     return mode == "stand_alone" or (mode != "data_parallel" and ctx.full_batch)
 
 
@@ -104,8 +105,12 @@ class TrainOneStepCell(_nn.TrainOneStepCell):
     def __init__(self, network: _nn.Cell, optimizer: Optimizer, sens: float = 1.0) -> None:
         super().__init__(network, optimizer, sens)
 
+    def feeds_per_device(self, ctx: context.ParallelContext) -> bool:
+        return not full_batch_feeding(self.mode, ctx)
+
     def build(self, data: Any, label: Any) -> Any:
-        self.per_device = not full_batch_feeding(self.mode)
+        with self.settings() as ctx:   # the network's AutoParallel's, else the global one
+            self.per_device = self.feeds_per_device(ctx)
         return super().build(data, label)
 
 

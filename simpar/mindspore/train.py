@@ -145,7 +145,7 @@ class TimeMonitor(Callback):
     def on_train_epoch_end(self, run_context: RunContext) -> None:
         ms = (time.perf_counter() - self._start) * 1e3
         steps = self._size or run_context.original_args().batch_num
-        if comm.get_rank() == 0:
+        if comm.get_rank() == 0 and steps:
             print(f"epoch time: {ms:.3f} ms, per step time: {ms / steps:.3f} ms", flush=True)
 
 
@@ -158,8 +158,16 @@ class CheckpointConfig:
     save_checkpoint_seconds: int = 0
     keep_checkpoint_max: int = 5
     keep_checkpoint_per_n_minutes: int = 0
+    #: MindSpore's: whether to merge the slices into whole parameters on save. simpar saves
+    #: each rank's blocks either way (merge them with ``python -m simpar.checkpoint merge``).
+    integrated_save: bool = True
+    async_save: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("integrated_save", "async_save"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"CheckpointConfig: {name} must be a bool, got "
+                                f"{getattr(self, name)!r}")
         for name in ("save_checkpoint_steps", "keep_checkpoint_max"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -194,11 +202,22 @@ class ModelCheckpoint(Callback):
 
     def on_train_step_end(self, run_context: RunContext) -> None:
         p = run_context.original_args()
-        if p.cur_step_num % self.config.save_checkpoint_steps:
-            return
+        if p.cur_step_num % self.config.save_checkpoint_steps == 0:
+            self._save(p)
+
+    def on_train_end(self, run_context: RunContext) -> None:
+        """The last step too, as MindSpore's ``ModelCheckpoint`` saves it when training
+        ends."""
+        p = run_context.original_args()
+        if p.cur_step_num and p.cur_step_num % self.config.save_checkpoint_steps:
+            self._save(p)
+
+    def _save(self, p: CallbackParams) -> None:
         path = os.path.join(self.directory,
                             f"{self.prefix}-{p.cur_epoch_num}_{_step_in_epoch(p)}")
         save_training(p.train_network, path)   # collective: every rank writes its blocks
+        if path in self.saved:                 # saved again (a second train): one entry
+            self.saved.remove(path)
         self.saved.append(path)
         while len(self.saved) > self.config.keep_checkpoint_max:
             old = self.saved.pop(0)
@@ -254,6 +273,11 @@ class Model:
         if len(train_dataset.get_col_names()) != 2:
             raise ValueError(f"Model.train: the dataset's rows must be (data, label), got "
                              f"columns {train_dataset.get_col_names()}")
+        if train_dataset.last_batch_short():
+            raise ValueError(f"Model.train: the dataset's last batch is shorter than the "
+                             f"others (batch size {train_dataset.get_batch_size()}), and a "
+                             "step's program is built for one batch shape; batch with "
+                             "drop_remainder=True")
         if dataset_sink_mode:
             warnings.warn("Model.train: dataset_sink_mode=True is not honoured by simpar: it "
                           "runs one step per batch either way", NotHonouredWarning,

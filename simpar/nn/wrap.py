@@ -162,13 +162,18 @@ class TrainOneStepCell:
                 return self._build_per_device(ctx, data, label)
             return self._build(ctx, data, label)
 
+    def feeds_per_device(self, ctx: context.ParallelContext) -> bool:
+        """Whether each rank passes its own slice under ``ctx`` (:attr:`per_device`;
+        simpar.mindspore's cell decides it from ``full_batch``, as MindSpore does)."""
+        return self.per_device
+
     def global_shapes(self, ctx: context.ParallelContext, data: np.ndarray,
                       label: np.ndarray) -> list[tuple[int, ...]]:
         """The global shapes of a batch of which this rank passed ``data`` and ``label``: theirs
         without ``per_device``, else theirs times the dataset strategy's cuts under ``ctx``."""
         shapes = [tuple(int(d) for d in data.shape), tuple(int(d) for d in label.shape)]
         world = 1 if self.mode == "stand_alone" else comm.get_group_size()
-        if not self.per_device or world == 1:
+        if not self.feeds_per_device(ctx) or world == 1:
             return shapes
         dataset = "data_parallel" if self.mode == "data_parallel" else ctx.dataset_strategy
         return global_input_shapes(shapes, world, dataset)
@@ -179,6 +184,7 @@ class TrainOneStepCell:
         strategy's cuts (the ranks must agree on the slices' shapes, not their bytes)."""
         world = 1 if self.mode == "stand_alone" else comm.get_group_size()
         if world > 1:
+            comm.check_context()   # device_num against the world: the shapes multiply by it
             comm.check_same_arrays("TrainOneStepCell.build", [
                 (f"{what} (this rank's slice; shape)", np.asarray(x.shape, dtype=np.int64))
                 for what, x in (("data", data), ("label", label))])
@@ -494,13 +500,17 @@ class TrainOneStepCell:
             self.build(data, label)
         if self.pipeline is not None or not self.per_device:
             return np.asarray(data), np.asarray(label)
-        out = []
-        for x, lay in zip((data, label), self.batch_layouts()):
-            x = np.ascontiguousarray(x)
-            if tuple(x.shape) != lay.local_shape():
-                raise ValueError(f"TrainOneStepCell.global_batch: this rank's slice has shape "
-                                 f"{x.shape}, the batch layout's slice {lay.local_shape()}")
-            out.append(execute(plan(lay, lay.replicated()), x))
+        pairs = [(np.ascontiguousarray(x), lay)
+                 for x, lay in zip((data, label), self.batch_layouts())]
+        wrong = [f"{tuple(x.shape)} where the batch layout's slice is {lay.local_shape()}"
+                 for x, lay in pairs if tuple(x.shape) != lay.local_shape()]
+        if comm.get_group_size() > 1:   # decided together: no rank enters the gather alone
+            anywhere = int(comm.all_reduce(np.array([len(wrong)]), op="max")[0])
+            wrong = wrong or (["one on another rank"] if anywhere else [])
+        if wrong:
+            raise ValueError(f"TrainOneStepCell.global_batch: a slice of the wrong shape, "
+                             f"{wrong[0]}")
+        out = [execute(plan(lay, lay.replicated()), x) for x, lay in pairs]
         if comm.get_group_size() > 1:
             try:
                 comm.check_same_arrays("TrainOneStepCell.global_batch",

@@ -371,19 +371,19 @@ class Primitive:
         """Set the strategy: one tuple of cuts per input (and optionally per output), checked
         as MindSpore checks it (tuples, not lists)."""
         check_shard_strategy(in_strategy, self.name, "in_strategy")
-        self.in_strategy = as_strategy(in_strategy, self.name, "in_strategy")
+        strategy = as_strategy(in_strategy, self.name, "in_strategy")
+        out = None
         if out_strategy is not None:
             check_shard_strategy(out_strategy, self.name, "out_strategy")
             if not self.supports_out_strategy:
                 raise StrategyError(f"{self.name}: out_strategy is not supported for this "
                                     "operator (MindSpore accepts it for MatMul/BatchMatMul)")
-            self.out_strategy = as_strategy(out_strategy, self.name, "out_strategy")
-        else:
-            self.out_strategy = None
-        if len(self.in_strategy) != self.n_inputs:
-            raise StrategyError(f"{self.name}: the strategy has {len(self.in_strategy)} "
+            out = as_strategy(out_strategy, self.name, "out_strategy")
+        if len(strategy) != self.n_inputs:
+            raise StrategyError(f"{self.name}: the strategy has {len(strategy)} "
                                 f"entries but the operator has {self.n_inputs} inputs; give "
                                 "one tuple of cuts per input")
+        self.in_strategy, self.out_strategy = strategy, out   # only once every check passed
         return self
 
     # -- single-device maths (subclasses)
