@@ -321,8 +321,24 @@ def update_parameter(param: Parameter, value: Any, weight: float) -> None:
 
 
 def trace(fn: Callable[..., Any], input_specs: Sequence[tuple[Sequence[int], Any]],
-          input_names: Sequence[str] | None = None) -> Graph:
-    """Trace ``fn(*inputs)`` for inputs of the given ``(shape, dtype)``."""
+          input_names: Sequence[str] | None = None, training: bool | None = None) -> Graph:
+    """Trace ``fn(*inputs)`` for inputs of the given ``(shape, dtype)``. ``training``, when
+    given, traces a Cell in that mode (``set_train``) and gives every Cell inside it its own
+    mode back afterwards; None traces it as it stands."""
+    cells = getattr(fn, "cells_and_names", None)
+    if training is None or not callable(cells):
+        return _trace(fn, input_specs, input_names)
+    modes = [(cell, cell.training) for _, cell in cells()]
+    fn.set_train(training)  # type: ignore[attr-defined]
+    try:
+        return _trace(fn, input_specs, input_names)
+    finally:
+        for cell, mode in modes:
+            object.__setattr__(cell, "training", mode)
+
+
+def _trace(fn: Callable[..., Any], input_specs: Sequence[tuple[Sequence[int], Any]],
+           input_names: Sequence[str] | None) -> Graph:
     if tracing():
         raise RuntimeError("trace() cannot nest")
     if not callable(fn):

@@ -256,7 +256,7 @@ def search_strategies(cell: Any, input_specs: Sequence[tuple[Sequence[int], Any]
     The training step is planned: a Cell is traced in training mode (its modes are kept)."""
     _planning_args("search_strategies", device_num, search_mode, dataset_strategy,
                    enable_alltoall)
-    g = _trace_training(cell, input_specs, input_names)
+    g = graph.trace(cell, input_specs, input_names, training=True)
     return plan_request(request_from_context(
         g, cell=cell, device_num=device_num, mode="auto_parallel", search_mode=search_mode,
         dataset_strategy=dataset_strategy, enable_alltoall=enable_alltoall,
@@ -277,7 +277,7 @@ def export_strategy(path: str, cell: Any, input_specs: Sequence[tuple[Sequence[i
     checks.positive_int(device_num, "export_strategy: device_num")
     _planning_args("export_strategy", device_num, search_mode, dataset_strategy,
                    enable_alltoall)
-    g = _trace_training(cell, input_specs, input_names)
+    g = graph.trace(cell, input_specs, input_names, training=True)
     smap = plan_request(request_from_context(
         g, cell=cell, device_num=device_num, mode=mode, dataset_strategy=dataset_strategy,
         enable_alltoall=enable_alltoall, search_mode=search_mode))
@@ -295,23 +295,8 @@ def import_strategy(path: str, cell: Any, input_specs: Sequence[tuple[Sequence[i
     checks.path(path, "import_strategy: path")
     checks.positive_int(device_num, "import_strategy: device_num")
     _planning_args("import_strategy", device_num, None, dataset_strategy, None)
-    g = _trace_training(cell, input_specs, input_names)
+    g = graph.trace(cell, input_specs, input_names, training=True)
     return load_strategy(path, g, device_num, dataset_strategy=dataset_strategy)
-
-
-def _trace_training(cell: Any, input_specs: Any, input_names: Any) -> graph.Graph:
-    """``cell`` traced in training mode, the step these helpers plan (a Cell's modes are
-    restored after; a function is traced as it is)."""
-    cells = getattr(cell, "cells_and_names", None)
-    if not callable(cells):
-        return graph.trace(cell, input_specs, input_names)
-    modes = [(c, c.training) for _, c in cells()]
-    cell.set_train(True)
-    try:
-        return graph.trace(cell, input_specs, input_names)
-    finally:
-        for c, mode in modes:
-            object.__setattr__(c, "training", mode)
 
 
 def _planning_args(func: str, device_num: object, search_mode: object = None,

@@ -140,14 +140,9 @@ class Evaluator:
         train = self.train
         with train.settings() as ctx:
             shapes = train.global_shapes(ctx, data, label)
-            modes = {id(c): c.training for _, c in self.cell.cells_and_names()}
-            self.cell.set_train(False)
-            try:
-                g = graph.trace(self.cell, [(shapes[0], data.dtype), (shapes[1], label.dtype)],
-                                ["data", "label"])
-            finally:   # the training cell keeps its mode
-                for _, c in self.cell.cells_and_names():
-                    object.__setattr__(c, "training", modes[id(c)])
+            # evaluation mode for this trace; the training cell keeps its own
+            g = graph.trace(self.cell, [(shapes[0], data.dtype), (shapes[1], label.dtype)],
+                            ["data", "label"], training=False)
             request = request_from_context(g, cell=self.cell, mode=train.mode)
             return lower(g, plan_request(request), request.enable_alltoall)
 

@@ -108,11 +108,6 @@ class TrainOneStepCell(_nn.TrainOneStepCell):
     def feeds_per_device(self, ctx: context.ParallelContext) -> bool:
         return not full_batch_feeding(self.mode, ctx)
 
-    def build(self, data: Any, label: Any) -> Any:
-        with self.settings() as ctx:   # the network's AutoParallel's, else the global one
-            self.per_device = self.feeds_per_device(ctx)
-        return super().build(data, label)
-
 
 class SoftmaxCrossEntropyWithLogits(_nn.SoftmaxCrossEntropyWithLogits):
     """MindSpore's defaults: ``sparse=False`` (label rows of probabilities), and

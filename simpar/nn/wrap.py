@@ -158,13 +158,15 @@ class TrainOneStepCell:
     def build(self, data: np.ndarray, label: np.ndarray) -> ParallelProgram:
         """Trace and lower for these global input shapes, and lay out the parameters."""
         with self.settings() as ctx:
+            self.per_device = self.feeds_per_device(ctx)
             if self.per_device:
                 return self._build_per_device(ctx, data, label)
             return self._build(ctx, data, label)
 
     def feeds_per_device(self, ctx: context.ParallelContext) -> bool:
-        """Whether each rank passes its own slice under ``ctx`` (:attr:`per_device`;
-        simpar.mindspore's cell decides it from ``full_batch``, as MindSpore does)."""
+        """Whether each rank passes its own slice under ``ctx``: the ``per_device`` given
+        (simpar.mindspore's cell decides it from ``full_batch``, as MindSpore does). The build
+        records it in :attr:`per_device`."""
         return self.per_device
 
     def global_shapes(self, ctx: context.ParallelContext, data: np.ndarray,
