@@ -127,8 +127,10 @@ def test_mindsporess_loss_defaults() -> None:
 def test_shard_sets_a_cells_strategy() -> None:
     cell = ms.nn.Dense(4, 4)
     assert ms.shard(cell, ((2, 1),)) is cell and cell.in_strategy == ((2, 1),)
-    with pytest.raises(NotImplementedError, match="shards Cells"):
-        ms.shard(lambda x: x, ((2, 1),))
+    with pytest.raises(TypeError, match="parameter_plan needs fn to be a Cell"):
+        ms.shard(lambda x: x, ((2, 1),), parameter_plan={"w": (2, 1)})
+    with pytest.raises(TypeError, match="fn must be a Cell or a function, got int"):
+        ms.shard(3, ((2, 1),))
     with pytest.raises(ValueError, match="level must be 0"):
         ms.shard(cell, ((2, 1),), level=1)
 

@@ -161,3 +161,88 @@ def test_eval_gives_one_devices_metrics(full_batch: bool) -> None:
     assert net.training                                   # eval left the training mode alone
     every = comm.all_gather(np.array([[got["accuracy"], got["loss"]]]), axis=0)
     assert (every == every[0]).all()                      # the same on every rank
+
+
+@pytest.mark.mpi(min_size=2)
+def test_per_device_steps_run_the_global_steps_collectives() -> None:
+    """A step fed each rank's rows runs exactly the collectives of the same step fed the
+    global batch (the feeding moves nothing); assembling the global batch for the check is one
+    AllGather per input."""
+    n, rank = comm.get_group_size(), comm.get_rank()
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel",
+                                 dataset_strategy="data_parallel")
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((16, FEATURES)).astype(np.float32)
+    y = rng.integers(0, CLASSES, 16).astype(np.int32)
+    mine = (x[rank * 16 // n:(rank + 1) * 16 // n], y[rank * 16 // n:(rank + 1) * 16 // n])
+
+    def step(per_device: bool) -> tuple[list[str], float]:
+        ms.set_seed(5)
+        net = _network()
+        train = nn.TrainOneStepCell(
+            nn.WithLossCell(net, ms.nn.CrossEntropyLoss()),
+            ms.nn.Momentum(net.trainable_params(), 0.1, 0.9), per_device=per_device)
+        batch = mine if per_device else (x, y)
+        train(*batch)                                     # the build, untraced
+        with comm.CommTrace() as trace:
+            loss = train(*batch)
+        return trace.kinds(), loss
+
+    local_kinds, local_loss = step(True)
+    global_kinds, global_loss = step(False)
+    assert local_kinds == global_kinds and "AllReduce" in local_kinds
+    assert local_loss == global_loss
+    ms.set_seed(5)
+    net = _network()
+    train = nn.TrainOneStepCell(nn.WithLossCell(net, ms.nn.CrossEntropyLoss()),
+                                ms.nn.Momentum(net.trainable_params(), 0.1, 0.9),
+                                per_device=True)
+    train.build(*mine)
+    with comm.CommTrace() as trace:
+        whole = train.global_batch(*mine)
+    assert trace.count("AllGather") == 2
+    np.testing.assert_array_equal(whole[0], x)
+    np.testing.assert_array_equal(whole[1], y)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_sharded_function_redistributes_its_inputs_and_trains_like_one_device() -> None:
+    """ms.shard(function, in_strategy) inside a construct: its input is moved from the
+    batch cut to the column cut (collectives in the trace), and training matches one
+    device."""
+    n = comm.get_group_size()
+    ms.set_auto_parallel_context(parallel_mode="semi_auto_parallel",
+                                 dataset_strategy="full_batch")
+
+    class Net(ms.nn.Cell):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = ms.nn.Dense(FEATURES, 16), ms.nn.Dense(16, CLASSES)
+            self.fc1.matmul.shard(((n, 1), (1, 1)))          # rows cut: the batch
+            relu = ms.ops.ReLU()
+            self.act = ms.shard(lambda h: relu(h), ((1, n),))   # columns cut
+
+        def construct(self, x: Any) -> Any:
+            return self.fc2(self.act(self.fc1(x)))
+
+    def build() -> nn.TrainOneStepCell:
+        ms.set_seed(5)
+        net = Net()
+        return nn.TrainOneStepCell(nn.WithLossCell(net, ms.nn.CrossEntropyLoss()),
+                                   ms.nn.Momentum(net.trainable_params(), 0.1, 0.9))
+
+    train = build()
+    batches = [b for b in _dataset(None, None, 16).epoch(0)][:2]
+    train.build(*batches[0])
+    assert train.program is not None
+    assert [s.sharding.strategy for s in train.program.steps
+            if s.node.op.name == "Identity"] == [((1, n),)]
+    with comm.CommTrace() as trace:
+        train(*batches[0])
+    moved = [(e.label.rsplit("/", 1)[-1], kind) for e, kind in zip(trace.events, trace.kinds())
+             if "act-_Sharded/Identity" in e.label]
+    # rows -> columns: an AllGather (then a slice) forward, its adjoint a ReduceScatter
+    assert moved == [("redistribute:AllGather", "AllGather"),
+                     ("redistribute-adjoint:AllGather", "ReduceScatter")]
+    report = check_against_single_device(build(), build, batches)
+    assert report.passed, report.summary()

@@ -16,7 +16,7 @@ auto-parallel API and context key: supported, supported with a difference, or no
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from simpar.context import (
@@ -128,21 +128,41 @@ def get_seed() -> int:
     return _get_seed()
 
 
-def shard(fn: Cell, in_strategy: Sequence[Any], out_strategy: Sequence[Any] | None = None,
+class _Sharded(Cell):
+    """A function as a Cell, so that ``shard`` can set its inputs' strategy: calling it runs
+    the function on the inputs redistributed to ``in_strategy``."""
+
+    fn: Callable[..., Any]
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        super().__init__()
+        object.__setattr__(self, "fn", fn)
+
+    def construct(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+
+def shard(fn: Cell | Callable[..., Any], in_strategy: Sequence[Any],
+          out_strategy: Sequence[Any] | None = None,
           parameter_plan: dict[str, Sequence[int]] | None = None, device: str = "Ascend",
           level: int = 0) -> Cell:
-    """MindSpore's functional ``shard`` for a Cell: ``fn.shard(in_strategy, out_strategy,
-    parameter_plan)``, returning ``fn``. ``device`` and ``level`` are MindSpore's only
-    values ("Ascend", 0)."""
-    if not isinstance(fn, Cell):
-        raise NotImplementedError(f"shard: simpar shards Cells (their construct), got "
-                                  f"{type(fn).__name__}; wrap the function in a Cell")
+    """MindSpore's functional ``shard``: ``fn.shard(in_strategy, out_strategy,
+    parameter_plan)`` for a Cell, returned; a function is wrapped in a Cell first (call the
+    result as the function, inside a ``construct``; ``parameter_plan`` needs a Cell, as in
+    MindSpore). ``device`` and ``level`` are MindSpore's only values ("Ascend", 0)."""
     if device != "Ascend":
         raise ValueError(f"shard: device must be 'Ascend' (MindSpore's only value), got "
                          f"{device!r}")
     if level != 0:
         raise ValueError(f"shard: level must be 0 (MindSpore's only value), got {level!r}")
-    return fn.shard(in_strategy, out_strategy, parameter_plan)
+    if isinstance(fn, Cell):
+        return fn.shard(in_strategy, out_strategy, parameter_plan)
+    if not callable(fn):
+        raise TypeError(f"shard: fn must be a Cell or a function, got {type(fn).__name__}")
+    if parameter_plan is not None:
+        raise TypeError(f"shard: parameter_plan needs fn to be a Cell (it names the Cell's "
+                        f"parameters), got the function {getattr(fn, '__name__', fn)!r}")
+    return _Sharded(fn).shard(in_strategy, out_strategy)
 
 
 __getattr__ = missing("mindspore", {
