@@ -28,8 +28,9 @@ keeping its least-memory and its cheapest pair: the least-memory plan stays reac
 plan fits" is never reported wrongly, and :attr:`DPSolution.exact` says whether any list was
 thinned. On graphs where the lists would combine more than ``_BUDGET`` entries (thousands of
 ops with hundreds of candidates each), the second pass gives way to a Lagrangian one: the
-one-entry search of ``cost + weight * memory``, the weight raised until the plan fits, then
-bisected; that plan fits but is not proven the cheapest (``exact`` False). When nothing fits,
+one-entry search of ``cost + weight * memory``, each weight the slope between the best plans
+found on either side of the cap, until no plan lies below that line (a few solves); that
+plan fits but is not proven the cheapest (``exact`` False). When nothing fits,
 :class:`NoAvailableCost` gives the smallest memory per rank any plan needs and the op that
 needs most of it.
 
@@ -40,11 +41,13 @@ infinite elsewhere (MindSpore's ``TmpIdentity``).
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import math
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,7 +96,8 @@ class _Table:
     (cost, memory) entries, as arrays of shape ``index shape + (entries,)`` padded with
     infinite cost. ``parts``, ``prov`` and ``axes`` say how it was made, for the replay."""
 
-    __slots__ = ("axes", "cost", "extra", "key", "kind", "mem", "node", "parts", "prov")
+    __slots__ = ("_flip", "axes", "cost", "extra", "key", "kind", "mem", "node", "parts",
+                 "prov")
 
     def __init__(self, cost: np.ndarray, mem: np.ndarray, kind: str,
                  parts: tuple[_Table, ...] = (), prov: np.ndarray | None = None,
@@ -103,11 +107,14 @@ class _Table:
         self.parts, self.prov, self.axes, self.node, self.extra = parts, prov, axes, node, extra
         #: Equal keys, equal contents (cost, mem, prov): what the eliminations memoise on.
         self.key = key if key is not None else ("unique", next(_FRESH))
+        self._flip: _Table | None = None
 
     def flipped(self) -> _Table:
-        """An edge table seen from its other end."""
-        return _Table(self.cost.transpose(1, 0, 2), self.mem.transpose(1, 0, 2), "flip",
-                      (self,), key=("flip", self.key))
+        """An edge table seen from its other end (made once)."""
+        if self._flip is None:
+            self._flip = _Table(self.cost.transpose(1, 0, 2), self.mem.transpose(1, 0, 2),
+                                "flip", (self,), key=("flip", self.key))
+        return self._flip
 
 
 def _pareto(cost: np.ndarray, mem: np.ndarray, width: int, cap: float
@@ -181,7 +188,7 @@ class _Eliminator:
                 matrix = np.asarray(e.costs, dtype=float)[:, :, None]
                 if memory_as_cost:  # only the edge's feasibility matters
                     matrix = np.where(np.isinf(matrix), np.inf, 0.0)
-                arrays[id(e.costs)] = (matrix, np.zeros_like(matrix))
+                arrays[id(e.costs)] = (matrix, np.zeros(matrix.shape))
             matrix, zeros = arrays[id(e.costs)]
             self._add_edge(e.producer, e.consumer,
                            _Table(matrix, zeros, "edge", key=("edge", id(e.costs))))
@@ -384,28 +391,88 @@ class _Eliminator:
                                         extra=rows))
         log.info("star elimination: merged two nodes into one of %d candidates", live.size)
 
+    def _edge_key(self, u: int, v: int) -> Any:
+        """The key of :meth:`_edge` ``(u, v)``, without building a flipped table."""
+        src, _, table = self.adj[u][v]
+        return table.key if src == u else ("flip", table.key)
+
+    def _pending(self, k: int) -> Any:
+        """The memo key of eliminating ``k`` now (None: ``k`` has more than two neighbours,
+        or none)."""
+        near = self.adj[k]
+        if len(near) == 2:
+            u, w = sorted(near)
+            return ("through", self._edge_key(u, k), self.tables[k].key, self._edge_key(k, w))
+        if len(near) == 1:
+            (n,) = near
+            return ("fold", self.tables[n].key, self._edge_key(n, k), self.tables[k].key)
+        return None
+
     def run(self, started: float) -> _Table:
-        """Eliminate until no edge is left, then fold every remaining node into one root."""
+        """Eliminate until no edge is left, then fold every remaining node into one root.
+
+        The order is MindSpore's sweeps over the nodes in trace order, eliminating every
+        node with one or two neighbours, except that with one entry per table an elimination
+        the memo already holds goes first. Identical layers cost one elimination of each kind
+        either way, and with that rule so does a chain of them: once one pair of neighbours
+        is joined, every other pair is joined from the memo, which halves the chain into
+        identical pairs, then quadruples, in ``log2`` of its length eliminations computed.
+        Every order is exact. (Pareto lists keep the sweeps' order: joining two long lists
+        from both ends of a chain costs far more than extending one from its start.)
+        """
+        halving = self.width == 1
         total = len(self.adj)
+        version = dict.fromkeys(self.adj, 0)
+        heap: list[tuple[int, int, int, int]] = []
+        waiting: dict[Any, list[tuple[int, int]]] = {}
+        sweep, cursor = 0, -1
+
+        def push(k: int) -> None:
+            version[k] += 1
+            if not 0 < len(self.adj[k]) < 3:
+                return
+            if halving:
+                key = self._pending(k)
+                if key in self.memo:
+                    heapq.heappush(heap, (0, 0, k, version[k]))
+                    return
+                waiting.setdefault(key, []).append((k, version[k]))
+            # this sweep if it is still ahead, else the next
+            heapq.heappush(heap, (1, sweep + (k <= cursor), k, version[k]))
+
+        for k in sorted(self.adj):
+            push(k)
         while True:
-            changed = False
-            for k in sorted(self.adj):
-                if k not in self.adj:
+            while heap:
+                hit, at, k, ver = heapq.heappop(heap)
+                if k not in self.adj or version[k] != ver:
                     continue
-                degree = len(self.adj[k])
-                if degree == 2:
+                if hit:
+                    sweep, cursor = at, k
+                key = self._pending(k) if halving else None
+                near = list(self.adj[k])
+                if len(near) == 2:
                     self._eliminate_middle(k)
-                    changed = True
-                elif degree == 1:
-                    self._eliminate_leaf(k)
-                    changed = True
-            if not changed:
-                if any(self.adj[k] for k in self.adj):
-                    self._eliminate_star()
                 else:
-                    break
+                    self._eliminate_leaf(k)
+                del version[k]
+                again = set(near)
+                for n in near:  # a fold changed n's table: its leaves' eliminations too
+                    again.update(x for x in self.adj[n] if len(self.adj[x]) == 1)
+                for n in sorted(again):
+                    push(n)
+                for n, ver in waiting.pop(key, ()) if halving else ():  # now in the memo
+                    if version.get(n) == ver:
+                        heapq.heappush(heap, (0, 0, n, ver))
             log.info("dynamic programming: %d of %d nodes left after %.1f s", len(self.adj),
                      total, time.perf_counter() - started)
+            if not any(self.adj[k] for k in self.adj):
+                break
+            self._eliminate_star()
+            sweep, cursor = sweep + 1, -1
+            for k in sorted(self.adj):
+                version.setdefault(k, 0)
+                push(k)
         root = _Table(np.zeros((1, 1)), np.zeros((1, 1)), "node", node=-1)
         for k in sorted(self.adj):
             t = self.tables[k]
@@ -500,8 +567,15 @@ def _solve_counting(cg: CostGraph, width: int, cap: float, memory_as_cost: bool 
     return choice, not elim.thinned, elim.counts, elim.spent
 
 
-def solve_dynamic_programming(cg: CostGraph, width: int = 128) -> DPSolution:
+def solve_dynamic_programming(cg: CostGraph, width: int = 128, pareto: bool = True,
+                              start: Sequence[int] | None = None, secant: int = 20
+                              ) -> DPSolution:
     """The plan of least objective whose memory fits ``cg.memory_capacity``.
+
+    When the memory cap binds, ``pareto=False`` goes straight to the Lagrangian pass (a plan
+    that fits, not proven the cheapest; quicker), a ``start`` plan that fits is where that
+    pass starts from instead of the plan of least memory (one solve fewer), and ``secant``
+    bounds its solves after the first fitting plan.
 
     Raises :class:`NoAvailableCost` when none fits (naming the least memory any plan needs),
     and ValueError when no plan satisfies the graph's constraints (a user strategy against a
@@ -518,21 +592,28 @@ def solve_dynamic_programming(cg: CostGraph, width: int = 128) -> DPSolution:
     passes = 1
     if not cg.fits(choice):
         passes = 2
-        least, _, _ = _solve(cg, 1, math.inf, memory_as_cost=True)
-        if least is None or not cg.fits(least):
-            raise _no_available_cost(cg, least)
+        if not pareto and start is not None and cg.fits(start):
+            least, bracket = tuple(start), False   # a fitting plan to start from
+        else:
+            found, _, _ = _solve(cg, 1, math.inf, memory_as_cost=True)
+            if found is None or not cg.fits(found):
+                raise _no_available_cost(cg, found)
+            least, bracket = found, True
         try:
-            if spent > _BUDGET and not counts["star"]:
+            if not pareto or spent > _BUDGET and not counts["star"]:
                 # The eliminations with lists of one entry already combine more than the
                 # budget (star eliminations aside, the lists change nothing else about
                 # them): the Pareto pass would stop at the budget, so it is not run.
                 raise _TooBig
             found, exact, counts = _solve(cg, width, cg.memory_capacity)
         except _TooBig:
-            log.warning("dynamic programming: the memory cap binds and the (cost, memory) lists "
-                        "would outgrow the budget; pricing memory instead (Lagrangian): the "
-                        "plan fits but is not proven the cheapest that does")
-            found, exact = _lagrangian(cg, choice, least), False
+            if pareto:
+                log.warning("dynamic programming: the memory cap binds and the (cost, memory) "
+                            "lists would outgrow the budget; pricing memory instead "
+                            "(Lagrangian): the plan fits but is not proven the cheapest that "
+                            "does")
+            found = _lagrangian(cg, choice, least, bracket=bracket, secant=secant)
+            exact = False
         else:
             if not exact:
                 log.warning("dynamic programming: the memory cap binds and some (cost, memory) "
@@ -546,31 +627,47 @@ def solve_dynamic_programming(cg: CostGraph, width: int = 128) -> DPSolution:
 
 
 def _lagrangian(cg: CostGraph, cheapest: tuple[int, ...], least: tuple[int, ...],
-                rounds: int = 6) -> tuple[int, ...]:
+                rounds: int = 20, bracket: bool = True, secant: int = 20) -> tuple[int, ...]:
     """A plan that fits, on graphs too large for Pareto lists: the one-entry search of
-    ``cost + weight * memory``, the weight raised until the plan fits and then bisected
-    (the fitting plan of least cost found is kept; ``least``, the least-memory plan, fits)."""
-    best = least
-    lo = 0.0
-    hi = max(cg.total(cheapest) - cg.total(least), 0.0) / max(
-        cg.memory(cheapest) - cg.memory(least), 1.0) or 1e-12
-    for _ in range(60):  # find a weight whose plan fits
-        plan_hi, _, _ = _solve(cg, 1, math.inf, weight=hi)
-        if plan_hi is not None and cg.fits(plan_hi):
-            if cg.total(plan_hi) < cg.total(best):
-                best = plan_hi
+    ``cost + weight * memory``. Every plan it returns is a corner of the lower convex hull of
+    all plans' (memory, cost). The first weight is the cheapest plan's cost per byte,
+    multiplied by 4 until its plan fits. Then the weight is the slope between the cheapest
+    corner found that does not fit and the one that does, so each solve either finds a
+    corner below that line, which replaces the end on its side of the cap, or none: the line
+    is then the hull's edge across the cap, and its fitting end is the cheapest fitting plan
+    any weight gives (the dual optimum), in a few solves where bisecting the weight reaches
+    it only in the limit."""
+    over, fit = cheapest, least
+    weight = cg.total(cheapest) / max(cg.memory(cheapest), 1.0) if bracket else 0.0
+    while weight > 0 and rounds:
+        rounds -= 1
+        plan, _, _ = _solve(cg, 1, math.inf, weight=weight)
+        if plan is None:
             break
-        lo, hi = hi, hi * 4
-    for _ in range(rounds):
-        mid = (lo + hi) / 2
-        plan_mid, _, _ = _solve(cg, 1, math.inf, weight=mid)
-        if plan_mid is not None and cg.fits(plan_mid):
-            hi = mid
-            if cg.total(plan_mid) < cg.total(best):
-                best = plan_mid
+        if not cg.fits(plan):
+            over = plan
+            weight *= 4
+            continue
+        if cg.total(plan) < cg.total(fit):
+            fit = plan
+        break
+    for _ in range(min(rounds, secant)):
+        c_over, m_over = cg.total(over), cg.memory(over)
+        c_fit, m_fit = cg.total(fit), cg.memory(fit)
+        if m_over <= m_fit or c_fit <= c_over:
+            break
+        weight = (c_fit - c_over) / (m_over - m_fit)
+        plan, _, _ = _solve(cg, 1, math.inf, weight=weight)
+        if plan is None:
+            break
+        line = c_fit + weight * m_fit
+        if cg.total(plan) + weight * cg.memory(plan) >= line - 1e-9 * abs(line):
+            break   # no corner below the line
+        if cg.fits(plan):
+            fit = plan
         else:
-            lo = mid
-    return best
+            over = plan
+    return fit
 
 
 def _no_available_cost(cg: CostGraph, least: tuple[int, ...] | None) -> NoAvailableCost:

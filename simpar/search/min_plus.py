@@ -38,16 +38,18 @@ _DENSE_CHUNK = 1 << 18
 _BIG = np.iinfo(np.int64).max
 
 
-def min_plus(a: np.ndarray, a_mem: np.ndarray, b: np.ndarray, b_mem: np.ndarray
-             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def min_plus(a: np.ndarray, a_mem: np.ndarray, b: np.ndarray, b_mem: np.ndarray,
+             distinct: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per (u, w): the least ``a[u, v] + b[v, w]``, the memory ``a_mem[u, v] + b_mem[v, w]``
     of the v that gives it (the least memory among equal costs, then the first v), and that v
     (-1 where every term is infinite; the memory is then v 0's). Costs must be >= 0 or
-    infinite for the pruning (otherwise every term is evaluated)."""
-    cols, back = _distinct_columns(b, b_mem)
-    if len(cols) < b.shape[1]:   # equal columns of b give equal columns of the product
-        cost, mem, via = min_plus(a, a_mem, b[:, cols], b_mem[:, cols])
-        return cost[:, back], mem[:, back], via[:, back]
+    infinite for the pruning (otherwise every term is evaluated). ``distinct``: no two
+    columns of (``b``, ``b_mem``) are equal (not checked again)."""
+    if not distinct:
+        cols, back = _distinct_columns(b, b_mem)
+        if len(cols) < b.shape[1]:   # equal columns of b give equal columns of the product
+            cost, mem, via = min_plus(a, a_mem, b[:, cols], b_mem[:, cols], True)
+            return cost[:, back], mem[:, back], via[:, back]
     ku, kv = a.shape
     kw = b.shape[1]
     cost = np.empty((ku, kw))
@@ -64,15 +66,17 @@ def min_plus(a: np.ndarray, a_mem: np.ndarray, b: np.ndarray, b_mem: np.ndarray
             cost[lo:lo + rows], via[lo:lo + rows] = _dense(
                 a[lo:lo + rows], a_mem[lo:lo + rows], b, b_mem)
     else:
+        bt, bt_mem = np.ascontiguousarray(b.T), np.ascontiguousarray(b_mem.T)
         for g, keep in masks:
             ws, vs = np.nonzero(keep)                          # by w, then v
             starts = np.flatnonzero(np.r_[True, ws[1:] != ws[:-1]])
             assert len(starts) == kw, "every w keeps a v"
+            b_kept = bt[ws, vs]
             rows = max(1, _CHUNK // len(vs))
             for lo in range(0, len(g), rows):
                 us = g[lo:lo + rows]
-                cost[us], via[us] = _exact(a[us][:, vs] + b[vs, ws], vs, ws, starts,
-                                           a_mem[us][:, vs] + b_mem[vs, ws])
+                cost[us], via[us] = _exact(a[us][:, vs] + b_kept, vs, ws, starts,
+                                           a_mem[us], bt_mem)
     finite = np.isfinite(cost)
     pick = np.where(finite, via, 0)
     mem = np.take_along_axis(a_mem, pick, axis=1) + b_mem[pick, np.arange(kw)[None, :]]
@@ -82,15 +86,18 @@ def min_plus(a: np.ndarray, a_mem: np.ndarray, b: np.ndarray, b_mem: np.ndarray
 def _kept(a: np.ndarray, b: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
     """Groups of u's, each with the (w, v) whose terms it must evaluate: those whose lower
     bound over the group does not exceed the group's largest upper bound."""
-    bound = _upper_bounds(a, b)
+    bt = np.ascontiguousarray(b.T)
+    bound = _upper_bounds(a, b, bt)
     order = np.argsort(a.min(axis=1), kind="stable")
     out = []
     for lo in range(0, a.shape[0], _GROUP):
         g = order[lo:lo + _GROUP]
         top = bound[g].max(axis=0)[:, None]            # (kw, 1)
         low = a[g].min(axis=0)[None, :]                # (1, kv)
+        # (top - low) + 1e-12 * (top + low), the bound with its margin, in one pass
         with np.errstate(invalid="ignore"):
-            keep = ((top - low) + 1e-12 * (top + low) >= b.T) | np.isinf(top)
+            keep = (top + 1e-12 * top) - (low - 1e-12 * low) >= bt
+        keep[np.isinf(top[:, 0])] = True
         keep[~keep.any(axis=1)] = True
         out.append((g, keep))
     return out
@@ -114,22 +121,40 @@ def _dense(a: np.ndarray, a_mem: np.ndarray, b: np.ndarray, b_mem: np.ndarray
 
 def _distinct_columns(b: np.ndarray, b_mem: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The first of every set of equal columns of ``b`` (with ``b_mem``), and for every column
-    the index of its set's first among them."""
-    both = np.ascontiguousarray(np.concatenate([b, b_mem]).T)
-    rows = both.view(np.dtype((np.void, both.dtype.itemsize * both.shape[1]))).ravel()
-    _, first, back = np.unique(rows, return_index=True, return_inverse=True)
+    the index of its set's first among them. Columns are grouped by a fingerprint of their
+    bits (integer arithmetic: equal columns always print alike), and a grouping whose
+    columns are not all equal to their group's first (two prints that collide) is redone by
+    comparing the columns' bytes."""
+    rng = np.random.default_rng(0)
+    with np.errstate(over="ignore"):
+        prints = sum((rng.integers(1, 1 << 62, x.shape[0], dtype=np.uint64)
+                      @ np.ascontiguousarray(x).view(np.uint64)) for x in (b, b_mem))
+    _, first, back = np.unique(prints, return_index=True, return_inverse=True)
+    back = back.ravel()
+    dup = np.flatnonzero(first[back] != np.arange(len(back)))
+    if dup.size and not (np.array_equal(b[:, dup], b[:, first[back[dup]]])
+                         and np.array_equal(b_mem[:, dup], b_mem[:, first[back[dup]]])):
+        both = np.ascontiguousarray(np.concatenate([b, b_mem]).T)
+        rows = both.view(np.dtype((np.void, both.dtype.itemsize * both.shape[1]))).ravel()
+        _, first, back = np.unique(rows, return_index=True, return_inverse=True)
+    return _in_order(first, back.ravel())
+
+
+def _in_order(first: np.ndarray, back: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Groups given by their first column and each column's group, renumbered in the order
+    of their first columns."""
     order = np.argsort(first)
     rank = np.empty_like(order)
     rank[order] = np.arange(len(order))
     return first[order], rank[back.ravel()]
 
 
-def _upper_bounds(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def _upper_bounds(a: np.ndarray, b: np.ndarray, bt: np.ndarray) -> np.ndarray:
     """Per (u, w), an achieved ``a[u, v] + b[v, w]``: the least over the few v whose
-    ``b[v, w]`` plus their least ``a`` is smallest."""
+    ``b[v, w]`` plus their least ``a`` is smallest (``bt`` is ``b.T``, contiguous)."""
     kw = b.shape[1]
-    guess = b + a.min(axis=0)[:, None]
-    probes = np.argpartition(guess, _PROBES - 1, axis=0)[:_PROBES]      # (P, kw)
+    guess = bt + a.min(axis=0)[None, :]
+    probes = np.argpartition(guess, _PROBES - 1, axis=1)[:, :_PROBES].T   # (P, kw)
     bound = np.full((a.shape[0], kw), np.inf)
     cols = np.arange(kw)
     for v in probes:
@@ -138,12 +163,17 @@ def _upper_bounds(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def _exact(terms: np.ndarray, vs: np.ndarray, ws: np.ndarray, starts: np.ndarray,
-           mems: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+           a_mem: np.ndarray, bt_mem: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The least of each row's terms per w (a run of ``starts``), and the first v of least
-    memory among the terms of that cost (v 0 if those memories are all infinite)."""
+    memory among the terms of that cost (v 0 if those memories are all infinite); the
+    memories (``a_mem`` of the rows, plus ``bt_mem[w, v]``) are gathered only where several
+    v tie for the least cost."""
     best = np.minimum.reduceat(terms, starts, axis=1)
     tie = terms == best[:, ws]
-    mems = np.where(tie, mems, np.inf)
+    first = np.minimum.reduceat(np.where(tie, vs, _BIG), starts, axis=1)
+    if not (np.add.reduceat(tie, starts, axis=1) > 1).any():
+        return best, first
+    mems = np.where(tie, a_mem[:, vs] + bt_mem[ws, vs], np.inf)
     least = np.minimum.reduceat(mems, starts, axis=1)
     first = np.minimum.reduceat(np.where(tie & (mems == least[:, ws]), vs, _BIG), starts,
                                 axis=1)
