@@ -171,7 +171,10 @@ class _Eliminator:
         # Identical layers: the cost graph gives nodes (edges) of one signature the same
         # tuples, so their tables share a key, and so does every elimination made of tables
         # with equal keys; each is computed once (hits counts the rest).
-        self.memo: dict[Any, tuple[np.ndarray, np.ndarray, np.ndarray, tuple[int, ...]]] = {}
+        # Each result is keyed by the keys of what it was made of, and is itself keyed by
+        # its number here: keys stay flat, so hashing one costs the same at any depth.
+        self.memo: dict[Any, tuple[np.ndarray, np.ndarray, np.ndarray, tuple[int, ...],
+                                   int]] = {}
         self.hits = 0
         arrays: dict[Any, tuple[np.ndarray, np.ndarray]] = {}
         for k, node in enumerate(cg.nodes):
@@ -259,11 +262,11 @@ class _Eliminator:
         """The elimination ``key`` of ``parts``: computed once per key, then shared."""
         found = self.memo.get(key)
         if found is None:
-            found = self.memo[key] = compute()
+            found = self.memo[key] = (*compute(), len(self.memo))
         else:
             self.hits += 1
-        c, m, i, axes = found
-        return _Table(c, m, kind, parts, i, axes, node=node, key=key)
+        c, m, i, axes, number = found
+        return _Table(c, m, kind, parts, i, axes, node=node, key=number)
 
     def _reduce(self, total_c: np.ndarray, total_m: np.ndarray, keep_dims: int
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

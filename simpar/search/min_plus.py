@@ -27,9 +27,9 @@ __all__ = ["min_plus"]
 #: Up to this many (u, v, w) terms every term is evaluated.
 _DENSE = 1 << 21
 #: The v's per w that give the upper bounds.
-_PROBES = 8
+_PROBES = 12
 #: The u's that share one pruning mask.
-_GROUP = 16
+_GROUP = 8
 #: Above this share of the terms kept, every term is evaluated (cheaper than gathering).
 _SPARSE = 0.25
 #: Terms evaluated at once: gathered, and every term (smaller: they stay in cache).
@@ -54,24 +54,22 @@ def min_plus(a: np.ndarray, a_mem: np.ndarray, b: np.ndarray, b_mem: np.ndarray,
     kw = b.shape[1]
     cost = np.empty((ku, kw))
     via = np.empty((ku, kw), dtype=np.int64)
-    masks = None
+    kept = None
     if ku * kv * kw > _DENSE and kv > _PROBES and (
             np.nan_to_num(a.min(initial=0.0)) >= 0 and np.nan_to_num(b.min(initial=0.0)) >= 0):
-        masks = _kept(a, b)
-        if sum(len(g) * keep.sum() for g, keep in masks) > _SPARSE * ku * kv * kw:
-            masks = None   # pruning keeps too much: every term, without gathering them
-    if masks is None:
+        bt = np.ascontiguousarray(b.T)
+        kept = _kept(a, bt)
+        if sum(len(g) * len(ws) for g, ws, _, _ in kept) > _SPARSE * ku * kv * kw:
+            kept = None   # pruning keeps too much: every term, without gathering them
+    if kept is None:
         rows = max(1, _DENSE_CHUNK // (kv * kw))
         for lo in range(0, ku, rows):
             cost[lo:lo + rows], via[lo:lo + rows] = _dense(
                 a[lo:lo + rows], a_mem[lo:lo + rows], b, b_mem)
     else:
-        bt, bt_mem = np.ascontiguousarray(b.T), np.ascontiguousarray(b_mem.T)
-        for g, keep in masks:
-            ws, vs = np.nonzero(keep)                          # by w, then v
+        bt_mem = np.ascontiguousarray(b_mem.T)
+        for g, ws, vs, b_kept in kept:
             starts = np.flatnonzero(np.r_[True, ws[1:] != ws[:-1]])
-            assert len(starts) == kw, "every w keeps a v"
-            b_kept = bt[ws, vs]
             rows = max(1, _CHUNK // len(vs))
             for lo in range(0, len(g), rows):
                 us = g[lo:lo + rows]
@@ -83,23 +81,43 @@ def min_plus(a: np.ndarray, a_mem: np.ndarray, b: np.ndarray, b_mem: np.ndarray,
     return cost, mem, np.where(finite, via, -1)
 
 
-def _kept(a: np.ndarray, b: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Groups of u's, each with the (w, v) whose terms it must evaluate: those whose lower
-    bound over the group does not exceed the group's largest upper bound."""
-    bt = np.ascontiguousarray(b.T)
-    bound = _upper_bounds(a, b, bt)
+def _kept(a: np.ndarray, bt: np.ndarray
+          ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """Groups of u's, each with the (w, v) whose terms it must evaluate (ascending in w,
+    then v) and their ``b``: those whose lower bound over the group does not exceed the
+    group's largest upper bound, ``(top - low) + 1e-12 * (top + low) >= b[v, w]``. The
+    pairs that pass over all u's at once are found first (a superset of every group's, as
+    its top is larger and its low smaller); each group tests only those. A term at a w's
+    least cost always passes (its lower bound is at most that cost, at most the bound), so
+    every w with a finite term keeps one; a w that keeps none has only infinite terms in the
+    group and is given v 0 (an infinite term) to stand for them."""
+    kw, kv = bt.shape
+    bound = _upper_bounds(a, bt)
     order = np.argsort(a.min(axis=1), kind="stable")
+
+    def margins(top: np.ndarray, low: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return top + 1e-12 * top, low - 1e-12 * low
+
+    with np.errstate(invalid="ignore"):
+        top, low = margins(bound.max(axis=0), a.min(axis=0))
+        ws0, vs0 = np.nonzero(top[:, None] - low[None, :] >= bt)
+    b0 = bt[ws0, vs0]
     out = []
     for lo in range(0, a.shape[0], _GROUP):
         g = order[lo:lo + _GROUP]
-        top = bound[g].max(axis=0)[:, None]            # (kw, 1)
-        low = a[g].min(axis=0)[None, :]                # (1, kv)
-        # (top - low) + 1e-12 * (top + low), the bound with its margin, in one pass
         with np.errstate(invalid="ignore"):
-            keep = (top + 1e-12 * top) - (low - 1e-12 * low) >= bt
-        keep[np.isinf(top[:, 0])] = True
-        keep[~keep.any(axis=1)] = True
-        out.append((g, keep))
+            top, low = margins(bound[g].max(axis=0), a[g].min(axis=0))
+            keep = np.flatnonzero(top[ws0] - low[vs0] >= b0)
+        ws, vs = ws0[keep], vs0[keep]
+        missing = np.ones(kw, dtype=bool)
+        missing[ws] = False
+        if missing.any():   # only infinite terms there: one stands for them
+            extra = np.flatnonzero(missing)
+            ws = np.concatenate([ws, extra])
+            vs = np.concatenate([vs, np.zeros_like(extra)])
+            by_w = np.argsort(ws, kind="stable")
+            ws, vs = ws[by_w], vs[by_w]
+        out.append((g, ws, vs, bt[ws, vs]))
     return out
 
 
@@ -149,16 +167,16 @@ def _in_order(first: np.ndarray, back: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return first[order], rank[back.ravel()]
 
 
-def _upper_bounds(a: np.ndarray, b: np.ndarray, bt: np.ndarray) -> np.ndarray:
+def _upper_bounds(a: np.ndarray, bt: np.ndarray) -> np.ndarray:
     """Per (u, w), an achieved ``a[u, v] + b[v, w]``: the least over the few v whose
     ``b[v, w]`` plus their least ``a`` is smallest (``bt`` is ``b.T``, contiguous)."""
-    kw = b.shape[1]
+    kw = bt.shape[0]
     guess = bt + a.min(axis=0)[None, :]
     probes = np.argpartition(guess, _PROBES - 1, axis=1)[:, :_PROBES].T   # (P, kw)
     bound = np.full((a.shape[0], kw), np.inf)
     cols = np.arange(kw)
     for v in probes:
-        np.minimum(bound, a[:, v] + b[v, cols][None, :], out=bound)
+        np.minimum(bound, a[:, v] + bt[cols, v][None, :], out=bound)
     return bound
 
 
