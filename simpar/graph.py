@@ -155,6 +155,7 @@ class _Tracer:
         self.op_count = 0
         self.scopes: list[str] = ["Default"]
         self.params: dict[int, Value] = {}
+        self.param_names: set[str] = set()
         self.segment = -1          # the recomputed Cell being traced (outermost), or -1
         self.stage = -1            # the pipeline stage of the innermost Cell that has one
         self.chunk = -1            # and its pipeline_segment
@@ -172,13 +173,14 @@ class _Tracer:
         if isinstance(x, Parameter):
             v = self.params.get(id(x))
             if v is None:
-                if any(w.name == x.name for w in self.graph.params):
+                if x.name in self.param_names:
                     raise ValueError(f"trace: two Parameters are named {x.name!r} (shape "
                                      f"{x.shape}); parameters are keyed by unique names: name "
                                      "them with Parameter(..., name=), or trace the Cell that "
                                      "holds them (tracing a Cell names them by dotted path)")
                 v = self.new_value(x.shape, x.dtype, "param", x.name, param=x)
                 self.params[id(x)] = v
+                self.param_names.add(x.name)
                 self.graph.params.append(v)
             return v
         arr = np.asarray(x)
