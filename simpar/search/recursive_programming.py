@@ -249,7 +249,7 @@ class _Rec:
                              if sh.strategy == self.state[n].strategy), -1)
                        for n, node in enumerate(cg.nodes)]
             choice = solve_dynamic_programming(
-                cg, pareto=False, start=None if -1 in current else current, secant=4).choice
+                cg, pareto=False, start=None if -1 in current else current).choice
         except ValueError:  # nothing in the neighbourhood fits in memory (NoAvailableCost)
             return False
         changed = False
