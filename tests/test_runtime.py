@@ -26,8 +26,8 @@ from simpar import context, graph, nn, ops
 from simpar.dataset import random_classification
 from simpar.graph import Graph
 from simpar.nn import presets
-from simpar.runtime import ParallelProgram, build_program
-from simpar.search import dataset_layouts, plan_strategies
+from simpar.runtime import ParallelProgram, build_program, lower
+from simpar.search import dataset_layouts, parameter_plans, plan_strategies
 
 BATCH = 8
 SEMI = "semi_auto_parallel"
@@ -655,3 +655,30 @@ def test_a_cell_strategy_gives_one_entry_per_input() -> None:
     with pytest.raises(ValueError, match="in_strategy has 2 entries but construct got 1 "
                                          "inputs: give one per input"):
         graph.trace(cell, [((8, 4), np.float32)])
+
+
+def test_identical_layers_share_one_derived_sharding_each_with_its_own_op(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lowering derives an op's sharding once per (type, attributes, shapes, strategy): the
+    GPT's second block reuses the first's, and every step's sharding names its own op."""
+    from simpar.ops._base import Primitive
+    cell, gpt, loss = _gpt_cell()
+    presets.megatron_gpt(gpt, 2, 4, loss)
+    derived = []
+    real = Primitive.sharding
+
+    def counting(self: Primitive, *args: Any, **kwargs: Any) -> Any:
+        derived.append(self)
+        return real(self, *args, **kwargs)
+
+    traced = _trace_gpt(cell)
+    smap = plan_strategies(traced, 8, SEMI, ((2, 1), (2, 1)), False, parameter_plans(cell))
+    monkeypatch.setattr(Primitive, "sharding", counting)
+    prog = lower(traced, smap)
+    monkeypatch.undo()
+    assert all(s.sharding.op is s.node.op for s in prog.steps)
+    assert len(derived) < len(prog.steps) - 20
+    again = {s.node.name: real(s.node.op, [v.shape for v in s.node.inputs], 8,
+                                s.sharding.strategy, s.node.op.out_strategy)
+             for s in prog.steps}
+    assert all(again[s.node.name] == s.sharding for s in prog.steps)

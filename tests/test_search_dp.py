@@ -446,3 +446,77 @@ def test_search_strategies_with_dynamic_programming_and_bad_inputs() -> None:
     with pytest.raises(ValueError, match=r"MatMul-op0: no strategy of MatMul fits shapes "
                        r"\[\(8, 16\), \(32, 16\)\] on 3 devices"):
         search_strategies(mlp, [((8, 16), np.float64)], 3, search_mode="dynamic_programming")
+
+
+def _computed(cg: CostGraph) -> int:
+    """How many eliminations a one-entry pass computes (the rest come from the memo)."""
+    import simpar.search.dynamic_programming as dpm
+    elim = dpm._Eliminator(cg, 1, math.inf, False)
+    elim.run(0.0)
+    return len(elim.memo)
+
+
+def test_a_chain_of_identical_layers_is_joined_in_log_steps() -> None:
+    """With one entry per table, eliminations the memo holds go first: a GPT's residual
+    stream, a chain of identical blocks, halves into identical pairs, quadruples, ..., so
+    doubling the depth adds a couple of computed eliminations, not one per block; and the
+    plan stays the ILP's optimum."""
+    graphs = {}
+    for layers in (8, 16, 32):
+        net = nn.GPT(vocab_size=64, seq_length=16, d_model=32, n_heads=4, n_layers=layers,
+                     dtype=np.float32)
+        g = graph.trace(net, [((8, 16), np.int32)], ["ids"])
+        graphs[layers] = build_cost_graph(g, 4, SimparCostModel("cpu-local"), "data_parallel")
+    computed = {n: _computed(cg) for n, cg in graphs.items()}
+    assert computed[32] - computed[16] <= 4 and computed[16] - computed[8] <= 4
+    assert solve_dynamic_programming(graphs[8]).cost == pytest.approx(
+        solve_exact(graphs[8]).cost, rel=1e-9)
+
+
+def _cheapest_fitting_corner(cg: CostGraph) -> float:
+    """Every plan's (memory, cost) by brute force; the corners of their lower convex hull
+    (the plans some weight of ``cost + weight * memory`` makes least); the cheapest corner
+    within the cap."""
+    points = set()
+    for choice in itertools.product(*(range(len(n.candidates)) for n in cg.nodes)):
+        cost = cg.total(choice)
+        if math.isfinite(cost):
+            points.add((cg.memory(choice), round(cost, 9)))
+    hull: list[tuple[float, float]] = []
+    for m, c in sorted(points):   # lower hull, by memory then cost (monotone chain)
+        while len(hull) >= 2 and ((hull[-1][0] - hull[-2][0]) * (c - hull[-2][1])
+                                  - (hull[-1][1] - hull[-2][1]) * (m - hull[-2][0])) <= 0:
+            hull.pop()
+        hull.append((m, c))
+    falling = [hull[0]]           # the part from least memory down to the cheapest
+    for m, c in hull[1:]:
+        if c < falling[-1][1]:
+            falling.append((m, c))
+    return min(c for m, c in falling if m <= cg.memory_capacity)
+
+
+def test_the_lagrangian_pass_finds_the_cheapest_fitting_corner() -> None:
+    """The hull walk ends at the cheapest plan that some weight makes least and that fits
+    (what bisecting the weight reaches only in the limit); from a caller's fitting plan it
+    returns one at least as cheap."""
+    rng = np.random.default_rng(12)
+    checked = 0
+    for _ in range(60):
+        cg = _random_graph(rng, 6, 0.5)
+        mems = sorted(cg.memory(c) for c in itertools.product(
+            *(range(len(n.candidates)) for n in cg.nodes)) if math.isfinite(cg.total(c)))
+        if not mems:
+            continue
+        capped = dataclasses.replace(cg, memory_capacity=mems[len(mems) // 3])
+        dp = solve_dynamic_programming(capped, pareto=False, secant=50)
+        assert capped.fits(dp.choice)
+        if dp.passes == 2:
+            checked += 1
+            assert dp.cost == pytest.approx(_cheapest_fitting_corner(capped), abs=1e-6)
+            fitting = [c for c in itertools.product(*(range(len(n.candidates))
+                                                      for n in capped.nodes))
+                       if capped.fits(c) and math.isfinite(capped.total(c))]
+            start = max(fitting, key=capped.total)
+            again = solve_dynamic_programming(capped, pareto=False, start=start)
+            assert capped.fits(again.choice) and again.cost <= capped.total(start) + 1e-9
+    assert checked > 20

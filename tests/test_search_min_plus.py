@@ -104,3 +104,23 @@ def test_equal_columns_are_computed_once(monkeypatch: pytest.MonkeyPatch) -> Non
     got = mp.min_plus(a, a_mem, b, b_mem)
     assert widths == [6]
     assert all(g.tolist() == w.tolist() for g, w in zip(got, dense(a, a_mem, b, b_mem)))
+
+
+def test_columns_whose_fingerprints_collide_are_told_apart(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Equal columns are grouped by a fingerprint of their bits; a grouping in which some
+    column differs from its group's first (a collision) is redone byte by byte."""
+    class Ones:
+        def integers(self, low: int, high: int, size: int, dtype: type) -> np.ndarray:
+            return np.ones(size, dtype=dtype)   # a column's print: the sum of its words
+
+    rng = np.random.default_rng(13)
+    a, a_mem, b, b_mem = tables(rng, 20, 6, 4, 1000)
+    b = np.concatenate([b, b[::-1, 1:2], b[:, 1:2]], axis=1)   # a permuted column, a copy
+    b_mem = np.concatenate([b_mem, b_mem[::-1, 1:2], b_mem[:, 1:2]], axis=1)
+    assert b[:, 4].tolist() != b[:, 1].tolist()
+    monkeypatch.setattr(np.random, "default_rng", lambda seed=None: Ones())
+    cols, back = mp._distinct_columns(b, b_mem)
+    assert cols.tolist() == [0, 1, 2, 3, 4] and back.tolist() == [0, 1, 2, 3, 4, 1]
+    got = mp.min_plus(a, a_mem, b, b_mem)
+    assert all(g.tolist() == w.tolist() for g, w in zip(got, dense(a, a_mem, b, b_mem)))

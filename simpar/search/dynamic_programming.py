@@ -417,9 +417,10 @@ class _Eliminator:
         The order is MindSpore's sweeps over the nodes in trace order, eliminating every
         node with one or two neighbours, except that with one entry per table an elimination
         the memo already holds goes first. Identical layers cost one elimination of each kind
-        either way, and with that rule so does a chain of them: once one pair of neighbours
-        is joined, every other pair is joined from the memo, which halves the chain into
-        identical pairs, then quadruples, in ``log2`` of its length eliminations computed.
+        either way, and with that rule so does a chain of them whose first joined pair is
+        like the others (a GPT's residual stream, between its embedding and its head): every
+        other pair is then joined from the memo, which halves the chain into identical
+        pairs, then quadruples, in ``log2`` of its length eliminations computed.
         Every order is exact. (Pareto lists keep the sweeps' order: joining two long lists
         from both ends of a chain costs far more than extending one from its start.)
         """
@@ -640,8 +641,10 @@ def _lagrangian(cg: CostGraph, cheapest: tuple[int, ...], least: tuple[int, ...]
     corner below that line, which replaces the end on its side of the cap, or none: the line
     is then the hull's edge across the cap, and its fitting end is the cheapest fitting plan
     any weight gives (the dual optimum), in a few solves where bisecting the weight reaches
-    it only in the limit."""
+    it only in the limit. ``least`` need not be a corner (a caller's fitting plan); the
+    cheapest fitting plan seen is returned."""
     over, fit = cheapest, least
+    best = least
     weight = cg.total(cheapest) / max(cg.memory(cheapest), 1.0) if bracket else 0.0
     while weight > 0 and rounds:
         rounds -= 1
@@ -653,7 +656,7 @@ def _lagrangian(cg: CostGraph, cheapest: tuple[int, ...], least: tuple[int, ...]
             weight *= 4
             continue
         if cg.total(plan) < cg.total(fit):
-            fit = plan
+            fit = best = plan
         break
     for _ in range(min(rounds, secant)):
         c_over, m_over = cg.total(over), cg.memory(over)
@@ -669,9 +672,11 @@ def _lagrangian(cg: CostGraph, cheapest: tuple[int, ...], least: tuple[int, ...]
             break   # no corner below the line
         if cg.fits(plan):
             fit = plan
+            if cg.total(plan) < cg.total(best):
+                best = plan
         else:
             over = plan
-    return fit
+    return best
 
 
 def _no_available_cost(cg: CostGraph, least: tuple[int, ...] | None) -> NoAvailableCost:
