@@ -7,8 +7,8 @@ and returns a :class:`StrategyMap`; :func:`plan_request` picks the planner
 user's ``.shard()`` strategies and fill in the rest by sharding propagation
 (:func:`follow_producers`, :mod:`simpar.search.sharding_propagation`). The auto_parallel
 searches register with :func:`register_search` under their ``search_mode``:
-``recursive_programming`` (MindSpore's default: bisection rounds, then an exact refinement,
-:mod:`simpar.search.recursive_programming`), ``dynamic_programming`` (MindSpore's elimination
+``recursive_programming`` (MindSpore's default: bisection rounds, then a refinement in the
+plan's neighbourhood, :mod:`simpar.search.recursive_programming`), ``dynamic_programming`` (MindSpore's elimination
 search, :mod:`simpar.search.dynamic_programming`), ``sharding_propagation`` (the user's
 strategies spread by least redistribution cost) and ``exact`` (the cost graph's ILP optimum,
 :mod:`simpar.search.exact`). All of them price through one

@@ -18,7 +18,7 @@ costs them least together (:func:`~simpar.search.pricing.one_layout_per_paramete
 
 **Refinement (simpar's own).** Greedy rounds cannot move two neighbours at once: a Megatron
 pair, or data parallel turning into data x model parallel, takes several ops changing
-together. So the plan is then refined exactly within its neighbourhood: every op may keep its
+together. So the plan is then refined within its neighbourhood: every op may keep its
 strategy, move one prime factor of its cuts from one iteration dimension to another, drop one
 (MindSpore's "no cut" option: a cut that costs more than it saves is undone; not under
 ``fully_use_devices``, which leaves no device idle that the rounds used), or add one where
