@@ -8,11 +8,12 @@ user's ``.shard()`` strategies and fill in the rest by sharding propagation
 (:func:`follow_producers`, :mod:`simpar.search.sharding_propagation`). The auto_parallel
 searches register with :func:`register_search` under their ``search_mode``:
 ``recursive_programming`` (MindSpore's default: bisection rounds, then a refinement in the
-plan's neighbourhood, :mod:`simpar.search.recursive_programming`), ``dynamic_programming`` (MindSpore's elimination
-search, :mod:`simpar.search.dynamic_programming`), ``sharding_propagation`` (the user's
-strategies spread by least redistribution cost) and ``exact`` (the cost graph's ILP optimum,
-:mod:`simpar.search.exact`). All of them price through one
-:class:`~simpar.search.pricing.Pricer`: one cost model, one redistribution planner.
+plan's neighbourhood, :mod:`simpar.search.recursive_programming`), ``dynamic_programming``
+(MindSpore's elimination search, :mod:`simpar.search.dynamic_programming`),
+``sharding_propagation`` (the user's strategies spread by least redistribution cost) and
+``exact`` (the cost graph's ILP optimum, :mod:`simpar.search.exact`). All of them price
+through one :class:`~simpar.search.pricing.Pricer`: one cost model, one redistribution
+planner.
 """
 
 from simpar.cost_model_context import set_search_cost_model
