@@ -20,7 +20,7 @@ import numpy as np
 
 from simpar import comm, graph
 from simpar.layout import shard_index, take_shard
-from simpar.nn import Cell, TrainOneStepCell
+from simpar.nn import Cell, TrainOneStepCell, WithLossCell
 from simpar.redistribution import execute, plan
 from simpar.runtime.lowering import lower
 from simpar.runtime.program import ParallelProgram
@@ -113,13 +113,8 @@ def metrics_of(metrics: Any) -> dict[str, Metric]:
     return out
 
 
-class _WithOutputs(Cell):
+class _WithOutputs(WithLossCell):
     """The network with its loss, returning the loss and the network's outputs."""
-
-    def __init__(self, backbone: Cell, loss_fn: Cell) -> None:
-        super().__init__()
-        self._backbone = backbone
-        self._loss_fn = loss_fn
 
     def construct(self, data: Any, label: Any) -> Any:
         outputs = self._backbone(data)
