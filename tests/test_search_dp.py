@@ -520,3 +520,16 @@ def test_the_lagrangian_pass_finds_the_cheapest_fitting_corner() -> None:
             again = solve_dynamic_programming(capped, pareto=False, start=start)
             assert capped.fits(again.choice) and again.cost <= capped.total(start) + 1e-9
     assert checked > 20
+
+
+def test_solve_dynamic_programming_refuses_bad_options_by_name() -> None:
+    cg = _random_graph(np.random.default_rng(1), 4, 0.6)
+    for kwargs, error, text in [
+            ({"secant": 0}, ValueError, "secant must be an int >= 1, got 0"),
+            ({"secant": True}, ValueError, "secant must be an int >= 1, got True"),
+            ({"pareto": "no"}, TypeError, "pareto must be a bool, got 'no'"),
+            ({"start": [0]}, ValueError, "start must give each of the 4 nodes"),
+            ({"start": [0, 0, 0, 99]}, ValueError, r"got \[0, 0, 0, 99\]"),
+            ({"start": [0, -1, 0, 0]}, ValueError, "0 <= c < its count")]:
+        with pytest.raises(error, match=text):
+            solve_dynamic_programming(cg, **kwargs)

@@ -587,6 +587,19 @@ def solve_dynamic_programming(cg: CostGraph, width: int = 128, pareto: bool = Tr
     shared parameter, an elementwise op that cannot follow its producer)."""
     if isinstance(width, bool) or not isinstance(width, int) or width < 2:
         raise ValueError(f"solve_dynamic_programming: width must be an int >= 2, got {width!r}")
+    if not isinstance(pareto, bool):
+        raise TypeError(f"solve_dynamic_programming: pareto must be a bool, got {pareto!r}")
+    if isinstance(secant, bool) or not isinstance(secant, int) or secant < 1:
+        raise ValueError(f"solve_dynamic_programming: secant must be an int >= 1, got "
+                         f"{secant!r}")
+    if start is not None:
+        sizes = [len(node.candidates) for node in cg.nodes]
+        if len(start) != len(sizes) or any(
+                isinstance(c, bool) or not isinstance(c, (int, np.integer)) or not 0 <= c < n
+                for c, n in zip(start, sizes)):
+            raise ValueError(f"solve_dynamic_programming: start must give each of the "
+                             f"{len(sizes)} nodes one of its candidates (0 <= c < its count), "
+                             f"got {list(start)[:8]!r}")
     if not cg.nodes:
         return DPSolution((), 0.0, 0.0, {}, True, 1)
     choice, exact, counts, spent = _solve_counting(cg, 1, math.inf)
