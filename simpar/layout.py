@@ -99,21 +99,31 @@ def _from_dim_axes(device_matrix: tuple[int, ...], dim_axes: tuple[tuple[int, ..
     invalid goes through the constructor, which raises the precise error."""
     n = len(device_matrix)
     used = [a for axes in dim_axes for a in axes]
-    used.extend(partial_axes)
-    cuts = tuple(math.prod(device_matrix[a] for a in axes if 0 <= a < n) for axes in dim_axes)
+    used += partial_axes
     if (not n or min(device_matrix) < 1 or len(dim_axes) != len(shape)
             or (shape and min(shape) < 0) or len(set(used)) != len(used)
-            or any(not 0 <= a < n for a in used) or any(x % c for x, c in zip(shape, cuts))):
+            or (used and (min(used) < 0 or max(used) >= n))):
         return TensorLayout._from_dim_axes(device_matrix, dim_axes, shape, partial_axes)
+    cuts = tuple(1 if not axes else device_matrix[axes[0]] if len(axes) == 1 else
+                 math.prod([device_matrix[a] for a in axes]) for axes in dim_axes)
+    local = []
+    for x, c in zip(shape, cuts):
+        if x % c:
+            return TensorLayout._from_dim_axes(device_matrix, dim_axes, shape, partial_axes)
+        local.append(x // c)
     tmap = tuple(-1 if not axes else n - 1 - axes[0] if len(axes) == 1 else
                  tuple(n - 1 - a for a in axes) for axes in dim_axes)
-    part = tuple(sorted(n - 1 - a for a in partial_axes))
+    paxes = tuple(sorted(partial_axes))
     lay = object.__new__(TensorLayout)
-    for name, value in (("device_matrix", device_matrix), ("tensor_map", tmap),
-                        ("shape", shape), ("partial", part),
-                        ("_axes", dim_axes), ("_cuts", cuts),
-                        ("_local", tuple(x // c for x, c in zip(shape, cuts)))):
-        object.__setattr__(lay, name, value)
+    setattr_ = object.__setattr__
+    setattr_(lay, "device_matrix", device_matrix)
+    setattr_(lay, "tensor_map", tmap)
+    setattr_(lay, "shape", shape)
+    setattr_(lay, "partial", tuple(n - 1 - a for a in reversed(paxes)))
+    setattr_(lay, "_axes", dim_axes)
+    setattr_(lay, "_cuts", cuts)
+    setattr_(lay, "_local", tuple(local))
+    setattr_(lay, "_paxes", paxes)
     return lay
 
 
@@ -143,6 +153,7 @@ class TensorLayout:
                                                compare=False)
     _cuts: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
     _local: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
+    _paxes: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __init__(self, device_matrix: Sequence[int], tensor_map: Sequence[object],
                  shape: Sequence[int], partial: Sequence[int] = ()) -> None:
@@ -184,6 +195,7 @@ class TensorLayout:
         object.__setattr__(self, "_axes", axes)  # read by every planner step
         object.__setattr__(self, "_cuts", cuts)
         object.__setattr__(self, "_local", tuple(s // c for s, c in zip(shp, cuts)))
+        object.__setattr__(self, "_paxes", tuple(sorted(n - 1 - k for k in part)))
         for tensor_dim, (size, cut) in enumerate(zip(shp, cuts)):
             if size % cut:
                 raise IndivisibleError(
@@ -296,8 +308,7 @@ class TensorLayout:
         """The device axes (from the left) over which values are pending sums, in increasing
         order: ``partial`` in the mesh's count. On device matrix (2, 4), ``partial=(1,)`` has
         ``partial_axes == (0,)``."""
-        n = len(self.device_matrix)
-        return tuple(sorted(n - 1 - k for k in self.partial))
+        return self._paxes
 
     @property
     def cuts(self) -> tuple[int, ...]:

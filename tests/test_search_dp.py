@@ -522,6 +522,58 @@ def test_the_lagrangian_pass_finds_the_cheapest_fitting_corner() -> None:
     assert checked > 20
 
 
+def test_later_passes_look_first_where_earlier_ones_found_the_least(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each Lagrangian pass hands its products' choices to the next as hints, over the
+    same elimination keys; the plans are those of passes without hints, and the plan of
+    least memory is searched for only when no weighted plan fits."""
+    import simpar.search.dynamic_programming as dpm
+    real_min_plus, real_solve = dpm.min_plus, dpm._solve
+    hinted: list[bool] = []
+    least: list[bool] = []
+
+    def recording(*args: Any, hint: Any = None) -> Any:
+        hinted.append(hint is not None)
+        return real_min_plus(*args, hint=hint)
+
+    def blind(*args: Any, hint: Any = None) -> Any:
+        return real_min_plus(*args)
+
+    def solve(cg: CostGraph, width: int, cap: float, memory_as_cost: bool = False,
+              *args: Any, **kwargs: Any) -> Any:
+        least.append(memory_as_cost)
+        return real_solve(cg, width, cap, memory_as_cost, *args, **kwargs)
+
+    monkeypatch.setattr(dpm, "_solve", solve)
+    rng = np.random.default_rng(31)
+    weighted = products = skipped = 0
+    for capped in _capped_graphs(rng, 40):
+        monkeypatch.setattr(dpm, "min_plus", blind)
+        want = solve_dynamic_programming(capped, pareto=False)
+        monkeypatch.setattr(dpm, "min_plus", recording)
+        hinted.clear()
+        least.clear()
+        got = solve_dynamic_programming(capped, pareto=False)
+        assert got.choice == want.choice
+        if got.passes == 2:   # the first pass (cheapest plan) had nothing to look at
+            weighted += 1
+            products += any(hinted)
+            assert not hinted or not hinted[0]
+            assert least.count(True) <= 1
+            skipped += not any(least)
+    assert weighted > 10 and products > 5 and skipped > 5
+
+
+def test_nothing_fits_is_reported_when_no_weight_gives_a_plan_that_fits(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(32)
+    for capped in _capped_graphs(rng, 10):
+        none_fit = dataclasses.replace(capped, memory_capacity=min(
+            capped.memory(c) for c in _allowed(capped)) - 1.0)
+        with pytest.raises(NoAvailableCost, match="The minimum memory cost is"):
+            solve_dynamic_programming(none_fit, pareto=False)
+
+
 def test_solve_dynamic_programming_refuses_bad_options_by_name() -> None:
     cg = _random_graph(np.random.default_rng(1), 4, 0.6)
     for kwargs, error, text in [

@@ -37,23 +37,60 @@ def tables(rng: np.random.Generator, ku: int, kv: int, kw: int, levels: int
 @pytest.mark.parametrize("shape", [(5, 7, 6), (40, 60, 50), (33, 9, 70)])
 @pytest.mark.parametrize("levels", [2, 6, 1000])
 @pytest.mark.parametrize("pruned", [False, True])
+@pytest.mark.parametrize("hint", [None, "any", "best"])
 def test_min_plus_equals_the_dense_product(shape: tuple[int, int, int], levels: int,
-                                           pruned: bool, monkeypatch: pytest.MonkeyPatch
-                                           ) -> None:
+                                           pruned: bool, hint: str | None,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pruned or not, with upper bounds from probes or from a hint (any v per (u, w), or the
+    dense product's own, -1 where all is infinite), the result is the dense product's."""
     if pruned:  # every size goes through the bounds, a few u's per group, and is pruned
         monkeypatch.setattr(mp, "_DENSE", 0)
         monkeypatch.setattr(mp, "_GROUP", 3)
+        monkeypatch.setattr(mp, "_SUPER", 7)
         monkeypatch.setattr(mp, "_PROBES", 2)
         monkeypatch.setattr(mp, "_SPARSE", 1.0)
     else:       # every term, a few u's at a time
         monkeypatch.setattr(mp, "_DENSE_CHUNK", 200)
     rng = np.random.default_rng(sum(shape) + levels)
     a, a_mem, b, b_mem = tables(rng, *shape, levels)
-    got = mp.min_plus(a, a_mem, b, b_mem)
     want = dense(a, a_mem, b, b_mem)
+    ku, kv, kw = shape
+    hints = {None: None, "any": rng.integers(0, kv, (ku, kw)), "best": want[2]}
+    got = mp.min_plus(a, a_mem, b, b_mem, hint=hints[hint])
     for g, w in zip(got, want):
         assert g.shape == w.shape
         assert g.tolist() == w.tolist()
+
+
+def test_a_hint_of_the_wrong_shape_or_range_is_refused_by_name() -> None:
+    a, a_mem, b, b_mem = tables(np.random.default_rng(2), 4, 5, 6, 3)
+    for hint in (np.zeros((4, 5), dtype=int), np.full((4, 6), 5), np.zeros((4, 6))):
+        with pytest.raises(ValueError, match=r"min_plus: hint must be a \(4, 6\) array of "
+                                             "ints below 5"):
+            mp.min_plus(a, a_mem, b, b_mem, hint=hint)
+
+
+def test_a_good_hint_keeps_fewer_terms_than_probing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hint at each (u, w)'s least term gives the tightest bounds: no more terms kept than
+    with the probes, and here fewer."""
+    rng = np.random.default_rng(21)
+    a, b = rng.random((64, 90)), rng.random((90, 70))   # each u's best v its own
+    kept: list[int] = []
+    real = mp._kept
+
+    def counting(*args: np.ndarray) -> list[tuple[np.ndarray, ...]]:
+        out = real(*args)
+        kept.append(sum(len(g) * len(ws) for g, ws, _, _ in out))
+        return out
+
+    monkeypatch.setattr(mp, "_kept", counting)
+    monkeypatch.setattr(mp, "_DENSE", 0)
+    monkeypatch.setattr(mp, "_PROBES", 2)
+    zeros_a, zeros_b = np.zeros_like(a), np.zeros_like(b)
+    probed = mp.min_plus(a, zeros_a, b, zeros_b)
+    hinted = mp.min_plus(a, zeros_a, b, zeros_b, hint=probed[2])
+    assert all(p.tolist() == h.tolist() for p, h in zip(probed, hinted))
+    assert kept[1] < 0.5 * kept[0]
 
 
 def test_negative_costs_are_not_pruned(monkeypatch: pytest.MonkeyPatch) -> None:

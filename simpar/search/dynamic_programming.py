@@ -161,8 +161,12 @@ class _Eliminator:
     """The elimination graph of one cost graph, under a list width and a memory cap."""
 
     def __init__(self, cg: CostGraph, width: int, cap: float, memory_as_cost: bool,
-                 weight: float = 0.0) -> None:
+                 weight: float = 0.0, hints: dict[Any, np.ndarray] | None = None) -> None:
         self.width, self.cap = width, cap
+        #: Per product key, the v of its every (u, w) in an earlier pass over the same graph
+        #: (the keys of one graph's eliminations are the same in every pass): where the next
+        #: pass's product looks first for its upper bounds.
+        self.hints = {} if hints is None else hints
         self.thinned = False
         self.spent = 0
         self.counts: Counter[str] = Counter()
@@ -300,9 +304,12 @@ class _Eliminator:
             fm = mid.cost.shape[1]
             if self.width == 1 and math.isinf(self.cap):  # one entry each: a min-plus product
                 self.spent += ku * kv * kw
+                hint = self.hints.get(key)
                 c, m, i = min_plus(a.cost[:, :, 0] + mid.cost[None, :, 0],
                                    a.mem[:, :, 0] + mid.mem[None, :, 0], b.cost[:, :, 0],
-                                   b.mem[:, :, 0])
+                                   b.mem[:, :, 0], hint=hint if hint is not None
+                                   and hint.shape == (ku, kw) else None)
+                self.hints[key] = i
                 return c[..., None], m[..., None], i[..., None], (kv, fa, fm, fb)
             per_row = kv * kw * fa * fm * fb
             if self.width > 1 and per_row > 8 * _CHUNK:
@@ -324,8 +331,8 @@ class _Eliminator:
                 parts_i.append(i)
             return (*_stack(parts_c, parts_m, parts_i), (kv, fa, fm, fb))
 
-        return self._memo(("through", a.key, mid.key, b.key), "through", (a, mid, b), -1,
-                          compute)
+        key = ("through", a.key, mid.key, b.key)
+        return self._memo(key, "through", (a, mid, b), -1, compute)
 
     def _fold(self, target: _Table, edge: _Table, leaf: _Table, node: int) -> _Table:
         """``target`` [i] gains the best over j of ``edge`` [i, j] + ``leaf`` [j]."""
@@ -549,18 +556,21 @@ def _replay(root: _Table, entry: int, n_nodes: int) -> list[int]:
 
 
 def _solve(cg: CostGraph, width: int, cap: float, memory_as_cost: bool = False,
-           weight: float = 0.0) -> tuple[tuple[int, ...] | None, bool, Counter[str]]:
-    choice, exact, counts, _ = _solve_counting(cg, width, cap, memory_as_cost, weight)
+           weight: float = 0.0, hints: dict[Any, np.ndarray] | None = None
+           ) -> tuple[tuple[int, ...] | None, bool, Counter[str]]:
+    choice, exact, counts, _ = _solve_counting(cg, width, cap, memory_as_cost, weight, hints)
     return choice, exact, counts
 
 
 def _solve_counting(cg: CostGraph, width: int, cap: float, memory_as_cost: bool = False,
-                    weight: float = 0.0
+                    weight: float = 0.0, hints: dict[Any, np.ndarray] | None = None
                     ) -> tuple[tuple[int, ...] | None, bool, Counter[str], int]:
     """:func:`_solve`, and how many entries its eliminations combined (with lists of one
-    entry, the least a pass with longer lists combines in the same eliminations)."""
+    entry, the least a pass with longer lists combines in the same eliminations). ``hints``
+    carries the one-entry products' answers from pass to pass over ``cg``
+    (:class:`_Eliminator`)."""
     started = time.perf_counter()
-    elim = _Eliminator(cg, width, cap, memory_as_cost, weight)
+    elim = _Eliminator(cg, width, cap, memory_as_cost, weight, hints)
     root = elim.run(started)
     finite = np.isfinite(root.cost[0])
     if not finite.any():
@@ -602,7 +612,8 @@ def solve_dynamic_programming(cg: CostGraph, width: int = 128, pareto: bool = Tr
                              f"got {list(start)[:8]!r}")
     if not cg.nodes:
         return DPSolution((), 0.0, 0.0, {}, True, 1)
-    choice, exact, counts, spent = _solve_counting(cg, 1, math.inf)
+    hints: dict[Any, np.ndarray] = {}
+    choice, exact, counts, spent = _solve_counting(cg, 1, math.inf, hints=hints)
     if choice is None:
         raise ValueError("search_mode 'dynamic_programming': no plan satisfies every "
                          "constraint (a parameter shared by ops whose user strategies lay it "
@@ -610,19 +621,16 @@ def solve_dynamic_programming(cg: CostGraph, width: int = 128, pareto: bool = Tr
     passes = 1
     if not cg.fits(choice):
         passes = 2
-        if not pareto and start is not None and cg.fits(start):
-            least, bracket = tuple(start), False   # a fitting plan to start from
-        else:
-            found, _, _ = _solve(cg, 1, math.inf, memory_as_cost=True)
-            if found is None or not cg.fits(found):
-                raise _no_available_cost(cg, found)
-            least, bracket = found, True
+        # The eliminations with lists of one entry already combine more than the budget
+        # (star eliminations aside, the lists change nothing else about them): the Pareto
+        # pass would stop at the budget, so it is not run.
+        lagrangian = not pareto or spent > _BUDGET and not counts["star"]
+        start_fits = not pareto and start is not None and cg.fits(start)
+        least = tuple(start) if start is not None and start_fits else None
         try:
-            if not pareto or spent > _BUDGET and not counts["star"]:
-                # The eliminations with lists of one entry already combine more than the
-                # budget (star eliminations aside, the lists change nothing else about
-                # them): the Pareto pass would stop at the budget, so it is not run.
+            if lagrangian:
                 raise _TooBig
+            least = _least_memory(cg)
             found, exact, counts = _solve(cg, width, cg.memory_capacity)
         except _TooBig:
             if pareto:
@@ -630,7 +638,8 @@ def solve_dynamic_programming(cg: CostGraph, width: int = 128, pareto: bool = Tr
                             "lists would outgrow the budget; pricing memory instead "
                             "(Lagrangian): the plan fits but is not proven the cheapest that "
                             "does")
-            found = _lagrangian(cg, choice, least, bracket=bracket, secant=secant)
+            found = _lagrangian(cg, choice, least, hints, bracket=not start_fits,
+                                secant=secant)
             exact = False
         else:
             if not exact:
@@ -644,8 +653,17 @@ def solve_dynamic_programming(cg: CostGraph, width: int = 128, pareto: bool = Tr
     return DPSolution(choice, cg.total(choice), cg.memory(choice), dict(counts), exact, passes)
 
 
-def _lagrangian(cg: CostGraph, cheapest: tuple[int, ...], least: tuple[int, ...],
-                rounds: int = 20, bracket: bool = True, secant: int = 20) -> tuple[int, ...]:
+def _least_memory(cg: CostGraph) -> tuple[int, ...]:
+    """The plan of least memory; :class:`NoAvailableCost` when even that one does not fit."""
+    found, _, _ = _solve(cg, 1, math.inf, memory_as_cost=True)
+    if found is None or not cg.fits(found):
+        raise _no_available_cost(cg, found)
+    return found
+
+
+def _lagrangian(cg: CostGraph, cheapest: tuple[int, ...], least: tuple[int, ...] | None,
+                hints: dict[Any, np.ndarray] | None = None, rounds: int = 20,
+                bracket: bool = True, secant: int = 20) -> tuple[int, ...]:
     """A plan that fits, on graphs too large for Pareto lists: the one-entry search of
     ``cost + weight * memory``. Every plan it returns is a corner of the lower convex hull of
     all plans' (memory, cost). The first weight is the cheapest plan's cost per byte,
@@ -654,30 +672,38 @@ def _lagrangian(cg: CostGraph, cheapest: tuple[int, ...], least: tuple[int, ...]
     corner below that line, which replaces the end on its side of the cap, or none: the line
     is then the hull's edge across the cap, and its fitting end is the cheapest fitting plan
     any weight gives (the dual optimum), in a few solves where bisecting the weight reaches
-    it only in the limit. ``least`` need not be a corner (a caller's fitting plan); the
-    cheapest fitting plan seen is returned."""
+    it only in the limit. ``least``, a fitting plan, need not be a corner (a caller's plan);
+    the cheapest fitting plan seen is returned. Without one, the plan of least memory is
+    searched for only when two weights in a row give no plan that fits (it says whether any
+    does). ``hints`` carries the products' answers from solve to solve."""
     over, fit = cheapest, least
     best = least
     weight = cg.total(cheapest) / max(cg.memory(cheapest), 1.0) if bracket else 0.0
+    misses = 0
     while weight > 0 and rounds:
         rounds -= 1
-        plan, _, _ = _solve(cg, 1, math.inf, weight=weight)
+        plan, _, _ = _solve(cg, 1, math.inf, weight=weight, hints=hints)
         if plan is None:
             break
         if not cg.fits(plan):
             over = plan
             weight *= 4
+            misses += 1
+            if fit is None and misses == 2:
+                fit = best = _least_memory(cg)
             continue
-        if cg.total(plan) < cg.total(fit):
+        if fit is None or cg.total(plan) < cg.total(fit):
             fit = best = plan
         break
+    if fit is None or best is None:
+        fit = best = _least_memory(cg)
     for _ in range(min(rounds, secant)):
         c_over, m_over = cg.total(over), cg.memory(over)
         c_fit, m_fit = cg.total(fit), cg.memory(fit)
         if m_over <= m_fit or c_fit <= c_over:
             break
         weight = (c_fit - c_over) / (m_over - m_fit)
-        plan, _, _ = _solve(cg, 1, math.inf, weight=weight)
+        plan, _, _ = _solve(cg, 1, math.inf, weight=weight, hints=hints)
         if plan is None:
             break
         line = c_fit + weight * m_fit

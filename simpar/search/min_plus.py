@@ -4,13 +4,13 @@ pruned exactly (pure numpy).
 ``u - v - w`` becomes ``u - w`` whose cost for (u, w) is the least over v of ``a[u, v] +
 b[v, w]`` (``a`` already holds v's own cost), and whose memory is that v's; among equal costs
 the least memory wins, then the first v. On a 1024-device GPT one such product has
-``286 x 2821 x 896`` terms, but for most (v, w) no u can take v: a few probes per w give every
-(u, w) an upper bound ``ub``, and a term whose lower bound exceeds every bound of a group of
-u's is never evaluated. The lower bound is ``min over the group of a[u, v] + b[v, w]``;
-rounding is monotone, so a pruned term is strictly above an achieved cost and can be neither
-the least nor tie with it (a small margin covers the rounding of the bound itself). What is
-left is evaluated exactly as the dense product would, term for term, so the result is the
-same bit for bit.
+``286 x 2821 x 896`` terms, but for most (v, w) no u can take v: a few probes per w (or the
+v's of a similar product, a ``hint``) give every (u, w) an upper bound ``ub``, and a term
+whose lower bound exceeds every bound of a group of u's is never evaluated. The lower bound
+is ``min over the group of a[u, v] + b[v, w]``; rounding is monotone, so a pruned term is
+strictly above an achieved cost and can be neither the least nor tie with it (a small margin
+covers the rounding of the bound itself). What is left is evaluated exactly as the dense
+product would, term for term, so the result is the same bit for bit.
 
 >>> a = np.array([[0.0, 1.0]]); b = np.array([[5.0, 0.0], [0.0, 5.0]])
 >>> cost, mem, via = min_plus(a, np.zeros((1, 2)), b, np.zeros((2, 2)))
@@ -28,8 +28,9 @@ __all__ = ["min_plus"]
 _DENSE = 1 << 21
 #: The v's per w that give the upper bounds.
 _PROBES = 12
-#: The u's that share one pruning mask.
+#: The u's that share one pruning mask, and the u's whose mask prefilters their groups'.
 _GROUP = 8
+_SUPER = 64
 #: Above this share of the terms kept, every term is evaluated (cheaper than gathering).
 _SPARSE = 0.25
 #: Terms evaluated at once: gathered, and every term (smaller: they stay in cache).
@@ -39,26 +40,34 @@ _BIG = np.iinfo(np.int64).max
 
 
 def min_plus(a: np.ndarray, a_mem: np.ndarray, b: np.ndarray, b_mem: np.ndarray,
-             distinct: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+             distinct: bool = False, hint: np.ndarray | None = None
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per (u, w): the least ``a[u, v] + b[v, w]``, the memory ``a_mem[u, v] + b_mem[v, w]``
     of the v that gives it (the least memory among equal costs, then the first v), and that v
     (-1 where every term is infinite; the memory is then v 0's). Costs must be >= 0 or
     infinite for the pruning (otherwise every term is evaluated). ``distinct``: no two
-    columns of (``b``, ``b_mem``) are equal (not checked again)."""
-    if not distinct:
-        cols, back = _distinct_columns(b, b_mem)
-        if len(cols) < b.shape[1]:   # equal columns of b give equal columns of the product
-            cost, mem, via = min_plus(a, a_mem, b[:, cols], b_mem[:, cols], True)
-            return cost[:, back], mem[:, back], via[:, back]
+    columns of (``b``, ``b_mem``) are equal (not checked again). ``hint``: a v per (u, w)
+    whose term is likely near the least (the answer of a product of similar tables), used
+    for the upper bounds instead of probing; any v gives the same result."""
     ku, kv = a.shape
     kw = b.shape[1]
+    if hint is not None and (hint.shape != (ku, kw) or hint.dtype.kind not in "iu"
+                             or not kv or hint.max(initial=0) >= kv):
+        raise ValueError(f"min_plus: hint must be a ({ku}, {kw}) array of ints below {kv}, "
+                         f"got shape {hint.shape} of {hint.dtype}")
+    if not distinct:
+        cols, back = _distinct_columns(b, b_mem)
+        if len(cols) < kw:   # equal columns of b give equal columns of the product
+            cost, mem, via = min_plus(a, a_mem, b[:, cols], b_mem[:, cols], True,
+                                      None if hint is None else hint[:, cols])
+            return cost[:, back], mem[:, back], via[:, back]
     cost = np.empty((ku, kw))
     via = np.empty((ku, kw), dtype=np.int64)
     kept = None
     if ku * kv * kw > _DENSE and kv > _PROBES and (
             np.nan_to_num(a.min(initial=0.0)) >= 0 and np.nan_to_num(b.min(initial=0.0)) >= 0):
         bt = np.ascontiguousarray(b.T)
-        kept = _kept(a, bt)
+        kept = _kept(a, bt, hint)
         if sum(len(g) * len(ws) for g, ws, _, _ in kept) > _SPARSE * ku * kv * kw:
             kept = None   # pruning keeps too much: every term, without gathering them
     if kept is None:
@@ -81,18 +90,19 @@ def min_plus(a: np.ndarray, a_mem: np.ndarray, b: np.ndarray, b_mem: np.ndarray,
     return cost, mem, np.where(finite, via, -1)
 
 
-def _kept(a: np.ndarray, bt: np.ndarray
+def _kept(a: np.ndarray, bt: np.ndarray, hint: np.ndarray | None = None
           ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
     """Groups of u's, each with the (w, v) whose terms it must evaluate (ascending in w,
     then v) and their ``b``: those whose lower bound over the group does not exceed the
     group's largest upper bound, ``(top - low) + 1e-12 * (top + low) >= b[v, w]``. The
     pairs that pass over all u's at once are found first (a superset of every group's, as
-    its top is larger and its low smaller); each group tests only those. A term at a w's
-    least cost always passes (its lower bound is at most that cost, at most the bound), so
-    every w with a finite term keeps one; a w that keeps none has only infinite terms in the
-    group and is given v 0 (an infinite term) to stand for them."""
+    its top is larger and its low smaller), then those of each run of ``_SUPER`` u's; each
+    group tests only its run's. A term at a w's least cost always passes (its lower bound
+    is at most that cost, at most the bound), so every w with a finite term keeps one; a w
+    that keeps none has only infinite terms in the group and is given v 0 (an infinite
+    term) to stand for them."""
     kw, kv = bt.shape
-    bound = _upper_bounds(a, bt)
+    bound = _upper_bounds(a, bt) if hint is None else _hinted_bounds(a, bt, hint)
     order = np.argsort(a.min(axis=1), kind="stable")
 
     def margins(top: np.ndarray, low: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -103,21 +113,27 @@ def _kept(a: np.ndarray, bt: np.ndarray
         ws0, vs0 = np.nonzero(top[:, None] - low[None, :] >= bt)
     b0 = bt[ws0, vs0]
     out = []
-    for lo in range(0, a.shape[0], _GROUP):
-        g = order[lo:lo + _GROUP]
+    for slo in range(0, a.shape[0], _SUPER):   # a superset for the groups within
+        sup = order[slo:slo + _SUPER]
         with np.errstate(invalid="ignore"):
-            top, low = margins(bound[g].max(axis=0), a[g].min(axis=0))
+            top, low = margins(bound[sup].max(axis=0), a[sup].min(axis=0))
             keep = np.flatnonzero(top[ws0] - low[vs0] >= b0)
-        ws, vs = ws0[keep], vs0[keep]
-        missing = np.ones(kw, dtype=bool)
-        missing[ws] = False
-        if missing.any():   # only infinite terms there: one stands for them
-            extra = np.flatnonzero(missing)
-            ws = np.concatenate([ws, extra])
-            vs = np.concatenate([vs, np.zeros_like(extra)])
-            by_w = np.argsort(ws, kind="stable")
-            ws, vs = ws[by_w], vs[by_w]
-        out.append((g, ws, vs, bt[ws, vs]))
+        ws1, vs1, b1 = ws0[keep], vs0[keep], b0[keep]
+        for lo in range(slo, slo + len(sup), _GROUP):
+            g = order[lo:lo + _GROUP]
+            with np.errstate(invalid="ignore"):
+                top, low = margins(bound[g].max(axis=0), a[g].min(axis=0))
+                keep = np.flatnonzero(top[ws1] - low[vs1] >= b1)
+            ws, vs = ws1[keep], vs1[keep]
+            missing = np.ones(kw, dtype=bool)
+            missing[ws] = False
+            if missing.any():   # only infinite terms there: one stands for them
+                extra = np.flatnonzero(missing)
+                ws = np.concatenate([ws, extra])
+                vs = np.concatenate([vs, np.zeros_like(extra)])
+                by_w = np.argsort(ws, kind="stable")
+                ws, vs = ws[by_w], vs[by_w]
+            out.append((g, ws, vs, bt[ws, vs]))
     return out
 
 
@@ -180,6 +196,14 @@ def _upper_bounds(a: np.ndarray, bt: np.ndarray) -> np.ndarray:
     return bound
 
 
+def _hinted_bounds(a: np.ndarray, bt: np.ndarray, hint: np.ndarray) -> np.ndarray:
+    """Per (u, w), the achieved ``a[u, v] + b[v, w]`` of the hinted v (0 for a negative
+    hint): an upper bound like :func:`_upper_bounds`', without the probing."""
+    v = np.maximum(hint, 0)
+    return (np.take_along_axis(a, v, axis=1)
+            + bt[np.arange(bt.shape[0])[None, :], v])
+
+
 def _exact(terms: np.ndarray, vs: np.ndarray, ws: np.ndarray, starts: np.ndarray,
            a_mem: np.ndarray, bt_mem: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The least of each row's terms per w (a run of ``starts``), and the first v of least
@@ -189,7 +213,7 @@ def _exact(terms: np.ndarray, vs: np.ndarray, ws: np.ndarray, starts: np.ndarray
     best = np.minimum.reduceat(terms, starts, axis=1)
     tie = terms == best[:, ws]
     first = np.minimum.reduceat(np.where(tie, vs, _BIG), starts, axis=1)
-    if not (np.add.reduceat(tie, starts, axis=1) > 1).any():
+    if np.count_nonzero(tie) == best.size:   # every run has one tie at least: exactly one
         return best, first
     mems = np.where(tie, a_mem[:, vs] + bt_mem[ws, vs], np.inf)
     least = np.minimum.reduceat(mems, starts, axis=1)
