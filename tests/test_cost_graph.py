@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
+import warnings
 from typing import Any
 
 import numpy as np
 import pytest
 
 from simpar import graph, nn, ops
-from simpar.cost import MindSporeCostModel, SimparCostModel
+from simpar.cost import MindSporeCostModel, SimparCostModel, evaluate
 from simpar.runtime import lower
-from simpar.search import OpStrategy, Source, StrategyMap
+from simpar.search import OpStrategy, Source, StrategyMap, request_from_context
+from simpar.search import dynamic_programming as dpm
+from simpar.search.auto import cost_graph_of, strategy_map_of
 from simpar.search.cost_graph import brute_force, build_cost_graph
+from simpar.search.dynamic_programming import solve_dynamic_programming
+from simpar.search.planner import complete_plan
 
 
 def _mlp(n_hidden: int = 1) -> graph.Graph:
@@ -170,3 +176,60 @@ def test_search_strategies_plans_a_cell_from_shapes_alone() -> None:
                         if c.strategy == smap.ops[n.name].in_strategy) for n in cg.nodes)
     assert cg.total(chosen) == pytest.approx(brute_force(cg)[1])
     assert len(lower(g, smap, enable_alltoall=True).steps) == len(g.nodes)
+
+
+def _gpt_request(device_num: int = 8) -> Any:
+    gpt = nn.GPT(vocab_size=64, seq_length=16, d_model=32, n_layers=2, n_heads=4)
+    net = nn.WithLossCell(gpt, nn.SoftmaxCrossEntropyWithLogits()).set_train()
+    g = graph.trace(net, [((8, 16), np.int32), ((8 * 16,), np.int32)], ["data", "label"])
+    return request_from_context(g, cell=net, device_num=device_num, mode="auto_parallel",
+                                dataset_strategy="full_batch",
+                                search_mode="dynamic_programming",
+                                cost_model=SimparCostModel("ascend910b"))
+
+
+def _priced_memory(request: Any, cg: Any, choice: tuple[int, ...]) -> int:
+    """What the final pricing counts of the choice, less its transient buffers (the most
+    over the ranks)."""
+    smap = complete_plan(request, strategy_map_of(request, cg, choice))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = evaluate(lower(request.graph, smap), "ascend910b", "momentum")
+    return max(m.parameters + m.gradients + m.optimizer + m.activations
+               for m in report.memory)
+
+
+def test_a_moved_input_that_several_ops_keep_is_counted_once_per_copy() -> None:
+    """q, k and v read one LayerNorm output and each keeps it for its backward. When each
+    moves it into another layout (here: the whole output, sliced by rows), each keeps its
+    own copy: the search counts the first as q's and the other two on their edges, and its
+    memory of the plan is the final pricing's; without the edges' memory it is two copies
+    short per block."""
+    request = _gpt_request()
+    cg = cost_graph_of(request)
+    choice = list(solve_dynamic_programming(cg).choice)
+    projections = [n for n, node in enumerate(cg.nodes) if node.node.op.name == "MatMul"
+                   and re.search(r"attn-.*/(q|k|v)-Dense", node.name)]
+    assert len(projections) == 6
+    assert all(cg.nodes[n].candidates[choice[n]].strategy == ((1, 1), (1, 1))
+               for n in projections)   # on ascend910b the tiny model is cheapest whole
+    for n in projections:   # rows cut 8 ways: each slices the whole input
+        choice[n] = next(c for c, sh in enumerate(cg.nodes[n].candidates)
+                         if sh.strategy == ((8, 1), (1, 1)))
+    copies = [e for e in cg.edges if e.memories is not None
+              and e.memories[choice[e.producer]][choice[e.consumer]] > 0]
+    assert len(copies) == 4                       # k and v in both blocks
+    edges = sum(float(e.memories[choice[e.producer]][choice[e.consumer]]) for e in copies)
+    assert edges == 4 * 16 * 32 * 4               # a (16, 32) float32 slice each
+    assert cg.memory(choice) == _priced_memory(request, cg, tuple(choice))
+
+
+def test_searched_memory_is_the_priced_memory_of_the_plans_the_weights_give() -> None:
+    """From the cheapest plan to the least memory, the search's memory of each plan that
+    dynamic programming gives is what the final pricing counts (its transients aside)."""
+    request = _gpt_request()
+    cg = cost_graph_of(request)
+    for weight in (0.0, 1e-9, 1e-7, 1e-6):
+        choice, _, _ = dpm._solve(cg, 1, math.inf, weight=weight)
+        assert choice is not None
+        assert cg.memory(choice) == _priced_memory(request, cg, choice)

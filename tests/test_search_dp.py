@@ -38,9 +38,12 @@ def _algo_defaults() -> Any:
     context.reset_algo_parameters()
 
 
-def _random_graph(rng: np.random.Generator, n: int, density: float) -> CostGraph:
+def _random_graph(rng: np.random.Generator, n: int, density: float,
+                  edge_memories: float = 0.0) -> CostGraph:
     """Synthetic nodes (1-4 candidates, random costs and memories, a few forbidden pairs)
-    joined by random edges, dense enough at high ``density`` to need star eliminations."""
+    joined by random edges, dense enough at high ``density`` to need star eliminations; a
+    share ``edge_memories`` of the edges add memory too (whole bytes, 0 for some pairs, as
+    a copy only some pairs make)."""
     nodes = []
     for k in range(n):
         size = int(rng.integers(1, 5))
@@ -52,7 +55,11 @@ def _random_graph(rng: np.random.Generator, n: int, density: float) -> CostGraph
         if rng.random() < density:
             m = rng.uniform(0, 10, (len(nodes[p].costs), len(nodes[c].costs))).round(3)
             m[rng.random(m.shape) < 0.15] = math.inf
-            edges.append(CostEdge(p, 0, c, 0, tuple(map(tuple, m.tolist()))))
+            mem = None
+            if edge_memories and rng.random() < edge_memories:
+                mem = tuple(map(tuple, (rng.integers(0, 3, m.shape)
+                                        * rng.integers(1, 12, m.shape[1])).astype(float)))
+            edges.append(CostEdge(p, 0, c, 0, tuple(map(tuple, m.tolist())), mem))
             if rng.random() < 0.2:  # a second edge between the same pair
                 edges.append(CostEdge(p, 1, c, 1, tuple(map(tuple, np.ones_like(m).tolist()))))
     return CostGraph(tuple(nodes), tuple(edges))
@@ -111,19 +118,22 @@ def _one_layout_each(cg: CostGraph, choice: tuple[int, ...]) -> bool:
                                     for n, k in uses})) == 1 for uses in cg.shared.values())
 
 
-@pytest.mark.parametrize("density", [0.3, 0.6, 1.0])
+@pytest.mark.parametrize("density, edge_memories", [(0.3, 0.0), (0.6, 0.0), (1.0, 0.0),
+                                                    (0.6, 0.7)])
 def test_dp_and_exact_equal_brute_force_with_shared_parameters_and_memory_caps(
-        density: float) -> None:
+        density: float, edge_memories: float) -> None:
     """Tiny random graphs (2-6 ops, 1-4 candidates each) with two shared parameters: brute
     force, dynamic_programming and exact find the same optimum, each parameter in one layout;
     under a memory cap that binds (the uncapped optimum does not fit) all three find the
     same, dearer, optimum within the cap; below the least memory, or with no combination
-    allowed, both searches refuse."""
-    rng = np.random.default_rng(100 + int(density * 10))
+    allowed, both searches refuse. With memories on edges too (a consumer's copy), the
+    same."""
+    rng = np.random.default_rng(100 + int(density * 10) + int(edge_memories * 100))
     assert same_blocks(_PARAM_LAYOUTS[1], _PARAM_LAYOUTS[3])
     solved = capped_count = refused = 0
     for _ in range(150):
-        cg = _share_parameters(rng, _random_graph(rng, int(rng.integers(2, 7)), density))
+        cg = _share_parameters(rng, _random_graph(rng, int(rng.integers(2, 7)), density,
+                                                  edge_memories))
         allowed = _allowed(cg)
         if not allowed:
             refused += 1
@@ -495,14 +505,15 @@ def _cheapest_fitting_corner(cg: CostGraph) -> float:
     return min(c for m, c in falling if m <= cg.memory_capacity)
 
 
-def test_the_lagrangian_pass_finds_the_cheapest_fitting_corner() -> None:
+@pytest.mark.parametrize("edge_memories", [0.0, 0.5])
+def test_the_lagrangian_pass_finds_the_cheapest_fitting_corner(edge_memories: float) -> None:
     """The hull walk ends at the cheapest plan that some weight makes least and that fits
     (what bisecting the weight reaches only in the limit); from a caller's fitting plan it
-    returns one at least as cheap."""
-    rng = np.random.default_rng(12)
+    returns one at least as cheap. Memories on edges weigh as the nodes'."""
+    rng = np.random.default_rng(12 + int(edge_memories * 10))
     checked = 0
     for _ in range(60):
-        cg = _random_graph(rng, 6, 0.5)
+        cg = _random_graph(rng, 6, 0.5, edge_memories)
         mems = sorted(cg.memory(c) for c in itertools.product(
             *(range(len(n.candidates)) for n in cg.nodes)) if math.isfinite(cg.total(c)))
         if not mems:

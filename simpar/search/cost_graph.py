@@ -69,13 +69,16 @@ class CostEdge:
     moves it from producer candidate i's layout to consumer candidate j's (``inf``: the pair is
     not allowed, as when ``elementwise_op_strategy_follow`` makes the consumer follow): a
     read-only float array, which edges between ops of equal signatures share (or rows of
-    floats, for a graph built by hand)."""
+    floats, for a graph built by hand). ``memories[i][j]``, when given, are the bytes per
+    rank the pair adds (:meth:`~simpar.search.pricing.Pricer.edge_memory`: a consumer's own
+    copy of a held input that the pair moves); None adds none."""
 
     producer: int
     output: int
     consumer: int
     input: int
     costs: np.ndarray | tuple[tuple[float, ...], ...]
+    memories: np.ndarray | tuple[tuple[float, ...], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -83,7 +86,7 @@ class CostGraph:
     """Nodes in trace order, edges, and the shared-parameter constraints: for each parameter
     read by several ops, ``shared[name]`` lists (node index, input position) pairs whose
     chosen candidates must give the parameter the same layout. A choice must keep the sum of
-    its nodes' memories within ``memory_capacity`` (bytes per rank)."""
+    its nodes' and edges' memories within ``memory_capacity`` (bytes per rank)."""
 
     nodes: tuple[CostNode, ...]
     edges: tuple[CostEdge, ...]
@@ -108,8 +111,10 @@ class CostGraph:
         return cost
 
     def memory(self, choice: Sequence[int]) -> float:
-        """Bytes per rank of a choice: the sum of its nodes' memories."""
-        return sum(node.memories[c] for node, c in zip(self.nodes, choice))
+        """Bytes per rank of a choice: the sum of its nodes' memories and its edges'."""
+        return (sum(node.memories[c] for node, c in zip(self.nodes, choice))
+                + sum(float(e.memories[choice[e.producer]][choice[e.consumer]])
+                      for e in self.edges if e.memories is not None))
 
     def fits(self, choice: Sequence[int]) -> bool:
         return self.memory(choice) <= self.memory_capacity
@@ -211,20 +216,21 @@ def build_cost_graph(graph: Graph, device_num: int, model: CostModel,
             log.info("cost graph: %d/%d ops priced (%d distinct) in %.1f s", site.index + 1,
                      len(pricer.sites), len(priced), time.perf_counter() - started)
     # An edge between two signatures is built once; its pairs of layouts priced once each.
-    matrices: dict[tuple[Any, ...], np.ndarray] = {}
+    matrices: dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray | None]] = {}
     edges = []
     for e, se in enumerate(pricer.edges):
         p, c = se.producer, se.consumer
         key = (pricer.sites[p].kind, se.output, pricer.sites[c].kind, se.input,
                se.follows)
         if key not in matrices:
-            matrices[key] = _edge_matrix(pricer, e, nodes[p].candidates, nodes[c].candidates)
-            if approxi and np.isinf(matrices[key]).all():
+            matrices[key] = _edge_matrices(pricer, e, nodes[p].candidates,
+                                           nodes[c].candidates)
+            if approxi and np.isinf(matrices[key][0]).all():
                 raise StrategyError(
                     f"{nodes[c].name}: with enable_algo_approxi no kept candidate of it "
                     f"agrees with its producer {nodes[p].name}; raise "
                     "algo_approxi_epsilon's reciprocal or disable the approximation")
-        edges.append(CostEdge(p, se.output, c, se.input, matrices[key]))
+        edges.append(CostEdge(p, se.output, c, se.input, *matrices[key]))
     log.info("cost graph: %d edges (%d distinct matrices, %d layout pairs priced) in %.1f s",
              len(edges), len(matrices), pricer.moves_priced, time.perf_counter() - started)
     return CostGraph(tuple(nodes), tuple(edges), pricer.shared, device_num, model.unit,
@@ -278,6 +284,13 @@ def _edge_matrix(pricer: Pricer, e: int, producers: Sequence[OpSharding],
     return matrix
 
 
+def _edge_matrices(pricer: Pricer, e: int, producers: Sequence[OpSharding],
+                   consumers: Sequence[OpSharding]) -> tuple[np.ndarray, np.ndarray | None]:
+    """Edge ``e``'s costs and memories for every pair of candidates."""
+    return (_edge_matrix(pricer, e, producers, consumers),
+            pricer.edge_memory_matrix(e, producers, consumers))
+
+
 def restricted_cost_graph(pricer: Pricer, candidates: Sequence[Sequence[Strategy]]
                           ) -> CostGraph:
     """The cost graph of ``pricer``'s graph whose op ``n`` has the candidates
@@ -301,15 +314,16 @@ def restricted_cost_graph(pricer: Pricer, candidates: Sequence[Sequence[Strategy
                            tuple(p.memory for p in found))
         cands, costs, mems = shared[key]
         nodes.append(CostNode(site.node, cands, costs, site.user, mems))
-    matrices: dict[tuple[int, ...], np.ndarray] = {}
+    matrices: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray | None]] = {}
     edges = []
     for e, se in enumerate(pricer.edges):
         p, c = se.producer, se.consumer
         pair = (pricer.sites[p].kind, id(nodes[p].candidates), se.output,
                 pricer.sites[c].kind, id(nodes[c].candidates), se.input, se.follows)
         if pair not in matrices:
-            matrices[pair] = _edge_matrix(pricer, e, nodes[p].candidates, nodes[c].candidates)
-        edges.append(CostEdge(p, se.output, c, se.input, matrices[pair]))
+            matrices[pair] = _edge_matrices(pricer, e, nodes[p].candidates,
+                                            nodes[c].candidates)
+        edges.append(CostEdge(p, se.output, c, se.input, *matrices[pair]))
     return CostGraph(tuple(nodes), tuple(edges), pricer.shared, pricer.device_num,
                      pricer.model.unit, pricer.memory_capacity)
 

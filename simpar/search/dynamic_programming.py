@@ -190,15 +190,17 @@ class _Eliminator:
                 arrays[key[1:]] = (cost, mem)
             cost, mem = arrays[key[1:]]
             self._add_node(k, _Table(cost, mem, "node", node=k, key=key))
-        for e in cg.edges:
-            if id(e.costs) not in arrays:
+        for e in cg.edges:   # an edge's memory (a consumer's own copy) weighs as a node's
+            key = ("edge", id(e.costs), id(e.memories))
+            if key[1:] not in arrays:
                 matrix = np.asarray(e.costs, dtype=float)[:, :, None]
-                if memory_as_cost:  # only the edge's feasibility matters
-                    matrix = np.where(np.isinf(matrix), np.inf, 0.0)
-                arrays[id(e.costs)] = (matrix, np.zeros(matrix.shape))
-            matrix, zeros = arrays[id(e.costs)]
-            self._add_edge(e.producer, e.consumer,
-                           _Table(matrix, zeros, "edge", key=("edge", id(e.costs))))
+                mem = (np.zeros(matrix.shape) if e.memories is None
+                       else np.asarray(e.memories, dtype=float)[:, :, None])
+                matrix = (np.where(np.isinf(matrix), np.inf, mem) if memory_as_cost
+                          else matrix + weight * mem if weight else matrix)
+                arrays[key[1:]] = (matrix, mem)
+            matrix, mem = arrays[key[1:]]
+            self._add_edge(e.producer, e.consumer, _Table(matrix, mem, "edge", key=key))
         self.next_id = len(cg.nodes)
         for name, uses in cg.shared.items():
             self._add_shared(cg, name, uses)

@@ -13,9 +13,10 @@ matrix is ``u[i] + v[j]`` (a constant one, or one of a single class) is added to
 costs and needs no ``z``; and infinite entries (forbidden pairs) get no ``z``, a candidate
 whose every pair is forbidden being fixed at 0. A parameter read by several ops holds one
 layout: for each class of layouts that give every rank the same block, the readers' ``x`` in
-that class sum equally. The nodes' memories sum to at most the graph's memory capacity (the
-row is left out when even the hungriest choice fits). The objective is the cost graph's: node
-costs plus edge costs.
+that class sum equally. The nodes' memories, and the edges' (a pair's bytes on its ``z``; such
+an edge's classes are of equal costs and memories, and it is not folded), sum to at most the
+graph's memory capacity (the row is left out when even the hungriest choice fits). The
+objective is the cost graph's: node costs plus edge costs.
 
 HiGHS solves it through ``scipy.optimize.milp`` (the optional ``exact`` extra): the LP
 relaxation first, which on transformer graphs already picks one whole candidate per node and
@@ -290,6 +291,7 @@ class _Edge:
     # separable: M[i, j] = row_fold[a(i)] + col_fold[b(j)] wherever allowed (0 elsewhere)
     row_fold: np.ndarray | None
     col_fold: np.ndarray | None
+    memory: np.ndarray | None = None   # classes x classes: bytes the pair adds
 
 
 class _Model:
@@ -312,12 +314,17 @@ class _Model:
                       np.arange(self.n_x), 1.0, 1.0, 1.0)
         z_cost: list[np.ndarray] = []
         n_var = self.n_x
-        reduced: dict[tuple[int, ...], _Edge] = {}
+        reduced: dict[tuple[tuple[int, int], ...], _Edge] = {}
+        self._z_memory: list[tuple[np.ndarray, np.ndarray]] = []   # (z, bytes) of pairs
         for (p, c), edges in _by_pair(cg.edges).items():
-            key = tuple(id(e.costs) for e in edges)  # identical layers share their matrices
+            # identical layers share their matrices
+            key = tuple((id(e.costs), id(e.memories)) for e in edges)
             if key not in reduced:
+                mems = [np.asarray(e.memories, dtype=float) for e in edges
+                        if e.memories is not None]
                 reduced[key] = _reduce(np.sum([np.asarray(e.costs, dtype=float)
-                                               for e in edges], axis=0))
+                                               for e in edges], axis=0),
+                                       np.sum(mems, axis=0) if mems else None)
             r = reduced[key]
             xp = self.offset[p] + np.arange(counts[p])
             xc = self.offset[c] + np.arange(counts[c])
@@ -332,6 +339,8 @@ class _Model:
             z = n_var + np.arange(len(a))
             n_var += len(a)
             z_cost.append(r.matrix[a, b])
+            if r.memory is not None:
+                self._z_memory.append((z, r.memory[a, b]))
             na, nb = r.matrix.shape
             # rows 0..na-1: the producer's classes; na..na+nb-1: the consumer's
             self.rows.add(na + nb, np.concatenate((a, na + b, r.row_class, na + r.col_class)),
@@ -391,11 +400,15 @@ class _Model:
             return
         mems = np.concatenate([np.asarray(n.memories, dtype=float) for n in cg.nodes])
         share = mems / cg.memory_capacity
-        hungriest = np.maximum.reduceat(share, self.offset[:-1]).sum()
+        hungriest = np.maximum.reduceat(share, self.offset[:-1]).sum() + sum(
+            np.max(m, initial=0.0) for _, m in self._z_memory) / cg.memory_capacity
         if hungriest <= 1.0 - self.slack:  # every choice fits: the row binds nothing
             return
         used = np.nonzero(share)[0]
-        self.rows.add(1, np.zeros(len(used)), used, share[used], -np.inf, 1.0 - self.slack)
+        cols = np.concatenate([used, *(z for z, _ in self._z_memory)])
+        vals = np.concatenate([share[used], *(m / cg.memory_capacity
+                                              for _, m in self._z_memory)])
+        self.rows.add(1, np.zeros(len(cols)), cols, vals, -np.inf, 1.0 - self.slack)
 
 
 def _by_pair(edges: Sequence[CostEdge]) -> dict[tuple[int, int], list[CostEdge]]:
@@ -406,8 +419,15 @@ def _by_pair(edges: Sequence[CostEdge]) -> dict[tuple[int, int], list[CostEdge]]
     return out
 
 
-def _reduce(m: np.ndarray) -> _Edge:
-    """Classes of equal rows and of equal columns of ``m``, and whether it is separable."""
+def _reduce(m: np.ndarray, mem: np.ndarray | None = None) -> _Edge:
+    """Classes of equal rows and of equal columns of ``m``, and whether it is separable;
+    with memories ``mem`` (not all 0), classes of equal rows and columns of both, and no
+    folding (a pair's memory needs its ``z``)."""
+    if mem is not None and mem.any():
+        rows, row_class = np.unique(np.stack([m, mem], axis=-1), axis=0, return_inverse=True)
+        cols, col_class = np.unique(rows, axis=1, return_inverse=True)
+        return _Edge(row_class.ravel(), col_class.ravel(), cols[..., 0], None, None,
+                     cols[..., 1])
     rows, row_class = np.unique(m, axis=0, return_inverse=True)
     cols, col_class = np.unique(rows, axis=1, return_inverse=True)
     row_class, col_class = row_class.ravel(), col_class.ravel()

@@ -259,6 +259,36 @@ class Pricer:
                                           follow and graph.nodes[p].op.elementwise))
         self.sites: tuple[Site, ...] = tuple(sites)
         self.edges: tuple[SiteEdge, ...] = tuple(edges)
+        # A consumer that keeps an input an earlier op's memory holds ("held") keeps an array
+        # of its own when the edge moves it (the final pricing counts every redistributed
+        # input apart): bytes the edge adds, per pair of candidates. A view (Reshape) passes
+        # its input on: the copy a move into it makes is kept by whoever keeps the view.
+        self._copy_bytes = float(getattr(model, "activation_copies", 1))
+        keeps: dict[tuple[int, int], bool] = {}
+
+        def keeps_copy(n: int, k: int) -> bool:
+            if (n, k) not in keeps:
+                site, keeps[(n, k)] = sites[n], False
+                op = site.node.op
+                if kept_inputs is None or site.roles[k][0] != "held" or n in self._recomputed:
+                    return False
+                free = tuple(("free", i) if j == k else (r, i)
+                             for j, (r, i) in enumerate(site.roles))
+                keeps[(n, k)] = k in kept_inputs(op, free) or (
+                    op.output_aliases_input and k == 0 and any(
+                        keeps_copy(edges[e].consumer, edges[e].input)
+                        for e in out_edges.get(n, ()) if edges[e].output == 0))
+            return keeps[(n, k)]
+
+        out_edges: dict[int, list[int]] = {}
+        for e, se in enumerate(edges):
+            out_edges.setdefault(se.producer, []).append(e)
+        self._copies = tuple(keeps_copy(se.consumer, se.input) for se in edges)
+        #: Views whose output is such a copy when they move their input themselves
+        #: (a Reshape's ``inner_plan``): their candidates that do hold it.
+        self._view_copies = {n for n, site in enumerate(sites)
+                             if site.node.op.output_aliases_input and site.node.inputs
+                             and keeps_copy(n, 0)}
         self.in_edges: list[list[int]] = [[] for _ in sites]
         self.out_edges: list[list[int]] = [[] for _ in sites]
         for e, edge in enumerate(edges):
@@ -359,6 +389,8 @@ class Pricer:
                 memory = self.model.memory(sh, site.positions("new"), itemsize,
                                            site.positions("held"), in_sizes, involved,
                                            site.positions("frozen"))
+            if n in self._view_copies and sh.inner_plan is not None:
+                memory += self._copy_bytes * sh.out.local_size() * itemsize
             found = Priced(sh, cost, memory)
         self._priced[key] = found
         return found
@@ -463,6 +495,37 @@ class Pricer:
             return 0.0 if not self.plan(src, dst).steps else math.inf
         return self.edge_factor(e) * self.move(src, dst, edge.itemsize)
 
+    def edge_memory(self, e: int, producer: OpSharding, consumer: OpSharding) -> float:
+        """Bytes per rank edge ``e`` adds between a producer and a consumer sharding: the
+        consumer's own copy of a held input that the pair moves (0 otherwise)."""
+        if not self._copies[e]:
+            return 0.0
+        edge = self.edges[e]
+        dst = consumer.in_layouts[edge.input]
+        if self._key(producer.outputs[edge.output][1]) == self._key(dst) or (
+                consumer.inner_plan is not None):   # its own move makes the kept copy
+            return 0.0
+        return self._copy_bytes * dst.local_size() * edge.itemsize
+
+    def edge_memory_matrix(self, e: int, producers: Sequence[OpSharding],
+                           consumers: Sequence[OpSharding]) -> np.ndarray | None:
+        """:meth:`edge_memory` for every pair at once (None: the edge adds none)."""
+        if not self._copies[e]:
+            return None
+        edge = self.edges[e]
+        codes: dict[Any, int] = {}
+        src = [codes.setdefault(self._key(pc.outputs[edge.output][1]), len(codes))
+               for pc in producers]
+        dsts = [cc.in_layouts[edge.input] for cc in consumers]
+        dst = [codes.setdefault(self._key(lay), len(codes)) for lay in dsts]
+        nbytes = np.array([0.0 if cc.inner_plan is not None else
+                           self._copy_bytes * lay.local_size() * edge.itemsize
+                           for cc, lay in zip(consumers, dsts)])
+        matrix = np.where(np.array(src)[:, None] != np.array(dst)[None, :], nbytes[None, :],
+                          0.0).reshape(len(producers), len(consumers))
+        matrix.flags.writeable = False
+        return matrix
+
     def total(self, strategies: Sequence[OpSharding]) -> float:
         """The objective of one sharding per op: their costs and every edge's move."""
         cost = 0.0
@@ -474,12 +537,17 @@ class Pricer:
         return cost
 
     def memory(self, strategies: Sequence[OpSharding]) -> float:
-        """Bytes per rank of one sharding per op."""
+        """Bytes per rank of one sharding per op: the ops' and the edges'."""
         total = 0.0
         for site, sh in zip(self.sites, strategies):
             priced = self.price(site.index, sh.strategy)
             total += math.inf if priced is None else priced.memory
-        return total
+        return total + self.edges_memory(strategies)
+
+    def edges_memory(self, strategies: Sequence[OpSharding]) -> float:
+        """Bytes per rank the edges add to one sharding per op (:meth:`edge_memory`)."""
+        return sum(self.edge_memory(e, strategies[edge.producer], strategies[edge.consumer])
+                   for e, edge in enumerate(self.edges) if self._copies[e])
 
 
 def check_memory(pricer: Pricer, shardings: Sequence[OpSharding], search: str) -> float:
@@ -489,7 +557,7 @@ def check_memory(pricer: Pricer, shardings: Sequence[OpSharding], search: str) -
     for site, sh in zip(pricer.sites, shardings):
         priced = pricer.price(site.index, sh.strategy)
         mems.append(priced.memory if priced is not None else math.inf)
-    memory, capacity = sum(mems), pricer.memory_capacity
+    memory, capacity = sum(mems) + pricer.edges_memory(shardings), pricer.memory_capacity
     if memory > capacity:
         worst = max(range(len(mems)), key=mems.__getitem__)
         raise NoAvailableCost(
