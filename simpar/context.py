@@ -115,10 +115,10 @@ from simpar._keyspec import (
     validate_value,
     warn_not_honoured,
 )
+from simpar.comm_fusion import AllReduceFusion, check_comm_fusion
 
 __all__ = ["AlgoParameters", "BUILTIN_SEARCH_MODES", "ContextError", "ContextTypeError",
-           "MINDSPORE_KEYS_NOT_IMPLEMENTED",
-           "MEMORY_DIMENSIONS",
+           "MINDSPORE_KEYS_NOT_IMPLEMENTED", "MEMORY_DIMENSIONS",
            "NotHonouredWarning", "ParallelContext", "ParallelMode", "ParallelOptimizerConfig",
            "PIPELINE_SCHEDULERS", "PipelineConfig",
            "StrategyCkptConfig",
@@ -223,6 +223,7 @@ class ParallelContext:
     enable_parallel_optimizer: bool = False
     parallel_optimizer_config: ParallelOptimizerConfig = ParallelOptimizerConfig()
     pipeline_config: PipelineConfig = PipelineConfig()
+    comm_fusion: AllReduceFusion = AllReduceFusion()   # the gradient AllReduces' buckets
     #: MindSpore's ``auto_pipeline``: auto_parallel chooses the stage count, up to
     #: ``pipeline_stages`` (:func:`simpar.pipeline.auto.choose_stages`).
     auto_pipeline: bool = False
@@ -419,6 +420,7 @@ _AUTO_SPECS: dict[str, KeySpec] = {
                                          fields=_optimizer_fields),
     "pipeline_stages": KeySpec(int, 1, bounds=Bounds(1, math.inf)),
     "auto_pipeline": KeySpec(bool, False),
+    "comm_fusion": KeySpec(None, AllReduceFusion(), check=check_comm_fusion),
     "pipeline_config": KeySpec(None, PipelineConfig(),
                                check=lambda f, k, v: validate_dict(f, k, v, _PIPE_SPECS),
                                fields=_pipeline_fields),
@@ -485,8 +487,7 @@ _NOT_HONOURED: dict[str, str] = {
 MINDSPORE_KEYS_NOT_IMPLEMENTED: dict[str, str] = {
     "parameter_broadcast": "every rank draws its own block of each parameter from the same "
                            "seed (simpar.set_seed): nothing to broadcast",
-    "all_reduce_fusion_config": "simpar does not fuse gradient AllReduces",
-    "comm_fusion": "simpar does not fuse collectives",
+    "all_reduce_fusion_config": "comm_fusion={'allreduce': {'mode': 'index', 'config': [...]}}",
     "force_fp32_communication": "simpar communicates in the tensors' own dtype",
     "pipeline_result_broadcast": "the pipelined step's loss is returned on every rank already",
     "group_ckpt_save_file": "simpar.checkpoint's manifest lists each tensor's ranks",
@@ -666,7 +667,7 @@ def get_auto_parallel_context(key: str) -> Any:
     ctx = auto_parallel_context()
     if key == "strategy_ckpt_config":
         return ctx.strategy_ckpt_config.as_dict()
-    if key in ("parallel_optimizer_config", "pipeline_config"):
+    if key in ("parallel_optimizer_config", "pipeline_config", "comm_fusion"):
         return getattr(ctx, key).as_dict()
     if key.startswith("strategy_ckpt_"):
         return getattr(ctx.strategy_ckpt_config, key.removeprefix("strategy_ckpt_"))

@@ -45,6 +45,7 @@ import numpy as np
 
 from simpar import _env, graph, nn
 from simpar._checks import positive_int_arg
+from simpar.comm_fusion import AllReduceFusion
 from simpar.cost import (
     CostModel,
     CostReport,
@@ -138,6 +139,7 @@ class PlanOptions:
     recompute: bool = False             # every block (MLP layer but the last) recomputed,
     micro_batches: int = 1              # and micro-batches per step;
     memory_dimensions: str = "fixed"    # whether the search chooses them (set_algo_parameters)
+    comm_fusion: AllReduceFusion = AllReduceFusion()   # the gradient AllReduces' buckets
 
     def describe(self) -> str:
         if self.model == "gpt":
@@ -195,6 +197,17 @@ def _stages(text: str) -> int | None:
 
 def _preset(text: str) -> str:
     return text.upper()
+
+
+def _fusion(text: str) -> AllReduceFusion:
+    """``--comm-fusion``: one, auto, off, or a bucket size in MB."""
+    if text in ("one", "auto", "off"):
+        return {"one": AllReduceFusion(), "auto": AllReduceFusion("auto", None),
+                "off": AllReduceFusion(openstate=False)}[text]
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be one, auto, off or a bucket size in MB "
+                                         f"(an int >= 1), got {text!r}")
+    return AllReduceFusion("size", int(text))
 
 
 def _default_search() -> str:
@@ -277,6 +290,11 @@ def _parser() -> argparse.ArgumentParser:
                         "memory dimensions and micro-batches), or 'auto' to search S too "
                         "(MindSpore's auto_pipeline); printed next to Megatron-LM's "
                         "configuration for GPT-3 (default 1: no pipeline)")
+    p.add_argument("--comm-fusion", type=_fusion, default=AllReduceFusion(),
+                   metavar="one|auto|off|MB",
+                   help="how the gradient AllReduces are bucketed (MindSpore's comm_fusion): "
+                        "one per group of ranks (default), auto (64 MB buckets), off (one "
+                        "per parameter), or buckets of at most MB megabytes")
     p.add_argument("--out", default=None, help="write the plan as JSON to this file")
     p.add_argument("--quiet", action="store_true",
                    help="no progress on stderr (the plan still prints)")
@@ -307,7 +325,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[PlanOptions, argparse.Namesp
         dataset_strategy=args.dataset_strategy, enable_alltoall=args.enable_alltoall,
         time_limit=args.time_limit, optimizer_shard=args.optimizer_shard,
         optimizer_shard_threshold=args.optimizer_shard_threshold, recompute=args.recompute,
-        micro_batches=args.micro_batches, memory_dimensions=args.memory_dimensions)
+        micro_batches=args.micro_batches, memory_dimensions=args.memory_dimensions,
+        comm_fusion=args.comm_fusion)
     if args.optimizer_shard_threshold < 0:
         p.error(f"argument --optimizer-shard-threshold: must be >= 0 KB, got "
                 f"{args.optimizer_shard_threshold}")
@@ -425,6 +444,7 @@ def make_plan(opts: PlanOptions) -> ModelPlan:
         optimizer=OptimizerParallel(None if opts.optimizer_shard == "off"
                                     else OptimizerLevel(opts.optimizer_shard), -1,
                                     opts.optimizer_shard_threshold))
+    request = dataclasses.replace(request, comm_fusion=opts.comm_fusion)
     if opts.memory_dimensions != "fixed" and opts.optimizer_shard == "off":
         request = dataclasses.replace(request, searched=request.searched | {"optimizer"})
     with warnings.catch_warnings():  # the summary gives the gap

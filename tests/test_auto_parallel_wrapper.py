@@ -22,6 +22,7 @@ import simpar
 import simpar.nn.auto_parallel as ap_module
 from simpar import context, graph, nn
 from simpar.auto_parallel import AutoParallel, OperatorStrategyPathError
+from simpar.comm_fusion import AllReduceFusion
 from simpar.layout import Layout
 from simpar.nn import presets
 from simpar.search import registered_searches
@@ -243,6 +244,7 @@ def test_settings_simpar_honours() -> None:
     parallel_net.enable_fp32_communication()
     parallel_net.comm_fusion(None)
     parallel_net.comm_fusion({})
+    parallel_net.comm_fusion({"openstate": True, "allreduce": {"mode": "size", "config": 32}})
     parallel_net.transformer_opt(None)
     parallel_net.transformer_opt("")
     settings = parallel_net.parallel_settings()
@@ -252,6 +254,10 @@ def test_settings_simpar_honours() -> None:
     assert parallel_net.get_pipeline_stages() == 4
     assert settings["pipeline_config"] == {"pipeline_interleave": True,
                                            "pipeline_scheduler": "gpipe"}
+    assert settings["comm_fusion"] == {"openstate": True,
+                                       "allreduce": {"mode": "size", "config": 32}}
+    with parallel_net.parallel_context() as ctx:   # what the compilation plans with
+        assert ctx.comm_fusion == AllReduceFusion("size", 32)
     for config in ("full_batch", "data_parallel"):
         parallel_net.dataset_strategy(config)
         assert parallel_net.parallel_settings()["dataset_strategy"] == config
@@ -374,6 +380,10 @@ def test_file_paths_must_be_str(method: str) -> None:
 def test_bad_comm_fusion_and_transformer_opt() -> None:
     with pytest.raises(TypeError, match="'config' must be dict, but got the type : list"):
         _net().comm_fusion([("allreduce", {})])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"AutoParallel.comm_fusion: config\['allreduce'\]"
+                                         r"\['config'\] must be an int > 0 \(MB\) in 'size' "
+                                         "mode, but got 0"):
+        _net().comm_fusion({"allreduce": {"mode": "size", "config": 0}})
     with pytest.raises(TypeError, match="'file_path' must be str or None, but got the type : "
                        "int"):
         _net().transformer_opt(3)  # type: ignore[arg-type]
@@ -393,9 +403,9 @@ def test_bad_comm_fusion_and_transformer_opt() -> None:
                                      "local norms"),
     (lambda n: n.dump_local_norm("/tmp/norms"), "AutoParallel.dump_local_norm"),
     (lambda n: n.enable_device_local_norm(), "AutoParallel.enable_device_local_norm"),
-    (lambda n: n.comm_fusion({"openstate": True, "allreduce": {"mode": "auto",
-                                                               "config": None}}),
-     "AutoParallel.comm_fusion: simpar fuses each step's parameter-gradient"),
+    (lambda n: n.comm_fusion({"allgather": {"mode": "auto", "config": None}}),
+     r"AutoParallel.comm_fusion: config\['allgather'\]: simpar fuses only the gradient "
+     "AllReduces"),
     (lambda n: n.transformer_opt("./parallel_speed_up.json"),
      "AutoParallel.transformer_opt: simpar runs each collective when its step comes"),
 ])

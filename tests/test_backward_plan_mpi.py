@@ -71,10 +71,12 @@ def _gpt_batch(step: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _train(net: nn.Cell, loss: nn.Cell, mode: str, batch: Any, steps: int = 2,
-           dataset: Any = "full_batch") -> Run:
+           dataset: Any = "full_batch", fusion: Any = None) -> Run:
     simpar.reset_auto_parallel_context()
     simpar.set_auto_parallel_context(parallel_mode=mode, dataset_strategy=dataset,
                                      gradients_mean=True)
+    if fusion is not None:
+        simpar.set_auto_parallel_context(comm_fusion=fusion)
     try:
         cell = nn.WithLossCell(net, loss)
         train = nn.TrainOneStepCell(cell, nn.SGD(cell.trainable_params(), 0.05),
@@ -195,6 +197,33 @@ def test_data_parallel_runs_only_the_loss_and_the_bucketed_mirrors() -> None:
     assert [(e.kind, e.group, e.shape) for e in fwd] == [("AllReduce", world, ())]
     assert [(e.kind, e.group) for e in bwd] == [("AllReduce", world)]
     assert bwd[0].label.startswith("Mirror:4 params")
+
+
+@pytest.mark.parametrize("fusion, buckets", [
+    ({"allreduce": {"mode": "auto", "config": None}}, [(4, 544 + 264)]),
+    ({"allreduce": {"mode": "index", "config": [1, 3]}}, [(1, 512), (2, 32 + 256), (1, 8)]),
+    ({"openstate": False}, [(1, 512), (1, 32), (1, 256), (1, 8)])])
+def test_comm_fusion_buckets_the_mirrors(fusion: Any, buckets: list[tuple[int, int]]) -> None:
+    """MindSpore's comm_fusion: "auto" fuses the MLP's 6.4 KB of gradients into one
+    AllReduce (under 64 MB), "index" [1, 3] into three (fc1's weight; its bias and fc2's
+    weight; fc2's bias), no fusion into one per parameter; each the same as one device."""
+    n = comm.get_group_size()
+    mlp = nn.MLP(16, 32, 8, activation="gelu", dtype=np.float64)
+    run = _train(mlp, nn.MSELoss(), "data_parallel", _mlp_batch, dataset="data_parallel",
+                 fusion=fusion)
+    ref = _train(nn.MLP(16, 32, 8, activation="gelu", dtype=np.float64), nn.MSELoss(),
+                 "stand_alone", _mlp_batch)
+    _same_as_one_device(run, ref)
+    _, bwd = _phases(run)
+    if n == 1:
+        assert bwd == []
+        return
+    world = tuple(range(n))
+    assert [(e.kind, e.group, e.shape) for e in bwd] == [
+        ("AllReduce", world, (size,)) for _, size in buckets]
+    assert [e.label.split(" ")[0] for e in bwd] == [f"Mirror:{k}" for k, _ in buckets]
+    mirrors = [s for s in run.train.program.schedule(comm.get_rank()) if s.role == "mirror"]
+    assert [s.buffer_bytes for s in mirrors] == [8 * size for _, size in buckets]
 
 
 def test_no_parameter_is_summed_over_ranks_that_computed_its_gradient_alike() -> None:

@@ -640,12 +640,16 @@ def test_context_never_imports_mpi() -> None:
     imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
                 for alias in node.names}
     imported |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    # Its only simpar import is the key-spec engine, which imports nothing from simpar.
-    assert {m for m in imported if m.startswith(("mpi4py", "simpar"))} == {"simpar._keyspec"}, \
-        imported
+    # Its only simpar imports are the key-spec engine, which imports nothing from simpar, and
+    # comm_fusion's values, which import only the engine.
+    assert {m for m in imported if m.startswith(("mpi4py", "simpar"))} == {
+        "simpar._keyspec", "simpar.comm_fusion"}, imported
     engine = ast.parse(Path(context.__file__).with_name("_keyspec.py").read_text())
     assert not [n for n in ast.walk(engine) if isinstance(n, (ast.Import, ast.ImportFrom))
                 and "simpar" in ast.unparse(n)]
+    fusion = ast.parse(Path(context.__file__).with_name("comm_fusion.py").read_text())
+    assert {n.module for n in ast.walk(fusion) if isinstance(n, ast.ImportFrom)
+            and "simpar" in (n.module or "")} == {"simpar._keyspec"}
     code = "import sys, simpar.context; assert 'mpi4py' not in sys.modules, 'mpi4py imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -700,7 +704,7 @@ def test_a_key_simpar_does_not_honour_yet_warns_once_naming_it() -> None:
             warnings.simplefilter("error", NotHonouredWarning)   # auto search fully_use_devices
             set_algo_parameters(tensor_slice_align_enable=True)
             set_algo_parameters(fully_use_devices=True)
-        for key in ("comm_fusion", "parameter_broadcast", "dump_local_norm"):
+        for key in ("all_reduce_fusion_config", "parameter_broadcast", "dump_local_norm"):
             with pytest.raises(NotImplementedError, match=f"{key} is MindSpore's, but simpar "
                                                           "does not implement it: "):
                 set_auto_parallel_context(**{key: True})

@@ -18,7 +18,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "simpar"
 
 LAYERS: list[tuple[str, ...]] = [
-    ("simpar._env", "simpar._enums", "simpar._checks", "simpar._keyspec", "simpar.context",
+    ("simpar._env", "simpar._enums", "simpar._checks", "simpar._keyspec", "simpar.comm_fusion",
+     "simpar.context",
      "simpar.cost_model_context", "simpar.seed", "simpar.counter_rng", "simpar.compare",
      "simpar.collective_kinds"),
     ("simpar.comm",),

@@ -90,6 +90,21 @@ def test_a_small_gpt_plans_end_to_end_and_its_json_holds_the_searched_strategies
     assert not list(tmp_path.glob(".*.tmp"))  # the temporary file was renamed
 
 
+def test_comm_fusion_buckets_the_plans_gradient_allreduces() -> None:
+    """--comm-fusion: the plan's Mirrors, as its program schedules them, one per group of
+    ranks (the default), one per gradient (off), or buckets of at most 1 MB (with the 64-wide
+    MLP's 16-64 KB gradients, one)."""
+    mirrors = {}
+    for fusion in ("one", "off", "1"):
+        opts, _ = plan.parse_args([*SMALL_MLP, "--dataset-strategy", "data_parallel",
+                                   "--search-mode", "recursive_programming", "--comm-fusion",
+                                   fusion])
+        made = plan.make_plan(opts)
+        mirrors[fusion] = [s.label for s in made.program.schedule(0) if s.role == "mirror"]
+    assert len(mirrors["one"]) == 1 and mirrors["one"][0].startswith("Mirror:4 params")
+    assert len(mirrors["off"]) == 4 and mirrors["1"] == mirrors["one"]
+
+
 @pytest.mark.parametrize("search", ["recursive_programming", "sharding_propagation"])
 def test_mindspore_s_fast_searches_plan_end_to_end(
         search: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -225,6 +240,8 @@ def test_presets_are_alpa_s_and_flags_override_them() -> None:
     (["--out", "{tmp}/missing/plan.json"], "argument --out: '{tmp}/missing/plan.json': "
      "directory '{tmp}/missing' does not exist"),
     (["--out", "{tmp}"], "argument --out: '{tmp}': is a directory"),
+    (["--comm-fusion", "0"], "argument --comm-fusion: must be one, auto, off or a bucket size "
+     "in MB (an int >= 1), got '0'"),
 ])
 def test_bad_options_exit_2_with_one_line_naming_the_option(
         argv: list[str], message: str, tmp_path: Path,

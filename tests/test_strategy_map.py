@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from simpar import context, graph, nn, ops, seed
+from simpar.comm_fusion import AllReduceFusion
 from simpar.layout import TensorLayout
 from simpar.nn import presets
 from simpar.runtime import NothingParallelWarning, build_program, lower
@@ -76,6 +77,12 @@ def test_the_map_is_frozen_and_round_trips_through_json() -> None:
     back = StrategyMap.from_dict(json.loads(json.dumps(smap.to_dict())))
     assert back == smap
     assert lower(g, back).strategies() == lower(g, smap).strategies()
+    assert "comm_fusion" not in smap.to_dict()   # the default: one bucket per group
+    fused = dataclasses.replace(smap, comm_fusion=AllReduceFusion("index", (1, 3)))
+    again = StrategyMap.from_dict(json.loads(json.dumps(fused.to_dict())))
+    assert again == fused != smap and lower(g, again).comm_fusion == fused.comm_fusion
+    with pytest.raises(TypeError, match="comm_fusion must be an AllReduceFusion, got dict"):
+        dataclasses.replace(smap, comm_fusion={"openstate": False})
 
 
 def test_lower_chooses_nothing_it_follows_the_map() -> None:

@@ -44,6 +44,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from simpar import context, graph
+from simpar.comm_fusion import check_comm_fusion
 from simpar.layout import Layout
 from simpar.nn.cell import Cell, Wrapper
 from simpar.optimizer_parallel import LEVELS
@@ -320,17 +321,17 @@ class AutoParallel(Wrapper):
             "optimizer_weight_shard_size": int(shard_size)}
 
     def comm_fusion(self, config: dict[str, Any] | None) -> None:
-        """Communication fusion settings. simpar always fuses each step's Mirror AllReduces
-        into one call per group of ranks and has nothing to configure: ``None`` or ``{}`` is
-        accepted, any setting raises ``NotImplementedError``."""
+        """How the gradient (Mirror) AllReduces are fused, as the context's ``comm_fusion``
+        (:mod:`simpar.comm_fusion`): ``{"allreduce": {"mode": "auto" | "size" | "index",
+        "config": ...}, "openstate": bool}``; ``None`` or ``{}`` leave the default (every
+        gradient of a group of ranks in one AllReduce). AllGather and ReduceScatter fusion
+        raise ``NotImplementedError``."""
         if config is not None and not isinstance(config, dict):
             raise TypeError(f"For 'AutoParallel.comm_fusion', the argument 'config' must be "
                             f"dict, but got the type : {type(config).__name__} ({config!r}).")
         if config:
-            raise NotImplementedError(
-                f"AutoParallel.comm_fusion: simpar fuses each step's parameter-gradient "
-                f"(Mirror) AllReduces into one call per group of ranks, always, and has no "
-                f"fusion modes or thresholds to set; got {config!r}")
+            check_comm_fusion("AutoParallel.comm_fusion", "config", config)
+            self._settings["comm_fusion"] = config
 
     def load_param_strategy_file(self, file_path: str) -> None:
         """Plan from a strategy file instead of searching (MindSpore's

@@ -15,6 +15,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from simpar.collective_kinds import kind_of, traffic
 from simpar.cotangent import (
     Action,
@@ -74,15 +76,23 @@ class BackwardPlan:
     def mirror_buckets(self, lowered: LoweredGraph, rank: int
                        ) -> tuple[tuple[tuple[int, ...], str, tuple[str, ...]], ...]:
         """``rank``'s Mirrors: per group of ranks and dtype, the trainable parameters whose
-        gradients one AllReduce sums over that group, in the program's parameter order."""
-        buckets: dict[tuple[tuple[int, ...], str], list[str]] = {}
+        gradients one AllReduce sums over that group, in the program's parameter order; the
+        gradients of one group and dtype go into as many buckets as ``lowered.comm_fusion``
+        says (one by default)."""
+        groups: dict[tuple[tuple[int, ...], str], list[str]] = {}
         for name, v in lowered.param_values.items():
             if v.param is None or not v.param.requires_grad or name in self.shard_syncs:
                 continue
             group = self.mirror_group(lowered, name, rank)
             if len(group) > 1:
-                buckets.setdefault((group, v.dtype.str), []).append(name)
-        return tuple((group, dtype, tuple(names)) for (group, dtype), names in buckets.items())
+                groups.setdefault((group, v.dtype.str), []).append(name)
+        out = []
+        for (group, dtype), names in groups.items():
+            sizes = [lowered.param_layouts[n].local_size() * np.dtype(dtype).itemsize
+                     for n in names]
+            out += [(group, dtype, tuple(names[k] for k in bucket))
+                    for bucket in lowered.comm_fusion.buckets(sizes)]
+        return tuple(out)
 
 
 def plan_backward(lowered: LoweredGraph, seeded: Sequence[bool]) -> BackwardPlan:

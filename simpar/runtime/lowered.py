@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from simpar.comm_fusion import AllReduceFusion
 from simpar.graph import Graph, Node, Value
 from simpar.layout import TensorLayout
 from simpar.ops._base import OpSharding
@@ -75,6 +76,8 @@ class LoweredGraph:
     #: micro-batch's, and the gradients that sync once per step do so after the last.
     micro_batches: int = 1
     segments: tuple[Segment, ...] = ()
+    #: How the Mirrors bucket the gradients they sum (:mod:`simpar.comm_fusion`).
+    comm_fusion: AllReduceFusion = AllReduceFusion()
 
     def segment_of(self, index: int) -> Segment | None:
         """The recomputed segment op ``index`` (its step's place) belongs to, if any."""

@@ -105,7 +105,7 @@ def lower(graph: Graph, strategy_map: StrategyMap, enable_alltoall: bool = False
     lowered = LoweredGraph(graph, device_num, tuple(steps), layouts, params,
                            {v.name: v for v in graph.params}, frozenset(needs),
                            enable_alltoall, grad_nodes, shards, gathers, smap.micro_batches,
-                           _segments(graph, smap))
+                           _segments(graph, smap), smap.comm_fusion)
     _check_updates(lowered)
     plans = _backward_plans(lowered, seeds)
     program = ParallelProgram(

@@ -93,9 +93,11 @@ def complete_plan(request: PlanRequest, smap: StrategyMap) -> StrategyMap:
     dimensions beyond the cuts: the optimizer slices (:func:`shard_optimizer`), the
     micro-batches per step and the recomputed Cells."""
     smap = shard_optimizer(request, smap)
-    if (request.micro_batches, request.recompute) != (smap.micro_batches, smap.recompute):
+    if (request.micro_batches, request.recompute, request.comm_fusion) != (
+            smap.micro_batches, smap.recompute, smap.comm_fusion):
         smap = dataclasses.replace(smap, micro_batches=request.micro_batches,
-                                   recompute=request.recompute)
+                                   recompute=request.recompute,
+                                   comm_fusion=request.comm_fusion)
     return smap
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from simpar.comm_fusion import AllReduceFusion
 from simpar.context import AlgoParameters, algo_parameters, auto_parallel_context
 from simpar.cost.interface import CostModel, MindSporeCostModel, SimparCostModel
 from simpar.cost_model_context import cost_model_context, get_search_cost_model
@@ -74,6 +75,8 @@ class PlanRequest:
     searched: frozenset[str] = frozenset()
     micro_graphs: Mapping[int, Graph] = field(default_factory=dict, compare=False, repr=False)
     step_objective: bool = False
+    #: How the Mirrors' gradient AllReduces are bucketed (the context's ``comm_fusion``).
+    comm_fusion: AllReduceFusion = AllReduceFusion()
 
 
 def request_from_context(graph: Graph, *, cell: Any = None,
@@ -160,7 +163,8 @@ def request_from_context(graph: Graph, *, cell: Any = None,
                        bool(given("enable_alltoall", enable_alltoall)),
                        str(given("search_mode", search_mode)), algos, model, cap, optimizer,
                        micro_batches, _recompute(graph, recompute), frozenset(searched),
-                       dict(micro_graphs or {micro_batches: graph}))
+                       dict(micro_graphs or {micro_batches: graph}),
+                       comm_fusion=ctx.comm_fusion)
 
 
 def _recompute(graph: Graph, names: tuple[str, ...] | None) -> tuple[str, ...]:

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from simpar._enums import StrEnum
+from simpar.comm_fusion import AllReduceFusion, check_comm_fusion
 from simpar.graph import Graph, Value
 from simpar.layout import TensorLayout
 from simpar.ops.strategy import Strategy, as_strategy
@@ -112,7 +113,8 @@ class StrategyMap:
     stores); a parameter it does not name is stored in its own layout. ``micro_batches`` is
     how many micro-batches a training step runs (gradient accumulation); the graph is one
     micro-batch's. ``recompute`` names the recomputed Cells (the graph's segments);
-    ``dimensions`` says how auto_parallel chose these three, when it did."""
+    ``dimensions`` says how auto_parallel chose these three, when it did. ``comm_fusion``
+    buckets the Mirrors' gradient AllReduces (:mod:`simpar.comm_fusion`)."""
 
     device_num: int
     mode: str
@@ -123,6 +125,7 @@ class StrategyMap:
     shards: Mapping[str, ParamShard] = field(default_factory=dict)
     micro_batches: int = 1
     recompute: tuple[str, ...] = ()
+    comm_fusion: AllReduceFusion = AllReduceFusion()
     #: How auto_parallel chose the memory dimensions, when it did
     #: (:class:`~simpar.search.dimensions.DimensionSearch`; not saved, not compared).
     dimensions: Any = field(default=None, compare=False, repr=False)
@@ -149,6 +152,9 @@ class StrategyMap:
                 self.micro_batches, (int, np.integer)) or self.micro_batches < 1:
             raise ValueError(f"StrategyMap: micro_batches must be an int >= 1, got "
                              f"{self.micro_batches!r}")
+        if not isinstance(self.comm_fusion, AllReduceFusion):
+            raise TypeError(f"StrategyMap: comm_fusion must be an AllReduceFusion, got "
+                            f"{type(self.comm_fusion).__name__}")
         gap = self.optimality_gap
         if gap is not None:
             if isinstance(gap, bool) or not isinstance(gap, (int, float, np.floating)) or \
@@ -162,10 +168,10 @@ class StrategyMap:
             return NotImplemented
         return (self.device_num, self.mode, dict(self.ops), dict(self.params),
                 dict(self.inputs), dict(self.shards), self.micro_batches,
-                tuple(self.recompute)) == (
+                tuple(self.recompute), self.comm_fusion) == (
                     other.device_num, other.mode, dict(other.ops), dict(other.params),
                     dict(other.inputs), dict(other.shards), other.micro_batches,
-                    tuple(other.recompute))
+                    tuple(other.recompute), other.comm_fusion)
 
     __hash__ = None  # type: ignore[assignment]  # holds mappings; compare, don't hash
 
@@ -212,6 +218,8 @@ class StrategyMap:
             d["micro_batches"] = self.micro_batches
         if self.recompute:
             d["recompute"] = list(self.recompute)
+        if self.comm_fusion != AllReduceFusion():
+            d["comm_fusion"] = self.comm_fusion.as_dict()
         if self.shards:
             d["shards"] = {n: {"level": str(s.level), "size": s.size,
                                "layout": s.layout.to_dict()} for n, s in self.shards.items()}
@@ -237,4 +245,6 @@ class StrategyMap:
                    {n: ParamShard(s["level"], int(s["size"]), TensorLayout.from_dict(s["layout"]))
                     for n, s in d.get("shards", {}).items()},
                    int(d.get("micro_batches", 1)),
-                   tuple(str(n) for n in d.get("recompute", ())))
+                   tuple(str(n) for n in d.get("recompute", ())),
+                   check_comm_fusion("StrategyMap.from_dict", "comm_fusion",
+                                     d.get("comm_fusion", AllReduceFusion().as_dict())))
