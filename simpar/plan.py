@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from simpar import _env, graph, nn
+from simpar import _env, context, graph, nn
 from simpar._checks import positive_int_arg
 from simpar.comm_fusion import AllReduceFusion
 from simpar.cost import (
@@ -656,16 +656,19 @@ def pipeline_main(opts: PlanOptions, stages: int | None) -> int:
     print(f"simpar plan: {opts.describe()}, batch {opts.batch}, {opts.device_num} devices, "
           f"pipeline stages {what}, on {opts.profile.name} "
           f"({opts.profile.memory_capacity / 2**30:.0f} GiB per device)", flush=True)
-    found = search_pipeline(shape, opts.device_num, opts.profile, _OPTIMIZERS[opts.optimizer],
-                            stages)
+    # The stages' plan requests read the gradient buckets from the context.
+    with context.scoped_auto_parallel_context(comm_fusion=opts.comm_fusion.as_dict()):
+        found = search_pipeline(shape, opts.device_num, opts.profile,
+                                _OPTIMIZERS[opts.optimizer], stages)
+        mega = megatron_choice(opts)
+        if mega is not None:
+            s, choice = mega
+            ref = price_choice(shape, opts.device_num, s, choice, opts.profile,
+                               _OPTIMIZERS[opts.optimizer])
     print(f"searched {len(found.candidates)} candidates in {found.seconds:.1f} s ("
           f"{found.skipped} layouts left out: their weights alone exceed the cap); the best:")
     print(found.table())
-    mega = megatron_choice(opts)
     if mega is not None:
-        s, choice = mega
-        ref = price_choice(shape, opts.device_num, s, choice, opts.profile,
-                           _OPTIMIZERS[opts.optimizer])
         print(f"Megatron-LM's configuration: {ref.describe()}: predicted step "
               f"{ref.step_seconds:.3f} s, peak {ref.peak_memory / 2**30:.2f} GiB "
               f"({'fits' if ref.fits else 'does not fit'})")

@@ -142,3 +142,27 @@ def test_a_searched_stage_is_planned_by_the_operator_level_search() -> None:
         in plan.describe()
     megatron = search_pipeline(SMALL, 16, "ascend910b", stages=4, intra=None)
     assert all(p.choice.search is None for p in megatron.candidates)
+
+
+def test_simpar_plan_s_pipeline_search_buckets_gradients_as_comm_fusion_says(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--comm-fusion`` reaches every stage's plan request in the pipeline search (they
+    read the context), and the context is as it was afterwards."""
+    import simpar.pipeline.search as search_module
+    from simpar import context
+    from simpar.comm_fusion import AllReduceFusion
+    real = search_module.request_from_context
+    seen: set[AllReduceFusion] = set()
+
+    def spying(*args: Any, **kwargs: Any) -> Any:
+        request = real(*args, **kwargs)
+        seen.add(request.comm_fusion)
+        return request
+
+    monkeypatch.setattr(search_module, "request_from_context", spying)
+    code = plan_cli.main(["--hidden", "128", "--layers", "4", "--heads", "8", "--seq", "64",
+                          "--vocab", "512", "--batch", "32", "--device-num", "8",
+                          "--pipeline-stages", "2", "--comm-fusion", "off", "--quiet"])
+    assert code == 0, capsys.readouterr()
+    assert seen == {AllReduceFusion(openstate=False)}
+    assert context.auto_parallel_context().comm_fusion == AllReduceFusion()
