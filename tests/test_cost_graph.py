@@ -16,7 +16,7 @@ from simpar.cost import MindSporeCostModel, SimparCostModel, evaluate
 from simpar.runtime import lower
 from simpar.search import OpStrategy, Source, StrategyMap, request_from_context
 from simpar.search import dynamic_programming as dpm
-from simpar.search.auto import cost_graph_of, strategy_map_of
+from simpar.search.auto import cost_graph_of, pricer_of, strategy_map_of
 from simpar.search.cost_graph import brute_force, build_cost_graph
 from simpar.search.dynamic_programming import solve_dynamic_programming
 from simpar.search.planner import complete_plan
@@ -233,3 +233,26 @@ def test_searched_memory_is_the_priced_memory_of_the_plans_the_weights_give() ->
         choice, _, _ = dpm._solve(cg, 1, math.inf, weight=weight)
         assert choice is not None
         assert cg.memory(choice) == _priced_memory(request, cg, choice)
+
+
+def test_an_edge_s_memory_matrix_is_its_memory_pair_by_pair() -> None:
+    """``Pricer.edge_memory_matrix`` (what the cost graph holds) and ``edge_memory`` (what
+    recursive programming and sharding propagation add) agree on every pair of every edge
+    that carries a copy, and those edges are the ones into q, k and v's views and products."""
+    request = _gpt_request()
+    pricer = pricer_of(request)
+    cg = cost_graph_of(request)
+    carrying = 0
+    for e, (se, edge) in enumerate(zip(pricer.edges, cg.edges)):
+        producers = cg.nodes[se.producer].candidates
+        consumers = cg.nodes[se.consumer].candidates
+        matrix = pricer.edge_memory_matrix(e, producers, consumers)
+        assert (matrix is None) == (edge.memories is None)
+        if matrix is None:
+            continue
+        carrying += 1
+        assert re.search(r"attn-.*/(k|v)-Dense|BatchMatMul", cg.nodes[se.consumer].name)
+        want = [[pricer.edge_memory(e, p, c) for c in consumers] for p in producers]
+        assert matrix.tolist() == want and np.asarray(edge.memories).tolist() == want
+        assert matrix.any() and not matrix.all()   # a copy only where the pair moves
+    assert carrying >= 6
