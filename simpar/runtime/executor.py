@@ -782,8 +782,8 @@ class Executor:
     def _mirrors(self, seeded: tuple[bool, ...], out: dict[str, np.ndarray]
                  ) -> dict[str, np.ndarray]:
         mirrors = self.backwards[seeded][1]
-        # Mirror: one AllReduce per group of ranks and dtype, on all its parameters' gradients
-        # at once (MindSpore fuses these AllReduces too); the sum completes every pending one.
+        # Mirror: one AllReduce per bucket (by default every gradient of a group of ranks and
+        # dtype; comm_fusion splits them), packed at once; the sum completes every pending one.
         for _, announce, names, sizes, all_reduce in mirrors:
             flat = all_reduce(np.concatenate([out[n].ravel() for n in names]),
                               schedule.announce(announce))
