@@ -498,18 +498,14 @@ class Pricer:
     def edge_memory(self, e: int, producer: OpSharding, consumer: OpSharding) -> float:
         """Bytes per rank edge ``e`` adds between a producer and a consumer sharding: the
         consumer's own copy of a held input that the pair moves (0 otherwise)."""
-        if not self._copies[e]:
-            return 0.0
-        edge = self.edges[e]
-        dst = consumer.in_layouts[edge.input]
-        if self._key(producer.outputs[edge.output][1]) == self._key(dst) or (
-                consumer.inner_plan is not None):   # its own move makes the kept copy
-            return 0.0
-        return self._copy_bytes * dst.local_size() * edge.itemsize
+        matrix = self.edge_memory_matrix(e, [producer], [consumer])
+        return 0.0 if matrix is None else float(matrix[0, 0])
 
     def edge_memory_matrix(self, e: int, producers: Sequence[OpSharding],
                            consumers: Sequence[OpSharding]) -> np.ndarray | None:
-        """:meth:`edge_memory` for every pair at once (None: the edge adds none)."""
+        """:meth:`edge_memory` for every pair at once (None: the edge adds none). A consumer
+        that moves the input itself (a Reshape's ``inner_plan``) counts its own output
+        instead."""
         if not self._copies[e]:
             return None
         edge = self.edges[e]
