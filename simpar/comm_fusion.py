@@ -57,15 +57,30 @@ class AllReduceFusion:
             assert isinstance(self.config, tuple)
             edges = [0, *(c for c in self.config if 0 < c < n), n]
             return [range(a, b) for a, b in zip(edges, edges[1:]) if b > a]
-        mb = AUTO_THRESHOLD_MB if self.mode == "auto" else self.config
-        assert isinstance(mb, int)
+        limit = self.threshold_bytes
         out, start, total = [], 0, 0
         for k, size in enumerate(nbytes):
-            if k > start and total + size > mb * 2**20:
+            if k > start and total + size > limit:
                 out.append(range(start, k))
                 start, total = k, 0
             total += size
         return out + [range(start, n)] if n else out
+
+    @property
+    def packs_all(self) -> bool:
+        """Whether one bucket may pack every gradient of its group ("index" mode: its largest
+        bucket is bounded only by the sum of the gradients)."""
+        return self.openstate and self.mode == "index"
+
+    @property
+    def threshold_bytes(self) -> int:
+        """The size a bucket of several gradients stays within ("size" and "auto" modes; 0
+        otherwise). A gradient larger than it goes alone."""
+        if not self.openstate or self.mode == "index":
+            return 0
+        mb = AUTO_THRESHOLD_MB if self.mode == "auto" else self.config
+        assert isinstance(mb, int)
+        return mb * 2**20
 
     def as_dict(self) -> dict[str, Any]:
         """MindSpore's dict: ``{"openstate": ..., "allreduce": {"mode": ..., "config": ...}}``."""

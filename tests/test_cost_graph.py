@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import re
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 from simpar import graph, nn, ops
+from simpar.comm_fusion import AllReduceFusion
 from simpar.cost import MindSporeCostModel, SimparCostModel, evaluate
 from simpar.runtime import lower
 from simpar.search import OpStrategy, Source, StrategyMap, request_from_context
@@ -20,6 +22,7 @@ from simpar.search.auto import cost_graph_of, pricer_of, strategy_map_of
 from simpar.search.cost_graph import brute_force, build_cost_graph
 from simpar.search.dynamic_programming import solve_dynamic_programming
 from simpar.search.planner import complete_plan
+from simpar.search.request import dataset_layouts
 
 
 def _mlp(n_hidden: int = 1) -> graph.Graph:
@@ -199,13 +202,19 @@ def _priced_memory(request: Any, cg: Any, choice: tuple[int, ...]) -> int:
                for m in report.memory)
 
 
+def _arrays_request() -> Any:
+    """:func:`_gpt_request` with every gradient summed by itself (comm_fusion openstate
+    False): the search then counts the arrays alone, no gradient bucket."""
+    return dataclasses.replace(_gpt_request(), comm_fusion=AllReduceFusion(openstate=False))
+
+
 def test_a_moved_input_that_several_ops_keep_is_counted_once_per_copy() -> None:
     """q, k and v read one LayerNorm output and each keeps it for its backward. When each
     moves it into another layout (here: the whole output, sliced by rows), each keeps its
     own copy: the search counts the first as q's and the other two on their edges, and its
     memory of the plan is the final pricing's; without the edges' memory it is two copies
     short per block."""
-    request = _gpt_request()
+    request = _arrays_request()
     cg = cost_graph_of(request)
     choice = list(solve_dynamic_programming(cg).choice)
     projections = [n for n, node in enumerate(cg.nodes) if node.node.op.name == "MatMul"
@@ -227,7 +236,7 @@ def test_a_moved_input_that_several_ops_keep_is_counted_once_per_copy() -> None:
 def test_searched_memory_is_the_priced_memory_of_the_plans_the_weights_give() -> None:
     """From the cheapest plan to the least memory, the search's memory of each plan that
     dynamic programming gives is what the final pricing counts (its transients aside)."""
-    request = _gpt_request()
+    request = _arrays_request()
     cg = cost_graph_of(request)
     for weight in (0.0, 1e-9, 1e-7, 1e-6):
         choice, _, _ = dpm._solve(cg, 1, math.inf, weight=weight)
@@ -256,3 +265,39 @@ def test_an_edge_s_memory_matrix_is_its_memory_pair_by_pair() -> None:
         assert matrix.tolist() == want and np.asarray(edge.memories).tolist() == want
         assert matrix.any() and not matrix.all()   # a copy only where the pair moves
     assert carrying >= 6
+
+
+def test_the_searched_memory_holds_every_gradient_bucket_the_mirrors_pack() -> None:
+    """Under the default comm_fusion one bucket may pack all of a group's gradients: the
+    search counts each replicated gradient again, so its memory of a data-parallel plan is
+    the final pricing's arrays plus every bucket the rank's Mirrors pack, which bounds the
+    communication buffer the final pricing adds; the plan the cap gives fits when priced.
+    Under a size threshold ("auto": 64 MB) the threshold is held back from the cap instead."""
+    request = dataclasses.replace(_gpt_request(), input_layouts=dataset_layouts(
+        [(8, 16), (8 * 16,)], 8, ((8, 1), (8,))))
+    cg = cost_graph_of(request)
+    choice = solve_dynamic_programming(cg).choice
+    smap = complete_plan(request, strategy_map_of(request, cg, choice))
+    program = lower(request.graph, smap)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = evaluate(program, "ascend910b", "momentum")
+    buckets = [s.buffer_bytes for s in program.schedule(0) if s.role == "mirror"]
+    assert len(buckets) == 2 and min(buckets) > 0   # over all 8 ranks, and the head's pair
+    row = report.memory[0]
+    arrays = row.parameters + row.gradients + row.optimizer + row.activations
+    assert cg.memory(choice) == arrays + sum(buckets)
+    assert row.comm_buffer == max(buckets)
+    # A cap between the arrays and the arrays with the buckets: the plan found fits priced.
+    capped = dataclasses.replace(request, memory_capacity=float(arrays + sum(buckets) // 2))
+    cg = cost_graph_of(capped)
+    choice = solve_dynamic_programming(cg).choice
+    program = lower(capped.graph, complete_plan(capped, strategy_map_of(capped, cg, choice)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert evaluate(program, "ascend910b", "momentum").peak_memory <= \
+            capped.memory_capacity
+    sized = pricer_of(dataclasses.replace(request, comm_fusion=AllReduceFusion("auto", None)))
+    assert sized.reserve == 64 * 2**20
+    assert sized.memory_capacity == request.cost_model.memory_capacity - 64 * 2**20
+    assert pricer_of(request).reserve == 0

@@ -245,6 +245,38 @@ def test_recursive_programming_checks_memory() -> None:
         set_search_cost_model(None)
 
 
+def test_recursive_programming_descends_toward_a_cap_its_neighbourhood_cannot_reach(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a cap far below the rounds' plan, no plan one step from it fits: the refinement
+    steps to its neighbourhood's plan of least memory, again until one fits, and then
+    refines; without those steps recursive programming finds no plan."""
+    from simpar.search import recursive_programming as rp
+    from simpar.search.dynamic_programming import least_memory_plan
+
+    net = nn.WithLossCell(nn.GPT(vocab_size=256, seq_length=32, d_model=64, n_heads=4,
+                                 n_layers=2, dtype=F32),
+                          nn.SoftmaxCrossEntropyWithLogits()).set_train()
+    specs = [((16, 32), np.int32), ((16 * 32,), np.int32)]
+    free = _pricer(net, specs, 8)
+    rounds = solve_recursive_programming(free).memory
+    cg = build_cost_graph(free.graph, 8, free.model, input_layouts=dataset_layouts(
+        [v.shape for v in free.graph.inputs], 8, "data_parallel"))
+    least = least_memory_plan(cg)
+    assert least is not None
+    cap = cg.memory(least) + 0.1 * (rounds - cg.memory(least))
+
+    def capped() -> Pricer:
+        g = graph.trace(net, specs)
+        return Pricer(g, 8, SimparCostModel("ascend910a"), dataset_layouts(
+            [v.shape for v in g.inputs], 8, "data_parallel"), memory_capacity=cap)
+
+    found = solve_recursive_programming(capped())
+    assert found.memory <= cap < rounds
+    monkeypatch.setattr(rp, "MAX_DESCENTS", 0)
+    with pytest.raises(NoAvailableCost, match="recursive_programming's plan needs"):
+        solve_recursive_programming(capped())
+
+
 # ------------------------------------------------------------------ sharding propagation
 class _Chain(Cell):
     """``x -> [ReLU] -> MatMul(transpose_b) -> [Reshape] -> Add(b) -> ReLU`` as in

@@ -57,7 +57,7 @@ def pricer_of(request: PlanRequest) -> Pricer:
                   request.algo.elementwise_op_strategy_follow, algo=request.algo,
                   memory_capacity=request.memory_capacity, optimizer=request.optimizer,
                   recompute=request.recompute, micro_batches=request.micro_batches,
-                  step_objective=request.step_objective)
+                  step_objective=request.step_objective, comm_fusion=request.comm_fusion)
 
 
 def cost_graph_of(request: PlanRequest) -> CostGraph:
@@ -69,7 +69,8 @@ def cost_graph_of(request: PlanRequest) -> CostGraph:
                             memory_capacity=request.memory_capacity,
                             optimizer=request.optimizer, recompute=request.recompute,
                             micro_batches=request.micro_batches,
-                            step_objective=request.step_objective)
+                            step_objective=request.step_objective,
+                            comm_fusion=request.comm_fusion)
 
 
 def exact_planner(request: PlanRequest) -> StrategyMap:

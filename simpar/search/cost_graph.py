@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from simpar.comm_fusion import AllReduceFusion
 from simpar.context import AlgoParameters
 from simpar.cost.interface import CostModel
 from simpar.graph import Graph, Node
@@ -158,10 +159,12 @@ def build_cost_graph(graph: Graph, device_num: int, model: CostModel,
                      memory_capacity: float | None = None,
                      optimizer: OptimizerParallel | None = None,
                      recompute: Sequence[str] = (), micro_batches: int = 1,
-                     step_objective: bool = False) -> CostGraph:
+                     step_objective: bool = False,
+                     comm_fusion: AllReduceFusion | None = None) -> CostGraph:
     """The cost graph of ``graph`` on ``device_num`` devices under ``model``, within
     ``memory_capacity`` bytes per rank (None: the model's own), with the memory of the
-    ``optimizer`` slices and the ``recompute``-d Cells priced (a model that prices them).
+    ``optimizer`` slices, the ``recompute``-d Cells and the gradient buckets of
+    ``comm_fusion`` priced (a model that prices them; :class:`~simpar.search.pricing.Pricer`).
     ``step_objective``: the costs are a whole step's of ``micro_batches`` micro-batches with
     the memory dimensions' time (:mod:`simpar.cost.step_price`).
 
@@ -191,7 +194,7 @@ def build_cost_graph(graph: Graph, device_num: int, model: CostModel,
                     algo.elementwise_op_strategy_follow, algo=algo,
                     memory_capacity=memory_capacity, optimizer=optimizer,
                     recompute=recompute, micro_batches=micro_batches,
-                    step_objective=step_objective)
+                    step_objective=step_objective, comm_fusion=comm_fusion)
     nodes: list[CostNode] = []
     priced: dict[tuple[Any, ...], tuple[tuple[OpSharding, ...], tuple[float, ...],
                                         tuple[float, ...]]] = {}

@@ -57,7 +57,7 @@ from simpar.search.cost_graph import CostGraph, same_blocks
 from simpar.search.min_plus import min_plus
 from simpar.search.pricing import NoAvailableCost
 
-__all__ = ["DPSolution", "NoAvailableCost", "solve_dynamic_programming"]
+__all__ = ["DPSolution", "NoAvailableCost", "least_memory_plan", "solve_dynamic_programming"]
 
 log = logging.getLogger("simpar.search")
 
@@ -655,9 +655,16 @@ def solve_dynamic_programming(cg: CostGraph, width: int = 128, pareto: bool = Tr
     return DPSolution(choice, cg.total(choice), cg.memory(choice), dict(counts), exact, passes)
 
 
+def least_memory_plan(cg: CostGraph) -> tuple[int, ...] | None:
+    """The plan of least memory, whether it fits or not (None: no plan satisfies the graph's
+    constraints)."""
+    found, _, _ = _solve(cg, 1, math.inf, memory_as_cost=True)
+    return found
+
+
 def _least_memory(cg: CostGraph) -> tuple[int, ...]:
     """The plan of least memory; :class:`NoAvailableCost` when even that one does not fit."""
-    found, _, _ = _solve(cg, 1, math.inf, memory_as_cost=True)
+    found = least_memory_plan(cg)
     if found is None or not cg.fits(found):
         raise _no_available_cost(cg, found)
     return found

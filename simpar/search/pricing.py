@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from simpar.comm_fusion import AllReduceFusion
 from simpar.context import AlgoParameters, algo_parameters
 from simpar.cost.interface import CostModel
 from simpar.graph import Graph, Node
@@ -195,7 +196,8 @@ class Pricer:
                  memory_capacity: float | None = None,
                  optimizer: OptimizerParallel | None = None,
                  recompute: Collection[str] = (), micro_batches: int = 1,
-                 step_objective: bool = False) -> None:
+                 step_objective: bool = False,
+                 comm_fusion: AllReduceFusion | None = None) -> None:
         self.graph, self.device_num, self.model = graph, device_num, model
         # The whole step's seconds, with the memory dimensions' time (a model with
         # ``step_op``): what the search of the memory dimensions compares across them.
@@ -214,8 +216,19 @@ class Pricer:
         self._holds_gathered = {i for seg in recomputed if not seg.opt_comm for i in seg.nodes}
         self.enable_alltoall = enable_alltoall
         self.algo = algo_or_context(algo)
+        # A Mirror holds its packed gradient bucket beside every array while it sums it (the
+        # final pricing's communication buffer). When one bucket may pack all of a group's
+        # gradients (comm_fusion's "index" mode, the default), each replicated gradient counts
+        # again on the op that counts its parameter (their sum bounds the largest bucket);
+        # under a size threshold the threshold is reserved off the cap instead.
+        fusion = comm_fusion or AllReduceFusion()
+        buckets = getattr(model, "prices_memory_dimensions", False)
+        self._bucketed = buckets and fusion.packs_all
+        #: Bytes held back from the cap for a gradient bucket of bounded size.
+        self.reserve = float(fusion.threshold_bytes if buckets else 0)
+        #: The bytes per rank the ops' and edges' memories may add up to.
         self.memory_capacity = float(model.memory_capacity if memory_capacity is None
-                                     else memory_capacity)
+                                     else memory_capacity) - self.reserve
         self.plans = {k: tuple(v) for k, v in (parameter_plan or {}).items()}
         inputs = {v.id: lay for v, lay in zip(graph.inputs, input_layouts or ())}
         index = {node.id: k for k, node in enumerate(graph.nodes)}
@@ -391,6 +404,10 @@ class Pricer:
                                            site.positions("frozen"))
             if n in self._view_copies and sh.inner_plan is not None:
                 memory += self._copy_bytes * sh.out.local_size() * itemsize
+            if self._bucketed:   # the gradients its Mirrors pack into a bucket
+                memory += sum(sh.in_layouts[k].local_size() * in_sizes[k]
+                              for k in site.positions("new")
+                              if k not in slices and sh.input_grad_spec(k) is not None)
             found = Priced(sh, cost, memory)
         self._priced[key] = found
         return found
@@ -558,7 +575,10 @@ def check_memory(pricer: Pricer, shardings: Sequence[OpSharding], search: str) -
         worst = max(range(len(mems)), key=mems.__getitem__)
         raise NoAvailableCost(
             f"No available cost: {search}'s plan needs {memory:.0f} bytes per rank, over the "
-            f"memory capacity of {capacity:.0f} (Failure: Out of memory!); the op that needs "
+            f"memory capacity of {capacity:.0f}"
+            + (f" (the device's less {pricer.reserve:.0f} held for a gradient bucket)"
+               if pricer.reserve else "")
+            + f" (Failure: Out of memory!); the op that needs "
             f"most of it is {pricer.sites[worst].name} ({mems[worst]:.0f} bytes, strategy "
             f"{[list(c) for c in shardings[worst].strategy]}). dynamic_programming searches "
             "under the cap; or use more devices", memory)

@@ -52,8 +52,9 @@ from typing import Any
 from simpar.ops._base import OpSharding
 from simpar.ops.strategy import IterSpace, Strategy
 from simpar.search.cost_graph import restricted_cost_graph
-from simpar.search.dynamic_programming import solve_dynamic_programming
+from simpar.search.dynamic_programming import least_memory_plan, solve_dynamic_programming
 from simpar.search.pricing import (
+    NoAvailableCost,
     Pricer,
     check_memory,
     listed,
@@ -63,6 +64,10 @@ from simpar.search.pricing import (
 __all__ = ["RecSolution", "prime_factors", "solve_recursive_programming"]
 
 log = logging.getLogger("simpar.search")
+
+#: At most this many refinements step toward the memory cap (to their neighbourhood's plan of
+#: least memory) before the refinements proper.
+MAX_DESCENTS = 8
 
 
 def prime_factors(n: int) -> list[int]:
@@ -236,28 +241,37 @@ class _Rec:
         one_layout_per_parameter(self.pr, self.state, "recursive_programming")
         self.used = [self.pr.device_num // sh.repeat for sh in self.state]
 
-    def refine(self) -> bool:
+    def refine(self) -> str | None:
         """The best plan within one step of every op's strategy (dynamic programming over
-        that neighbourhood); False when nothing changed or nothing there fits in memory."""
+        that neighbourhood): "refined"; when nothing there fits in memory, the plan of least
+        memory there: "descent"; None when nothing changed."""
         cg = restricted_cost_graph(self.pr, [
             [self.state[s.index].strategy] if s.user else self.neighbourhood(s.index)
             for s in self.pr.sites])
+        current = [next((c for c, sh in enumerate(node.candidates)
+                         if sh.strategy == self.state[n].strategy), -1)
+                   for n, node in enumerate(cg.nodes)]
         try:
             # Lagrangian when the memory cap binds, from the plan as it is (it fits or
             # check_memory refuses it at the end)
-            current = [next((c for c, sh in enumerate(node.candidates)
-                             if sh.strategy == self.state[n].strategy), -1)
-                       for n, node in enumerate(cg.nodes)]
             choice = solve_dynamic_programming(
                 cg, pareto=False, start=None if -1 in current else current).choice
-        except ValueError:  # nothing in the neighbourhood fits in memory (NoAvailableCost)
-            return False
+            step = "refined"
+        except NoAvailableCost:
+            # Nothing in the neighbourhood fits: step to its plan of least memory, from
+            # where the next neighbourhood may reach under the cap.
+            least = least_memory_plan(cg)
+            if least is None or -1 not in current and cg.memory(least) >= cg.memory(current):
+                return None
+            choice, step = least, "descent"
+        except ValueError:  # no plan satisfies the neighbourhood's constraints
+            return None
         changed = False
         for n, (node, c) in enumerate(zip(cg.nodes, choice)):
             if node.candidates[c].strategy != self.state[n].strategy:
                 self.set(n, node.candidates[c].strategy)
                 changed = True
-        return changed
+        return step if changed else None
 
 
 def solve_recursive_programming(pricer: Pricer, refine: int = 2) -> RecSolution:
@@ -277,11 +291,20 @@ def solve_recursive_programming(pricer: Pricer, refine: int = 2) -> RecSolution:
                  time.perf_counter() - started)
     rec.unify_shared()
     rounds_cost = pricer.total(rec.state)
-    for k in range(refine):
-        if not rec.refine():
+    done = descents = 0
+    while done < refine:
+        step = rec.refine()
+        if step is None:
             break
-        log.info("recursive_programming: refinement %d in %.2f s", k + 1,
-                 time.perf_counter() - started)
+        if step == "descent":   # toward the cap: not one of the refinements
+            descents += 1
+            if descents > MAX_DESCENTS:
+                break
+        else:
+            done += 1
+        log.info("recursive_programming: %s %d in %.2f s",
+                 "memory descent" if step == "descent" else "refinement",
+                 descents if step == "descent" else done, time.perf_counter() - started)
     memory = check_memory(pricer, rec.state, "recursive_programming")
     cost = pricer.total(rec.state)
     log.info("recursive_programming: %d decisions (%d remembered), objective %.6g (rounds "
