@@ -251,19 +251,26 @@ class _Rec:
         current = [next((c for c, sh in enumerate(node.candidates)
                          if sh.strategy == self.state[n].strategy), -1)
                    for n, node in enumerate(cg.nodes)]
+        start = None if -1 in current else tuple(current)
+        step = "refined"
         try:
-            # Lagrangian when the memory cap binds, from the plan as it is (it fits or
-            # check_memory refuses it at the end)
-            choice = solve_dynamic_programming(
-                cg, pareto=False, start=None if -1 in current else current).choice
-            step = "refined"
+            if start is not None and not cg.fits(start):
+                # Over the cap: the neighbourhood's plan of least memory first. When even it
+                # does not fit, step to it, from where the next neighbourhood may reach
+                # under the cap; else the Lagrangian starts from it.
+                start = least_memory_plan(cg)
+                if start is None:
+                    return None
+                if not cg.fits(start):
+                    if cg.memory(start) >= cg.memory(current):
+                        return None
+                    step = "descent"
+            # Lagrangian when the memory cap binds, from a plan that fits (check_memory
+            # refuses at the end a plan that does not)
+            choice = solve_dynamic_programming(cg, pareto=False, start=start).choice \
+                if step == "refined" or start is None else start
         except NoAvailableCost:
-            # Nothing in the neighbourhood fits: step to its plan of least memory, from
-            # where the next neighbourhood may reach under the cap.
-            least = least_memory_plan(cg)
-            if least is None or -1 not in current and cg.memory(least) >= cg.memory(current):
-                return None
-            choice, step = least, "descent"
+            return None
         except ValueError:  # no plan satisfies the neighbourhood's constraints
             return None
         changed = False
