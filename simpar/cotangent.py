@@ -155,6 +155,7 @@ def _to(axes: set[int] | Pending, coarse: tuple[int, ...], fine: tuple[int, ...]
     return {f for a in axes for f in runs[a]}
 
 
+@lru_cache(maxsize=1 << 14)
 def cotangent_actions(p: RedistributionPlan, pending: Pending, frame: Frame
                       ) -> tuple[tuple[Action, ...], Pending]:
     """The backward of plan ``p`` on a cotangent held in ``p.dst`` with ``pending`` axes

@@ -123,6 +123,15 @@ class SimparCostModel:
                 seconds += self._mirror_seconds(mirror, itemsize)
         return seconds
 
+    def mirror_call_seconds(self, spec: CommSpec) -> float:
+        """One Mirror call's fixed cost over ``spec``'s group, its bytes aside: the ring's
+        rounds of latency and the wait for the slowest rank (at least 0). What a gradient's
+        share of its bucket's calls costs (the Pricer, under a ``comm_fusion`` that makes
+        the calls many)."""
+        rank = self.rank % math.prod(spec.device_matrix)
+        return max(0.0, self._profile.step_collective_seconds("AllReduce", spec.group(rank),
+                                                              0, 0))
+
     def kernel_seconds(self, sharding: OpSharding, itemsize: int,
                        input_itemsizes: Sequence[int] | None = None) -> tuple[float, float]:
         """The op's forward kernel and its backward (twice the FLOPs and bytes)."""

@@ -194,7 +194,7 @@ def search_dimensions(request: PlanRequest, inner: Planner, complete: Completer
     plans one combination's cuts, ``complete`` adds its dimensions to the map. The map's
     ``dimensions`` holds the :class:`DimensionSearch`; :class:`NoAvailableCost` (with the
     search as its ``search`` attribute) when no combination fits."""
-    capacity = _capacity(request)
+    capacity = request.capacity
     if request.algo.memory_dimensions == "when_needed":
         smap, row = _attempt(request, inner, complete)
         if smap is not None:
@@ -265,10 +265,6 @@ def _each_warning_once() -> Iterator[None]:
             log.warning("%s (in %d combinations of the memory dimensions)", text, count)
 
 
-def _capacity(request: PlanRequest) -> float:
-    """The bytes per rank a plan of ``request`` may take (the Pricer's rule)."""
-    return float(request.cost_model.memory_capacity if request.memory_capacity is None
-                 else request.memory_capacity)
 
 
 def _combination(request: PlanRequest, m: int, level: OptimizerLevel | None) -> PlanRequest:
@@ -298,7 +294,7 @@ def _recompute_options(request: PlanRequest, inner: Planner, complete: Completer
     if plain[0] is not None or every[0] is None or len(names) == 1:
         return [plain, every]
     # The fewest Cells, in trace order, that bring the all-recomputed cuts under the cap.
-    capacity = _capacity(request)
+    capacity = request.capacity
     smap = every[0]
     strategies = [smap.ops[node.name].in_strategy for node in request.graph.nodes]
 

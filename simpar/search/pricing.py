@@ -224,6 +224,11 @@ class Pricer:
         fusion = comm_fusion or AllReduceFusion()
         buckets = getattr(model, "prices_memory_dimensions", False)
         self._bucketed = buckets and fusion.packs_all
+        # Under a size threshold a group's gradients take about bytes / threshold calls, and
+        # without fusion one each: each replicated gradient pays its share of the calls'
+        # fixed costs (under "index" the calls are one per bucket, whatever the cuts).
+        self._calls = fusion if buckets and hasattr(model, "mirror_call_seconds") and (
+            not fusion.openstate or fusion.mode != "index") else None
         #: Bytes held back from the cap for a gradient bucket of bounded size.
         self.reserve = float(fusion.threshold_bytes if buckets else 0)
         #: The bytes per rank the ops' and edges' memories may add up to.
@@ -392,6 +397,8 @@ class Pricer:
                 cost = self.model.op(sh, params, itemsize, in_sizes)
             for k, lay in site.inputs.items():  # a graph input arrives in the dataset's layout
                 cost += self.move(lay, sh.in_layouts[k], node.inputs[k].dtype.itemsize)
+            if self._calls is not None:
+                cost += self._call_shares(site, sh, slices, in_sizes)
             involved = {k for k, (_, i) in enumerate(site.roles) if i}
             if getattr(self.model, "prices_memory_dimensions", False):
                 memory = self.model.memory(
@@ -411,6 +418,23 @@ class Pricer:
             found = Priced(sh, cost, memory)
         self._priced[key] = found
         return found
+
+    def _call_shares(self, site: Site, sh: OpSharding, slices: Mapping[int, ParamShard],
+                     in_sizes: Sequence[int]) -> float:
+        """The replicated gradients' shares of their Mirror calls' fixed costs (``_calls``):
+        bytes / threshold of a call each under a size threshold (a gradient over it goes
+        alone: one call), one call each without fusion."""
+        fusion = self._calls
+        assert fusion is not None
+        model: Any = self.model
+        seconds = 0.0
+        for k in site.positions("new"):
+            spec = None if k in slices else sh.input_grad_spec(k)
+            if spec is not None:
+                share = 1.0 if not fusion.openstate else min(
+                    1.0, sh.in_layouts[k].local_size() * in_sizes[k] / fusion.threshold_bytes)
+                seconds += share * model.mirror_call_seconds(spec)
+        return seconds
 
     def layout_key(self, layout: TensorLayout) -> Any:
         """What moves into or out of ``layout`` cost depends on (memo keys)."""

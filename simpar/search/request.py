@@ -78,6 +78,12 @@ class PlanRequest:
     #: How the Mirrors' gradient AllReduces are bucketed (the context's ``comm_fusion``).
     comm_fusion: AllReduceFusion = AllReduceFusion()
 
+    @property
+    def capacity(self) -> float:
+        """The bytes per rank a plan may take: ``memory_capacity``, else the cost model's."""
+        return float(self.cost_model.memory_capacity if self.memory_capacity is None
+                     else self.memory_capacity)
+
 
 def request_from_context(graph: Graph, *, cell: Any = None,
                          parameter_plan: Mapping[str, Any] | None = None,
