@@ -265,8 +265,6 @@ def _each_warning_once() -> Iterator[None]:
             log.warning("%s (in %d combinations of the memory dimensions)", text, count)
 
 
-
-
 def _combination(request: PlanRequest, m: int, level: OptimizerLevel | None) -> PlanRequest:
     """The request of ``m`` micro-batches and optimizer ``level``, priced as a whole step."""
     g = request.micro_graphs.get(m, request.graph)
