@@ -335,8 +335,11 @@ def test_auto_pipeline_prices_every_stage_count_and_keeps_the_fastest_that_fits(
         net = nn.WithLossCell(nn.GPT(32, 8, 16, 4, 2, dtype=np.float64),
                               nn.SoftmaxCrossEntropyWithLogits())
         specs = [((4, 8), np.dtype(np.int32)), ((4, 8), np.dtype(np.int32))]
+        # Sharding propagation keeps the cuts the dataset gives whatever the cap (the searches
+        # of the cuts would trade them for memory): the stages are the only way under it.
         simpar.set_auto_parallel_context(parallel_mode="auto_parallel",
-                                         dataset_strategy="data_parallel")
+                                         dataset_strategy="data_parallel",
+                                         search_mode="sharding_propagation")
         if capacity is not None:
             set_cost_model_context(device_memory_capacity=capacity)
         try:

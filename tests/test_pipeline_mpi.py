@@ -408,7 +408,9 @@ def test_memory_dimensions_searched_per_stage_train_as_one_device() -> None:
     """auto_parallel with ``memory_dimensions="search"`` in 2 stages of 1F1B over 4
     micro-batches, under a cap between what stage 1 needs and what stage 0 needs without
     them (stage 0 holds 2 micro-batches' activations at once, stage 1 one): stage 0 must
-    choose a memory dimension, stage 1 none, and training must equal one device's."""
+    choose a memory dimension, stage 1 none, and training must equal one device's. The cuts
+    are sharding propagation's, the same under any cap (a search of the cuts would trade
+    them for memory): the dimensions are the only way under it."""
     from simpar.cost_model_context import reset_cost_model_context, set_cost_model_context
     from simpar.pipeline import plan_pipeline
     rank, n = comm.get_rank(), comm.get_group_size()
@@ -416,7 +418,7 @@ def test_memory_dimensions_searched_per_stage_train_as_one_device() -> None:
     def cell(capacity: float | None) -> nn.Cell:
         simpar.reset_auto_parallel_context()
         simpar.set_auto_parallel_context(
-            parallel_mode="auto_parallel", search_mode="dynamic_programming",
+            parallel_mode="auto_parallel", search_mode="sharding_propagation",
             dataset_strategy="data_parallel", gradients_mean=True, pipeline_stages=2,
             parallel_optimizer_config={"parallel_optimizer_threshold": 0})
         simpar.set_algo_parameters(memory_dimensions="search")
@@ -468,9 +470,12 @@ def test_memory_dimensions_searched_per_stage_train_as_one_device() -> None:
 
 def test_auto_pipeline_chooses_the_stages_and_trains_as_one_device() -> None:
     """MindSpore's ``auto_pipeline``: up to ``pipeline_stages`` (here every rank), under a
-    memory cap no plan without stages meets, the stages are chosen and cut by simpar, and
-    training equals one device's; outside auto_parallel with recursive programming it is
-    refused on every rank."""
+    memory cap midway between the stage counts' peaks without one, every count is planned
+    under the cap and priced, the fastest that fits runs (here with stages: recursive
+    programming searches each count's cuts under the cap, so which counts fit is the search's
+    to say; tests/test_pipeline.py has a cap that only stages meet), and training equals one
+    device's; outside auto_parallel with recursive programming it is refused on every
+    rank."""
     from simpar.cost_model_context import reset_cost_model_context, set_cost_model_context
     rank, n = comm.get_rank(), comm.get_group_size()
 
@@ -492,7 +497,7 @@ def test_auto_pipeline_chooses_the_stages_and_trains_as_one_device() -> None:
             free.build(*_batch(0))
             peaks = sorted(p.peak_memory for p in free.stage_counts if not p.why)
             assert len(peaks) >= 2, free.stage_counts
-            cap = (peaks[0] + peaks[-1]) / 2          # the hungriest count no longer fits
+            cap = (peaks[0] + peaks[-1]) / 2
             squeezed = train(cap)
             losses = [squeezed(*_batch(k)) for k in range(STEPS)]
         finally:
@@ -503,8 +508,7 @@ def test_auto_pipeline_chooses_the_stages_and_trains_as_one_device() -> None:
     problems = []
     fitting = [p for p in squeezed.stage_counts if p.fits]
     best = min(fitting, key=lambda p: (p.step_seconds, p.stages))
-    if (runner.count if runner else 1) != best.stages or best.peak_memory > cap or \
-            len(fitting) == len([p for p in squeezed.stage_counts if not p.why]):
+    if runner is None or runner.count != best.stages or best.peak_memory > cap:
         problems.append(f"rank {rank}: under a cap of {cap:.0f} bytes it ran "
                         f"{runner.count if runner else 1} stages of {squeezed.stage_counts}")
     err = float(np.max([relative_error(np.float64(a), b) for a, b in zip(losses, ref_losses)]))
