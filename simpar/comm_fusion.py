@@ -30,7 +30,7 @@ from typing import Any
 
 from simpar._keyspec import ContextError, type_error
 
-__all__ = ["AUTO_THRESHOLD_MB", "AllReduceFusion", "check_comm_fusion"]
+__all__ = ["AUTO_THRESHOLD_MB", "AllReduceFusion", "check_comm_fusion", "check_fusion_indices"]
 
 #: The fusion threshold of ``"auto"`` mode (MindSpore's).
 AUTO_THRESHOLD_MB = 64
@@ -65,6 +65,13 @@ class AllReduceFusion:
                 start, total = k, 0
             total += size
         return out + [range(start, n)] if n else out
+
+    @property
+    def indices(self) -> list[int]:
+        """MindSpore's ``all_reduce_fusion_config``: the "index" mode's indices ([] in the
+        other modes)."""
+        return list(self.config) if self.mode == "index" and isinstance(self.config,
+                                                                        tuple) else []
 
     @property
     def packs_all(self) -> bool:
@@ -133,3 +140,16 @@ def check_comm_fusion(func: str, key: str, value: object) -> AllReduceFusion:
         raise ContextError(f"{func}: {where} must be a list of increasing ints > 0 (parameter "
                            f"indices) in 'index' mode, but got {config!r}.")
     return AllReduceFusion("index", tuple(config), openstate)
+
+
+def check_fusion_indices(func: str, key: str, value: object) -> AllReduceFusion:
+    """MindSpore's ``all_reduce_fusion_config``: a list of increasing parameter indices > 0,
+    the ``"index"`` mode of ``comm_fusion`` (``[20, 35]``: parameters 0-19 in one bucket,
+    20-34 in the next, the rest in the last; ``[]``: one bucket)."""
+    allowed = "a list of increasing ints > 0 (parameter indices)"
+    if not isinstance(value, (list, tuple)):
+        raise type_error(func, key, allowed, value)
+    if any(isinstance(c, bool) or not isinstance(c, int) for c in value) or any(
+            b <= a for a, b in zip([0, *value], value)):
+        raise ContextError(f"{func}: {key} must be {allowed}, but got {value!r}.")
+    return AllReduceFusion("index", tuple(value))

@@ -3,10 +3,8 @@
 Both contexts are process-global, as in MindSpore. Every call is validated as a whole before
 any value is applied, so a call that raises changes nothing. The entry points that plan read
 the immutable snapshots, :func:`auto_parallel_context` / :func:`algo_parameters`, once into a
-plan request (``simpar.search.request``); planners read the request only. This module imports
-no other but the key-spec engine it shares with ``simpar.cost_model_context``
-(:mod:`simpar._keyspec`); ``simpar.comm`` reports
-the MPI world through :func:`set_world` once MPI has started.
+plan request (``simpar.search.request``); planners read the request only. ``simpar.comm``
+reports the MPI world through :func:`set_world` once MPI has started.
 
 Defaults and ranges follow the documented behaviour of MindSpore 2.2 and later (up to the
 current 2.x stable API pages). They were looked up in the ``set_auto_parallel_context``
@@ -47,6 +45,8 @@ pipeline_config                 (see note)                 pipeline_interleave=F
 auto_pipeline                   False                      bool: the stage count searched, up
                                                            to pipeline_stages (auto_parallel,
                                                            recursive_programming)
+comm_fusion                     one bucket per group       :mod:`simpar.comm_fusion`
+all_reduce_fusion_config        []                         a view of comm_fusion's "index" mode
 strategy_ckpt_load_file/_save   ""                         str; views of strategy_ckpt_config
 auto_parallel_search_mode       (search_mode)              old name of search_mode
 =============================== ========================== ======================================
@@ -59,14 +59,14 @@ it runs out, the search returns its best plan with the optimality gap and warns
 simpar's own ``memory_dimensions`` (:data:`MEMORY_DIMENSIONS`) lets auto_parallel choose the
 optimizer level, the recomputed Cells and the micro-batches with the cuts
 (:mod:`simpar.search.dimensions`): "fixed" (the default, as MindSpore: the user's), "when_needed"
-(search them only when the user's settings leave no plan within the memory cap), "search"
-(always the fastest combination that fits).
+(search them only when the user's settings leave no plan within the memory cap), "search" (always
+the fastest combination that fits).
 
-Two defaults moved, and simpar follows the newer value of each. ``search_mode``: MindSpore 2.0
-(and the older C++ ``Reset``) ``"dynamic_programming"``, 2.2 and later
-``"recursive_programming"``. ``fully_use_devices``: True up to 2.3, False from 2.4 on (the
-``set_algo_parameters`` and ``reset_algo_parameters`` pages of 2.4.0, 2.5.0 and master).
-``enable_alltoall`` is False and ``loss_repeated_mean`` True in every version looked at.
+Two defaults moved, and simpar follows the newer value of each. ``search_mode``: MindSpore 2.0 (and
+the older C++ ``Reset``) ``"dynamic_programming"``, 2.2 and later ``"recursive_programming"``.
+``fully_use_devices``: True up to 2.3, False from 2.4 on (the ``set_algo_parameters`` and
+``reset_algo_parameters`` pages of 2.4.0, 2.5.0 and master). ``enable_alltoall`` is False and
+``loss_repeated_mean`` True in every version looked at.
 
 Where simpar decides differently from MindSpore, on purpose:
 
@@ -115,7 +115,7 @@ from simpar._keyspec import (
     validate_value,
     warn_not_honoured,
 )
-from simpar.comm_fusion import AllReduceFusion, check_comm_fusion
+from simpar.comm_fusion import AllReduceFusion, check_comm_fusion, check_fusion_indices
 
 __all__ = ["AlgoParameters", "BUILTIN_SEARCH_MODES", "ContextError", "ContextTypeError",
            "MINDSPORE_KEYS_NOT_IMPLEMENTED", "MEMORY_DIMENSIONS",
@@ -435,12 +435,14 @@ _AUTO_VIEWS: dict[str, KeySpec] = {
         str, None, fields=lambda v, _: [("strategy_ckpt_config.save_file", v)]),
     "auto_parallel_search_mode": KeySpec(str, None, choices=lambda: _SEARCH_MODES,
                                          fields=_old_search_mode_fields),
+    "all_reduce_fusion_config": KeySpec(None, None, check=check_fusion_indices,
+                                        fields=lambda v, _: [("comm_fusion", v)]),
 }
 
 _AUTO_KEYS: dict[str, KeySpec] = {**_AUTO_SPECS, **_AUTO_VIEWS}
 _VIEW_OF = {"full_batch": "dataset_strategy", "strategy_ckpt_load_file": "strategy_ckpt_config",
             "strategy_ckpt_save_file": "strategy_ckpt_config",
-            "auto_parallel_search_mode": "search_mode"}
+            "auto_parallel_search_mode": "search_mode", "all_reduce_fusion_config": "comm_fusion"}
 
 _TIME_LIMIT_ALLOWED = "None (no limit) or a finite number of seconds > 0"
 
@@ -479,15 +481,12 @@ _NOT_HONOURED: dict[str, str] = {
     "search_mode": "no strategy search is registered under this name yet",
     "gradient_fp32_sync": "simpar has no float16 gradients, so there is nothing to cast",
 }
-# (fully_use_devices is honoured by every auto_parallel search, the only mode in which
-# MindSpore reads the algo parameters; semi_auto_parallel's fill-in is simpar's own.)
 
 #: set_auto_parallel_context keys MindSpore documents that simpar does not implement, with
 #: what to use instead: setting one raises NotImplementedError, not "unknown key".
 MINDSPORE_KEYS_NOT_IMPLEMENTED: dict[str, str] = {
     "parameter_broadcast": "every rank draws its own block of each parameter from the same "
                            "seed (simpar.set_seed): nothing to broadcast",
-    "all_reduce_fusion_config": "comm_fusion={'allreduce': {'mode': 'index', 'config': [...]}}",
     "force_fp32_communication": "simpar communicates in the tensors' own dtype",
     "pipeline_result_broadcast": "the pipelined step's loss is returned on every rank already",
     "group_ckpt_save_file": "simpar.checkpoint's manifest lists each tensor's ranks",
@@ -669,6 +668,8 @@ def get_auto_parallel_context(key: str) -> Any:
         return ctx.strategy_ckpt_config.as_dict()
     if key in ("parallel_optimizer_config", "pipeline_config", "comm_fusion"):
         return getattr(ctx, key).as_dict()
+    if key == "all_reduce_fusion_config":   # a view of comm_fusion's "index" mode
+        return ctx.comm_fusion.indices
     if key.startswith("strategy_ckpt_"):
         return getattr(ctx.strategy_ckpt_config, key.removeprefix("strategy_ckpt_"))
     return getattr(ctx, "search_mode" if key == "auto_parallel_search_mode" else key)

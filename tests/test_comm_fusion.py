@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 
-from simpar import context
+from simpar import context, graph, nn
 from simpar.comm_fusion import AllReduceFusion, check_comm_fusion
+from simpar.search import request_from_context
 
 MB = 2**20
 
@@ -84,3 +86,35 @@ def test_the_context_key_takes_mindspore_s_dict_and_gives_it_back() -> None:
     finally:
         context.reset_auto_parallel_context()
     assert context.auto_parallel_context().comm_fusion == AllReduceFusion()
+
+
+def test_all_reduce_fusion_config_is_a_view_of_the_index_mode() -> None:
+    """MindSpore's ``all_reduce_fusion_config=[20, 35]`` is ``comm_fusion``'s "index" mode with
+    those indices: one piece of state, read back either way; the plan request takes it; a bad
+    list is refused naming the key (nothing changes); both keys contradicting in one call
+    raise."""
+    try:
+        assert context.get_auto_parallel_context("all_reduce_fusion_config") == []
+        context.set_auto_parallel_context(all_reduce_fusion_config=[20, 35])
+        assert context.auto_parallel_context().comm_fusion == AllReduceFusion("index", (20, 35))
+        assert context.get_auto_parallel_context("all_reduce_fusion_config") == [20, 35]
+        assert context.get_auto_parallel_context("comm_fusion")["allreduce"] == {
+            "mode": "index", "config": [20, 35]}
+        g = graph.trace(nn.MLP(4, 8, 2), [((4, 4), np.float32)])
+        assert request_from_context(g, mode="auto_parallel", device_num=2).comm_fusion == \
+            AllReduceFusion("index", (20, 35))
+        for bad, error in (([35, 20], context.ContextError), ([0], context.ContextError),
+                           ([True], context.ContextError), ("20", context.ContextTypeError)):
+            with pytest.raises(error, match=r"all_reduce_fusion_config must be a list of "
+                                            r"increasing ints > 0 \(parameter indices\)"):
+                context.set_auto_parallel_context(all_reduce_fusion_config=bad)
+        assert context.get_auto_parallel_context("all_reduce_fusion_config") == [20, 35]
+        with pytest.raises(context.ContextError, match="contradict each other"):
+            context.set_auto_parallel_context(
+                all_reduce_fusion_config=[2],
+                comm_fusion={"allreduce": {"mode": "auto", "config": None}})
+        context.set_auto_parallel_context(
+            comm_fusion={"allreduce": {"mode": "auto", "config": None}})
+        assert context.get_auto_parallel_context("all_reduce_fusion_config") == []
+    finally:
+        context.reset_auto_parallel_context()

@@ -704,7 +704,7 @@ def test_a_key_simpar_does_not_honour_yet_warns_once_naming_it() -> None:
             warnings.simplefilter("error", NotHonouredWarning)   # auto search fully_use_devices
             set_algo_parameters(tensor_slice_align_enable=True)
             set_algo_parameters(fully_use_devices=True)
-        for key in ("all_reduce_fusion_config", "parameter_broadcast", "dump_local_norm"):
+        for key in ("force_fp32_communication", "parameter_broadcast", "dump_local_norm"):
             with pytest.raises(NotImplementedError, match=f"{key} is MindSpore's, but simpar "
                                                           "does not implement it: "):
                 set_auto_parallel_context(**{key: True})
