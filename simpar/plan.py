@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from simpar import _env, context, graph, nn
-from simpar._checks import positive_int_arg
+from simpar._checks import positive_float_arg, positive_int_arg
 from simpar.comm_fusion import AllReduceFusion
 from simpar.cost import (
     CostModel,
@@ -140,6 +140,7 @@ class PlanOptions:
     micro_batches: int = 1              # and micro-batches per step;
     memory_dimensions: str = "fixed"    # whether the search chooses them (set_algo_parameters)
     comm_fusion: AllReduceFusion = AllReduceFusion()   # the gradient AllReduces' buckets
+    device_memory_capacity: float | None = None   # the search's cap (None: the profile's)
 
     def describe(self) -> str:
         if self.model == "gpt":
@@ -295,6 +296,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="how the gradient AllReduces are bucketed (MindSpore's comm_fusion): "
                         "one per group of ranks (default), auto (64 MB buckets), off (one "
                         "per parameter), or buckets of at most MB megabytes")
+    p.add_argument("--device-memory-capacity", type=positive_float_arg, default=None,
+                   metavar="BYTES", help="the memory cap per rank the search plans under "
+                   "(MindSpore's device_memory_capacity; default: the profile's); the plan "
+                   "is still judged against the profile's memory")
     p.add_argument("--out", default=None, help="write the plan as JSON to this file")
     p.add_argument("--quiet", action="store_true",
                    help="no progress on stderr (the plan still prints)")
@@ -326,7 +331,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[PlanOptions, argparse.Namesp
         time_limit=args.time_limit, optimizer_shard=args.optimizer_shard,
         optimizer_shard_threshold=args.optimizer_shard_threshold, recompute=args.recompute,
         micro_batches=args.micro_batches, memory_dimensions=args.memory_dimensions,
-        comm_fusion=args.comm_fusion)
+        comm_fusion=args.comm_fusion, device_memory_capacity=args.device_memory_capacity)
     if args.optimizer_shard_threshold < 0:
         p.error(f"argument --optimizer-shard-threshold: must be >= 0 KB, got "
                 f"{args.optimizer_shard_threshold}")
@@ -444,7 +449,8 @@ def make_plan(opts: PlanOptions) -> ModelPlan:
         optimizer=OptimizerParallel(None if opts.optimizer_shard == "off"
                                     else OptimizerLevel(opts.optimizer_shard), -1,
                                     opts.optimizer_shard_threshold))
-    request = dataclasses.replace(request, comm_fusion=opts.comm_fusion)
+    request = dataclasses.replace(request, comm_fusion=opts.comm_fusion,
+                                  memory_capacity=opts.device_memory_capacity)
     if opts.memory_dimensions != "fixed" and opts.optimizer_shard == "off":
         request = dataclasses.replace(request, searched=request.searched | {"optimizer"})
     with warnings.catch_warnings():  # the summary gives the gap
@@ -526,6 +532,10 @@ def summary(plan: ModelPlan) -> str:
         lines.append(f"  + optimizer update {_bytes(m.update)} (after the backward: more than "
                      f"the activations with the backward's transient or communication buffer, "
                      f"{_bytes(m.activations + max(m.comm_buffer, m.backward))})")
+    if not r.fits and o.cost_model == "simpar":
+        lines.append("  (the search counts the arrays and the gradient buckets, not the backward's "
+                     "transient, the forward's collective buffers nor the optimizer's "
+                     "temporaries: --device-memory-capacity lower by the excess plans under less)")
     s = plan.seconds
     lines.append(f"planned in {sum(s.values()):.1f} s (trace {s['trace']:.1f} s, search "
                  f"{s['search']:.1f} s, lower {s['lower']:.1f} s, cost {s['cost']:.1f} s)")

@@ -10,6 +10,7 @@ of several GB of parameters allocates none of them), progress on stderr, and bad
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -103,6 +104,27 @@ def test_comm_fusion_buckets_the_plans_gradient_allreduces() -> None:
         mirrors[fusion] = [s.label for s in made.program.schedule(0) if s.role == "mirror"]
     assert len(mirrors["one"]) == 1 and mirrors["one"][0].startswith("Mirror:4 params")
     assert len(mirrors["off"]) == 4 and mirrors["1"] == mirrors["one"]
+
+
+def test_the_search_plans_under_device_memory_capacity_and_the_verdict_is_the_device_s(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """--device-memory-capacity is the cap the search plans under (MindSpore's
+    device_memory_capacity); the plan is judged against the profile's memory still. Under a
+    cap the cuts cannot meet, the search's refusal is the exit; a plan over the device's
+    memory says what the search does not count."""
+    opts, _ = plan.parse_args([*SMALL_GPT, "--device-memory-capacity", "123456"])
+    assert opts.device_memory_capacity == 123456.0
+    code, _, err = _run([*SMALL_GPT, "--quiet", "--device-memory-capacity", "1",
+                         "--search-mode", "dynamic_programming"], capsys)
+    assert code == 1 and "No available cost" in err and "capacity of 1 bytes" in err
+    made = plan.make_plan(plan.parse_args([*SMALL_GPT, "--profile", "cpu-local"])[0])
+    tight = dataclasses.replace(made.options.profile, memory_capacity=made.report.peak_memory - 1)
+    over = dataclasses.replace(made, report=dataclasses.replace(
+        made.report, memory=tuple(dataclasses.replace(m, capacity=tight.memory_capacity)
+                                  for m in made.report.memory)))
+    assert not over.report.fits
+    assert "--device-memory-capacity lower by the excess" in plan.summary(over)
+    assert "--device-memory-capacity" not in plan.summary(made)
 
 
 @pytest.mark.parametrize("search", ["recursive_programming", "sharding_propagation"])
@@ -242,6 +264,8 @@ def test_presets_are_alpa_s_and_flags_override_them() -> None:
     (["--out", "{tmp}"], "argument --out: '{tmp}': is a directory"),
     (["--comm-fusion", "0"], "argument --comm-fusion: must be one, auto, off or a bucket size "
      "in MB (an int >= 1), got '0'"),
+    (["--device-memory-capacity", "-1"], "argument --device-memory-capacity: must be a finite "
+     "number > 0, got -1"),
 ])
 def test_bad_options_exit_2_with_one_line_naming_the_option(
         argv: list[str], message: str, tmp_path: Path,
