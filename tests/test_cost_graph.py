@@ -272,7 +272,8 @@ def test_the_searched_memory_holds_every_gradient_bucket_the_mirrors_pack() -> N
     search counts each replicated gradient again, so its memory of a data-parallel plan is
     the final pricing's arrays plus every bucket the rank's Mirrors pack, which bounds the
     communication buffer the final pricing adds; the plan the cap gives fits when priced.
-    Under a size threshold ("auto": 64 MB) the threshold is held back from the cap instead."""
+    Under a size threshold ("auto": 64 MB) the threshold is held back from the cap instead, or
+    every gradient whole when they are fewer bytes."""
     request = dataclasses.replace(_gpt_request(), input_layouts=dataset_layouts(
         [(8, 16), (8 * 16,)], 8, ((8, 1), (8,))))
     cg = cost_graph_of(request)
@@ -297,10 +298,17 @@ def test_the_searched_memory_holds_every_gradient_bucket_the_mirrors_pack() -> N
         warnings.simplefilter("ignore")
         assert evaluate(program, "ascend910b", "momentum").peak_memory <= \
             capped.memory_capacity
-    sized = pricer_of(dataclasses.replace(request, comm_fusion=AllReduceFusion("auto", None)))
-    assert sized.reserve == 64 * 2**20
-    assert sized.memory_capacity == request.cost_model.memory_capacity - 64 * 2**20
-    assert pricer_of(request).reserve == 0
+    # The threshold, or every gradient whole when they are fewer bytes (this tiny GPT's).
+    wide = nn.WithLossCell(nn.GPT(vocab_size=64, seq_length=16, d_model=512, n_layers=1,
+                                  n_heads=4), nn.SoftmaxCrossEntropyWithLogits()).set_train()
+    for req in (request, dataclasses.replace(request, graph=graph.trace(
+            wide, [((8, 16), np.int32), ((8 * 16,), np.int32)], ["data", "label"]))):
+        gradients = sum(math.prod(v.shape) * v.dtype.itemsize for v in req.graph.params)
+        sized = pricer_of(dataclasses.replace(req, comm_fusion=AllReduceFusion("size", 1)))
+        assert sized.reserve == min(2**20, gradients) > 0
+        assert sized.memory_capacity == req.cost_model.memory_capacity - sized.reserve
+        assert pricer_of(req).reserve == 0
+    assert sized.reserve == 2**20 < gradients
 
 
 def test_a_replicated_gradient_pays_its_share_of_its_bucket_s_calls() -> None:

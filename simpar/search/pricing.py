@@ -229,8 +229,11 @@ class Pricer:
         # fixed costs (under "index" the calls are one per bucket, whatever the cuts).
         self._calls = fusion if buckets and hasattr(model, "mirror_call_seconds") and (
             not fusion.openstate or fusion.mode != "index") else None
-        #: Bytes held back from the cap for a gradient bucket of bounded size.
-        self.reserve = float(fusion.threshold_bytes if buckets else 0)
+        #: Bytes held back from the cap for a gradient bucket of bounded size (no more than
+        #: every trainable parameter's gradient whole).
+        self.reserve = float(min(fusion.threshold_bytes, sum(
+            math.prod(v.shape) * v.dtype.itemsize for v in graph.params
+            if v.param is None or v.param.requires_grad)) if buckets else 0)
         #: The bytes per rank the ops' and edges' memories may add up to.
         self.memory_capacity = float(model.memory_capacity if memory_capacity is None
                                      else memory_capacity) - self.reserve
