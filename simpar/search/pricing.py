@@ -33,6 +33,7 @@ from simpar.graph import Graph, Node
 from simpar.layout import TensorLayout, block_key
 from simpar.mesh import DeviceMesh
 from simpar.ops._base import OpSharding, registry
+from simpar.ops.comm_spec import CommSpec
 from simpar.ops.strategy import Strategy, StrategyError
 from simpar.optimizer_parallel import OptimizerParallel, ParamFacts, ParamShard, shard_parameters
 from simpar.redistribution import RedistributionPlan, plan
@@ -400,8 +401,10 @@ class Pricer:
                 cost = self.model.op(sh, params, itemsize, in_sizes)
             for k, lay in site.inputs.items():  # a graph input arrives in the dataset's layout
                 cost += self.move(lay, sh.in_layouts[k], node.inputs[k].dtype.itemsize)
+            mirrored = self._mirrored(site, sh, slices, in_sizes) if (
+                self._bucketed or self._calls is not None) else []
             if self._calls is not None:
-                cost += self._call_shares(site, sh, slices, in_sizes)
+                cost += self._call_shares(mirrored)
             involved = {k for k, (_, i) in enumerate(site.roles) if i}
             if getattr(self.model, "prices_memory_dimensions", False):
                 memory = self.model.memory(
@@ -415,29 +418,32 @@ class Pricer:
             if n in self._view_copies and sh.inner_plan is not None:
                 memory += self._copy_bytes * sh.out.local_size() * itemsize
             if self._bucketed:   # the gradients its Mirrors pack into a bucket
-                memory += sum(sh.in_layouts[k].local_size() * in_sizes[k]
-                              for k in site.positions("new")
-                              if k not in slices and sh.input_grad_spec(k) is not None)
+                memory += sum(nbytes for nbytes, _ in mirrored)
             found = Priced(sh, cost, memory)
         self._priced[key] = found
         return found
 
-    def _call_shares(self, site: Site, sh: OpSharding, slices: Mapping[int, ParamShard],
-                     in_sizes: Sequence[int]) -> float:
+    @staticmethod
+    def _mirrored(site: Site, sh: OpSharding, slices: Mapping[int, ParamShard],
+                  in_sizes: Sequence[int]) -> list[tuple[int, CommSpec]]:
+        """The bytes and the Mirror of each replicated gradient the op counts (its new
+        trainable parameters that optimizer parallel does not slice)."""
+        out = []
+        for k in site.positions("new"):
+            spec = None if k in slices else sh.input_grad_spec(k)
+            if spec is not None:
+                out.append((sh.in_layouts[k].local_size() * in_sizes[k], spec))
+        return out
+
+    def _call_shares(self, mirrored: Sequence[tuple[int, CommSpec]]) -> float:
         """The replicated gradients' shares of their Mirror calls' fixed costs (``_calls``):
         bytes / threshold of a call each under a size threshold (a gradient over it goes
         alone: one call), one call each without fusion."""
         fusion = self._calls
         assert fusion is not None
         model: Any = self.model
-        seconds = 0.0
-        for k in site.positions("new"):
-            spec = None if k in slices else sh.input_grad_spec(k)
-            if spec is not None:
-                share = 1.0 if not fusion.openstate else min(
-                    1.0, sh.in_layouts[k].local_size() * in_sizes[k] / fusion.threshold_bytes)
-                seconds += share * model.mirror_call_seconds(spec)
-        return seconds
+        return sum((1.0 if not fusion.openstate else min(1.0, nbytes / fusion.threshold_bytes))
+                   * model.mirror_call_seconds(spec) for nbytes, spec in mirrored)
 
     def layout_key(self, layout: TensorLayout) -> Any:
         """What moves into or out of ``layout`` cost depends on (memo keys)."""
