@@ -62,6 +62,7 @@ from simpar.runtime import NothingParallelWarning, ParallelProgram, lower
 from simpar.search import StrategyMap, plan_request, registered_searches, request_from_context
 from simpar.search.dimensions import DimensionSearch, graph_of
 from simpar.search.exact import TimeLimitWarning, describe_gap
+from simpar.search.planner import planning_gc
 from simpar.strategy_table import strategy_table
 
 __all__ = ["GPT_PRESETS", "GPTSize", "ModelPlan", "PlanOptions", "build_network", "main",
@@ -422,6 +423,11 @@ def search_model(opts: PlanOptions) -> CostModel:
 def make_plan(opts: PlanOptions) -> ModelPlan:
     """Trace, search, lower and price (pure: no MPI, no data). The plan request takes the
     options' devices, search, cost model and time limit, and the context's other settings."""
+    with planning_gc():
+        return _make_plan(opts)
+
+
+def _make_plan(opts: PlanOptions) -> ModelPlan:
     seconds: dict[str, float] = {}
     t = time.perf_counter()
     net, specs = build_network(opts)

@@ -189,6 +189,41 @@ def test_a_new_search_plans_once_registered(_new_search: str) -> None:
                for s in smap.ops.values())
 
 
+def test_planning_collects_garbage_less_often_and_restores_the_collector_after(
+        _new_search: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a search runs the young generation's threshold is planning's (a search keeps
+    most of what it allocates); after it, and after a search that raises, the user's
+    thresholds are back. A threshold already higher is left alone."""
+    import gc
+    seen: list[tuple[int, ...]] = []
+
+    def probing(request: PlanRequest) -> StrategyMap:
+        seen.append(gc.get_threshold())
+        if request.device_num == 2:
+            raise RuntimeError("the search failed")
+        return _first_candidates(request)
+
+    monkeypatch.setitem(planner_module._SEARCHES, _new_search, probing)
+    net, _ = plan.build_network(OPTIONS)
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 9, 8)
+        plan_request(request_from_context(_traced(net), cell=net, device_num=DEVICES,
+                                          search_mode=_new_search))
+        assert seen[-1] == (planner_module.PLANNING_GC_THRESHOLD, 9, 8)
+        assert gc.get_threshold() == (700, 9, 8)
+        with pytest.raises(RuntimeError, match="the search failed"):
+            plan_request(request_from_context(_traced(net), cell=net, device_num=2,
+                                              search_mode=_new_search))
+        assert gc.get_threshold() == (700, 9, 8)
+        gc.set_threshold(50_000, 9, 8)
+        plan_request(request_from_context(_traced(net), cell=net, device_num=DEVICES,
+                                          search_mode=_new_search))
+        assert seen[-1] == (50_000, 9, 8) and gc.get_threshold() == (50_000, 9, 8)
+    finally:
+        gc.set_threshold(*before)
+
+
 def test_a_request_is_a_frozen_value() -> None:
     net, _ = plan.build_network(OPTIONS)
     request = request_from_context(_traced(net), cell=net, device_num=DEVICES)

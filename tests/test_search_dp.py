@@ -483,6 +483,49 @@ def test_a_chain_of_identical_layers_is_joined_in_log_steps() -> None:
         solve_exact(graphs[8]).cost, rel=1e-9)
 
 
+def test_a_pass_under_another_weight_reuses_the_first_pass_s_eliminations(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One-entry passes over one graph that share their passes build its elimination graph
+    once and recompute only its distinct eliminations under each weight (and for the least
+    memory): every plan is the one a fresh pass finds. Graphs that need a star elimination
+    build it afresh each time (its merged node keeps only the rows finite under one weight)."""
+    import simpar.search.dynamic_programming as dpm
+    net = nn.GPT(vocab_size=64, seq_length=16, d_model=32, n_heads=4, n_layers=8,
+                 dtype=np.float32)
+    g = graph.trace(net, [((8, 16), np.int32)], ["ids"])
+    graphs = [build_cost_graph(g, 4, SimparCostModel("cpu-local"), "data_parallel")]
+    rng = np.random.default_rng(41)
+    graphs += [_random_graph(rng, int(rng.integers(3, 9)), density, 0.5)
+               for density in (0.3, 0.9) for _ in range(12)]
+    built = []
+    real = dpm._Eliminator.__init__
+
+    def counting(self: Any, *args: Any, **kwargs: Any) -> None:
+        built.append(1)
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(dpm._Eliminator, "__init__", counting)
+    reused = stars = 0
+    for cg in graphs:
+        scale = max(1.0, *(n.costs[0] for n in cg.nodes)) / max(
+            1.0, *(n.memories[0] for n in cg.nodes))
+        passes = dpm._Passes()
+        built.clear()
+        asked = [(False, 0.0), (False, scale), (True, 0.0), (False, 7 * scale),
+                 (False, 0.01 * scale)]
+        for memory_as_cost, weight in asked:
+            got, _, counts = dpm._solve(cg, 1, math.inf, memory_as_cost, weight, passes)
+            want, _, _ = dpm._solve(cg, 1, math.inf, memory_as_cost, weight)
+            assert got == want, (memory_as_cost, weight)
+        if counts["star"]:
+            stars += 1
+            assert passes.elim is None and len(built) == 2 * len(asked)
+        else:
+            reused += 1
+            assert passes.elim is not None and len(built) == 1 + len(asked)
+    assert reused > 8 and stars > 3
+
+
 def _cheapest_fitting_corner(cg: CostGraph) -> float:
     """Every plan's (memory, cost) by brute force; the corners of their lower convex hull
     (the plans some weight of ``cost + weight * memory`` makes least); the cheapest corner

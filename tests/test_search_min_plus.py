@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from simpar.search import min_plus as mp
-from simpar.search.dynamic_programming import _pareto
+from simpar.search.tables import pareto as _pareto
 
 
 def dense(a: np.ndarray, a_mem: np.ndarray, b: np.ndarray, b_mem: np.ndarray

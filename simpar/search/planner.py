@@ -15,9 +15,11 @@ their planners when imported and checks that none is missing.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from simpar.context import BUILTIN_SEARCH_MODES, register_search_mode
@@ -29,9 +31,8 @@ from simpar.search.request import PlanRequest, request_from_context
 from simpar.search.strategy_map import StrategyMap
 
 __all__ = ["OptimizerShardWarning", "PlanRequest", "Planner", "check_builtin_searches",
-           "complete_plan",
-           "plan_request", "plan_strategies", "register_search", "registered_searches",
-           "search_for", "shard_optimizer"]
+           "complete_plan", "plan_request", "plan_strategies", "planning_gc", "register_search",
+           "registered_searches", "search_for", "shard_optimizer"]
 
 #: A planner: pure, no MPI; it returns a strategy for every node of ``request.graph``.
 Planner = Callable[[PlanRequest], StrategyMap]
@@ -75,10 +76,40 @@ def search_for(search_mode: str) -> Planner:
     return found
 
 
+#: The young generation's collection threshold while planning (CPython's default is 700).
+PLANNING_GC_THRESHOLD = 7000
+
+
+@contextlib.contextmanager
+def planning_gc() -> Iterator[None]:
+    """Collect garbage ten times less often while planning, then as before.
+
+    A search keeps most of what it allocates (priced strategies, cost tables) and makes
+    little cyclic garbage, so CPython's default threshold runs young collections that free
+    nothing, and full ones over every survivor each time the survivors grow by a quarter. On
+    the 96-layer GPT of 1.3B widths on 1024 devices those took 0.6 s of recursive
+    programming's 2.9 s and 3.2 s of dynamic programming's 28 s. A threshold already higher
+    (or the collector off) is left alone."""
+    old = gc.get_threshold()
+    if old[0] == 0 or old[0] >= PLANNING_GC_THRESHOLD:
+        yield
+        return
+    gc.set_threshold(PLANNING_GC_THRESHOLD, *old[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*old)
+
+
 def plan_request(request: PlanRequest) -> StrategyMap:
     """Every op's strategy, every parameter's and input's layout, for ``request``: the
     search registered for ``request.search_mode`` in auto_parallel, else the user's
     strategies with the fill-in (:func:`~simpar.search.propagation.follow_producers`)."""
+    with planning_gc():
+        return _plan_request(request)
+
+
+def _plan_request(request: PlanRequest) -> StrategyMap:
     if request.mode == "auto_parallel" and request.algo.memory_dimensions != "fixed":
         return search_dimensions(request, search_for(request.search_mode), complete_plan)
     if request.mode == "auto_parallel":

@@ -28,8 +28,8 @@ Each refinement is a small cost graph (a few candidates per op) solved by the sa
 eliminations as ``dynamic_programming``; ``refine=0`` gives MindSpore's rounds alone. When
 the memory cap binds, a refinement prices memory (the Lagrangian pass, starting from the plan
 as it is when that fits, at most 4 weights after the first that fits) rather than keeping
-(cost, memory) lists: on the 96-layer GPT of 1.3B widths on 1024 devices the search takes 2.0 s
-instead of 4.4 s and finds a plan predicted 8% faster. When the plan is over the cap, the
+(cost, memory) lists: on the 96-layer GPT of 1.3B widths on 1024 devices the search took 2.0 s
+instead of 4.4 s and found a plan predicted 8% faster. When the plan is over the cap, the
 neighbourhood's plan of least memory comes first: when even it does not fit, the refinement
 steps to it (a *descent*, at most :data:`MAX_DESCENTS`, not counted among the ``refine``
 rounds), from where the next neighbourhood may reach under the cap; else the Lagrangian starts
