@@ -539,9 +539,10 @@ def summary(plan: ModelPlan) -> str:
                      f"the activations with the backward's transient or communication buffer, "
                      f"{_bytes(m.activations + max(m.comm_buffer, m.backward))})")
     if not r.fits and o.cost_model == "simpar":
-        lines.append("  (the search counts the arrays and the gradient buckets, not the backward's "
-                     "transient, the forward's collective buffers nor the optimizer's "
-                     "temporaries: --device-memory-capacity lower by the excess plans under less)")
+        lines.append("  (the search fits the arrays, the gradient buckets and the largest "
+                     "transient together when a plan of these cuts can; none it found does. "
+                     "--memory-dimensions when_needed adds recomputation, optimizer parallel and "
+                     "micro-batches)")
     s = plan.seconds
     lines.append(f"planned in {sum(s.values()):.1f} s (trace {s['trace']:.1f} s, search "
                  f"{s['search']:.1f} s, lower {s['lower']:.1f} s, cost {s['cost']:.1f} s)")

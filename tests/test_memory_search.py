@@ -95,7 +95,7 @@ def test_without_a_binding_cap_the_plain_plan_wins() -> None:
 
 # Caps (bytes per rank): none binds; only recomputation fits at one micro-batch; only
 # recomputation and two micro-batches together fit.
-CAPS = (1e9, 30000.0, 27000.0)
+CAPS = (1e9, 39000.0, 36000.0)
 
 
 @pytest.mark.parametrize("capacity", CAPS)
@@ -113,7 +113,7 @@ def test_exact_proves_the_optimum_of_every_combination(capacity: float) -> None:
     assert graph_of(request, smap) is request.micro_graphs[found.chosen.micro_batches]
     assert smap.recompute == found.chosen.recompute
     assert {s.level for s in smap.shards.values()} <= {found.chosen.level}
-    if capacity == 27000:   # recomputation and micro-batches are both needed
+    if capacity == 36000:   # recomputation and micro-batches are both needed
         assert (found.chosen.micro_batches, found.chosen.recompute != ()) == (2, True)
         assert not any(a.fits for a in found.alternatives if a.micro_batches == 1)
         assert not any(a.fits for a in found.alternatives if not a.recompute)
@@ -137,7 +137,7 @@ def test_recursive_programming_fits_and_is_never_better_than_exact(capacity: flo
 def test_the_objective_is_the_cost_graph_of_the_chosen_combination() -> None:
     """The seconds compared are what the search minimised: the cost graph of the chosen
     combination, whole step, priced with its micro-batches, level and recomputed Cells."""
-    request, smap = _planned("exact", 27000.0)
+    request, smap = _planned("exact", 36000.0)
     chosen = smap.dimensions.chosen
     g = graph_of(request, smap)
     again = dataclasses.replace(
@@ -151,23 +151,26 @@ def test_the_objective_is_the_cost_graph_of_the_chosen_combination() -> None:
     for node, cnode in zip(g.nodes, cg.nodes):
         strategy = smap.ops[node.name].in_strategy
         choice.append(next(k for k, c in enumerate(cnode.candidates) if c.strategy == strategy))
+    shardings = [pricer.sharding(n, smap.ops[node.name].in_strategy)
+                 for n, node in enumerate(g.nodes)]
     assert cg.total(choice) == pytest.approx(chosen.seconds, rel=1e-12)
-    assert cg.memory(choice) == pytest.approx(chosen.memory, rel=1e-12)
+    # its memory: what it holds throughout, and its largest transient
+    assert pricer.transient(shardings) > 0  # type: ignore[arg-type]
+    assert cg.memory(choice) + pricer.transient(  # type: ignore[arg-type]
+        shardings) == pytest.approx(chosen.memory, rel=1e-12)
     # More micro-batches and a level cost time on the same cuts: the objective prices them.
     plain = dataclasses.replace(again, micro_batches=1, optimizer=request.optimizer,
                                 recompute=())
-    shardings = [pricer.sharding(n, smap.ops[node.name].in_strategy)
-                 for n, node in enumerate(g.nodes)]
     assert pricer_of(plain).total(shardings) < pricer.total(shardings)
 
 
 def test_when_needed_keeps_the_users_settings_that_fit() -> None:
     fits = plan_request(_request("dynamic_programming", None, "when_needed")).dimensions
     assert fits.searched == frozenset() and len(fits.alternatives) == 1
-    tight = plan_request(_request("dynamic_programming", 27000.0, "when_needed")).dimensions
-    assert tight.chosen == _planned("dynamic_programming", 27000.0)[1].dimensions.chosen
+    tight = plan_request(_request("dynamic_programming", 36000.0, "when_needed")).dimensions
+    assert tight.chosen == _planned("dynamic_programming", 36000.0)[1].dimensions.chosen
     assert tight.searched == {"optimizer", "recompute", "micro_batches"}
-    assert tight.chosen.memory <= 27000
+    assert tight.chosen.memory <= 36000
 
 
 def test_nothing_fits_says_the_least_memory_and_which_dimensions_bind() -> None:

@@ -257,6 +257,29 @@ class SimparCostModel:
             kept += sh.in_layouts[0].local_size()
         return total + self.activation_copies * kept
 
+    def transient(self, sharding: OpSharding, gradients: Mapping[int, float], itemsize: int,
+                  input_itemsizes: Sequence[int] | None = None) -> float:
+        """Bytes per rank the op holds for a while beside every array :meth:`memory` counts,
+        as :func:`~simpar.cost.model.evaluate` adds the largest such of a program: while
+        its backward runs, its outputs' cotangents, the gradients of the inputs in
+        ``gradients`` (position: the share of that gradient already counted, a sliced
+        parameter's slice; 0 for an activation's) and its kernels' workspace; while one of
+        its own collectives runs, the collective's buffer and its result."""
+        sh = sharding
+        sizes = input_itemsizes or (itemsize,) * len(sh.in_layouts)
+        ins = [lay.local_size() * b for lay, b in zip(sh.in_layouts, sizes)]
+        backward = float(sum(raw.local_size() * itemsize for raw, _, _ in sh.outputs))
+        backward += sum(ins[k] * (1.0 - stored) for k, stored in gradients.items())
+        backward += sh.op.workspace(tuple(lay.local_shape() for lay in sh.in_layouts),
+                                    sh.raw_out.local_shape()) * itemsize
+        held = 0.0
+        for spec in [*sh.forward_comm, *sh.internal_backward]:
+            result = spec.elements if spec.step is None else (
+                spec.step.src if spec.adjoint else spec.step.dst).local_size()
+            held = max(held, (spec.elements + result)
+                       * (itemsize if spec.on_output or not sizes else sizes[0]))
+        return float(max(backward, held))
+
     def keeps_output(self, op: Any, n_inputs: int, parameters: Collection[int],
                      involved: Collection[int], kept_elsewhere: Collection[int]) -> bool:
         """Whether ``op``'s tape holds its output (its consumers then share that array)."""

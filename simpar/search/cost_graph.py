@@ -160,13 +160,15 @@ def build_cost_graph(graph: Graph, device_num: int, model: CostModel,
                      optimizer: OptimizerParallel | None = None,
                      recompute: Sequence[str] = (), micro_batches: int = 1,
                      step_objective: bool = False,
-                     comm_fusion: AllReduceFusion | None = None) -> CostGraph:
+                     comm_fusion: AllReduceFusion | None = None,
+                     transient_limit: float = math.inf) -> CostGraph:
     """The cost graph of ``graph`` on ``device_num`` devices under ``model``, within
     ``memory_capacity`` bytes per rank (None: the model's own), with the memory of the
     ``optimizer`` slices, the ``recompute``-d Cells and the gradient buckets of
     ``comm_fusion`` priced (a model that prices them; :class:`~simpar.search.pricing.Pricer`).
     ``step_objective``: the costs are a whole step's of ``micro_batches`` micro-batches with
-    the memory dimensions' time (:mod:`simpar.cost.step_price`).
+    the memory dimensions' time (:mod:`simpar.cost.step_price`). ``transient_limit`` drops
+    the candidates whose transient is over it and lowers the cap by it (the Pricer's).
 
     Candidates come from each op's ``candidate_strategies`` under the algo parameters
     ``algo`` (None: the context's, :func:`~simpar.search.pricing.algo_or_context`;
@@ -194,7 +196,8 @@ def build_cost_graph(graph: Graph, device_num: int, model: CostModel,
                     algo.elementwise_op_strategy_follow, algo=algo,
                     memory_capacity=memory_capacity, optimizer=optimizer,
                     recompute=recompute, micro_batches=micro_batches,
-                    step_objective=step_objective, comm_fusion=comm_fusion)
+                    step_objective=step_objective, comm_fusion=comm_fusion,
+                    transient_limit=transient_limit)
     nodes: list[CostNode] = []
     priced: dict[tuple[Any, ...], tuple[tuple[OpSharding, ...], tuple[float, ...],
                                         tuple[float, ...]]] = {}
@@ -283,6 +286,9 @@ def _edge_matrix(pricer: Pricer, e: int, producers: Sequence[OpSharding],
         factor = pricer.edge_factor(e)
         if factor != 1.0:
             matrix = matrix * factor
+        if math.isfinite(pricer.transient_limit):   # moves that hold more: not allowed
+            matrix = np.where(pricer.edge_transients(e, producers, consumers)
+                              > pricer.transient_limit, math.inf, matrix)
     matrix.flags.writeable = False
     return matrix
 

@@ -299,8 +299,10 @@ def _recompute_options(request: PlanRequest, inner: Planner, complete: Completer
     def fits(k: int) -> bool:
         priced = pricer_of(dataclasses.replace(request, recompute=names[:k]))
         shardings = [priced.sharding(n, s) for n, s in enumerate(strategies)]
-        return None not in shardings and priced.memory(
-            shardings) <= capacity  # type: ignore[arg-type]
+        if None in shardings:
+            return False
+        held = [s for s in shardings if s is not None]
+        return priced.memory(held) + priced.transient(held) <= capacity
 
     lo, hi = 0, len(names)   # fits(hi), not fits(lo)
     while hi - lo > 1:
@@ -327,7 +329,9 @@ def _attempt(request: PlanRequest, inner: Planner, complete: Completer
                  for n, node in enumerate(request.graph.nodes)]
     if None in shardings:   # a strategy file's or user's strategy the pricer refuses
         return smap, Alternative(*head, None, None, "not priced")
-    memory = priced.memory(shardings)  # type: ignore[arg-type]
+    # what it holds throughout, and its largest transient (the searches fit both when they
+    # can: simpar.search.auto.fitting_transients)
+    memory = priced.memory(shardings) + priced.transient(shardings)  # type: ignore[arg-type]
     if memory > priced.memory_capacity:
         return None, Alternative(*head, None, memory, "over the cap")
     return smap, Alternative(*head, priced.total(shardings),  # type: ignore[arg-type]

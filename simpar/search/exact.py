@@ -118,7 +118,14 @@ def solve_exact(cg: CostGraph, time_limit: float | None = None) -> ExactSolution
     try:
         return _solve(cg, _Model(cg, 0.0), time_limit, started)
     except _OverCap:
+        pass
+    try:   # the cap tightened by the solver's tolerance
         return _solve(cg, _Model(cg, _MEMORY_SLACK), time_limit, started)
+    except _OverCap:
+        raise NoAvailableCost(
+            f"search_mode 'exact': no plan fits the memory capacity of "
+            f"{cg.memory_capacity:.0f} bytes per rank by more than the solver's tolerance "
+            f"({_MEMORY_SLACK:g} of it)") from None
 
 
 def _solve(cg: CostGraph, ilp: _Model, time_limit: float | None, started: float

@@ -40,8 +40,7 @@ from simpar.redistribution import RedistributionPlan, plan
 from simpar.search.moves import MoveBlock, decode, plan_moves, signature_of
 
 __all__ = ["ELEMENTWISE_OPS", "NoAvailableCost", "Priced", "Pricer", "Site", "SiteEdge",
-           "algo_or_context", "canonical", "check_memory", "listed", "one_layout_per_parameter",
-           "users_read_one_layout"]
+           "algo_or_context", "canonical", "check_memory", "listed"]
 
 #: The registered ops MindSpore counts elementwise (``IsElementWiseOperator``: the unary
 #: ones), read from each op's own ``elementwise`` fact, which is what the pricer reads. Under
@@ -107,11 +106,13 @@ _MISSING: Any = object()
 @dataclass(frozen=True)
 class Priced:
     """One strategy of one op: its sharding, its cost (kernels, own collectives, Mirror,
-    moving graph inputs) and its memory per rank."""
+    moving graph inputs), its memory per rank, and what it holds for a while beside that
+    (its backward's or its collectives' transient: a plan's largest one adds to its sum)."""
 
     sharding: OpSharding
     cost: float
     memory: float
+    transient: float = 0.0
 
 
 def _memory_roles(node: Node, counted: set[str], involved: set[int], kept: set[int],
@@ -187,6 +188,9 @@ class Pricer:
     ``user_strategies=False`` ignores ``.shard()`` strategies (data_parallel, stand_alone).
     ``algo`` are the algo parameters the searches read (:func:`algo_or_context`), and
     ``memory_capacity`` the bytes per rank a plan may take (None: the model's own).
+    ``transient_limit``: the searches may choose only strategies whose transient is at most
+    this (a ``.shard()`` strategy always), and the ops' and edges' memories may add up to
+    the capacity less it, so that any plan they find fits with its largest transient.
     """
 
     def __init__(self, graph: Graph, device_num: int, model: CostModel,
@@ -198,8 +202,10 @@ class Pricer:
                  optimizer: OptimizerParallel | None = None,
                  recompute: Collection[str] = (), micro_batches: int = 1,
                  step_objective: bool = False,
-                 comm_fusion: AllReduceFusion | None = None) -> None:
+                 comm_fusion: AllReduceFusion | None = None,
+                 transient_limit: float = math.inf) -> None:
         self.graph, self.device_num, self.model = graph, device_num, model
+        self.transient_limit = float(transient_limit)
         # The whole step's seconds, with the memory dimensions' time (a model with
         # ``step_op``): what the search of the memory dimensions compares across them.
         self.step_objective = step_objective and hasattr(model, "step_op")
@@ -237,7 +243,8 @@ class Pricer:
             if v.param is None or v.param.requires_grad)) if buckets else 0)
         #: The bytes per rank the ops' and edges' memories may add up to.
         self.memory_capacity = float(model.memory_capacity if memory_capacity is None
-                                     else memory_capacity) - self.reserve
+                                     else memory_capacity) - self.reserve - (
+            self.transient_limit if math.isfinite(self.transient_limit) else 0.0)
         self.plans = {k: tuple(v) for k, v in (parameter_plan or {}).items()}
         inputs = {v.id: lay for v, lay in zip(graph.inputs, input_layouts or ())}
         index = {node.id: k for k, node in enumerate(graph.nodes)}
@@ -324,6 +331,7 @@ class Pricer:
         self.shared = {name: tuple(u) for name, u in uses.items() if len(u) > 1}
         self._priced: dict[tuple[int, Strategy], Priced | None] = {}
         self._moves: dict[tuple[Any, Any, int], float] = {}
+        self._transients: dict[tuple[Any, Any, int], float] = {}
         self._matrices: dict[tuple[Any, ...], np.ndarray] = {}
         # Layouts with one block key cost alike to move when the device count is a prime
         # power (the planner's refinements are then unique); over mixed factors (6, 12) two
@@ -371,7 +379,16 @@ class Pricer:
         return None if priced is None else priced.sharding
 
     def price(self, n: int, strategy: Strategy) -> Priced | None:
-        """Cost and memory of op ``n`` under ``strategy`` (None, as :meth:`sharding`)."""
+        """Cost and memory of op ``n`` under ``strategy`` (None, as :meth:`sharding`, and
+        when its transient is over the :attr:`transient_limit`)."""
+        found = self.priced(n, strategy)
+        if found is not None and found.transient > self.transient_limit and \
+                not self.sites[n].user:
+            return None
+        return found
+
+    def priced(self, n: int, strategy: Strategy) -> Priced | None:
+        """:meth:`price`, whatever the transient (a plan's own strategies, to price it)."""
         site = self.sites[n]
         key = (site.kind, strategy)
         found = self._priced.get(key, _MISSING)
@@ -419,7 +436,13 @@ class Pricer:
                 memory += self._copy_bytes * sh.out.local_size() * itemsize
             if self._bucketed:   # the gradients its Mirrors pack into a bucket
                 memory += sum(nbytes for nbytes, _ in mirrored)
-            found = Priced(sh, cost, memory)
+            transient = 0.0
+            if hasattr(self.model, "transient"):   # its gradients not counted as gradients
+                grads = {k: (1.0 / slices[k].size if k in slices else 0.0)
+                         for k, v in enumerate(node.inputs) if node.op.gives_gradient(
+                             k, v.dtype) and (v.kind != "param" or k in slices)}
+                transient = self.model.transient(sh, grads, itemsize, in_sizes)
+            found = Priced(sh, cost, memory, transient)
         self._priced[key] = found
         return found
 
@@ -543,7 +566,38 @@ class Pricer:
         dst = consumer.in_layouts[edge.input]
         if edge.follows:
             return 0.0 if not self.plan(src, dst).steps else math.inf
+        if self._move_transient(src, dst, edge.itemsize) > self.transient_limit:
+            return math.inf
         return self.edge_factor(e) * self.move(src, dst, edge.itemsize)
+
+    def _move_transient(self, src: TensorLayout, dst: TensorLayout, itemsize: int) -> float:
+        """Bytes a move holds for a while: its largest collective's buffer and result (as the
+        final pricing's communication buffer counts them; 0 for a local slice)."""
+        key = (self._key(src), self._key(dst), itemsize)
+        found = self._transients.get(key)
+        if found is None:
+            found = self._transients[key] = float(max(
+                ((st.src.local_size() + st.dst.local_size()) * itemsize
+                 for st in self.plan(src, dst).steps if not st.kind.local), default=0))
+        return found
+
+    def edge_transients(self, e: int, producers: Sequence[OpSharding],
+                        consumers: Sequence[OpSharding]) -> np.ndarray:
+        """:meth:`_move_transient` of edge ``e`` for every pair of candidates (each distinct
+        pair of layouts planned once)."""
+        edge = self.edges[e]
+        srcs = [pc.outputs[edge.output][1] for pc in producers]
+        dsts = [cc.in_layouts[edge.input] for cc in consumers]
+        s_at: dict[Any, int] = {}
+        d_at: dict[Any, int] = {}
+        rows = [s_at.setdefault(self._key(s), len(s_at)) for s in srcs]
+        cols = [d_at.setdefault(self._key(d), len(d_at)) for d in dsts]
+        us = {n: srcs[i] for i, n in reversed(list(enumerate(rows)))}
+        ud = {n: dsts[j] for j, n in reversed(list(enumerate(cols)))}
+        unique = np.array([[self._move_transient(us[i], ud[j], edge.itemsize)
+                            for j in range(len(ud))] for i in range(len(us))]).reshape(
+            len(us), len(ud))
+        return unique[np.ix_(rows, cols)]
 
     def edge_memory(self, e: int, producer: OpSharding, consumer: OpSharding) -> float:
         """Bytes per rank edge ``e`` adds between a producer and a consumer sharding: the
@@ -576,7 +630,7 @@ class Pricer:
         """The objective of one sharding per op: their costs and every edge's move."""
         cost = 0.0
         for site, sh in zip(self.sites, strategies):
-            priced = self.price(site.index, sh.strategy)
+            priced = self.priced(site.index, sh.strategy)
             cost += math.inf if priced is None else priced.cost
         for e, edge in enumerate(self.edges):
             cost += self.edge_cost(e, strategies[edge.producer], strategies[edge.consumer])
@@ -586,9 +640,20 @@ class Pricer:
         """Bytes per rank of one sharding per op: the ops' and the edges'."""
         total = 0.0
         for site, sh in zip(self.sites, strategies):
-            priced = self.price(site.index, sh.strategy)
+            priced = self.priced(site.index, sh.strategy)
             total += math.inf if priced is None else priced.memory
         return total + self.edges_memory(strategies)
+
+    def transient(self, strategies: Sequence[OpSharding]) -> float:
+        """The largest transient of one sharding per op: its ops' (:attr:`Priced.transient`)
+        and its edges' moves'."""
+        ops = max((p.transient for p in (self.priced(site.index, sh.strategy)
+                                         for site, sh in zip(self.sites, strategies))
+                   if p is not None), default=0.0)
+        return max(ops, max((self._move_transient(
+            strategies[se.producer].outputs[se.output][1],
+            strategies[se.consumer].in_layouts[se.input], se.itemsize)
+            for se in self.edges if not se.follows), default=0.0))
 
     def edges_memory(self, strategies: Sequence[OpSharding]) -> float:
         """Bytes per rank the edges add to one sharding per op (:meth:`edge_memory`)."""
@@ -601,7 +666,7 @@ def check_memory(pricer: Pricer, shardings: Sequence[OpSharding], search: str) -
     the model's memory capacity, naming the op that needs most of them."""
     mems = []
     for site, sh in zip(pricer.sites, shardings):
-        priced = pricer.price(site.index, sh.strategy)
+        priced = pricer.priced(site.index, sh.strategy)
         mems.append(priced.memory if priced is not None else math.inf)
     memory, capacity = sum(mems) + pricer.edges_memory(shardings), pricer.memory_capacity
     if memory > capacity:
@@ -611,146 +676,10 @@ def check_memory(pricer: Pricer, shardings: Sequence[OpSharding], search: str) -
             f"memory capacity of {capacity:.0f}"
             + (f" (the device's less {pricer.reserve:.0f} held for a gradient bucket)"
                if pricer.reserve else "")
+            + (f" (less {pricer.transient_limit:.0f} held for the largest transient)"
+               if math.isfinite(pricer.transient_limit) else "")
             + f" (Failure: Out of memory!); the op that needs "
             f"most of it is {pricer.sites[worst].name} ({mems[worst]:.0f} bytes, strategy "
             f"{[list(c) for c in shardings[worst].strategy]}). dynamic_programming searches "
             "under the cap; or use more devices", memory)
     return memory
-
-
-def _around(pricer: Pricer, shardings: Sequence[OpSharding], n: int, priced: Priced) -> float:
-    """Op ``n``'s own cost under ``priced`` plus its edges to every neighbour as it stands."""
-    total = priced.cost
-    for e in pricer.in_edges[n]:
-        total += pricer.edge_cost(e, shardings[pricer.edges[e].producer], priced.sharding)
-    for e in pricer.out_edges[n]:
-        total += pricer.edge_cost(e, priced.sharding, shardings[pricer.edges[e].consumer])
-    return total
-
-
-def one_layout_per_parameter(pricer: Pricer, shardings: list[OpSharding], search: str
-                             ) -> None:
-    """Give every parameter read by several ops one layout (the same block on every rank for
-    every reader), in place, as MindSpore keeps one layout per parameter.
-
-    Readers with a ``.shard()`` strategy decide it; two that disagree raise, naming both. Else
-    each reader may take any of its strategies that reads the parameter in a layout every
-    other reader can also read it in (keeping, where it can, the layouts already settled for
-    the other parameters it reads); the common layout is the one cheapest for the readers
-    together, each at its cheapest strategy for it against its neighbours as they stand.
-    Readers that agree already are left alone. The whole parameter (replicated) is always
-    common; an op reading several shared parameters may take further passes to agree, and if
-    those keep undoing each other, every reader reads every shared parameter whole."""
-    for _ in range(len(pricer.shared) + 1):
-        settled: dict[str, Any] = {}
-        for name, uses in pricer.shared.items():
-            settled[name] = _one_layout(pricer, shardings, search, name, uses, settled)
-        if all(len({canonical(shardings[n].in_layouts[k]) for n, k in uses}) == 1
-               for uses in pricer.shared.values()):
-            return
-    # Readers of several shared parameters kept undoing each other: read them all whole.
-    whole = {name: canonical(TensorLayout((pricer.device_num,), [-1] * len(shape), shape))
-             for name, shape in ((v.name, v.shape) for v in pricer.graph.params)
-             if name in pricer.shared}
-    for n in sorted({n for uses in pricer.shared.values() for n, _ in uses}):
-        site = pricer.sites[n]
-        if site.user:
-            continue
-        found = [p for p in (pricer.price(n, strat) for strat in pricer.candidates(n, False))
-                 if p is not None and _keeps(site, p.sharding, whole)]
-        shardings[n] = min(found, key=lambda p: _around(pricer, shardings, n, p)).sharding
-    if not all(len({canonical(shardings[n].in_layouts[k]) for n, k in uses}) == 1
-               for uses in pricer.shared.values()):
-        raise ValueError(f"{search}: the shared parameters {sorted(pricer.shared)} found no "
-                         "layouts that all their readers can read them in together")
-
-
-def users_read_one_layout(pricer: Pricer, shardings: Sequence[OpSharding], search: str
-                          ) -> None:
-    """Raise if two ops with ``.shard()`` strategies read one parameter in two layouts: a
-    parameter has one layout (MindSpore refuses such strategies in every mode)."""
-    for name, uses in pricer.shared.items():
-        _users_agree(pricer, shardings, search, name, uses)
-
-
-def _users_agree(pricer: Pricer, shardings: Sequence[OpSharding], search: str, name: str,
-                 uses: Sequence[tuple[int, int]]) -> None:
-    sites = pricer.sites
-    readers = sorted({n for n, _ in uses})
-    positions = {n: [k for m, k in uses if m == n] for n in readers}
-
-    def key_of(n: int) -> Any:
-        keys = {canonical(shardings[n].in_layouts[k]) for k in positions[n]}
-        return keys.pop() if len(keys) == 1 else None
-
-    users = [n for n in readers if sites[n].user]
-    for a, b in zip(users, users[1:]):
-        if key_of(a) != key_of(b):
-            raise ValueError(
-                f"{search}: {sites[a].name} (.shard({listed(shardings[a].strategy)})) "
-                f"reads parameter {name} cut {_cuts_of(shardings[a], positions[a])}, and "
-                f"{sites[b].name} (.shard({listed(shardings[b].strategy)})) reads it "
-                f"cut {_cuts_of(shardings[b], positions[b])}; a shared parameter has one "
-                "layout, so these strategies cannot both hold: make them agree")
-
-
-def _one_layout(pricer: Pricer, shardings: list[OpSharding], search: str, name: str,
-                uses: Sequence[tuple[int, int]], settled: Mapping[str, Any]) -> Any:
-    """One parameter of :func:`one_layout_per_parameter`; returns its layout's block key."""
-    sites = pricer.sites
-    readers = sorted({n for n, _ in uses})
-    positions = {n: [k for m, k in uses if m == n] for n in readers}
-
-    def key_of(n: int, sh: OpSharding) -> Any:
-        keys = {canonical(sh.in_layouts[k]) for k in positions[n]}
-        return keys.pop() if len(keys) == 1 else None
-
-    current = {key_of(n, shardings[n]) for n in readers}
-    if len(current) == 1 and None not in current:
-        return current.pop()
-    _users_agree(pricer, shardings, search, name, uses)
-    users = [n for n in readers if sites[n].user]
-
-    def options(n: int, keep: Mapping[str, Any]) -> dict[Any, tuple[float, OpSharding]]:
-        if sites[n].user:
-            return {key_of(n, shardings[n]): (0.0, shardings[n])}
-        found: dict[Any, tuple[float, OpSharding]] = {}
-        for strat in pricer.candidates(n, False):
-            priced = pricer.price(n, strat)
-            if priced is None:
-                continue
-            key = key_of(n, priced.sharding)
-            if key is None or not _keeps(sites[n], priced.sharding, keep):
-                continue
-            cost = _around(pricer, shardings, n, priced)
-            if key not in found or cost < found[key][0]:
-                found[key] = (cost, priced.sharding)
-        return found
-
-    found = {n: options(n, settled) for n in readers}
-    common = set.intersection(*(set(f) for f in found.values()))
-    if not common:  # the layouts settled for other parameters cannot all stay
-        found = {n: options(n, {}) for n in readers}
-        common = set.intersection(*(set(f) for f in found.values()))
-    if not common:
-        raise ValueError(
-            f"{search}: no layout of parameter {name} can be read by all of "
-            f"{[sites[n].name for n in readers]}"
-            + (f" as {sites[users[0]].name}'s .shard() reads it" if users else ""))
-    first = key_of(readers[0], shardings[readers[0]])  # ties keep the first reader's
-    best = min(common, key=lambda key: (sum(found[n][key][0] for n in readers),
-                                        key != first, repr(key)))
-    for n in readers:
-        shardings[n] = found[n][best][1]
-    return best
-
-
-def _keeps(site: Site, sh: OpSharding, settled: Mapping[str, Any]) -> bool:
-    """Whether ``sh`` reads every parameter already given its one layout in that layout."""
-    return all(canonical(lay) == settled[v.name] for v, lay in zip(site.node.inputs,
-                                                                   sh.in_layouts)
-               if v.kind == "param" and v.name in settled)
-
-
-def _cuts_of(sh: OpSharding, positions: Sequence[int]) -> tuple[int, ...]:
-    return sh.in_layouts[positions[0]].cuts

@@ -13,7 +13,7 @@ as settled from the start, so their neighbours adapt to them.
 
 **Shared parameters.** A parameter read by several ops has one layout (MindSpore keeps one per
 parameter): its ``.shard()`` readers', else the layout all its readers can read it in that
-costs them least together (:func:`~simpar.search.pricing.one_layout_per_parameter`). Two
+costs them least together (:func:`~simpar.search.shared_layouts.one_layout_per_parameter`). Two
 ``.shard()`` readers that disagree raise, naming both ops and the parameter.
 
 **Refinement (simpar's own).** Greedy rounds cannot move two neighbours at once: a Megatron
@@ -57,13 +57,8 @@ from simpar.ops._base import OpSharding
 from simpar.ops.strategy import IterSpace, Strategy
 from simpar.search.cost_graph import restricted_cost_graph
 from simpar.search.dynamic_programming import least_memory_plan, solve_dynamic_programming
-from simpar.search.pricing import (
-    NoAvailableCost,
-    Pricer,
-    check_memory,
-    listed,
-    one_layout_per_parameter,
-)
+from simpar.search.pricing import NoAvailableCost, Pricer, check_memory, listed
+from simpar.search.shared_layouts import one_layout_per_parameter
 
 __all__ = ["RecSolution", "prime_factors", "solve_recursive_programming"]
 
@@ -113,7 +108,7 @@ class _Rec:
             strat = site.node.op.in_strategy
             if strat is None:
                 strat = self._start(site.index)
-            priced = pricer.price(site.index, strat)
+            priced = pricer.priced(site.index, strat)   # the rounds cut it under the limit
             if priced is None:
                 raise ValueError(
                     f"recursive_programming: {site.name} ({site.node.op.name}) has no valid "
@@ -214,7 +209,7 @@ class _Rec:
         return (pr.sites[n].kind, self.state[n].strategy, p, ins, outs)
 
     def set(self, n: int, strategy: Strategy) -> None:
-        priced = self.pr.price(n, strategy)
+        priced = self.pr.priced(n, strategy)
         assert priced is not None, (self.pr.sites[n].name, strategy)
         self.state[n] = priced.sharding
         self.used[n] = self.pr.device_num // priced.sharding.repeat
@@ -228,13 +223,22 @@ class _Rec:
             self.remembered += 1
         else:
             best: tuple[float, Strategy] | None = None
+            # Under a transient limit with no successor within it: the one of least
+            # transient, toward the limit, rather than the current strategy over it.
+            toward: tuple[float, Strategy] | None = None
             for strat in self.successors(n, p):
                 priced = self.pr.price(n, strat)
                 if priced is None:
+                    over = self.pr.priced(n, strat)
+                    if over is not None and (toward is None or over.transient < toward[0]):
+                        toward = (over.transient, strat)
                     continue
                 cost = self.local_cost(n, priced.sharding, priced.cost)
                 if best is None or cost < best[0]:
                     best = (cost, strat)
+            if best is None and toward is not None and \
+                    self.pr.price(n, self.state[n].strategy) is None:
+                best = toward
             chosen = best[1] if best is not None else self.state[n].strategy
             self._memo[key] = chosen
         self.set(n, chosen)
@@ -249,9 +253,12 @@ class _Rec:
         """The best plan within one step of every op's strategy (dynamic programming over
         that neighbourhood): "refined"; when nothing there fits in memory, the plan of least
         memory there: "descent"; None when nothing changed."""
-        cg = restricted_cost_graph(self.pr, [
-            [self.state[s.index].strategy] if s.user else self.neighbourhood(s.index)
-            for s in self.pr.sites])
+        try:
+            cg = restricted_cost_graph(self.pr, [
+                [self.state[s.index].strategy] if s.user else self.neighbourhood(s.index)
+                for s in self.pr.sites])
+        except ValueError:   # an op with nothing there within the Pricer's transient limit
+            return None
         current = [next((c for c, sh in enumerate(node.candidates)
                          if sh.strategy == self.state[n].strategy), -1)
                    for n, node in enumerate(cg.nodes)]

@@ -27,7 +27,7 @@ How it runs (MindSpore's ``sharding_propagation``, pure: no MPI, no data):
 - **Unreached ops** (no path to any seed) take their first candidate (MindSpore's default):
   all ones, unless fully_use_devices drops it.
 - **Parameters** (auto_parallel): a parameter read by several ops ends with one layout
-  (:func:`~simpar.search.pricing.one_layout_per_parameter`), as in every search; the
+  (:func:`~simpar.search.shared_layouts.one_layout_per_parameter`), as in every search; the
   fill-in of semi_auto_parallel lets a reader read it otherwise (the runtime moves it).
 - **Conflicts** (auto_parallel): two user strategies that read one parameter in different
   layouts, or that meet on an identity edge (``elementwise_op_strategy_follow``) with
@@ -45,15 +45,8 @@ from simpar.layout import TensorLayout
 from simpar.ops._base import OpSharding
 from simpar.ops.strategy import Strategy, StrategyError
 from simpar.redistribution import RedistributionPlan
-from simpar.search.pricing import (
-    Priced,
-    Pricer,
-    canonical,
-    check_memory,
-    listed,
-    one_layout_per_parameter,
-    users_read_one_layout,
-)
+from simpar.search.pricing import Priced, Pricer, canonical, check_memory, listed
+from simpar.search.shared_layouts import one_layout_per_parameter, users_read_one_layout
 from simpar.search.strategy_map import OpStrategy, Source, StrategyMap, lay_out_by_consumer
 
 __all__ = ["MovedBytes", "propagate"]

@@ -1,0 +1,93 @@
+"""The searches fit a plan's largest transient with its arrays: an op's backward (its
+outputs' cotangents and its inputs' gradients), an op's own collective's buffer and result,
+and an edge's move's (simpar.search.auto.fitting_transients). Pure: no MPI."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import simpar
+from simpar import graph, nn
+from simpar.cost.interface import SimparCostModel
+from simpar.cost.model import evaluate
+from simpar.cost_model_context import reset_cost_model_context, set_cost_model_context
+from simpar.runtime.lowering import lower
+from simpar.search import auto, plan_request, request_from_context
+from simpar.search.dimensions import graph_of
+
+DEVICES = 8
+
+
+@pytest.fixture(autouse=True)
+def _clean() -> Any:
+    simpar.reset_auto_parallel_context()
+    reset_cost_model_context()
+    yield
+    simpar.reset_auto_parallel_context()
+    reset_cost_model_context()
+
+
+def _request(search_mode: str, capacity: float) -> Any:
+    """A one-block GPT (vocabulary 64, sequence 8, width 16) on 8 devices, batch 8."""
+    simpar.set_auto_parallel_context(dataset_strategy="data_parallel")
+    set_cost_model_context(device_memory_capacity=capacity)
+    net = nn.WithLossCell(nn.GPT(64, 8, 16, 1, 2, dtype=np.float32),
+                          nn.SoftmaxCrossEntropyWithLogits())
+    ids = ((8, 8), np.dtype(np.int32))
+    g = graph.trace(net, [ids, ids], ["data", "label"])
+    return request_from_context(g, cell=net, device_num=DEVICES, mode="auto_parallel",
+                                search_mode=search_mode,
+                                cost_model=SimparCostModel("cpu-local", "adam"))
+
+
+def _priced(request: Any) -> tuple[int, int, float]:
+    """(the final pricing's peak bytes per rank, its largest transient, the search's figure
+    for the same plan: its arrays and its largest transient)."""
+    smap = plan_request(request)
+    report = evaluate(lower(graph_of(request, smap), smap), "cpu-local", "adam")
+    row = max(report.memory, key=lambda r: r.peak)
+    pricer = auto.pricer_of(request)
+    shardings = [pricer.priced(n, smap.ops[node.name].in_strategy).sharding  # type: ignore
+                 for n, node in enumerate(request.graph.nodes)]
+    assert pricer.transient(shardings) <= max(row.comm_buffer, row.backward)
+    return row.peak, max(row.comm_buffer, row.backward), (pricer.memory(shardings)
+                                                          + pricer.transient(shardings))
+
+
+@pytest.mark.parametrize(("search_mode", "capacity"), [
+    ("dynamic_programming", 44000.0), ("exact", 44000.0), ("recursive_programming", 48000.0)])
+def test_a_plan_over_the_cap_by_its_transient_is_searched_again_and_fits_when_priced(
+        search_mode: str, capacity: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first plan's arrays fit the cap and its transient puts it over, as the final
+    pricing counts both; searched again under transient limits, the plan fits when priced,
+    and the search's figure (arrays plus largest transient) bounds what the pricing finds."""
+    with monkeypatch.context() as m:
+        m.setattr(auto, "TRANSIENT_LIMITS", 0)   # the first plan, as before
+        first, _, _ = _priced(_request(search_mode, capacity))
+    assert first > capacity
+    peak, transient, searched = _priced(_request(search_mode, capacity))
+    assert peak <= capacity and transient > 0
+    assert searched <= capacity
+
+
+def test_a_transient_limit_drops_the_candidates_and_moves_over_it() -> None:
+    """Under a limit every op's candidate and every edge's allowed move holds at most that
+    much for a while (the user's strategies stay), and the cap is lowered by it."""
+    request = _request("dynamic_programming", 44000.0)
+    free = auto.cost_graph_of(request)
+    limited = auto.cost_graph_of(request, 8192.0)
+    pricer = auto.pricer_of(request, 8192.0)
+    assert limited.memory_capacity == free.memory_capacity - 8192.0
+    assert sum(len(n.candidates) for n in limited.nodes) < sum(
+        len(n.candidates) for n in free.nodes)
+    for n, node in enumerate(limited.nodes):
+        assert all(pricer.priced(n, c.strategy).transient <= 8192.0  # type: ignore
+                   for c in node.candidates)
+    for e, edge in enumerate(limited.edges):
+        allowed = np.isfinite(np.asarray(edge.costs))
+        over = pricer.edge_transients(e, limited.nodes[edge.producer].candidates,
+                                      limited.nodes[edge.consumer].candidates) > 8192.0
+        assert not (allowed & over).any()
