@@ -8,9 +8,9 @@ Small GPTs (1 and 2 blocks, each a recompute candidate) on 4 and 8 devices, plan
 auto_parallel with ``set_algo_parameters(memory_dimensions="search")`` (optimizer level,
 recomputed blocks and 1, 2 or 4 micro-batches chosen with the cuts, simpar's cost model on
 cpu-local, Adam, threshold 0) under three memory caps per configuration: none binding, and
-the caps 1/3 and 2/3 of the way from the least memory any combination reaches (dynamic
-programming's "No available cost" under a one-byte cap) to what the plan of the cuts alone
-needs. search_mode "exact" plans every combination with its ILP (every subset of the blocks),
+the caps 1/3 and 2/3 of the way from the least memory any combination reaches (the least
+cap under which dynamic programming finds a plan, by bisection) to what the plan of the cuts
+alone needs. search_mode "exact" plans every combination with its ILP (every subset of the blocks),
 so its choice is the proven optimum of the extended problem: the baseline, in the same
 process, of dynamic_programming, recursive_programming and sharding_propagation. The gap is
 the search's step objective over exact's, minus one.
@@ -68,13 +68,32 @@ def _request(blocks: int, devices: int, mode: str, capacity: float | None,
                                 micro_graphs=graphs)
 
 
+def _fits(blocks: int, devices: int, dimensions: str, cap: float) -> bool:
+    try:
+        plan_request(_request(blocks, devices, "dynamic_programming", cap, dimensions))
+    except NoAvailableCost:
+        return False
+    return True
+
+
 def _least(blocks: int, devices: int, dimensions: str) -> float:
+    """The least cap under which dynamic programming finds a plan, within 1/64 of the
+    least memory of the arrays alone (its "No available cost" under a one-byte cap): the
+    plan must fit its largest transient too, a maximum that error does not bound."""
     try:
         plan_request(_request(blocks, devices, "dynamic_programming", 1.0, dimensions))
     except NoAvailableCost as e:
         assert e.memory is not None
-        return float(e.memory)
-    raise AssertionError("a one-byte cap fitted")
+        low = float(e.memory)
+    else:
+        raise AssertionError("a one-byte cap fitted")
+    high = low * 1.5
+    while not _fits(blocks, devices, dimensions, high):
+        low, high = high, high * 1.5
+    while high - low > low / 64:
+        mid = (low + high) / 2
+        low, high = (low, mid) if _fits(blocks, devices, dimensions, mid) else (mid, high)
+    return high
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -258,13 +258,17 @@ class SimparCostModel:
         return total + self.activation_copies * kept
 
     def transient(self, sharding: OpSharding, gradients: Mapping[int, float], itemsize: int,
-                  input_itemsizes: Sequence[int] | None = None) -> float:
+                  input_itemsizes: Sequence[int] | None = None,
+                  gathered: Mapping[int, tuple[int, bool]] | None = None) -> float:
         """Bytes per rank the op holds for a while beside every array :meth:`memory` counts,
         as :func:`~simpar.cost.model.evaluate` adds the largest such of a program: while
         its backward runs, its outputs' cotangents, the gradients of the inputs in
         ``gradients`` (position: the share of that gradient already counted, a sliced
-        parameter's slice; 0 for an activation's) and its kernels' workspace; while one of
-        its own collectives runs, the collective's buffer and its result."""
+        parameter's slice; 0 for an activation's), the weights level3 gathers again for it,
+        and its kernels' workspace; while one of its own collectives runs, the collective's
+        buffer and its result, and so while optimizer parallel gathers a weight it reads
+        (``gathered``: position -> the ranks its slices spread over, whether it is gathered
+        again for the backward)."""
         sh = sharding
         sizes = input_itemsizes or (itemsize,) * len(sh.in_layouts)
         ins = [lay.local_size() * b for lay, b in zip(sh.in_layouts, sizes)]
@@ -273,6 +277,9 @@ class SimparCostModel:
         backward += sh.op.workspace(tuple(lay.local_shape() for lay in sh.in_layouts),
                                     sh.raw_out.local_shape()) * itemsize
         held = 0.0
+        for k, (ranks, again) in (gathered or {}).items():
+            held = max(held, ins[k] * (1.0 + 1.0 / ranks))   # the slice and the whole
+            backward += ins[k] if again else 0.0
         for spec in [*sh.forward_comm, *sh.internal_backward]:
             result = spec.elements if spec.step is None else (
                 spec.step.src if spec.adjoint else spec.step.dst).local_size()

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 import warnings
 from collections.abc import Callable, Sequence
 
 from simpar.layout import TensorLayout
 from simpar.ops._base import OpSharding
-from simpar.search.cost_graph import CostGraph, build_cost_graph
-from simpar.search.dynamic_programming import solve_dynamic_programming
-from simpar.search.exact import TimeLimitWarning, describe_gap, solve_exact
+from simpar.search.cost_graph import CostGraph, build_cost_graph, cost_graph_from
+from simpar.search.dynamic_programming import least_memory_plan, solve_dynamic_programming
+from simpar.search.exact import ExactSolution, TimeLimitWarning, describe_gap, solve_exact
 from simpar.search.pricing import NoAvailableCost, Pricer
 from simpar.search.recursive_programming import solve_recursive_programming
 from simpar.search.request import PlanRequest
@@ -70,34 +71,44 @@ def pricer_of(request: PlanRequest, transient_limit: float = math.inf) -> Pricer
 
 
 def fitting_transients(request: PlanRequest,
-                       search: Callable[[float], Sequence[OpSharding]]) -> list[OpSharding]:
-    """``search(math.inf)``'s plan when its memory and its largest transient fit the cap
-    together; else the cheapest plan that does among ``search(limit)``'s, a search that
-    keeps every op's transient within ``limit`` and the rest of the plan within the cap less
-    ``limit`` (:class:`~simpar.search.pricing.Pricer`'s ``transient_limit``), for limits
-    from the first plan's largest transient down by halves (:data:`TRANSIENT_LIMITS`); the
-    first plan when none does (the final pricing says by how much it is over).
+                       search: Callable[[Pricer], list[OpSharding]]) -> list[OpSharding]:
+    """``search(pricer)``'s plan when its memory and its largest transient fit the cap
+    together; else the first plan that does of ``search(pricer.limited(limit))``, a search
+    that keeps every op's and move's transient within ``limit`` and the rest of the plan
+    within the cap less ``limit`` (:class:`~simpar.search.pricing.Pricer`'s
+    ``transient_limit``; one pricer, so nothing is priced twice), for limits
+    from the first plan's largest transient down by halves (at most
+    :data:`TRANSIENT_LIMITS`); the first plan when none does (the final pricing says by how
+    much it is over).
 
     The searches count what a plan holds throughout the step as a sum over its ops; a
     transient (an op's backward's cotangent and input gradients, its collective's buffer)
     adds only the largest of a plan's, a maximum no search's objective decomposes. On GPT
-    125M with batch 224 on 8 devices, dynamic programming's plan needs 59.3 GiB of arrays and
-    a backward transient of 10.94 GiB against 64 GiB."""
+    125M with batch 208 on 8 devices, dynamic programming's first plan needs 55.46 GiB of
+    arrays and a backward transient of 10.16 GiB against 64 GiB."""
     pricer = pricer_of(request)
 
     def over(shardings: Sequence[OpSharding]) -> float:
         return (pricer.memory(shardings) + pricer.transient(shardings)
                 - pricer.memory_capacity)
 
-    first = list(search(math.inf))
+    try:
+        first = search(pricer)
+    except NoAvailableCost as e:
+        raise _with_transient(pricer, e) from None
     if over(first) <= 0 or not pricer.transient(first):
         return first
+    # The user's strategies keep theirs whatever the limit: no limit below it can fit.
+    floor = max((pricer.priced(s.index, first[s.index].strategy).transient  # type: ignore
+                 for s in pricer.sites if s.user), default=0.0)
     best: list[OpSharding] | None = None
     limit = pricer.transient(first)
     for _ in range(TRANSIENT_LIMITS):
+        if limit < floor:
+            break
         try:
-            found = list(search(limit))
-        except (NoAvailableCost, ValueError):
+            found = search(pricer.limited(limit))
+        except (NoAvailableCost, ValueError, TimeoutError):
             found = []
         if found and over(found) <= 0 and (
                 best is None or pricer.total(found) < pricer.total(best)):
@@ -105,8 +116,23 @@ def fitting_transients(request: PlanRequest,
         log.info("transients: a plan within a transient limit of %.0f bytes: %s", limit,
                  "none" if not found else f"{pricer.total(found):.6g}, "
                  f"{'fits' if over(found) <= 0 else 'over'}")
+        if best is not None:
+            break
         limit /= 2
     return first if best is None else best
+
+
+def _with_transient(pricer: Pricer, e: NoAvailableCost) -> NoAvailableCost:
+    """``e`` with the memory its plan of least arrays needs with its largest transient: what a
+    cap must hold for that plan (the least of the arrays alone is not enough)."""
+    cg = cost_graph_from(pricer)
+    least = least_memory_plan(cg)
+    if least is None:
+        return e
+    shardings = [node.candidates[c] for node, c in zip(cg.nodes, least)]
+    need = pricer.memory(shardings) + pricer.transient(shardings)
+    return NoAvailableCost(f"{e} With its largest transient the plan of least memory needs "
+                           f"{need:.0f} bytes per rank.", need)
 
 
 def cost_graph_of(request: PlanRequest, transient_limit: float = math.inf) -> CostGraph:
@@ -128,31 +154,39 @@ def exact_planner(request: PlanRequest) -> StrategyMap:
     is the best plan found, its ``optimality_gap`` says how far from proven it is, and a
     :class:`~simpar.search.exact.TimeLimitWarning` says so."""
     limit = request.algo.exact_time_limit
-    gaps: list[float | None] = []
+    started = time.perf_counter()   # one limit for every ILP the search solves
+    solved: list[tuple[list[OpSharding], ExactSolution]] = []
 
-    def search(transient_limit: float) -> list[OpSharding]:
-        cg = cost_graph_of(request, transient_limit)
-        found = solve_exact(cg, limit)
-        gaps.append(found.gap)
-        if not found.proven:
-            why = ("HiGHS stopped before proving it" if limit is None else
-                   f"the time limit of {limit:g} s (exact_time_limit) ran out")
-            warnings.warn(f"search_mode 'exact': {why}; the plan is the best found, not "
-                          f"proven optimal ({describe_gap(found.gap)}). Raise "
-                          "exact_time_limit with set_algo_parameters, or set it to None, for "
-                          "the proven optimum", TimeLimitWarning, stacklevel=4)
-        return [node.candidates[c] for node, c in zip(cg.nodes, found.choice)]
+    def search(pricer: Pricer) -> list[OpSharding]:
+        left = limit if limit is None or not solved else \
+            limit - (time.perf_counter() - started)
+        if left is not None and left <= 0:   # the first plan took it all
+            raise TimeoutError("exact_time_limit spent")
+        cg = cost_graph_from(pricer)
+        found = solve_exact(cg, left)
+        plan = [node.candidates[c] for node, c in zip(cg.nodes, found.choice)]
+        solved.append((plan, found))
+        return plan
 
     shardings = fitting_transients(request, search)
-    # the gap is proven for the plan of the whole graph; a plan under a transient limit is
-    # the optimum of a smaller one
-    return strategy_map_from(request, shardings, gaps[0] if len(gaps) == 1 else None)
+    found = next(f for plan, f in solved if plan is shardings)
+    if not found.proven:
+        why = ("HiGHS stopped before proving it" if limit is None else
+               f"the time limit of {limit:g} s (exact_time_limit) ran out")
+        warnings.warn(f"search_mode 'exact': {why}; the plan is the best found, not proven "
+                      f"optimal ({describe_gap(found.gap)}). Raise exact_time_limit with "
+                      "set_algo_parameters, or set it to None, for the proven optimum",
+                      TimeLimitWarning, stacklevel=2)
+    # the gap of the first plan is the whole graph's; a plan under a transient limit is the
+    # optimum of a smaller graph, not of this one
+    return strategy_map_from(request, shardings, found.gap if shardings is solved[0][0]
+                             else None)
 
 
 def dynamic_programming_planner(request: PlanRequest) -> StrategyMap:
     """search_mode "dynamic_programming": MindSpore's elimination search of the cost graph."""
-    def search(transient_limit: float) -> list[OpSharding]:
-        cg = cost_graph_of(request, transient_limit)
+    def search(pricer: Pricer) -> list[OpSharding]:
+        cg = cost_graph_from(pricer)
         choice = solve_dynamic_programming(cg).choice
         return [node.candidates[c] for node, c in zip(cg.nodes, choice)]
 
@@ -161,11 +195,12 @@ def dynamic_programming_planner(request: PlanRequest) -> StrategyMap:
 
 def recursive_programming_planner(request: PlanRequest) -> StrategyMap:
     """search_mode "recursive_programming": MindSpore's rec bisection rounds."""
-    return strategy_map_from(request, fitting_transients(request, lambda limit: list(
-        solve_recursive_programming(pricer_of(request, limit)).shardings)))
+    return strategy_map_from(request, fitting_transients(request, lambda pricer: list(
+        solve_recursive_programming(pricer).shardings)))
 
 
 def sharding_propagation_planner(request: PlanRequest) -> StrategyMap:
     """search_mode "sharding_propagation": the user's strategies spread to every other op
-    through the edges of least redistribution cost under the search cost model."""
+    through the edges of least redistribution cost under the search cost model (not searched
+    again under transient limits: its plan does not depend on the cap)."""
     return propagate(pricer_of(request), "auto_parallel", request.input_layouts)

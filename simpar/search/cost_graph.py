@@ -41,8 +41,8 @@ from simpar.search.pricing import ELEMENTWISE_OPS, Pricer, Site, algo_or_context
 from simpar.search.request import dataset_layouts
 
 __all__ = ["ELEMENTWISE_OPS", "CostEdge", "CostGraph", "CostNode", "brute_force",
-           "build_cost_graph", "canonical", "distinct_blocks", "restricted_cost_graph",
-           "same_blocks"]
+           "build_cost_graph", "canonical", "cost_graph_from", "distinct_blocks",
+           "restricted_cost_graph", "same_blocks"]
 
 log = logging.getLogger("simpar.search")
 
@@ -187,17 +187,23 @@ def build_cost_graph(graph: Graph, device_num: int, model: CostModel,
     Progress goes to the ``simpar.search`` logger.
     """
     algo = algo_or_context(algo)
-    fully, approxi = algo.fully_use_devices, algo.enable_algo_approxi
-    keep = math.ceil(1.0 / algo.algo_approxi_epsilon)
     if input_layouts is None and dataset_strategy is not None:
         input_layouts = dataset_layouts([v.shape for v in graph.inputs], device_num,
                                         dataset_strategy)
-    pricer = Pricer(graph, device_num, model, input_layouts, parameter_plan, enable_alltoall,
-                    algo.elementwise_op_strategy_follow, algo=algo,
-                    memory_capacity=memory_capacity, optimizer=optimizer,
-                    recompute=recompute, micro_batches=micro_batches,
-                    step_objective=step_objective, comm_fusion=comm_fusion,
-                    transient_limit=transient_limit)
+    return cost_graph_from(Pricer(
+        graph, device_num, model, input_layouts, parameter_plan, enable_alltoall,
+        algo.elementwise_op_strategy_follow, algo=algo, memory_capacity=memory_capacity,
+        optimizer=optimizer, recompute=recompute, micro_batches=micro_batches,
+        step_objective=step_objective, comm_fusion=comm_fusion,
+        transient_limit=transient_limit))
+
+
+def cost_graph_from(pricer: Pricer) -> CostGraph:
+    """:func:`build_cost_graph` of the graph, prices, algo parameters and limits that
+    ``pricer`` holds (a pricer shared by several graphs shares what it has priced)."""
+    algo, device_num, model = pricer.algo, pricer.device_num, pricer.model
+    fully, approxi = algo.fully_use_devices, algo.enable_algo_approxi
+    keep = math.ceil(1.0 / algo.algo_approxi_epsilon)
     nodes: list[CostNode] = []
     priced: dict[tuple[Any, ...], tuple[tuple[OpSharding, ...], tuple[float, ...],
                                         tuple[float, ...]]] = {}
@@ -286,7 +292,7 @@ def _edge_matrix(pricer: Pricer, e: int, producers: Sequence[OpSharding],
         factor = pricer.edge_factor(e)
         if factor != 1.0:
             matrix = matrix * factor
-        if math.isfinite(pricer.transient_limit):   # moves that hold more: not allowed
+        if pricer.limits(e):   # moves that hold more than the limit: not allowed
             matrix = np.where(pricer.edge_transients(e, producers, consumers)
                               > pricer.transient_limit, math.inf, matrix)
     matrix.flags.writeable = False

@@ -19,6 +19,7 @@ programming and sharding propagation ask only for what they visit.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -188,9 +189,10 @@ class Pricer:
     ``user_strategies=False`` ignores ``.shard()`` strategies (data_parallel, stand_alone).
     ``algo`` are the algo parameters the searches read (:func:`algo_or_context`), and
     ``memory_capacity`` the bytes per rank a plan may take (None: the model's own).
-    ``transient_limit``: the searches may choose only strategies whose transient is at most
-    this (a ``.shard()`` strategy always), and the ops' and edges' memories may add up to
-    the capacity less it, so that any plan they find fits with its largest transient.
+    ``transient_limit``: the searches may choose only strategies and moves whose transient is
+    at most this, and the ops' and edges' memories may add up to the capacity less it, so
+    that a plan they find fits with its largest transient (unless a ``.shard()`` strategy,
+    which always stands, holds more).
     """
 
     def __init__(self, graph: Graph, device_num: int, model: CostModel,
@@ -205,6 +207,10 @@ class Pricer:
                  comm_fusion: AllReduceFusion | None = None,
                  transient_limit: float = math.inf) -> None:
         self.graph, self.device_num, self.model = graph, device_num, model
+        if isinstance(transient_limit, bool) or not isinstance(transient_limit, (int, float)) \
+                or not transient_limit > 0:
+            raise ValueError(f"Pricer: transient_limit must be a number of bytes > 0 (inf: "
+                             f"none), got {transient_limit!r}")
         self.transient_limit = float(transient_limit)
         # The whole step's seconds, with the memory dimensions' time (a model with
         # ``step_op``): what the search of the memory dimensions compares across them.
@@ -365,6 +371,19 @@ class Pricer:
             n in self._holds_gathered if n in self._recomputed
             else site.node.op.keeps_input(k))) for k, shard in slices.items()}
 
+    def limited(self, transient_limit: float) -> Pricer:
+        """This pricer under ``transient_limit`` (its cap lowered by it), sharing everything
+        priced so far: a search again under a limit prices nothing twice."""
+        if not transient_limit > 0:
+            raise ValueError(f"Pricer.limited: transient_limit must be a number of bytes > 0, "
+                             f"got {transient_limit!r}")
+        out = copy.copy(self)
+        out.memory_capacity = self.memory_capacity + (
+            self.transient_limit if math.isfinite(self.transient_limit) else 0.0) - (
+            transient_limit if math.isfinite(transient_limit) else 0.0)
+        out.transient_limit = float(transient_limit)
+        return out
+
     def candidates(self, n: int, fully_use_devices: bool) -> list[Strategy]:
         """Op ``n``'s candidate strategies under the algo parameters' slice alignment."""
         site = self.sites[n]
@@ -373,8 +392,8 @@ class Pricer:
                                                  slice_align=self.algo.slice_align)
 
     def sharding(self, n: int, strategy: Strategy) -> OpSharding | None:
-        """Op ``n`` under ``strategy`` (None: the op rejects it, or it cuts a parameter
-        otherwise than the parameter's plan)."""
+        """Op ``n`` under ``strategy`` (None: the op rejects it, it cuts a parameter
+        otherwise than the parameter's plan, or it holds more than the transient limit)."""
         priced = self.price(n, strategy)
         return None if priced is None else priced.sharding
 
@@ -441,7 +460,10 @@ class Pricer:
                 grads = {k: (1.0 / slices[k].size if k in slices else 0.0)
                          for k, v in enumerate(node.inputs) if node.op.gives_gradient(
                              k, v.dtype) and (v.kind != "param" or k in slices)}
-                transient = self.model.transient(sh, grads, itemsize, in_sizes)
+                transient = self.model.transient(
+                    sh, grads, itemsize, in_sizes,
+                    {k: (s.size, s.level.regathers and node.op.keeps_input(k))
+                     for k, s in slices.items()})
             found = Priced(sh, cost, memory, transient)
         self._priced[key] = found
         return found
@@ -566,9 +588,17 @@ class Pricer:
         dst = consumer.in_layouts[edge.input]
         if edge.follows:
             return 0.0 if not self.plan(src, dst).steps else math.inf
-        if self._move_transient(src, dst, edge.itemsize) > self.transient_limit:
+        if self.limits(e) and self._move_transient(src, dst, edge.itemsize) > \
+                self.transient_limit:
             return math.inf
         return self.edge_factor(e) * self.move(src, dst, edge.itemsize)
+
+    def limits(self, e: int) -> bool:
+        """Whether :attr:`transient_limit` bounds edge ``e``'s moves (a finite limit, and
+        not both ends the user's: their strategies stand whatever they hold)."""
+        edge = self.edges[e]
+        return math.isfinite(self.transient_limit) and not (
+            self.sites[edge.producer].user and self.sites[edge.consumer].user)
 
     def _move_transient(self, src: TensorLayout, dst: TensorLayout, itemsize: int) -> float:
         """Bytes a move holds for a while: its largest collective's buffer and result (as the
@@ -646,10 +676,11 @@ class Pricer:
 
     def transient(self, strategies: Sequence[OpSharding]) -> float:
         """The largest transient of one sharding per op: its ops' (:attr:`Priced.transient`)
-        and its edges' moves'."""
-        ops = max((p.transient for p in (self.priced(site.index, sh.strategy)
-                                         for site, sh in zip(self.sites, strategies))
-                   if p is not None), default=0.0)
+        and its edges' moves'. (A recomputed Cell's tapes, alive again while the backward
+        runs through it, are not counted yet.)"""
+        priced = [self.priced(site.index, sh.strategy) for site, sh in zip(self.sites,
+                                                                          strategies)]
+        ops = max((p.transient for p in priced if p is not None), default=0.0)
         return max(ops, max((self._move_transient(
             strategies[se.producer].outputs[se.output][1],
             strategies[se.consumer].in_layouts[se.input], se.itemsize)

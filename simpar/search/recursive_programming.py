@@ -238,7 +238,9 @@ class _Rec:
                     best = (cost, strat)
             if best is None and toward is not None and \
                     self.pr.price(n, self.state[n].strategy) is None:
-                best = toward
+                now = self.pr.priced(n, self.state[n].strategy)
+                if now is None or toward[0] < now.transient:
+                    best = toward
             chosen = best[1] if best is not None else self.state[n].strategy
             self._memo[key] = chosen
         self.set(n, chosen)
