@@ -16,6 +16,7 @@ from simpar.cost.model import evaluate
 from simpar.cost_model_context import reset_cost_model_context, set_cost_model_context
 from simpar.runtime.lowering import lower
 from simpar.search import auto, plan_request, request_from_context
+from simpar.search.cost_graph import cost_graph_from
 from simpar.search.dimensions import graph_of
 
 DEVICES = 8
@@ -78,8 +79,8 @@ def test_a_transient_limit_drops_the_candidates_and_moves_over_it() -> None:
     much for a while (the user's strategies stay), and the cap is lowered by it."""
     request = _request("dynamic_programming", 44000.0)
     free = auto.cost_graph_of(request)
-    limited = auto.cost_graph_of(request, 8192.0)
-    pricer = auto.pricer_of(request, 8192.0)
+    pricer = auto.pricer_of(request).limited(8192.0)
+    limited = cost_graph_from(pricer)
     assert limited.memory_capacity == free.memory_capacity - 8192.0
     assert sum(len(n.candidates) for n in limited.nodes) < sum(
         len(n.candidates) for n in free.nodes)
@@ -91,3 +92,12 @@ def test_a_transient_limit_drops_the_candidates_and_moves_over_it() -> None:
         over = pricer.edge_transients(e, limited.nodes[edge.producer].candidates,
                                       limited.nodes[edge.consumer].candidates) > 8192.0
         assert not (allowed & over).any()
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), True, "8192"])
+def test_a_transient_limit_must_be_a_finite_number_of_bytes(bad: Any) -> None:
+    pricer = auto.pricer_of(_request("dynamic_programming", 44000.0))
+    with pytest.raises(ValueError, match=r"transient_limit must be a finite number of bytes "
+                                         r"> 0, got " + repr(bad).replace("'", ".")):
+        pricer.limited(bad)
+    assert pricer.transient_limit == float("inf")

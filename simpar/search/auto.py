@@ -7,7 +7,6 @@ its algo parameters (:class:`~simpar.search.request.PlanRequest`).
 from __future__ import annotations
 
 import logging
-import math
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -59,15 +58,14 @@ def strategy_map_from(request: PlanRequest, shardings: Sequence[OpSharding],
                        optimality_gap)
 
 
-def pricer_of(request: PlanRequest, transient_limit: float = math.inf) -> Pricer:
+def pricer_of(request: PlanRequest) -> Pricer:
     """The on-demand prices of a request under its cost model."""
     return Pricer(request.graph, request.device_num, request.cost_model,
                   request.input_layouts, request.parameter_plan, request.enable_alltoall,
                   request.algo.elementwise_op_strategy_follow, algo=request.algo,
                   memory_capacity=request.memory_capacity, optimizer=request.optimizer,
                   recompute=request.recompute, micro_batches=request.micro_batches,
-                  step_objective=request.step_objective, comm_fusion=request.comm_fusion,
-                  transient_limit=transient_limit)
+                  step_objective=request.step_objective, comm_fusion=request.comm_fusion)
 
 
 def fitting_transients(request: PlanRequest,
@@ -101,7 +99,6 @@ def fitting_transients(request: PlanRequest,
     # The user's strategies keep theirs whatever the limit: no limit below it can fit.
     floor = max((pricer.priced(s.index, first[s.index].strategy).transient  # type: ignore
                  for s in pricer.sites if s.user), default=0.0)
-    best: list[OpSharding] | None = None
     limit = pricer.transient(first)
     for _ in range(TRANSIENT_LIMITS):
         if limit < floor:
@@ -110,16 +107,14 @@ def fitting_transients(request: PlanRequest,
             found = search(pricer.limited(limit))
         except (NoAvailableCost, ValueError, TimeoutError):
             found = []
-        if found and over(found) <= 0 and (
-                best is None or pricer.total(found) < pricer.total(best)):
-            best = found
+        fits = bool(found) and over(found) <= 0
         log.info("transients: a plan within a transient limit of %.0f bytes: %s", limit,
                  "none" if not found else f"{pricer.total(found):.6g}, "
-                 f"{'fits' if over(found) <= 0 else 'over'}")
-        if best is not None:
-            break
+                 f"{'fits' if fits else 'over'}")
+        if fits:
+            return found
         limit /= 2
-    return first if best is None else best
+    return first
 
 
 def _with_transient(pricer: Pricer, e: NoAvailableCost) -> NoAvailableCost:
@@ -135,7 +130,7 @@ def _with_transient(pricer: Pricer, e: NoAvailableCost) -> NoAvailableCost:
                            f"{need:.0f} bytes per rank.", need)
 
 
-def cost_graph_of(request: PlanRequest, transient_limit: float = math.inf) -> CostGraph:
+def cost_graph_of(request: PlanRequest) -> CostGraph:
     """The cost graph of a request under its cost model."""
     return build_cost_graph(request.graph, request.device_num, request.cost_model,
                             input_layouts=request.input_layouts,
@@ -145,7 +140,7 @@ def cost_graph_of(request: PlanRequest, transient_limit: float = math.inf) -> Co
                             optimizer=request.optimizer, recompute=request.recompute,
                             micro_batches=request.micro_batches,
                             step_objective=request.step_objective,
-                            comm_fusion=request.comm_fusion, transient_limit=transient_limit)
+                            comm_fusion=request.comm_fusion)
 
 
 def exact_planner(request: PlanRequest) -> StrategyMap:

@@ -160,15 +160,13 @@ def build_cost_graph(graph: Graph, device_num: int, model: CostModel,
                      optimizer: OptimizerParallel | None = None,
                      recompute: Sequence[str] = (), micro_batches: int = 1,
                      step_objective: bool = False,
-                     comm_fusion: AllReduceFusion | None = None,
-                     transient_limit: float = math.inf) -> CostGraph:
+                     comm_fusion: AllReduceFusion | None = None) -> CostGraph:
     """The cost graph of ``graph`` on ``device_num`` devices under ``model``, within
     ``memory_capacity`` bytes per rank (None: the model's own), with the memory of the
     ``optimizer`` slices, the ``recompute``-d Cells and the gradient buckets of
     ``comm_fusion`` priced (a model that prices them; :class:`~simpar.search.pricing.Pricer`).
     ``step_objective``: the costs are a whole step's of ``micro_batches`` micro-batches with
-    the memory dimensions' time (:mod:`simpar.cost.step_price`). ``transient_limit`` drops
-    the candidates whose transient is over it and lowers the cap by it (the Pricer's).
+    the memory dimensions' time (:mod:`simpar.cost.step_price`).
 
     Candidates come from each op's ``candidate_strategies`` under the algo parameters
     ``algo`` (None: the context's, :func:`~simpar.search.pricing.algo_or_context`;
@@ -194,8 +192,7 @@ def build_cost_graph(graph: Graph, device_num: int, model: CostModel,
         graph, device_num, model, input_layouts, parameter_plan, enable_alltoall,
         algo.elementwise_op_strategy_follow, algo=algo, memory_capacity=memory_capacity,
         optimizer=optimizer, recompute=recompute, micro_batches=micro_batches,
-        step_objective=step_objective, comm_fusion=comm_fusion,
-        transient_limit=transient_limit))
+        step_objective=step_objective, comm_fusion=comm_fusion))
 
 
 def cost_graph_from(pricer: Pricer) -> CostGraph:

@@ -189,10 +189,7 @@ class Pricer:
     ``user_strategies=False`` ignores ``.shard()`` strategies (data_parallel, stand_alone).
     ``algo`` are the algo parameters the searches read (:func:`algo_or_context`), and
     ``memory_capacity`` the bytes per rank a plan may take (None: the model's own).
-    ``transient_limit``: the searches may choose only strategies and moves whose transient is
-    at most this, and the ops' and edges' memories may add up to the capacity less it, so
-    that a plan they find fits with its largest transient (unless a ``.shard()`` strategy,
-    which always stands, holds more).
+    :meth:`limited` gives a pricer under a transient limit.
     """
 
     def __init__(self, graph: Graph, device_num: int, model: CostModel,
@@ -204,14 +201,11 @@ class Pricer:
                  optimizer: OptimizerParallel | None = None,
                  recompute: Collection[str] = (), micro_batches: int = 1,
                  step_objective: bool = False,
-                 comm_fusion: AllReduceFusion | None = None,
-                 transient_limit: float = math.inf) -> None:
+                 comm_fusion: AllReduceFusion | None = None) -> None:
         self.graph, self.device_num, self.model = graph, device_num, model
-        if isinstance(transient_limit, bool) or not isinstance(transient_limit, (int, float)) \
-                or not transient_limit > 0:
-            raise ValueError(f"Pricer: transient_limit must be a number of bytes > 0 (inf: "
-                             f"none), got {transient_limit!r}")
-        self.transient_limit = float(transient_limit)
+        #: The most a strategy or a move the searches choose may hold for a while
+        #: (:meth:`limited`; inf: no limit).
+        self.transient_limit = math.inf
         # The whole step's seconds, with the memory dimensions' time (a model with
         # ``step_op``): what the search of the memory dimensions compares across them.
         self.step_objective = step_objective and hasattr(model, "step_op")
@@ -249,8 +243,7 @@ class Pricer:
             if v.param is None or v.param.requires_grad)) if buckets else 0)
         #: The bytes per rank the ops' and edges' memories may add up to.
         self.memory_capacity = float(model.memory_capacity if memory_capacity is None
-                                     else memory_capacity) - self.reserve - (
-            self.transient_limit if math.isfinite(self.transient_limit) else 0.0)
+                                     else memory_capacity) - self.reserve
         self.plans = {k: tuple(v) for k, v in (parameter_plan or {}).items()}
         inputs = {v.id: lay for v, lay in zip(graph.inputs, input_layouts or ())}
         index = {node.id: k for k, node in enumerate(graph.nodes)}
@@ -372,15 +365,18 @@ class Pricer:
             else site.node.op.keeps_input(k))) for k, shard in slices.items()}
 
     def limited(self, transient_limit: float) -> Pricer:
-        """This pricer under ``transient_limit`` (its cap lowered by it), sharing everything
-        priced so far: a search again under a limit prices nothing twice."""
-        if not transient_limit > 0:
-            raise ValueError(f"Pricer.limited: transient_limit must be a number of bytes > 0, "
-                             f"got {transient_limit!r}")
+        """This pricer under ``transient_limit``, sharing everything priced so far (a search
+        again under a limit prices nothing twice): the searches may choose only strategies
+        and moves whose transient is at most the limit, and the ops' and edges' memories may
+        add up to the capacity less it, so that a plan they find fits with its largest
+        transient (unless a ``.shard()`` strategy, which always stands, holds more)."""
+        if isinstance(transient_limit, bool) or not isinstance(transient_limit, (int, float)) \
+                or not 0 < transient_limit < math.inf:
+            raise ValueError(f"Pricer.limited: transient_limit must be a finite number of "
+                             f"bytes > 0, got {transient_limit!r}")
         out = copy.copy(self)
-        out.memory_capacity = self.memory_capacity + (
-            self.transient_limit if math.isfinite(self.transient_limit) else 0.0) - (
-            transient_limit if math.isfinite(transient_limit) else 0.0)
+        base = 0.0 if math.isinf(self.transient_limit) else self.transient_limit
+        out.memory_capacity = self.memory_capacity + base - transient_limit
         out.transient_limit = float(transient_limit)
         return out
 
