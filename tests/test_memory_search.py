@@ -39,13 +39,14 @@ def _clean() -> Any:
 
 
 def _request(search_mode: str, capacity: float | None, dimensions: str = "search",
-             recompute: bool = True, **config: Any) -> Any:
-    """A one-block GPT on 4 devices, its block a recompute candidate, 1 or 2 micro-batches."""
+             recompute: bool = True, layers: int = 1, **config: Any) -> Any:
+    """A GPT of ``layers`` blocks on 4 devices, its blocks recompute candidates, 1 or 2
+    micro-batches."""
     graphs, net = {}, None
     for m in MICRO:
-        model = nn.GPT(64, 8, 16, 1, 2, dtype=np.float32)
-        if recompute:
-            model.blocks[0].recompute()
+        model = nn.GPT(64, 8, 16, layers, 2, dtype=np.float32)
+        for block in model.blocks if recompute else ():
+            block.recompute()
         net = nn.WithLossCell(model, nn.SoftmaxCrossEntropyWithLogits())
         ids = ((8 // m, 8), np.dtype(np.int32))
         graphs[m] = graph.trace(net, [ids, ids], ["data", "label"])
@@ -61,9 +62,9 @@ def _request(search_mode: str, capacity: float | None, dimensions: str = "search
 
 
 @functools.cache
-def _planned(search_mode: str, capacity: float) -> tuple[Any, Any]:
+def _planned(search_mode: str, capacity: float, layers: int = 1) -> tuple[Any, Any]:
     """(request, plan) of :func:`_request` with the dimensions searched (pure: cached)."""
-    request = _request(search_mode, capacity)
+    request = _request(search_mode, capacity, layers=layers)
     smap = plan_request(request)
     simpar.reset_auto_parallel_context()
     simpar.reset_algo_parameters()
@@ -93,9 +94,11 @@ def test_without_a_binding_cap_the_plain_plan_wins() -> None:
     assert chosen.seconds == min(a.seconds for a in found.alternatives)
 
 
-# Caps (bytes per rank): none binds; only recomputation fits at one micro-batch; only
-# recomputation and two micro-batches together fit.
-CAPS = (1e9, 39000.0, 36000.0)
+# Caps (bytes per rank) on the one-block GPT: none binds; only two micro-batches fit.
+# (Recomputing its only block saves nothing: the backward makes the block's tapes again.)
+CAPS = (1e9, 44000.0)
+# On the two-block GPT, only recomputing both blocks with two micro-batches fits.
+TIGHT = 64000.0
 
 
 @pytest.mark.parametrize("capacity", CAPS)
@@ -113,10 +116,24 @@ def test_exact_proves_the_optimum_of_every_combination(capacity: float) -> None:
     assert graph_of(request, smap) is request.micro_graphs[found.chosen.micro_batches]
     assert smap.recompute == found.chosen.recompute
     assert {s.level for s in smap.shards.values()} <= {found.chosen.level}
-    if capacity == 36000:   # recomputation and micro-batches are both needed
-        assert (found.chosen.micro_batches, found.chosen.recompute != ()) == (2, True)
+    if capacity == CAPS[1]:   # micro-batches are needed
+        assert found.chosen.micro_batches == 2
         assert not any(a.fits for a in found.alternatives if a.micro_batches == 1)
-        assert not any(a.fits for a in found.alternatives if not a.recompute)
+    assert found.chosen.recompute == ()
+
+
+def test_recomputation_is_chosen_where_it_saves_memory() -> None:
+    """Two blocks: recomputing both keeps one block's tapes at a time in the backward
+    instead of two, which with two micro-batches is what fits (the tapes made again are
+    counted: recomputing one of two saves nothing either)."""
+    request, smap = _planned("dynamic_programming", TIGHT, 2)
+    found = smap.dimensions
+    names = tuple(seg.name for seg in request.graph.segments)
+    assert (found.chosen.micro_batches, found.chosen.recompute) == (2, names)
+    assert found.chosen.memory <= TIGHT
+    assert not any(a.fits for a in found.alternatives if a.micro_batches == 1)
+    assert not any(a.fits for a in found.alternatives if not a.recompute)
+    assert smap.recompute == names
 
 
 @pytest.mark.parametrize("capacity", CAPS)
@@ -141,7 +158,7 @@ def test_recursive_programming_fits_and_is_never_better_than_exact(capacity: flo
 def test_the_objective_is_the_cost_graph_of_the_chosen_combination() -> None:
     """The seconds compared are what the search minimised: the cost graph of the chosen
     combination, whole step, priced with its micro-batches, level and recomputed Cells."""
-    request, smap = _planned("exact", 36000.0)
+    request, smap = _planned("dynamic_programming", TIGHT, 2)
     chosen = smap.dimensions.chosen
     g = graph_of(request, smap)
     again = dataclasses.replace(
@@ -171,15 +188,15 @@ def test_the_objective_is_the_cost_graph_of_the_chosen_combination() -> None:
 def test_when_needed_keeps_the_users_settings_that_fit() -> None:
     fits = plan_request(_request("dynamic_programming", None, "when_needed")).dimensions
     assert fits.searched == frozenset() and len(fits.alternatives) == 1
-    tight = plan_request(_request("dynamic_programming", 36000.0, "when_needed")).dimensions
-    assert tight.chosen == _planned("dynamic_programming", 36000.0)[1].dimensions.chosen
+    tight = plan_request(_request("dynamic_programming", CAPS[1], "when_needed")).dimensions
+    assert tight.chosen == _planned("dynamic_programming", CAPS[1])[1].dimensions.chosen
     assert tight.searched == {"optimizer", "recompute", "micro_batches"}
-    assert tight.chosen.memory <= 36000
+    assert tight.chosen.memory <= CAPS[1]
 
 
 def test_nothing_fits_says_the_least_memory_and_which_dimensions_bind() -> None:
     with pytest.raises(NoAvailableCost, match="no combination of the memory dimensions") as e:
-        plan_request(_request("dynamic_programming", 1.0))
+        plan_request(_request("dynamic_programming", 1.0, layers=2))
     found = e.value.search
     least = found.least_memory
     assert e.value.memory == least.memory and math.isfinite(least.memory)

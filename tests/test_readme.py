@@ -36,7 +36,7 @@ README_MAX_LINES = 250
 PAGE_OUTPUT: dict[str, list[tuple[str, int]]] = {
     "training.md": [("fc1.weight slice (8, 16), Adam's m (8, 16)", 8),
                     ("recomputed: ['block0-TransformerBlock', 'block1-TransformerBlock']", 8),
-                    ("chose level1, 2/2 Cells recomputed, 2 micro-batches", 8)],
+                    ("chose level1, 0/2 Cells recomputed, 2 micro-batches", 8)],
     "programs.md": [
         ("1 fwd op-collective AllReduce group=[0, 1, 2, 3] recv=49152 B", 4),
         ("1 fwd op-collective AllReduce group=[4, 5, 6, 7] recv=49152 B", 4),

@@ -4,6 +4,7 @@ and an edge's move's (simpar.search.auto.fitting_transients). Pure: no MPI."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -31,12 +32,15 @@ def _clean() -> Any:
     reset_cost_model_context()
 
 
-def _request(search_mode: str, capacity: float) -> Any:
-    """A one-block GPT (vocabulary 64, sequence 8, width 16) on 8 devices, batch 8."""
+def _request(search_mode: str, capacity: float, recomputed_blocks: int = 0) -> Any:
+    """A GPT (vocabulary 64, sequence 8, width 16) on 8 devices, batch 8: one block, or
+    ``recomputed_blocks`` blocks, each recomputed."""
     simpar.set_auto_parallel_context(dataset_strategy="data_parallel")
     set_cost_model_context(device_memory_capacity=capacity)
-    net = nn.WithLossCell(nn.GPT(64, 8, 16, 1, 2, dtype=np.float32),
-                          nn.SoftmaxCrossEntropyWithLogits())
+    model = nn.GPT(64, 8, 16, max(1, recomputed_blocks), 2, dtype=np.float32)
+    for block in model.blocks if recomputed_blocks else ():
+        block.recompute()
+    net = nn.WithLossCell(model, nn.SoftmaxCrossEntropyWithLogits())
     ids = ((8, 8), np.dtype(np.int32))
     g = graph.trace(net, [ids, ids], ["data", "label"])
     return request_from_context(g, cell=net, device_num=DEVICES, mode="auto_parallel",
@@ -101,3 +105,58 @@ def test_a_transient_limit_must_be_a_finite_number_of_bytes(bad: Any) -> None:
                                          r"> 0, got " + repr(bad).replace("'", ".")):
         pricer.limited(bad)
     assert pricer.transient_limit == float("inf")
+
+
+@pytest.mark.parametrize("capacity", [60000.0, 64000.0])
+def test_a_recomputed_cell_s_tapes_made_again_are_fitted_with_the_plan(
+        capacity: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two recomputed blocks: while the backward runs through one, its tapes are alive again
+    (the final pricing's backward transient). The searches count them: the first plan is
+    over as priced, the plan searched again under transient limits and bounds on what each
+    Cell's ops make again fits, and the search's figure bounds the pricing's peak."""
+    with monkeypatch.context() as m:
+        m.setattr(auto, "TRANSIENT_LIMITS", 0)
+        first, _, _ = _priced(_request("dynamic_programming", capacity, 2))
+    assert first > capacity
+    peak, transient, searched = _priced(_request("dynamic_programming", capacity, 2))
+    assert peak <= searched <= capacity
+
+
+def test_bounds_on_what_recomputed_ops_make_again_drop_candidates_and_lower_the_cap() -> None:
+    """The largest recomputed Cell's ops count their tapes made again in their memories (a
+    sum the searches minimise), so identical Cells are priced right; under bounds per twin
+    (the ops at one place in identical blocks) no candidate over its twin's bound stays, no
+    memory counts the tapes, and the cap is lowered by the most a Cell's bounds add up to."""
+    request = _request("dynamic_programming", 1e9, 2)
+    pricer = auto.pricer_of(request)
+    plain = auto.pricer_of(dataclasses.replace(request, recompute=()))
+    free = cost_graph_from(pricer)
+    # each op's candidate that makes least again: a bound the others may pass
+    first = [min(node.candidates, key=lambda c, n=n: pricer.priced(  # type: ignore
+        n, c.strategy).rerun) for n, node in enumerate(free.nodes)]
+    cells = [tuple(seg.nodes) for seg in request.graph.segments]
+    charged = [c for c in cells if all(n in pricer._charged for n in c)]
+    assert len(charged) == 1
+    for n in charged[0]:   # priced as if its tape were kept: what it holds again
+        priced = pricer.priced(n, first[n].strategy)
+        assert priced.memory == pytest.approx(  # type: ignore[union-attr]
+            max(priced.memory - priced.rerun,  # type: ignore[union-attr]
+                plain.priced(n, first[n].strategy).memory))  # type: ignore[union-attr]
+    bounds = pricer.rerun_bounds(first)
+    assert set(bounds) == {pricer._twin[n] for c in cells for n in c}
+    limited = pricer.limited(1e6, bounds)
+    cg = cost_graph_from(limited)
+    reserve = max(sum(bounds[pricer._twin[n]] for n in c) for c in cells)
+    assert limited.memory_capacity == pytest.approx(pricer.memory_capacity - 1e6 - reserve)
+    for n, node in enumerate(cg.nodes):
+        if n in pricer._twin:
+            assert all(pricer.priced(n, c.strategy).rerun  # type: ignore[union-attr]
+                       <= bounds[pricer._twin[n]] for c in node.candidates)
+        for c in node.candidates:
+            held = limited.priced(n, c.strategy)
+            assert held.memory == pytest.approx(  # type: ignore[union-attr]
+                pricer.priced(n, c.strategy).memory  # type: ignore[union-attr]
+                - (pricer.priced(n, c.strategy).rerun  # type: ignore[union-attr]
+                   if n in pricer._charged else 0.0))
+    assert sum(len(n.candidates) for n in cg.nodes) < sum(len(n.candidates) for n in free.nodes)
+    assert limited.rerun(first) == 0.0   # held back from the cap instead

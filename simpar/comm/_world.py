@@ -21,8 +21,8 @@ if TYPE_CHECKING:
     from mpi4py import MPI
 
 # (what simpar.comm exports; resolve serves the collectives modules)
-__all__ = ["Group", "check_context", "create_group", "get_group_size", "get_rank", "init",
-           "stage_world", "world", "world_rank"]
+__all__ = ["Group", "broadcast_text", "check_context", "create_group", "get_group_size",
+           "get_rank", "init", "stage_world", "world", "world_rank"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +133,34 @@ def get_group_size(group: Group | Sequence[int] | None = None) -> int:
     if group is None:
         return int(world().Get_size()) if _VIEW is None else len(_VIEW)
     return len(group.ranks if isinstance(group, Group) else tuple(group))
+
+
+def broadcast_text(text: str | None) -> str:
+    """Rank 0's ``text`` on every rank of the world (a stage's, inside :func:`stage_world`):
+    UTF-8 bytes, no pickle; not traced (what a plan sends, not a step). The other ranks wait
+    for it asleep between polls rather than spinning in MPI, so that rank 0's work before
+    the call (a search) keeps the cores to itself on an oversubscribed host. ``text`` is
+    read on rank 0 only."""
+    _, comm = resolve(None)
+    root = comm.Get_rank() == 0
+    if root and not isinstance(text, str):
+        raise TypeError(f"broadcast_text: text must be a str on rank 0, got "
+                        f"{type(text).__name__}")
+    data = np.frombuffer(text.encode(), dtype=np.uint8) if root else None  # type: ignore
+    size = np.array([0 if data is None else data.size], dtype=np.int64)
+    _sleep_until(comm.Ibcast(size, root=0))
+    if data is None:
+        data = np.empty(int(size[0]), dtype=np.uint8)
+    _sleep_until(comm.Ibcast(data, root=0))
+    return bytes(data).decode()
+
+
+def _sleep_until(request: Any) -> None:
+    """Wait for a nonblocking MPI call, sleeping between tests (1 ms up to 20 ms)."""
+    pause = 1e-3
+    while not request.Test():
+        time.sleep(pause)
+        pause = min(2 * pause, 0.02)
 
 
 def create_group(ranks: Sequence[int]) -> Group:

@@ -48,6 +48,7 @@ from simpar.runtime.program import ParallelProgram
 from simpar.search import (
     PlanRequest,
     global_input_shapes,
+    plan_once,
     plan_request,
     request_from_context,
 )
@@ -210,7 +211,8 @@ class TrainOneStepCell:
 
     def _plan(self, ctx: context.ParallelContext, request: PlanRequest) -> ParallelProgram:
         """Plan ``request`` (or load the strategy file's plan: no search) and lower; save the
-        plan when ``strategy_ckpt_config`` names a save_file. Strategy files apply to
+        plan when ``strategy_ckpt_config`` names a save_file. A search runs on rank 0 only,
+        its plan sent to the others (:func:`~simpar.search.plan_once`). Strategy files apply to
         semi_auto_parallel and auto_parallel, as in MindSpore; every rank reads (and writes,
         atomically, the same bytes) the same file, so every rank fails alike."""
         g = request.graph
@@ -218,6 +220,8 @@ class TrainOneStepCell:
             "semi_auto_parallel", "auto_parallel") else context.StrategyCkptConfig()
         if files.load_file:   # simpar's file, or MindSpore's (simpar.strategy_import)
             smap = plan_with_file(files.load_file, request, ctx.dataset_strategy)
+        elif self.mode == "auto_parallel":   # a search: rank 0 runs it for every rank
+            smap = plan_once(request)
         else:
             smap = plan_request(request)
         g = graph_of(request, smap)

@@ -7,6 +7,7 @@ its algo parameters (:class:`~simpar.search.request.PlanRequest`).
 from __future__ import annotations
 
 import logging
+import math
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -99,12 +100,15 @@ def fitting_transients(request: PlanRequest,
     # The user's strategies keep theirs whatever the limit: no limit below it can fit.
     floor = max((pricer.priced(s.index, first[s.index].strategy).transient  # type: ignore
                  for s in pricer.sites if s.user), default=0.0)
-    limit = pricer.transient(first)
+    # A recomputed Cell's tapes made again are bounded per position in the Cell by the first
+    # plan's largest Cell's (every identical Cell at most as heavy) and held back from the cap.
+    bounds = pricer.rerun_bounds(first) or None
+    limit = pricer.transient(first) - pricer.rerun(first)
     for _ in range(TRANSIENT_LIMITS):
-        if limit < floor:
+        if limit < floor or limit <= 0:
             break
         try:
-            found = search(pricer.limited(limit))
+            found = search(pricer.limited(limit, bounds))
         except (NoAvailableCost, ValueError, TimeoutError):
             found = []
         fits = bool(found) and over(found) <= 0
@@ -118,14 +122,32 @@ def fitting_transients(request: PlanRequest,
 
 
 def _with_transient(pricer: Pricer, e: NoAvailableCost) -> NoAvailableCost:
-    """``e`` with the memory its plan of least arrays needs with its largest transient: what a
-    cap must hold for that plan (the least of the arrays alone is not enough)."""
-    cg = cost_graph_from(pricer)
-    least = least_memory_plan(cg)
-    if least is None:
+    """``e`` with the least memory a plan of least arrays needs with its largest transient,
+    under no transient limit and under the limits :func:`fitting_transients` tries: what a
+    cap must hold for such a plan (the least of the arrays alone is not enough); the limits
+    stop halving when a plan needs no less than the one before."""
+    need, limited, bounds = math.inf, pricer, None
+    for _ in range(TRANSIENT_LIMITS + 1):
+        try:
+            cg = cost_graph_from(limited)
+        except ValueError:   # an op with no candidate within the limit
+            break
+        least = least_memory_plan(cg)
+        if least is None:
+            break
+        shardings = [node.candidates[c] for node, c in zip(cg.nodes, least)]
+        this = pricer.memory(shardings) + pricer.transient(shardings)
+        if this >= need:
+            break
+        need = this
+        limit = (pricer.transient(shardings) - pricer.rerun(shardings)) / 2
+        if limit <= 0:
+            break
+        if bounds is None:   # every recomputed Cell at most as heavy as the largest one
+            bounds = pricer.rerun_bounds(shardings) or None
+        limited = pricer.limited(limit, bounds)
+    if math.isinf(need):
         return e
-    shardings = [node.candidates[c] for node, c in zip(cg.nodes, least)]
-    need = pricer.memory(shardings) + pricer.transient(shardings)
     return NoAvailableCost(f"{e} With its largest transient the plan of least memory needs "
                            f"{need:.0f} bytes per rank.", need)
 

@@ -33,8 +33,9 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from simpar.graph import Graph
 from simpar.optimizer_parallel import OptimizerLevel
@@ -80,6 +81,21 @@ class Alternative:
     def key(self) -> tuple[int, OptimizerLevel | None, tuple[str, ...]]:
         return (self.micro_batches, self.level, self.recompute)
 
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready (:meth:`from_dict` inverts it)."""
+        return {"micro_batches": self.micro_batches,
+                "level": None if self.level is None else str(self.level),
+                "recompute": list(self.recompute), "segments": self.segments,
+                "seconds": self.seconds, "memory": self.memory, "why": self.why}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Alternative:
+        return cls(int(d["micro_batches"]),
+                   None if d["level"] is None else OptimizerLevel(d["level"]),
+                   tuple(str(n) for n in d["recompute"]), int(d["segments"]),
+                   None if d["seconds"] is None else float(d["seconds"]),
+                   None if d["memory"] is None else float(d["memory"]), str(d["why"]))
+
     def describe(self) -> str:
         """``level3, 2/4 Cells recomputed, 8 micro-batches``."""
         return (f"{self.level or 'optimizer parallel off'}, "
@@ -97,6 +113,22 @@ class DimensionSearch:
     alternatives: tuple[Alternative, ...]
     capacity: float
     searched: frozenset[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready (:meth:`from_dict` inverts it): what rank 0 broadcasts when it plans
+        for every rank (:func:`simpar.search.planner.plan_once`)."""
+        return {"chosen": None if self.chosen is None else self.chosen.to_dict(),
+                "alternatives": [a.to_dict() for a in self.alternatives],
+                "capacity": self.capacity, "searched": sorted(self.searched)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> DimensionSearch:
+        alternatives = tuple(Alternative.from_dict(a) for a in d["alternatives"])
+        chosen = None if d["chosen"] is None else Alternative.from_dict(d["chosen"])
+        # the chosen one is one of the alternatives, as the search made it
+        chosen = next((a for a in alternatives if a == chosen), chosen)
+        return cls(chosen, alternatives, float(d["capacity"]),
+                   frozenset(str(n) for n in d["searched"]))
 
     @property
     def least_memory(self) -> Alternative | None:

@@ -18,21 +18,26 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import json
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+from simpar import comm
 from simpar.context import BUILTIN_SEARCH_MODES, register_search_mode
 from simpar.graph import Graph
+from simpar.ops.strategy import StrategyError
 from simpar.optimizer_parallel import ParamFacts, shard_parameters
-from simpar.search.dimensions import search_dimensions
+from simpar.search.dimensions import DimensionSearch, search_dimensions
+from simpar.search.exact import TimeLimitWarning
+from simpar.search.pricing import NoAvailableCost
 from simpar.search.propagation import follow_producers
 from simpar.search.request import PlanRequest, request_from_context
 from simpar.search.strategy_map import StrategyMap
 
 __all__ = ["OptimizerShardWarning", "PlanRequest", "Planner", "check_builtin_searches",
-           "complete_plan", "plan_request", "plan_strategies", "planning_gc", "register_search",
-           "registered_searches", "search_for", "shard_optimizer"]
+           "complete_plan", "plan_once", "plan_request", "plan_strategies", "planning_gc",
+           "register_search", "registered_searches", "search_for", "shard_optimizer"]
 
 #: A planner: pure, no MPI; it returns a strategy for every node of ``request.graph``.
 Planner = Callable[[PlanRequest], StrategyMap]
@@ -177,3 +182,67 @@ def plan_strategies(graph: Graph, device_num: int, mode: str,
         graph, parameter_plan=parameter_plan or {}, device_num=device_num, mode=mode,
         dataset_strategy=dataset_strategy, enable_alltoall=enable_alltoall,
         search_mode=search_mode))
+
+
+#: Errors rank 0's planning may raise, raised again by that name on every other rank (any
+#: other is a RuntimeError there naming it). No class is looked up by a name it sent.
+_SHARED_ERRORS: dict[str, type[Exception]] = {
+    e.__name__: e for e in (NoAvailableCost, StrategyError, ValueError, TypeError, KeyError,
+                            NotImplementedError, TimeoutError, MemoryError)}
+_SHARED_WARNINGS: dict[str, type[Warning]] = {
+    w.__name__: w for w in (UserWarning, RuntimeWarning, DeprecationWarning,
+                            OptimizerShardWarning, TimeLimitWarning)}
+
+
+def plan_once(request: PlanRequest) -> StrategyMap:
+    """:func:`plan_request` on rank 0 of the world (a stage's, inside a stage), its map sent
+    to every other rank as JSON (:meth:`StrategyMap.to_dict`, with how the memory dimensions
+    were chosen), instead of every rank repeating the same pure search. The warnings rank 0's
+    planning gave are given on every rank, and an error it raised is raised on every rank
+    (the same type for :data:`_SHARED_ERRORS`, its ``memory`` and ``search`` kept), so no
+    rank waits on a plan that will not come. One process, or a request for fewer devices
+    than the world, plans by itself."""
+    if comm.get_group_size() == 1 or request.device_num != comm.get_group_size():
+        return plan_request(request)
+    failed: Exception | None = None
+    if comm.get_rank() == 0:
+        with warnings.catch_warnings(record=True) as caught:
+            try:
+                smap = plan_request(request)
+                payload: dict[str, Any] = {"map": smap.to_dict(), "dimensions": (
+                    None if smap.dimensions is None else smap.dimensions.to_dict())}
+            except Exception as e:   # every rank must hear of it
+                failed = e
+                search = getattr(e, "search", None)
+                payload = {"error": {"type": type(e).__name__, "message": str(e),
+                                     "memory": getattr(e, "memory", None),
+                                     "search": None if search is None else search.to_dict()}}
+        payload["warnings"] = [[w.category.__name__, str(w.message)] for w in caught]
+        text = comm.broadcast_text(json.dumps(payload))
+    else:
+        text = comm.broadcast_text(None)
+    got = json.loads(text)
+    for name, message in got["warnings"]:
+        warnings.warn(message, _SHARED_WARNINGS.get(name, UserWarning), stacklevel=2)
+    if failed is not None:
+        raise failed
+    if "error" in got:
+        raise _shared_error(got["error"])
+    smap = StrategyMap.from_dict(got["map"])
+    if got["dimensions"] is not None:
+        smap = dataclasses.replace(smap, dimensions=DimensionSearch.from_dict(
+            got["dimensions"]))
+    return smap
+
+
+def _shared_error(error: Mapping[str, Any]) -> Exception:
+    """The exception rank 0's planning raised, as rank 0 sent it."""
+    kind, message = _SHARED_ERRORS.get(error["type"]), str(error["message"])
+    if kind is NoAvailableCost:
+        out: Exception = NoAvailableCost(message, error["memory"])
+        if error["search"] is not None:
+            out.search = DimensionSearch.from_dict(error["search"])  # type: ignore[attr-defined]
+        return out
+    if kind is None:
+        return RuntimeError(f"rank 0 failed planning with {error['type']}: {message}")
+    return kind(message)

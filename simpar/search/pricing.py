@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -108,12 +108,15 @@ _MISSING: Any = object()
 class Priced:
     """One strategy of one op: its sharding, its cost (kernels, own collectives, Mirror,
     moving graph inputs), its memory per rank, and what it holds for a while beside that
-    (its backward's or its collectives' transient: a plan's largest one adds to its sum)."""
+    (its backward's or its collectives' transient: a plan's largest one adds to its sum), and
+    in a recomputed Cell what its tape holds again while the backward reruns the Cell (a
+    Cell's ops' sum, the largest Cell's, adds to the plan's transient)."""
 
     sharding: OpSharding
     cost: float
     memory: float
     transient: float = 0.0
+    rerun: float = 0.0
 
 
 def _memory_roles(node: Node, counted: set[str], involved: set[int], kept: set[int],
@@ -206,6 +209,9 @@ class Pricer:
         #: The most a strategy or a move the searches choose may hold for a while
         #: (:meth:`limited`; inf: no limit).
         self.transient_limit = math.inf
+        #: Per Cell position, the most a recomputed op may make again (:meth:`limited`; None:
+        #: no bounds, the largest Cell's tapes made again counted in its ops' memories).
+        self.rerun_limits: dict[int, float] | None = None
         # The whole step's seconds, with the memory dimensions' time (a model with
         # ``step_op``): what the search of the memory dimensions compares across them.
         self.step_objective = step_objective and hasattr(model, "step_op")
@@ -217,6 +223,15 @@ class Pricer:
         recomputed = [seg for seg in graph.segments if seg.name in set(recompute)]
         self._recomputed = {i for seg in recomputed for i in seg.nodes}
         self._opens = {seg.nodes[0] for seg in recomputed if seg.nodes}
+        # A recomputed Cell's tapes live again while the backward reruns it, one Cell at a
+        # time: the largest Cell's (most bytes of outputs) are counted in its ops' memories,
+        # a sum the searches minimise; a plan whose other Cells rerun more adds the excess
+        # to its transient (:meth:`rerun`). Identical blocks rerun alike: no excess.
+        self._cells = [tuple(seg.nodes) for seg in recomputed if seg.nodes]
+        charged = max(self._cells, default=(), key=lambda nodes: sum(
+            math.prod(v.shape) * v.dtype.itemsize for n in nodes
+            for v in graph.nodes[n].outputs))
+        self._charged = frozenset(charged)
         # A recomputed Cell with mp_comm_recompute moves its inputs again: their forward.
         self._rerun = {i for seg in recomputed if seg.mp_comm for i in seg.nodes}
         # ... and without parallel_optimizer_comm_recompute it keeps the weights it gathered.
@@ -263,7 +278,7 @@ class Pricer:
             mine = {k: inputs[v.id] for k, v in enumerate(node.inputs) if v.id in inputs}
             signature = (_signature(node, inputs, self.plans, roles),
                          n in self._recomputed, n in self._opens, n in self._rerun,
-                         n in self._holds_gathered)
+                         n in self._holds_gathered, n in self._charged)
             site = Site(n, node, signature, kinds.setdefault(signature, len(kinds)),
                         tuple(tuple(v.shape) for v in node.inputs), roles,
                         user_strategies and node.op.in_strategy is not None, mine)
@@ -287,6 +302,13 @@ class Pricer:
                                           follow and graph.nodes[p].op.elementwise))
         self.sites: tuple[Site, ...] = tuple(sites)
         self.edges: tuple[SiteEdge, ...] = tuple(edges)
+        # A recomputed op's twin: its signature but for being in the largest Cell (the ops at
+        # one place in identical blocks are twins; bounds on what they make again are per
+        # twin, as the cost graph prices a kind once).
+        twins: dict[tuple[Any, ...], int] = {}
+        self._twin = {n: twins.setdefault(sites[n].signature[:-1], len(twins))
+                      for nodes in self._cells for n in nodes}
+        self._base_capacity = self.memory_capacity
         # A consumer that keeps an input an earlier op's memory holds ("held") keeps an array
         # of its own when the edge moves it (the final pricing counts every redistributed
         # input apart): bytes the edge adds, per pair of candidates. A view (Reshape) passes
@@ -331,6 +353,9 @@ class Pricer:
         self._priced: dict[tuple[int, Strategy], Priced | None] = {}
         self._moves: dict[tuple[Any, Any, int], float] = {}
         self._transients: dict[tuple[Any, Any, int], float] = {}
+        # The largest Cell's prices without its tapes made again (under rerun bounds),
+        # shared by every pricer :meth:`limited` makes.
+        self._uncharged: dict[tuple[int, Strategy], Priced] = {}
         self._matrices: dict[tuple[Any, ...], np.ndarray] = {}
         # Layouts with one block key cost alike to move when the device count is a prime
         # power (the planner's refinements are then unique); over mixed factors (6, 12) two
@@ -364,20 +389,42 @@ class Pricer:
             n in self._holds_gathered if n in self._recomputed
             else site.node.op.keeps_input(k))) for k, shard in slices.items()}
 
-    def limited(self, transient_limit: float) -> Pricer:
+    def limited(self, transient_limit: float,
+                rerun_bounds: Mapping[int, float] | None = None) -> Pricer:
         """This pricer under ``transient_limit``, sharing everything priced so far (a search
         again under a limit prices nothing twice): the searches may choose only strategies
         and moves whose transient is at most the limit, and the ops' and edges' memories may
         add up to the capacity less it, so that a plan they find fits with its largest
-        transient (unless a ``.shard()`` strategy, which always stands, holds more)."""
+        transient (unless a ``.shard()`` strategy, which always stands, holds more).
+
+        ``rerun_bounds`` (:meth:`rerun_bounds`) bound what each recomputed op makes again in
+        the backward, per twin; the capacity is then less the most a Cell's ops' bounds add
+        up to, and no Cell's tapes count in its ops' memories."""
         if isinstance(transient_limit, bool) or not isinstance(transient_limit, (int, float)) \
                 or not 0 < transient_limit < math.inf:
             raise ValueError(f"Pricer.limited: transient_limit must be a finite number of "
                              f"bytes > 0, got {transient_limit!r}")
         out = copy.copy(self)
-        base = 0.0 if math.isinf(self.transient_limit) else self.transient_limit
-        out.memory_capacity = self.memory_capacity + base - transient_limit
+        reserve = 0.0
+        if rerun_bounds is not None:
+            out.rerun_limits = dict(rerun_bounds)
+            reserve = max((sum(out.rerun_limits[self._twin[n]] for n in nodes)
+                           for nodes in self._cells), default=0.0)
+        out.memory_capacity = self._base_capacity - transient_limit - reserve
         out.transient_limit = float(transient_limit)
+        return out
+
+    def rerun_bounds(self, strategies: Sequence[OpSharding]) -> dict[int, float]:
+        """Per twin (recomputed ops alike but for being in the largest Cell), what one
+        sharding per op makes again there (:attr:`Priced.rerun`): the most of the largest
+        Cell's ops (they stand for their twins in identical Cells), else of all its ops."""
+        charged = {self._twin[n] for n in self._charged}
+        out: dict[int, float] = {}
+        for n, twin in self._twin.items():
+            if twin in charged and n not in self._charged:
+                continue   # its twin in the largest Cell stands for it
+            found = self.priced(n, strategies[n].strategy)
+            out[twin] = max(out.get(twin, 0.0), 0.0 if found is None else found.rerun)
         return out
 
     def candidates(self, n: int, fully_use_devices: bool) -> list[Strategy]:
@@ -397,13 +444,29 @@ class Pricer:
         """Cost and memory of op ``n`` under ``strategy`` (None, as :meth:`sharding`, and
         when its transient is over the :attr:`transient_limit`)."""
         found = self.priced(n, strategy)
-        if found is not None and found.transient > self.transient_limit and \
-                not self.sites[n].user:
+        if found is None or self.sites[n].user:
+            return found
+        if found.transient > self.transient_limit or (
+                self.rerun_limits is not None and n in self._twin
+                and found.rerun > self.rerun_limits[self._twin[n]]):
             return None
         return found
 
     def priced(self, n: int, strategy: Strategy) -> Priced | None:
-        """:meth:`price`, whatever the transient (a plan's own strategies, to price it)."""
+        """:meth:`price`, whatever the transient (a plan's own strategies, to price it); under
+        :attr:`rerun_limits` the largest Cell's memories without its tapes made again (the
+        capacity holds them back)."""
+        found = self._priced_op(n, strategy)
+        if self.rerun_limits is None or found is None or n not in self._charged \
+                or not found.rerun:
+            return found
+        key = (self.sites[n].kind, strategy)
+        out = self._uncharged.get(key)
+        if out is None:
+            out = self._uncharged[key] = replace(found, memory=found.memory - found.rerun)
+        return out
+
+    def _priced_op(self, n: int, strategy: Strategy) -> Priced | None:
         site = self.sites[n]
         key = (site.kind, strategy)
         found = self._priced.get(key, _MISSING)
@@ -438,11 +501,15 @@ class Pricer:
             if self._calls is not None:
                 cost += self._call_shares(mirrored)
             involved = {k for k, (_, i) in enumerate(site.roles) if i}
+            rerun = 0.0
             if getattr(self.model, "prices_memory_dimensions", False):
-                memory = self.model.memory(
-                    sh, site.positions("new"), itemsize, site.positions("held"), in_sizes,
-                    involved, site.positions("frozen"), self._sliced(site, slices),
-                    (n in self._recomputed, n in self._opens))
+                args = (sh, site.positions("new"), itemsize, site.positions("held"), in_sizes,
+                        involved, site.positions("frozen"), self._sliced(site, slices))
+                memory = self.model.memory(*args, (n in self._recomputed, n in self._opens))
+                if n in self._recomputed:   # its tape, made again in the backward
+                    rerun = max(0.0, self.model.memory(*args, (False, False)) - memory)
+                    if n in self._charged:
+                        memory += rerun
             else:
                 memory = self.model.memory(sh, site.positions("new"), itemsize,
                                            site.positions("held"), in_sizes, involved,
@@ -460,7 +527,7 @@ class Pricer:
                     sh, grads, itemsize, in_sizes,
                     {k: (s.size, s.level.regathers and node.op.keeps_input(k))
                      for k, s in slices.items()})
-            found = Priced(sh, cost, memory, transient)
+            found = Priced(sh, cost, memory, transient, rerun)
         self._priced[key] = found
         return found
 
@@ -672,15 +739,28 @@ class Pricer:
 
     def transient(self, strategies: Sequence[OpSharding]) -> float:
         """The largest transient of one sharding per op: its ops' (:attr:`Priced.transient`)
-        and its edges' moves'. (A recomputed Cell's tapes, alive again while the backward
-        runs through it, are not counted yet.)"""
+        and its edges' moves', with what a recomputed Cell's tapes made again in the backward
+        hold beyond the memories count (:meth:`rerun`; on top of any op's, as the final
+        pricing counts it with the backward's)."""
         priced = [self.priced(site.index, sh.strategy) for site, sh in zip(self.sites,
                                                                           strategies)]
         ops = max((p.transient for p in priced if p is not None), default=0.0)
         return max(ops, max((self._move_transient(
             strategies[se.producer].outputs[se.output][1],
             strategies[se.consumer].in_layouts[se.input], se.itemsize)
-            for se in self.edges if not se.follows), default=0.0))
+            for se in self.edges if not se.follows), default=0.0)) + self.rerun(strategies)
+
+    def rerun(self, strategies: Sequence[OpSharding]) -> float:
+        """Bytes the tapes of the recomputed Cell that makes most of them again hold while the
+        backward reruns it (:attr:`Priced.rerun`, summed over the Cell's ops), beyond the
+        largest Cell's, which its ops' memories count."""
+        def cell(nodes: Sequence[int]) -> float:
+            found = [self.priced(n, strategies[n].strategy) for n in nodes]
+            return sum(p.rerun for p in found if p is not None)
+        if self.rerun_limits is not None:   # held back from the capacity
+            return 0.0
+        most = max((cell(nodes) for nodes in self._cells), default=0.0)
+        return max(0.0, most - cell(tuple(self._charged))) if self._charged else most
 
     def edges_memory(self, strategies: Sequence[OpSharding]) -> float:
         """Bytes per rank the edges add to one sharding per op (:meth:`edge_memory`)."""

@@ -1,0 +1,142 @@
+"""A search runs once, on rank 0, and its plan reaches every rank (simpar.search.plan_once):
+the same map and memory-dimension choice as planning alone, the same warnings, the same
+error, on every rank, with no rank left waiting (mpirun -n 2, 4 or 8).
+
+    mpirun -n 4 python -m pytest tests/test_plan_once_mpi.py -q --with-mpi -m mpi
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from typing import Any
+
+import numpy as np
+import pytest
+
+import simpar
+import simpar.comm as comm
+from simpar import graph, nn
+from simpar.cost_model_context import reset_cost_model_context, set_cost_model_context
+from simpar.search import (
+    OptimizerShardWarning,
+    plan_once,
+    plan_request,
+    planner,
+    request_from_context,
+)
+from simpar.search.pricing import NoAvailableCost
+from tests.mpi_guard import abort_job_on_error
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+
+@pytest.fixture(autouse=True)
+def _clean() -> Any:
+    yield
+    simpar.reset_auto_parallel_context()
+    simpar.reset_algo_parameters()
+    reset_cost_model_context()
+
+
+def _request(search_mode: str = "dynamic_programming", dimensions: str = "search") -> Any:
+    """A two-layer MLP under auto_parallel on the whole world, its hidden layer a recompute
+    candidate, the memory dimensions searched."""
+    simpar.set_auto_parallel_context(dataset_strategy="data_parallel",
+                                     parallel_optimizer_config={
+                                         "parallel_optimizer_threshold": 0})
+    simpar.set_algo_parameters(memory_dimensions=dimensions)
+    mlp = nn.MLP(16, 32, 8, n_hidden=1, dtype=np.float64)
+    mlp.layers[0].recompute()
+    net = nn.WithLossCell(mlp, nn.SoftmaxCrossEntropyWithLogits())
+    graphs = {}
+    for m in (1, 2):
+        specs = [((16 // m, 16), np.dtype(np.float64)), ((16 // m,), np.dtype(np.int32))]
+        graphs[m] = graph.trace(net, specs, ["data", "label"])
+    return request_from_context(graphs[1], cell=net, device_num=comm.get_group_size(),
+                                mode="auto_parallel", search_mode=search_mode,
+                                micro_graphs=graphs)
+
+
+def _calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts this rank's searches (plan_once's calls of plan_request)."""
+    calls: list[int] = []
+    real = planner.plan_request
+
+    def counted(request: Any) -> Any:
+        calls.append(1)
+        return real(request)
+
+    monkeypatch.setattr(planner, "plan_request", counted)
+    return calls
+
+
+def _same_on_every_rank(text: str) -> bool:
+    """Whether every rank's ``text`` is rank 0's."""
+    mine = text == comm.broadcast_text(text if comm.get_rank() == 0 else None)
+    return bool(comm.all_reduce(np.array([0 if mine else 1], dtype=np.int64), op="max")[0]
+                == 0)
+
+
+def test_rank_0_plans_and_every_rank_gets_the_plan_it_would_find(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    rank = comm.get_rank()
+    with abort_job_on_error("plan_once"):
+        set_cost_model_context(device_memory_capacity=1e9)
+        request = _request()
+        calls = _calls(monkeypatch)
+        shared = plan_once(request)
+        monkeypatch.undo()
+        alone = plan_request(request)   # what this rank finds by itself
+    assert len(calls) == (1 if rank == 0 else 0)
+    assert shared == alone and shared.to_dict() == alone.to_dict()
+    assert shared.dimensions == alone.dimensions   # every alternative, as planned
+    assert shared.dimensions.chosen in shared.dimensions.alternatives
+    assert _same_on_every_rank(json.dumps(shared.to_dict(), sort_keys=True))
+
+
+def test_an_error_in_rank_0_s_search_is_raised_on_every_rank(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    with abort_job_on_error("plan_once error"):
+        set_cost_model_context(device_memory_capacity=1.0)
+        request = _request()
+        calls = _calls(monkeypatch)
+        with pytest.raises(NoAvailableCost, match="no combination of the memory dimensions "
+                                                  "fits the capacity of 1 bytes") as caught:
+            plan_once(request)
+    assert len(calls) == (1 if comm.get_rank() == 0 else 0)
+    err = caught.value
+    assert err.memory is not None and err.search.least_memory.memory == err.memory
+    assert _same_on_every_rank(f"{err} {err.memory} {err.search.table()}")
+
+
+def test_an_unexpected_error_on_rank_0_ends_no_rank_waiting(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(request: Any) -> Any:
+        raise ZeroDivisionError("a bug in a search")
+
+    with abort_job_on_error("plan_once bug"):
+        request = _request(dimensions="fixed")
+        monkeypatch.setattr(planner, "plan_request", broken)
+        want = ZeroDivisionError if comm.get_rank() == 0 else RuntimeError
+        with pytest.raises(want, match="a bug in a search"):
+            plan_once(request)
+
+
+def test_rank_0_s_warnings_are_given_on_every_rank() -> None:
+    """A weight of 3 rows that optimizer parallel cannot slice on any world of 2, 4 or 8."""
+    with abort_job_on_error("plan_once warnings"):
+        simpar.set_auto_parallel_context(enable_parallel_optimizer=True,
+                                         parallel_optimizer_config={
+                                             "parallel_optimizer_threshold": 0})
+        net = nn.WithLossCell(nn.Dense(16, 3, dtype=np.float64), nn.MSELoss())
+        g = graph.trace(net, [((8, 16), np.float64), ((8, 3), np.float64)], ["x", "y"])
+        request = request_from_context(g, device_num=comm.get_group_size(),
+                                       mode="auto_parallel", search_mode="dynamic_programming")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            plan_once(request)
+    whole = [w for w in caught if issubclass(w.category, OptimizerShardWarning)]
+    assert len(whole) == 1 and "_backbone.weight: dimension 0 of its block has 3 rows" in str(
+        whole[0].message)
+    assert _same_on_every_rank(str(whole[0].message))
