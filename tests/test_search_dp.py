@@ -639,3 +639,16 @@ def test_solve_dynamic_programming_refuses_bad_options_by_name() -> None:
             ({"start": [0, -1, 0, 0]}, ValueError, "0 <= c < its count")]:
         with pytest.raises(error, match=text):
             solve_dynamic_programming(cg, **kwargs)
+
+
+def test_the_lagrangian_stops_at_a_fitting_end_of_infinite_cost() -> None:
+    """The secant's weight through a fitting plan of infinite cost (a caller's, as recursive
+    programming's restricted graphs give) is infinite: no line to follow, so the plan stands,
+    with no 0 x inf weighed (it used to warn "invalid value encountered in multiply")."""
+    from simpar.search.dynamic_programming import _lagrangian
+    over = CostNode(Node(0, ops.Identity(), ()), (0, 1), (1.0, math.inf), False,  # type: ignore
+                    (20.0, 5.0))
+    free = CostNode(Node(1, ops.Identity(), ()), (0,), (1.0,), False, (0.0,))  # type: ignore
+    cg = CostGraph((over, free), (), memory_capacity=10.0)
+    with np.errstate(invalid="raise"):
+        assert _lagrangian(cg, (0, 0), (1, 0), bracket=False) == (1, 0)

@@ -7,7 +7,6 @@ its algo parameters (:class:`~simpar.search.request.PlanRequest`).
 from __future__ import annotations
 
 import logging
-import math
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -84,7 +83,13 @@ def fitting_transients(request: PlanRequest,
     transient (an op's backward's cotangent and input gradients, its collective's buffer)
     adds only the largest of a plan's, a maximum no search's objective decomposes. On GPT
     125M with batch 208 on 8 devices, dynamic programming's first plan needs 55.46 GiB of
-    arrays and a backward transient of 10.16 GiB against 64 GiB."""
+    arrays and a backward transient of 10.16 GiB against 64 GiB.
+
+    What a recomputed Cell's tapes hold again in the backward is a sum over the Cell and a
+    maximum over the Cells: the first search counts the largest Cell's in its ops' memories
+    (:class:`~simpar.search.pricing.Pricer`); the searches again bound each recomputed op's
+    by its twin's in the first plan's largest Cell (:meth:`Pricer.rerun_bounds`) and hold the
+    most a Cell's bounds add up to back from the cap, so every Cell's fits."""
     pricer = pricer_of(request)
 
     def over(shardings: Sequence[OpSharding]) -> float:
@@ -122,32 +127,32 @@ def fitting_transients(request: PlanRequest,
 
 
 def _with_transient(pricer: Pricer, e: NoAvailableCost) -> NoAvailableCost:
-    """``e`` with the least memory a plan of least arrays needs with its largest transient,
-    under no transient limit and under the limits :func:`fitting_transients` tries: what a
-    cap must hold for such a plan (the least of the arrays alone is not enough); the limits
-    stop halving when a plan needs no less than the one before."""
-    need, limited, bounds = math.inf, pricer, None
-    for _ in range(TRANSIENT_LIMITS + 1):
+    """``e`` with the least memory a plan of least arrays needs with its largest transient:
+    what a cap must hold for such a plan (the least of the arrays alone is not enough). With
+    recomputed Cells, also the plan of least arrays whose Cells each make again at most what
+    that plan's largest Cell does (:meth:`Pricer.rerun_bounds`): without the bound the other
+    Cells' tapes are free in a sum of arrays, and the plan of least arrays may rerun more."""
+    def least(limited: Pricer) -> tuple[float, list[OpSharding]] | None:
         try:
             cg = cost_graph_from(limited)
-        except ValueError:   # an op with no candidate within the limit
-            break
-        least = least_memory_plan(cg)
-        if least is None:
-            break
-        shardings = [node.candidates[c] for node, c in zip(cg.nodes, least)]
-        this = pricer.memory(shardings) + pricer.transient(shardings)
-        if this >= need:
-            break
-        need = this
-        limit = (pricer.transient(shardings) - pricer.rerun(shardings)) / 2
-        if limit <= 0:
-            break
-        if bounds is None:   # every recomputed Cell at most as heavy as the largest one
-            bounds = pricer.rerun_bounds(shardings) or None
-        limited = pricer.limited(limit, bounds)
-    if math.isinf(need):
+        except ValueError:   # an op with no candidate within the bounds
+            return None
+        found = least_memory_plan(cg)
+        if found is None:
+            return None
+        shardings = [node.candidates[c] for node, c in zip(cg.nodes, found)]
+        return pricer.memory(shardings) + pricer.transient(shardings), shardings
+
+    first = least(pricer)
+    if first is None:
         return e
+    need, shardings = first
+    bounds = pricer.rerun_bounds(shardings)
+    limit = pricer.transient(shardings) - pricer.rerun(shardings)
+    if bounds and limit > 0:
+        bounded = least(pricer.limited(limit, bounds))
+        if bounded is not None:
+            need = min(need, bounded[0])
     return NoAvailableCost(f"{e} With its largest transient the plan of least memory needs "
                            f"{need:.0f} bytes per rank.", need)
 

@@ -664,7 +664,7 @@ def _lagrangian(cg: CostGraph, cheapest: tuple[int, ...], least: tuple[int, ...]
     best = least
     weight = cg.total(cheapest) / max(cg.memory(cheapest), 1.0) if bracket else 0.0
     misses = 0
-    while weight > 0 and rounds:
+    while 0 < weight < math.inf and rounds:
         rounds -= 1
         plan, _, _ = _solve(cg, 1, math.inf, weight=weight, passes=passes)
         if plan is None:
@@ -687,6 +687,8 @@ def _lagrangian(cg: CostGraph, cheapest: tuple[int, ...], least: tuple[int, ...]
         if m_over <= m_fit or c_fit <= c_over:
             break
         weight = (c_fit - c_over) / (m_over - m_fit)
+        if not math.isfinite(weight):   # a fitting end of infinite cost: no line to follow
+            break
         plan, _, _ = _solve(cg, 1, math.inf, weight=weight, passes=passes)
         if plan is None:
             break
