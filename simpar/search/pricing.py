@@ -209,7 +209,7 @@ class Pricer:
         #: The most a strategy or a move the searches choose may hold for a while
         #: (:meth:`limited`; inf: no limit).
         self.transient_limit = math.inf
-        #: Per Cell position, the most a recomputed op may make again (:meth:`limited`; None:
+        #: Per twin, the most a recomputed op may make again (:meth:`limited`; None:
         #: no bounds, the largest Cell's tapes made again counted in its ops' memories).
         self.rerun_limits: dict[int, float] | None = None
         # The whole step's seconds, with the memory dimensions' time (a model with
