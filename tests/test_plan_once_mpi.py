@@ -140,3 +140,10 @@ def test_rank_0_s_warnings_are_given_on_every_rank() -> None:
     assert len(whole) == 1 and "_backbone.weight: dimension 0 of its block has 3 rows" in str(
         whole[0].message)
     assert _same_on_every_rank(str(whole[0].message))
+
+
+def test_broadcast_text_refuses_a_non_str_on_every_rank() -> None:
+    with abort_job_on_error("broadcast_text"):
+        with pytest.raises(TypeError, match="broadcast_text: text must be a str on rank 0"):
+            comm.broadcast_text(b"bytes" if comm.get_rank() == 0 else None)  # type: ignore
+        assert comm.broadcast_text("ok" if comm.get_rank() == 0 else None) == "ok"

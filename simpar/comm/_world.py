@@ -143,12 +143,14 @@ def broadcast_text(text: str | None) -> str:
     read on rank 0 only."""
     _, comm = resolve(None)
     root = comm.Get_rank() == 0
-    if root and not isinstance(text, str):
-        raise TypeError(f"broadcast_text: text must be a str on rank 0, got "
-                        f"{type(text).__name__}")
-    data = np.frombuffer(text.encode(), dtype=np.uint8) if root else None  # type: ignore
-    size = np.array([0 if data is None else data.size], dtype=np.int64)
+    data = np.frombuffer(text.encode(), dtype=np.uint8) if root and isinstance(
+        text, str) else None
+    # -1: rank 0 has no str to send, and every rank raises
+    size = np.array([-1 if data is None else data.size], dtype=np.int64)
     _sleep_until(comm.Ibcast(size, root=0))
+    if size[0] < 0:
+        raise TypeError(f"broadcast_text: text must be a str on rank 0, got "
+                        f"{type(text).__name__ if root else 'another type'}")
     if data is None:
         data = np.empty(int(size[0]), dtype=np.uint8)
     _sleep_until(comm.Ibcast(data, root=0))
