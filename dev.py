@@ -3,6 +3,8 @@
 
     python3 dev.py train [ARGS...]   # mpirun -n 8 python -m simpar.train ARGS
     python3 dev.py test              # the whole suite: 1 process, then mpirun -n 2, 4, 8
+                                     # (the 1-process run's files spread over the cores;
+                                     # SIMPAR_TEST_WORKERS=1 keeps them in one process)
     python3 dev.py setup             # only create/refresh .venv
 
 Only the Python standard library is used here, so this runs on a machine that has nothing
@@ -379,10 +381,29 @@ def _browser() -> None:
                   "will be skipped", flush=True)
 
 
+def _workers() -> int:
+    """pytest-xdist workers for the 1-process run: one per usable core (at most 8), each
+    running whole test files (so a file's cached plans are made once); SIMPAR_TEST_WORKERS
+    overrides, 0 or 1 running the files in this one process (for --pdb, say)."""
+    override = os.environ.get("SIMPAR_TEST_WORKERS", "")
+    if override:
+        if not override.isdigit():
+            sys.exit(f"dev.py: SIMPAR_TEST_WORKERS must be a whole number, got {override!r}")
+        return int(override)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, 8))
+
+
 def test(args: list[str]) -> int:
     _browser()
     env = _env()
-    runs = [_pytest("1 process", [PY, "-m", "pytest", "-q", "--with-mpi", *args], env, 1)]
+    workers = _workers()
+    spread = ["--numprocesses", str(workers), "--dist", "loadfile"] if workers > 1 else []
+    runs = [_pytest("1 process", [PY, "-m", "pytest", "-q", "--with-mpi", *spread, *args],
+                    env, 1)]
     for n in MPI_RUNS:
         with tempfile.TemporaryDirectory(prefix=f"simpar-np{n}-") as logdir:
             cmd = [_mpirun(env), "-n", str(n), PY, "-m", "pytest", "-q", "--with-mpi",

@@ -5,6 +5,7 @@ write their report to ``$SIMPAR_TEST_LOGDIR/rank{r}.log`` (dev.py prints it when
 so a failure on any rank is still seen and still fails the run (mpirun exits non-zero).
 With ``$SIMPAR_TEST_RESULTS`` set (dev.py sets it), every rank also appends one JSON line per
 report to ``results-rank{r}.jsonl`` there, so that dev.py counts the outcomes of every rank.
+The 1-process run spreads its test files over pytest-xdist workers, one per core (dev.py).
 Hypothesis draws the same examples on every rank (derandomize), or the ranks would deadlock.
 """
 
@@ -85,7 +86,8 @@ def _per_rank_basetemp(config: pytest.Config) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     _per_rank_basetemp(config)  # before the tmp_path plugin reads --basetemp
     results = os.environ.get("SIMPAR_TEST_RESULTS")
-    if results:
+    # Under pytest-xdist the controller hears every worker's reports: it alone writes them.
+    if results and not hasattr(config, "workerinput"):
         config.pluginmanager.register(_ResultsWriter(results), "simpar-results")
 
 

@@ -7,6 +7,7 @@ error, on every rank, with no rank left waiting (mpirun -n 2, 4 or 8).
 
 from __future__ import annotations
 
+import functools
 import json
 import warnings
 from typing import Any
@@ -18,6 +19,7 @@ import simpar
 import simpar.comm as comm
 from simpar import graph, nn
 from simpar.cost_model_context import reset_cost_model_context, set_cost_model_context
+from simpar.pipeline.runner import plan_pipeline
 from simpar.search import (
     OptimizerShardWarning,
     plan_once,
@@ -147,3 +149,33 @@ def test_broadcast_text_refuses_a_non_str_on_every_rank() -> None:
         with pytest.raises(TypeError, match="broadcast_text: text must be a str on rank 0"):
             comm.broadcast_text(b"bytes" if comm.get_rank() == 0 else None)  # type: ignore
         assert comm.broadcast_text("ok" if comm.get_rank() == 0 else None) == "ok"
+
+
+def test_rank_0_searches_every_pipeline_stage_and_every_rank_gets_each_plan(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two stages of a two-block GPT, each searched for half the world: rank 0 searches
+    both, every rank lowers the plans it receives, and they are what it finds alone."""
+    world = comm.get_group_size()
+    with abort_job_on_error("plan_once pipeline"):
+        simpar.set_auto_parallel_context(dataset_strategy="data_parallel", search_mode=
+                                         "dynamic_programming")
+        net = nn.GPT(vocab_size=32, seq_length=8, d_model=16, n_layers=2, n_heads=2,
+                     dtype=np.float64)
+        net.embedding.pipeline_stage = net.blocks[0].pipeline_stage = 0
+        for part in (net.blocks[1], net.ln_f, net.head):
+            part.pipeline_stage = 1
+        cell = nn.WithLossCell(net, nn.SoftmaxCrossEntropyWithLogits())
+        specs = [((8, 8), np.dtype(np.int32))] * 2
+
+        def stages(plan: Any) -> list[str]:
+            _, programs = plan_pipeline(cell, specs, 2, world, "auto_parallel",
+                                        "data_parallel", 2, plan=plan)
+            return [json.dumps(p.strategy_map.to_dict(), sort_keys=True) for p in programs]
+
+        calls = _calls(monkeypatch)
+        shared = stages(functools.partial(plan_once, together=True))
+        monkeypatch.undo()
+        alone = stages(plan_request)
+    assert len(calls) == (2 if comm.get_rank() == 0 else 0)
+    assert shared == alone
+    assert _same_on_every_rank("".join(shared))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import math
 import os
@@ -211,8 +212,9 @@ class TrainOneStepCell:
 
     def _plan(self, ctx: context.ParallelContext, request: PlanRequest) -> ParallelProgram:
         """Plan ``request`` (or load the strategy file's plan: no search) and lower; save the
-        plan when ``strategy_ckpt_config`` names a save_file. A search runs on rank 0 only,
-        its plan sent to the others (:func:`~simpar.search.plan_once`). Strategy files apply to
+        plan when ``strategy_ckpt_config`` names a save_file. A search (auto_parallel) or a
+        propagation (semi_auto_parallel's unset strategies) runs on rank 0 only, its plan sent
+        to the others (:func:`~simpar.search.plan_once`). Strategy files apply to
         semi_auto_parallel and auto_parallel, as in MindSpore; every rank reads (and writes,
         atomically, the same bytes) the same file, so every rank fails alike."""
         g = request.graph
@@ -220,8 +222,8 @@ class TrainOneStepCell:
             "semi_auto_parallel", "auto_parallel") else context.StrategyCkptConfig()
         if files.load_file:   # simpar's file, or MindSpore's (simpar.strategy_import)
             smap = plan_with_file(files.load_file, request, ctx.dataset_strategy)
-        elif self.mode == "auto_parallel":   # a search: rank 0 runs it for every rank
-            smap = plan_once(request)
+        elif self.mode in ("auto_parallel", "semi_auto_parallel"):
+            smap = plan_once(request)   # a search, or propagation: rank 0's for every rank
         else:
             smap = plan_request(request)
         g = graph_of(request, smap)
@@ -312,14 +314,15 @@ class TrainOneStepCell:
                                            micro_batches=m)
 
             def plan_one() -> ParallelProgram:
-                smap = plan_request(request)
+                smap = plan_once(request)
                 return lower(graph_of(request, smap), smap, request.enable_alltoall)
         except ValueError:   # no plan without stages (the batch does not split, say)
             request = request_from_context(g, cell=self.network, mode=self.mode,
                                            micro_batches=m, dataset_strategy="full_batch")
         stages, self.stage_counts = choose_stages(
             self.network, specs, comm.get_group_size(), ctx.pipeline_stages,
-            ctx.dataset_strategy, m, ctx.pipeline_config.pipeline_scheduler, request, plan_one)
+            ctx.dataset_strategy, m, ctx.pipeline_config.pipeline_scheduler, request, plan_one,
+            functools.partial(plan_once, together=True))
         return stages
 
     def _build_pipeline(self, ctx: context.ParallelContext, data: np.ndarray,
@@ -327,7 +330,8 @@ class TrainOneStepCell:
         """The stages' programs (:mod:`simpar.pipeline`); this rank's stage's is
         ``program``, and it holds that stage's parameters only. ``auto``: the stage count
         ``auto_pipeline`` chose (the network cut where it says), else ``pipeline_stages``
-        and the Cells' ``pipeline_stage``."""
+        and the Cells' ``pipeline_stage``. Rank 0 plans every stage and sends each plan to
+        every rank (:func:`~simpar.search.plan_once`)."""
         stages, world = auto or ctx.pipeline_stages, comm.get_group_size()
         m = self.micro_batches
         _check_pipeline(ctx, self.mode, world, m, stages)
@@ -343,7 +347,8 @@ class TrainOneStepCell:
                 self.network, [((x.shape[0] // m, *x.shape[1:]), x.dtype) for x in (data, label)],
                 stages, world, self.mode, ctx.dataset_strategy, m,
                 ctx.pipeline_config.pipeline_interleave and auto is None, files.load_file or None,
-                ctx.pipeline_config.pipeline_scheduler, auto_split=auto is not None)
+                ctx.pipeline_config.pipeline_scheduler, auto_split=auto is not None,
+                plan=functools.partial(plan_once, together=True))
         if files.save_file:   # this rank's stage's plan, as MindSpore saves it per rank
             stage = comm.get_rank() // (world // stages)
             _distinct_per_stage(files.save_file, stage)

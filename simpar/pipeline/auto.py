@@ -21,6 +21,7 @@ from typing import Any
 from simpar.cost import SimparCostModel, evaluate
 from simpar.pipeline.price import price_pipeline
 from simpar.pipeline.runner import plan_pipeline
+from simpar.search import plan_request
 
 __all__ = ["StageCount", "choose_stages"]
 
@@ -41,11 +42,13 @@ class StageCount:
 
 def choose_stages(network: Any, specs: Sequence[tuple[tuple[int, ...], Any]], world: int,
                   upper: int, dataset: Any, micro_batches: int, scheduler: str,
-                  request: Any, plan_one: Any) -> tuple[int, list[StageCount]]:
+                  request: Any, plan_one: Any, plan: Any = plan_request
+                  ) -> tuple[int, list[StageCount]]:
     """The stage count in ``1..upper`` dividing ``world`` with the fastest predicted step that
     fits (``request``'s cost model's memory cap and profile), and every count priced.
     ``plan_one()`` plans the network without stages (the caller's own path; None: it cannot
-    be, e.g. its batch does not split over ``world``). A count whose planning is refused is
+    be, e.g. its batch does not split over ``world``); ``plan`` searches each stage's request
+    (:func:`~simpar.pipeline.runner.plan_pipeline`'s). A count whose planning is refused is
     listed with why; if every count is, the first refusal is raised."""
     model = request.cost_model
     if not isinstance(model, SimparCostModel):
@@ -68,7 +71,7 @@ def choose_stages(network: Any, specs: Sequence[tuple[tuple[int, ...], Any]], wo
             else:
                 parts, programs = plan_pipeline(network, specs, s, world, "auto_parallel",
                                                 dataset, micro_batches, scheduler=scheduler,
-                                                auto_split=True)
+                                                auto_split=True, plan=plan)
                 cost = price_pipeline(parts, programs, s, scheduler, micro_batches,
                                       model.profile, model.optimizer)
                 seconds, peak = cost.step_seconds, float(cost.peak_memory)

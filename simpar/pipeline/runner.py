@@ -30,7 +30,7 @@ silently. Inside a task, the stage's own collectives run under its program's sch
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from time import perf_counter
 from typing import Any
@@ -48,7 +48,14 @@ from simpar.redistribution import execute, plan
 from simpar.runtime.executor import input_gradient
 from simpar.runtime.lowering import lower
 from simpar.runtime.program import ParallelProgram
-from simpar.search import complete_plan, dataset_layouts, plan_request, request_from_context
+from simpar.search import (
+    PlanRequest,
+    StrategyMap,
+    complete_plan,
+    dataset_layouts,
+    plan_request,
+    request_from_context,
+)
 
 __all__ = ["PipelineRunner", "Transfer", "plan_pipeline", "plan_stages"]
 
@@ -98,7 +105,8 @@ def plan_stages(stages: Sequence[Stage], per_stage: int, planner: Any, dataset: 
 def plan_pipeline(network: Any, specs: Sequence[tuple[tuple[int, ...], Any]], stages: int,
                   device_num: int, mode: str, dataset: Any, micro_batches: int = 1,
                   interleave: bool = False, load_file: str | None = None,
-                  scheduler: str = "1f1b", auto_split: bool = False
+                  scheduler: str = "1f1b", auto_split: bool = False,
+                  plan: Callable[[PlanRequest], StrategyMap] = plan_request
                   ) -> tuple[list[Stage], list[ParallelProgram]]:
     """Trace ``network`` for one micro-batch of inputs ``specs`` ((shape, dtype) of the data
     and the label), cut it into ``stages`` stages (chunks by ``pipeline_segment`` when
@@ -108,7 +116,9 @@ def plan_pipeline(network: Any, specs: Sequence[tuple[tuple[int, ...], Any]], st
     its activations once per micro-batch ``scheduler`` keeps in flight on it, so that the
     memory cap (and the memory dimensions, under ``memory_dimensions``) see what it holds.
     ``auto_split`` cuts the network where :func:`~simpar.pipeline.stages.balance_stages`
-    says, whatever the Cells' ``pipeline_stage`` (``auto_pipeline``)."""
+    says, whatever the Cells' ``pipeline_stage`` (``auto_pipeline``). ``plan`` searches
+    each stage's request: under MPI, :func:`~simpar.search.plan_once` with ``together``
+    (rank 0 searches every stage and sends each plan to every rank)."""
     g = graph.trace(network, list(specs), ["data", "label"])
     if auto_split:
         for node, stage in zip(g.nodes, balance_stages(g, stages)):
@@ -130,7 +140,7 @@ def plan_pipeline(network: Any, specs: Sequence[tuple[tuple[int, ...], Any]], st
             request = replace(request, cost_model=replace(request.cost_model,
                                                           activation_copies=live))
         if loaded is None:
-            return request, plan_request(request)
+            return request, plan(request)
         smap = loaded[st.index]
         if not smap.inputs:   # a plain MindSpore file: the inputs as the stage receives them
             lays = dataset_layouts([v.shape for v in st.graph.inputs], smap.device_num,

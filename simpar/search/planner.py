@@ -24,8 +24,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from simpar import comm
+from simpar._keyspec import ContextError, ContextTypeError
 from simpar.context import BUILTIN_SEARCH_MODES, register_search_mode
 from simpar.graph import Graph
+from simpar.layout import IndivisibleError
 from simpar.ops.strategy import StrategyError
 from simpar.optimizer_parallel import ParamFacts, shard_parameters
 from simpar.search.dimensions import DimensionSearch, search_dimensions
@@ -184,25 +186,29 @@ def plan_strategies(graph: Graph, device_num: int, mode: str,
         search_mode=search_mode))
 
 
-#: Errors rank 0's planning may raise, raised again by that name on every other rank (any
-#: other is a RuntimeError there naming it). No class is looked up by a name it sent.
+#: Errors rank 0's planning may raise, raised again by that name on every other rank (another
+#: is raised as the first of these it derives from, or else as a RuntimeError naming it). No
+#: class is looked up by a name it sent.
 _SHARED_ERRORS: dict[str, type[Exception]] = {
-    e.__name__: e for e in (NoAvailableCost, StrategyError, ValueError, TypeError, KeyError,
+    e.__name__: e for e in (NoAvailableCost, StrategyError, IndivisibleError, ContextError,
+                            ContextTypeError, ValueError, TypeError, KeyError,
                             NotImplementedError, TimeoutError, MemoryError)}
 _SHARED_WARNINGS: dict[str, type[Warning]] = {
     w.__name__: w for w in (UserWarning, RuntimeWarning, DeprecationWarning,
                             OptimizerShardWarning, TimeLimitWarning)}
 
 
-def plan_once(request: PlanRequest) -> StrategyMap:
+def plan_once(request: PlanRequest, together: bool = False) -> StrategyMap:
     """:func:`plan_request` on rank 0 of the world (a stage's, inside a stage), its map sent
     to every other rank as JSON (:meth:`StrategyMap.to_dict`, with how the memory dimensions
     were chosen), instead of every rank repeating the same pure search. The warnings rank 0's
     planning gave are given on every rank, and an error it raised is raised on every rank
     (the same type for :data:`_SHARED_ERRORS`, its ``memory`` and ``search`` kept), so no
-    rank waits on a plan that will not come. One process, or a request for fewer devices
-    than the world, plans by itself."""
-    if comm.get_group_size() == 1 or request.device_num != comm.get_group_size():
+    rank waits on a plan that will not come. One process plans by itself, and so does a
+    request for fewer devices than the world unless ``together`` says that every rank of
+    the world calls with it (a pipeline's stages, which every rank plans in turn)."""
+    if comm.get_group_size() == 1 or (request.device_num != comm.get_group_size()
+                                      and not together):
         return plan_request(request)
     failed: Exception | None = None
     if comm.get_rank() == 0:
@@ -214,7 +220,7 @@ def plan_once(request: PlanRequest) -> StrategyMap:
             except Exception as e:   # every rank must hear of it
                 failed = e
                 search = getattr(e, "search", None)
-                payload = {"error": {"type": type(e).__name__, "message": str(e),
+                payload = {"error": {"type": _shared_type(e), "message": str(e),
                                      "memory": getattr(e, "memory", None),
                                      "search": None if search is None else search.to_dict()}}
         payload["warnings"] = [[w.category.__name__, str(w.message)] for w in caught]
@@ -233,6 +239,13 @@ def plan_once(request: PlanRequest) -> StrategyMap:
         smap = dataclasses.replace(smap, dimensions=DimensionSearch.from_dict(
             got["dimensions"]))
     return smap
+
+
+def _shared_type(e: Exception) -> str:
+    """The name ``e`` is sent under: its class's, or its first base class's that every rank
+    raises again by name (:data:`_SHARED_ERRORS`)."""
+    return next((c.__name__ for c in type(e).__mro__ if _SHARED_ERRORS.get(c.__name__) is c),
+                type(e).__name__)
 
 
 def _shared_error(error: Mapping[str, Any]) -> Exception:
