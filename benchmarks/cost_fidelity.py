@@ -406,7 +406,7 @@ def main() -> int:
         print(table)
         print(verdict)
         section = "cost_fidelity_pipelines" if args.pipelines else "cost_fidelity"
-        if not args.pipelines:
+        if not args.pipelines and not args.no_write:   # --no-write leaves the picture too
             body += "\n\n" + _scatter(rows, predicted, measured)
         if not args.no_write:
             write_section(section, body)

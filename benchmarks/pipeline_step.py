@@ -10,9 +10,11 @@ cut into equal stages, the global batch of 256 in 8 micro-batches, trained under
 * on 8 ranks: pp 8 (one rank and one layer per stage), and pp 4 x dp 2 (two ranks per stage
   in data parallel, two layers each);
 * on 2 ranks: pp 2 (four layers per stage). This host has 2 cores: on 8 ranks the stages
-  share them, so a task runs slower while other stages compute than while they wait, and
-  the bubble is not the schedule's; on 2 ranks each stage has a core, as the schedule's
-  bubble assumes.
+  share them. simpar's receives then sleep while they wait (the MPI wait policy is "yield"
+  there: :class:`~simpar.pipeline.runner.PipelineRunner`), so a stage in its bubble leaves
+  the cores to the stages that compute; the hand-written 1F1B waits in MPI's ``Recv``, which
+  yields but stays runnable. On 2 ranks each stage has a core, as the schedule's bubble
+  assumes, and both wait in MPI.
 
 (a) hand-written: each rank runs its stage's layers in numpy (one BLAS thread, simpar's
 wait policy: the same process), receives its input with ``Recv`` and sends its output with

@@ -1380,3 +1380,29 @@ def test_trace_belongs_to_its_thread() -> None:
         pass
     trace_module.record("AllReduce", (0,), 8, 8, 0.0, np.float32, (2,), "sum")
     assert late.events == []
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("sleep", [False, True])
+def test_a_ring_of_nonblocking_sends_arrives_whether_the_receive_sleeps_or_not(
+        world: tuple[int, int], sleep: bool) -> None:
+    """Each rank sends the next one its rank's array: waited in MPI, or tested with sleeps
+    between (the pipeline runner's receives where ranks outnumber the cores)."""
+    rank, size = world
+    before, after = (rank - 1) % size, (rank + 1) % size
+    mine = np.arange(6, dtype=np.float64).reshape(2, 3) + 10 * rank
+    with CommTrace() as trace:
+        request = comm.irecv(before, (2, 3), np.float64, tag=5)
+        sent = comm.isend(mine, after, tag=5)
+        got = request.wait(sleep=sleep)
+        sent.wait()
+    np.testing.assert_array_equal(got, np.arange(6).reshape(2, 3) + 10 * before)
+    assert sorted((e.kind, e.group, e.bytes_sent, e.bytes_recv) for e in trace.events) == [
+        ("Receive", (before, rank), 0, 48), ("Send", (rank, after), 48, 0)]
+    # A shorter message than posted raises on the rank that receives it (here: every rank).
+    request = comm.irecv(before, (2, 4), np.float64, tag=6)
+    sent = comm.isend(mine, after, tag=6)
+    with pytest.raises(CommMismatchError, match=rf"expected 64 bytes \(float64\[2, 4\]\) "
+                                                f"from rank {before}, got 48"):
+        request.wait(sleep=sleep)
+    sent.wait()

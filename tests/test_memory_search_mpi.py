@@ -4,7 +4,8 @@ or 8) and compared with one device on every rank.
 For each model and each memory cap (none; and halfway between the least memory per rank any
 plan of the cuts alone needs and the least with the memory dimensions too, so that only the
 dimensions fit) the search
-(``set_algo_parameters(memory_dimensions="search")``, dynamic_programming) chooses the
+(``set_algo_parameters(memory_dimensions="search")``; dynamic_programming for the MLP,
+recursive_programming for the GPT, whose capped dynamic program takes a minute) chooses the
 optimizer level, the recomputed Cells and the micro-batches with the cuts; the chosen plan
 trains two Adam steps and must equal the single-device run on the whole batch (losses, every
 stored slice). The program that ran must be the one chosen (its micro-batches, its slices'
@@ -44,6 +45,7 @@ BATCH = 16
 MLP_SIZES = (16, 64, 8)
 GPT_SIZES = {"vocab_size": 128, "seq_length": 8, "d_model": 32, "n_layers": 2, "n_heads": 4}
 LR = {"mlp": 1e-2, "gpt": 3e-3}
+SEARCH = {"mlp": "dynamic_programming", "gpt": "recursive_programming"}
 #: The caps tried: none, or halfway between the least memory of the cuts alone and the least
 #: with the memory dimensions.
 CAPS = ("none", "between")
@@ -62,8 +64,8 @@ def _train(model: str, capacity: float | None, dimensions: str = "search"
     """Train under auto_parallel with the memory dimensions searched; the cell, its losses
     and the collectives of its last step."""
     simpar.reset_auto_parallel_context()
-    simpar.set_auto_parallel_context(parallel_mode="auto_parallel", search_mode=
-                                     "dynamic_programming", dataset_strategy="data_parallel",
+    simpar.set_auto_parallel_context(parallel_mode="auto_parallel", search_mode=SEARCH[model],
+                                     dataset_strategy="data_parallel",
                                      gradients_mean=True,
                                      parallel_optimizer_config={
                                          "parallel_optimizer_threshold": 0})

@@ -10,7 +10,9 @@ moves it to the layout its first reader needs), so both sides hold shards of one
 
 Each micro-batch's forward receives its boundaries, runs, and sends its outputs on, every
 message nonblocking (a task's receives are posted before the task before it runs, so they
-arrive while the rank computes; a send's array is let go once it has gone); its backward
+arrive while the rank computes; a send's array is let go once it has gone; where ranks
+outnumber the cores a receive sleeps while it waits, leaving the cores to the stages that
+compute); its backward
 receives the cotangents of the boundaries it sent (summed over their readers), runs, and
 sends each received boundary's cotangent back, summed whole first. The gradients are
 summed over the micro-batches and synchronised once per step inside each stage (the
@@ -38,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from simpar import comm, graph
+from simpar._env import SETTINGS
 from simpar.cost import SimparCostModel
 from simpar.layout import TensorLayout, shard_index, take_shard
 from simpar.pipeline.price import dependencies, timeline
@@ -197,6 +200,10 @@ class PipelineRunner:
         #: blocked in receives (``waiting``: the bubble), and the rest (``busy``).
         self.busy = self.span = self.waiting = 0.0
         self.shared = self._shared()
+        #: Whether a receive sleeps while it waits (where ranks outnumber the cores, as the
+        #: MPI wait policy "yield" says), so that a stage in its bubble leaves the cores to
+        #: the stages that compute.
+        self.sleep = SETTINGS.get("wait_policy") == "yield"
 
     def peer(self, virtual: int) -> int:
         """The world rank of this rank's stage rank on (virtual) stage ``virtual``'s ranks."""
@@ -366,7 +373,7 @@ class PipelineRunner:
     def _recv(self, other: int, b: Any, k: int, backward: bool) -> np.ndarray:
         """Micro-batch ``k``'s message from virtual stage ``other`` (posted before)."""
         t0 = perf_counter()
-        x = self._posted.pop((other, b.index, backward, k)).wait()
+        x = self._posted.pop((other, b.index, backward, k)).wait(sleep=self.sleep)
         self.waiting += perf_counter() - t0
         self.trace.append(Transfer("recv", k, b.name, backward, self.peer(other), x.nbytes))
         return x
