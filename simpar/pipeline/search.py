@@ -349,7 +349,7 @@ def _step(stages: int, m: int, blocks: Sequence[int], emb: _Unit, block: _Unit,
     backward = [cost(v, "B") for v in range(last + 1)]
     spans = timeline(tasks, lambda s, t: (forward if t[0] == "F" else backward)[
         t[1] * stages + s], needs)
-    ends = [max(e for (st, *_), (_, e) in spans.items() if st == s) for s in range(stages)]
+    ends = [spans[(s, *tasks[s][-1])][1] for s in range(stages)]   # a stage's last task
     mine = [[c * stages + s for c in range(chunks)] for s in range(stages)]
     once = [sum(blocks[v] * block.once + (emb.once if v == 0 else 0.0)
                 + (head.once if v == last else 0.0) for v in vs) for vs in mine]
