@@ -157,12 +157,14 @@ def broadcast_text(text: str | None) -> str:
     return bytes(data).decode()
 
 
-def _sleep_until(request: Any) -> None:
-    """Wait for a nonblocking MPI call, sleeping between tests (1 ms up to 20 ms)."""
-    pause = 1e-3
-    while not request.Test():
+def _sleep_until(request: Any, first: float = 1e-3, most: float = 0.02,
+                 status: Any = None) -> None:
+    """Wait for a nonblocking MPI call, sleeping between tests (``first`` seconds, doubling up
+    to ``most``); ``status`` (an MPI Status) receives the completed call's."""
+    pause = first
+    while not (request.Test() if status is None else request.Test(status)):
         time.sleep(pause)
-        pause = min(2 * pause, 0.02)
+        pause = min(2 * pause, most)
 
 
 def create_group(ranks: Sequence[int]) -> Group:

@@ -15,7 +15,6 @@ it: each is one :class:`_Regular` record, and one method calls them all.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter
@@ -42,7 +41,7 @@ from simpar.comm._arrays import (
     _same_memory,
     _split_blocks,
 )
-from simpar.comm._world import Group, resolve, world
+from simpar.comm._world import Group, _sleep_until, resolve, world
 from simpar.comm.agreement import (
     CommMismatchError,
     _describe,
@@ -477,10 +476,7 @@ class RecvRequest:
         rank with nothing to do then leaves them to the ranks that compute."""
         start = perf_counter()
         if sleep:
-            pause = 5e-5
-            while not self._request.Test(self._status):
-                time.sleep(pause)
-                pause = min(2 * pause, 1e-3)
+            _sleep_until(self._request, 5e-5, 1e-3, self._status)
         else:
             self._request.Wait(self._status)
         got = self._status.Get_count(_mpi().BYTE)
