@@ -395,7 +395,8 @@ def main() -> int:
                    f"{med:.1%} (target <= 25%); memory within 15% for {mem_ok} of "
                    f"{len(rows)} strategies (target: all).")
         body = "\n\n".join([
-            f"`mpirun -n {n} {SCRIPT}{' --pipelines' if args.pipelines else ''}` ({today()}; "
+            f"`mpirun -n {n} {SCRIPT}{' --pipelines' if args.pipelines else ''}"
+            f"{'' if args.profile == 'cpu-local' else ' --profile ' + args.profile}` ({today()}; "
             f"profile {PROFILE.name}; {args.steps} "
             "timed steps per strategy, the slowest rank's median; memory: the rank with the "
             "largest measured peak, tracemalloc over one step plus the parameters and "

@@ -506,6 +506,7 @@ def summary(plan: ModelPlan) -> str:
     r, o = plan.report, plan.options
     parts = [("compute", r.compute), ("op collectives", r.op_comm),
              ("redistribution", r.redistribution), ("gradient sync", r.grad_sync),
+             *([("gradient accumulation", r.accumulation)] if r.accumulation else []),
              ("optimizer", r.optimizer), ("fixed", r.overhead)]
     priced = (f"all {r.device_num} ranks priced" if len(r.memory) == r.device_num else
               f"{len(r.memory)} of {r.device_num} ranks priced")
@@ -578,7 +579,8 @@ def to_json(plan: ModelPlan, command: str = "") -> dict[str, Any]:
         "cost": {"unit": "s", "step_seconds": r.step_seconds, "slowest_rank": r.slowest_rank,
                  "compute": r.compute, "op_comm": r.op_comm,
                  "redistribution": r.redistribution, "grad_sync": r.grad_sync,
-                 "optimizer": r.optimizer, "overhead": r.overhead,
+                 "accumulation": r.accumulation, "optimizer": r.optimizer,
+                 "overhead": r.overhead,
                  "ops": [{**asdict(row), "strategy": [list(c) for c in row.strategy]}
                          for row in r.ops]},
         "memory": {"peak": r.peak_memory, "fits": r.fits, "capacity": r.memory[0].capacity,

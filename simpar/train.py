@@ -753,7 +753,7 @@ def why_it_won(args: argparse.Namespace, train: nn.TrainOneStepCell, world: int)
             continue
         table.append([label] + [f"{x * 1e3:.2f}" for x in (
             r.step_seconds, r.compute, r.op_comm, r.redistribution, r.grad_sync,
-            r.optimizer + r.overhead)] + [f"{r.peak_memory / 2**20:.2f}"])
+            r.accumulation + r.optimizer + r.overhead)] + [f"{r.peak_memory / 2**20:.2f}"])
     best = min((r.step_seconds for _, r in rows[1:] if not isinstance(r, str)), default=None)
     searched = rows[0][1]
     assert not isinstance(searched, str)

@@ -97,7 +97,8 @@ def cost_png(report: Any, path: str | Path, title: str = "") -> Path:
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
     parts = [("compute", report.compute), ("op comm", report.op_comm),
              ("redistribution", report.redistribution), ("grad sync", report.grad_sync),
-             ("optimizer", report.optimizer), ("fixed", report.overhead)]
+             ("accumulation", report.accumulation), ("optimizer", report.optimizer),
+             ("fixed", report.overhead)]
     bottom = 0.0
     for label, seconds in parts:
         left.bar(0, seconds * 1e3, bottom=bottom, label=label)

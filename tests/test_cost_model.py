@@ -187,6 +187,44 @@ def test_compute_scale_multiplies_the_roofline_not_the_dispatch() -> None:
     assert rest + np.dot(terms, [1e-2, 1e-4, 2.0, -5e-4]) == pytest.approx(priced)
 
 
+@pytest.mark.parametrize(("level", "held"), [(None, 1), ("level1", 1), ("level2", 4)])
+def test_each_micro_batch_after_the_first_adds_its_gradients_into_the_sum(
+        level: str | None, held: int) -> None:
+    """Gradient accumulation costs a call and three passes over each gradient the backward
+    hands over, for every micro-batch but the first: the weight's whole shard, or its
+    quarter where level2 reduce-scatters every micro-batch. evaluate and the searches'
+    per-op price (step_op_seconds) charge it alike."""
+    from simpar.cost import SimparCostModel
+    dense = nn.Dense(32, 16, has_bias=False, dtype=np.float64)
+    g = graph.trace(dense, [((16, 32), np.float64)], ["x"])
+    prof = replace(_profile(), array_op_overhead=1e-5)
+    optimizer = OptimizerParallel(None if level is None else OptimizerLevel(level), -1, 0)
+    summing = 1e-5 + 3 * 16 * 32 * 8 / held / MEM_BW       # the (16, 32) float64 weight
+    reports, per_op = [], []
+    for micro in (1, 4):
+        prog = lower(g, plan_request(request_from_context(
+            g, device_num=4, mode="data_parallel", dataset_strategy="data_parallel",
+            micro_batches=micro, optimizer=optimizer)))
+        reports.append(evaluate(prog, prof, "sgd"))
+        (step,) = prog.steps
+        model = SimparCostModel(prof, "sgd")
+        shards = ({} if level is None else
+                  {1: (OptimizerLevel(level), 4)})
+        per_op.append(model.step_op(step.sharding, [1], 8, shards=shards, micro_batches=micro)
+                      - micro * sum(model.kernel_seconds(step.sharding, 8)))
+    one, four = reports
+    assert one.accumulation == 0 and four.accumulation == pytest.approx(3 * summing)
+    assert four.step_seconds == pytest.approx(
+        four.compute + four.op_comm + four.redistribution + four.grad_sync
+        + four.accumulation + four.optimizer + four.overhead)
+    assert "gradient accumulation" in str(four) and "gradient accumulation" not in str(one)
+    # the per-op price: the same sum (its collectives' calls aside, as before)
+    extra = per_op[1] - per_op[0]
+    collectives = 0.0 if level != "level2" else 3 * prof.step_collective_seconds(
+        "ReduceScatter", range(4), 16 * 32 * 8, 0)
+    assert extra == pytest.approx(3 * summing + collectives)
+
+
 def test_sync_overhead_may_be_negative_down_to_minus_the_link_overhead() -> None:
     base = _profile()
     links = {"intra_server": Link(ALPHA, BETA, 1e-3), "inter_server": Link(ALPHA, BETA, 2e-3)}

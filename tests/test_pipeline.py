@@ -13,6 +13,8 @@ import pytest
 
 import simpar
 from simpar import comm, graph, nn
+from simpar.cost import load_profile
+from simpar.cost.model import accumulation_seconds
 from simpar.pipeline import (
     PipelineCost,
     bubble_fraction,
@@ -210,8 +212,11 @@ def test_a_deadlocking_order_raises() -> None:
 
 def test_a_pipelines_price_counts_its_bubble_messages_and_micro_batches_in_flight() -> None:
     """A GPT cut into 4 stages on 8 devices (2 per stage), priced purely: every stage's
-    busy time is its micro-batches' forwards and backwards, GPipe holds every micro-batch
-    in flight and 1F1B at most S - s, and the messages cost something."""
+    busy time is its micro-batches' forwards and backwards, and the three later ones'
+    gradients added into the first's; GPipe holds every micro-batch in flight and 1F1B at
+    most S - s, and the messages cost something."""
+    summing: list[float] = []
+
     def plan(sched: str) -> PipelineCost:
         net = nn.GPT(32, 8, 16, 6, 2, dtype=np.float64)
         parts = [net.embedding, *net.blocks, net.head]
@@ -222,12 +227,14 @@ def test_a_pipelines_price_counts_its_bubble_messages_and_micro_batches_in_fligh
         stages, programs = plan_pipeline(cell, [((4, 8), np.int32), ((4, 8), np.int32)], 4, 8,
                                          "data_parallel", "data_parallel", 4)
         assert [p.device_num for p in programs] == [2] * 4
+        summing[:] = [accumulation_seconds(p, load_profile("cpu-local")) for p in programs]
         return price_pipeline(stages, programs, 4, sched, 4, "cpu-local", "adam")
 
     gpipe, one = plan("gpipe"), plan("1f1b")
+    assert all(a > 0 for a in summing)
     for cost in (gpipe, one):
         for s in cost.stages:
-            assert s.busy == pytest.approx(4 * (s.forward + s.backward))
+            assert s.busy == pytest.approx(4 * (s.forward + s.backward) + 3 * summing[s.stage])
             assert s.idle >= 0 and s.end >= s.busy
         assert cost.step_seconds >= max(s.end for s in cost.stages)
         assert cost.p2p_seconds > 0 and 0 < cost.bubble < 1

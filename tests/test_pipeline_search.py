@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,7 @@ from simpar.pipeline.search import (
     PipelinePlan,
     StageChoice,
     _split,
+    _step,
     _units,
     price_choice,
     price_interleaved,
@@ -53,6 +55,14 @@ def test_a_priced_choice_is_its_stages_timeline() -> None:
     assert again.backward > block.backward and again.forward == pytest.approx(block.forward)
     assert again.activations < block.activations
     assert sliced.static < block.static
+    # Every backward but the first adds its gradients into the step's sum: the timeline
+    # is longer by at most all the stages' summing.
+    emb, _, head, sent = _units(SMALL, 4, StageChoice(2, 2, 2, None, False), prof, "adam")
+    m, blocks = plan.micro_batches, plan.blocks
+    without, _ = _step(4, m, blocks, *(replace(u, summing=0.0) for u in (emb, block, head)),
+                       sent, 4, prof)
+    extra = (m - 1) * (sum(blocks) * block.summing + emb.summing + head.summing)
+    assert block.summing > 0 and without < plan.step_seconds <= without + extra + 1e-15
 
 
 def test_the_search_keeps_the_fastest_plan_that_fits_and_each_layout_climbs_the_ladder(

@@ -53,7 +53,8 @@ def _searched(net: nn.Cell, specs: list[Any], device_num: int, model: Any,
 
 def _check_cost(d: dict[str, Any], device_num: int) -> None:
     cost = d["cost"]
-    parts = ("compute", "op_comm", "redistribution", "grad_sync", "optimizer", "overhead")
+    parts = ("compute", "op_comm", "redistribution", "grad_sync", "accumulation", "optimizer",
+             "overhead")
     assert all(cost[k] >= 0 for k in parts)
     assert sum(cost[k] for k in parts) == pytest.approx(cost["step_seconds"], rel=1e-9)
     assert [m["rank"] for m in d["memory"]["ranks"]] == list(range(device_num))

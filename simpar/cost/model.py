@@ -40,9 +40,10 @@ from typing import Any, Protocol
 from simpar.collective_kinds import sample_ranks
 from simpar.cost.profile import DeviceProfile, load_profile
 
-__all__ = ["OPTIMIZER_KERNELS", "OPTIMIZER_PASSES", "OPTIMIZER_STATE", "OPTIMIZER_TEMPORARIES",
-           "CostReport", "MemoryRow", "OpCostRow", "evaluate", "optimizer_seconds",
-           "phase_seconds", "predicted_timeline"]
+__all__ = ["ACCUMULATE_PASSES", "OPTIMIZER_KERNELS", "OPTIMIZER_PASSES", "OPTIMIZER_STATE",
+           "OPTIMIZER_TEMPORARIES", "CostReport", "MemoryRow", "OpCostRow",
+           "accumulation_seconds", "evaluate", "optimizer_seconds", "phase_seconds",
+           "predicted_timeline"]
 
 #: Optimizer state per trainable parameter element, in parameter-sized copies.
 OPTIMIZER_STATE = {"sgd": 0, "momentum": 1, "adam": 2}
@@ -52,6 +53,10 @@ OPTIMIZER_KERNELS = {"sgd": 3, "momentum": 5, "adam": 14}
 OPTIMIZER_PASSES = {"sgd": 4, "momentum": 8, "adam": 24}
 #: Parameter-sized temporaries an update holds at once (``lr * v``: one; Adam's direction: four).
 OPTIMIZER_TEMPORARIES = {"sgd": 1, "momentum": 1, "adam": 4}
+#: Gradient accumulation: each micro-batch after the first adds its gradient into the step's
+#: sum in place, one numpy call per parameter that reads two gradient-sized arrays and writes
+#: one.
+ACCUMULATE_PASSES = 3
 
 
 class _Program(Protocol):  # simpar.runtime.ParallelProgram, as this module reads it
@@ -149,6 +154,7 @@ class CostReport:
     ops: tuple[OpCostRow, ...]
     memory: tuple[MemoryRow, ...]   # per rank priced
     rank_classes: int = 1           # how many of them were priced: one per class
+    accumulation: float = 0.0       # adding the micro-batches' gradients up
 
     @property
     def peak_memory(self) -> int:
@@ -176,8 +182,10 @@ class CostReport:
                 f"{self.device_num} (rank {self.slowest_rank} slowest): compute "
                 f"{self.compute * 1e3:.3f} ms, op communication {self.op_comm * 1e3:.3f} ms, "
                 f"redistribution {self.redistribution * 1e3:.3f} ms, gradient sync "
-                f"{self.grad_sync * 1e3:.3f} ms, optimizer {self.optimizer * 1e3:.3f} ms, "
-                f"fixed {self.overhead * 1e3:.3f} ms")
+                f"{self.grad_sync * 1e3:.3f} ms, "
+                + (f"gradient accumulation {self.accumulation * 1e3:.3f} ms, "
+                   if self.accumulation else "")
+                + f"optimizer {self.optimizer * 1e3:.3f} ms, fixed {self.overhead * 1e3:.3f} ms")
         table = [["op", "type", "strategy", "compute ms", "op comm ms", "redistr. ms"]]
         for r in self.ops:
             table.append([r.op.rsplit("/", 2)[-2] + "/" + r.op.rsplit("/", 1)[-1]
@@ -229,13 +237,14 @@ def evaluate(program: _Program, profile: str | DeviceProfile = "cpu-local",
     rows = tuple(OpCostRow(name, by_name[name].node.op.name, by_name[name].sharding.strategy,
                            *ops[name]) for name in by_name)
     update = optimizer_seconds(program, optimizer, prof)
+    summing = (program.micro_batches - 1) * accumulation_seconds(program, prof)
     fixed = prof.step_overhead
     if program.device_num > 1:  # the per-step agreement check of the inputs: 8 bytes
         fixed += prof.step_collective_seconds("AllReduce", range(program.device_num), 8, 0)
-    return CostReport(prof.name, program.device_num, total + update + fixed, slowest,
-                      sum(r.compute for r in rows), sum(r.op_comm for r in rows),
+    return CostReport(prof.name, program.device_num, total + summing + update + fixed,
+                      slowest, sum(r.compute for r in rows), sum(r.op_comm for r in rows),
                       sum(r.redistribution for r in rows), grad_sync, update, fixed, rows,
-                      tuple(memory), len(classes))
+                      tuple(memory), len(classes), summing)
 
 
 def optimizer_seconds(program: _Program, optimizer: str, prof: DeviceProfile) -> float:
@@ -248,6 +257,25 @@ def optimizer_seconds(program: _Program, optimizer: str, prof: DeviceProfile) ->
         nbytes = program.storage_layout(name).local_size() * v.dtype.itemsize
         seconds += (OPTIMIZER_KERNELS[optimizer] * prof.array_op_overhead
                     + OPTIMIZER_PASSES[optimizer] * nbytes / prof.memory_bandwidth)
+    return seconds
+
+
+def accumulation_seconds(program: _Program, prof: DeviceProfile) -> float:
+    """One micro-batch's gradients added into the step's sum (every micro-batch's but the
+    first): per trainable parameter, an in-place add of the gradient the backward hands
+    over, the parameter's shard, or its optimizer slice where the level reduce-scatters
+    every micro-batch (:data:`ACCUMULATE_PASSES` memory-bound passes)."""
+    seconds = 0.0
+    for name, lay in program.param_layouts.items():
+        v = program.param_values[name]
+        if v.param is None or not v.param.requires_grad:
+            continue
+        shard = program.param_shards.get(name)
+        held = program.storage_layout(name) if shard is not None and \
+            shard.level.per_micro_batch else lay
+        seconds += (prof.array_op_overhead
+                    + ACCUMULATE_PASSES * held.local_size() * v.dtype.itemsize
+                    / prof.memory_bandwidth)
     return seconds
 
 

@@ -12,6 +12,9 @@ trainable parameter it reads first is synchronised and updated once:
   weight before the forward, each a call of its own. level1 does both once per step; level2
   reduce-scatters every micro-batch; level3 also gathers every micro-batch, and again in the
   backward (it dropped the gathered copy);
+* with micro-batches, each one's gradient added into the step's sum after the first (what the
+  backward hands over: the slice where the level reduce-scatters every micro-batch;
+  :data:`~simpar.cost.model.ACCUMULATE_PASSES` memory-bound passes and a call);
 * the optimizer's update of what the rank stores (:data:`~simpar.cost.model.OPTIMIZER_PASSES`
   memory-bound passes and :data:`~simpar.cost.model.OPTIMIZER_KERNELS` calls), as
   :func:`~simpar.cost.model.evaluate` prices it.
@@ -27,7 +30,7 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from simpar.collective_kinds import traffic
-from simpar.cost.model import OPTIMIZER_KERNELS, OPTIMIZER_PASSES
+from simpar.cost.model import ACCUMULATE_PASSES, OPTIMIZER_KERNELS, OPTIMIZER_PASSES
 
 __all__ = ["step_op_seconds"]
 
@@ -53,6 +56,9 @@ def step_op_seconds(model: Any, sharding: Any, parameters: Collection[int], item
         mirror = sh.input_grad_spec(i)
         group = () if mirror is None else mirror.group(model.rank % math.prod(mirror.device_matrix))
         level, size = (shards or {}).get(i, (None, 1))
+        summed = block // size if level is not None and level.per_micro_batch else block
+        seconds += (micro_batches - 1) * (prof.array_op_overhead + ACCUMULATE_PASSES * summed
+                                          / prof.memory_bandwidth)
         if level is None:
             seconds += model._mirror_seconds(mirror, sizes[i]) if mirror is not None else 0.0
         else:

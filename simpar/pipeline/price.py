@@ -1,14 +1,15 @@
 """What a pipelined step costs (pure): the stages' tasks laid on a timeline.
 
 Each virtual stage's program is priced by the cost model (:func:`simpar.cost.model.
-phase_seconds`): one micro-batch's forward ``F``, its backward ``B``, and what runs once per
-step (the deferred Mirrors). :func:`timeline` then runs every stage's task list in order, a
-task starting when its stage is free and the messages it needs have arrived: a forward needs
-its boundaries' forwards on their producers, a backward the backwards of its boundaries'
-readers, each plus the message's time on the link between the two ranks (one round and its
-bytes, :meth:`DeviceProfile.link`). A schedule whose order cannot run (a stage waiting for a
-message that can only come after it) raises, which is how the tests prove each schedule
-free of deadlock.
+phase_seconds`): one micro-batch's forward ``F``, its backward ``B`` (after a chunk's first,
+plus adding its gradients into the step's sum, :func:`~simpar.cost.model.
+accumulation_seconds`), and what runs once per step (the deferred Mirrors). :func:`timeline`
+then runs every stage's task list in order, a task starting when its stage is free and the
+messages it needs have arrived: a forward needs its boundaries' forwards on their producers,
+a backward the backwards of its boundaries' readers, each plus the message's time on the
+link between the two ranks (one round and its bytes, :meth:`DeviceProfile.link`). A schedule
+whose order cannot run (a stage waiting for a message that can only come after it) raises,
+which is how the tests prove each schedule free of deadlock.
 
 The step is the slowest stage's: its last task's end, then its once-per-step
 synchronisation, its optimizer's update, the sum of shared parameters' gradients between
@@ -24,15 +25,90 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from simpar.cost.model import MemoryRow, evaluate, optimizer_seconds, phase_seconds
+from simpar.cost.model import (
+    MemoryRow,
+    accumulation_seconds,
+    evaluate,
+    optimizer_seconds,
+    phase_seconds,
+)
 from simpar.cost.profile import DeviceProfile, load_profile
 from simpar.pipeline.schedules import Task, chunk_in_flight, most_held, schedule
 from simpar.pipeline.stages import Stage
 from simpar.runtime.program import ParallelProgram
 
-__all__ = ["PipelineCost", "StageCost", "dependencies", "price_pipeline", "timeline"]
+__all__ = ["PipelineCost", "StageCost", "TaskOrder", "dependencies", "price_pipeline",
+           "task_order", "timeline"]
 
 Key = tuple[int, str, int, int]   # (stage, kind, chunk, micro-batch)
+
+
+@dataclass(frozen=True)
+class TaskOrder:
+    """A schedule's tasks in an order in which each comes after everything it waits for
+    (:func:`task_order`): per task, its key ``(stage, kind, chunk, micro-batch)``, the index
+    of its stage's previous task (-1: none) and the ``(index, latency)`` of every task whose
+    message it needs. It depends on the schedule alone, so one order serves every set of
+    durations (:meth:`run`)."""
+
+    keys: tuple[Key, ...]
+    before: tuple[int, ...]
+    waits: tuple[tuple[tuple[int, float], ...], ...]
+
+    def run(self, seconds: Sequence[float], latency_scale: float = 1.0
+            ) -> list[tuple[float, float]]:
+        """(start, end) of every task, in this order, taking ``seconds[i]`` each: a task
+        starts once its stage's previous task has ended and every message it needs has
+        arrived (``latency_scale`` times the latency after its sender's end)."""
+        out: list[tuple[float, float]] = []
+        for b, waits, d in zip(self.before, self.waits, seconds):
+            start = out[b][1] if b >= 0 else 0.0
+            for j, latency in waits:
+                arrives = out[j][1] + latency * latency_scale
+                if arrives > start:
+                    start = arrives
+            out.append((start, start + d))
+        return out
+
+
+def task_order(tasks: Sequence[Sequence[Task]],
+               needs: Callable[[int, Task], Sequence[tuple[int, Task, float]]]) -> TaskOrder:
+    """``tasks[s]``, stage ``s``'s tasks in the order it runs them, merged into one order
+    in which every ``(stage, task, latency)`` of ``needs(s, task)`` comes first. Raises
+    ``ValueError`` when no stage can go on (the schedule deadlocks)."""
+    index: dict[Key, int] = {}
+    keys: list[Key] = []
+    before: list[int] = []
+    waits: list[tuple[tuple[int, float], ...]] = []
+    at = [0] * len(tasks)
+    last = [-1] * len(tasks)
+    remaining = sum(len(t) for t in tasks)
+    while remaining:
+        moved = False
+        for s, own in enumerate(tasks):
+            while at[s] < len(own):
+                task = own[at[s]]
+                found = []
+                for other, dep, latency in needs(s, task):
+                    j = index.get((other, *dep))
+                    if j is None:
+                        break
+                    found.append((j, latency))
+                else:
+                    key = (s, *task)
+                    before.append(last[s])
+                    index[key] = last[s] = len(keys)
+                    keys.append(key)
+                    waits.append(tuple(found))
+                    at[s] += 1
+                    remaining -= 1
+                    moved = True
+                    continue
+                break
+        if not moved:
+            stuck = {s: own[at[s]] for s, own in enumerate(tasks) if at[s] < len(own)}
+            raise ValueError(f"pipeline: the schedule deadlocks: every stage waits ({stuck})")
+    return TaskOrder(tuple(keys), tuple(before), tuple(waits))
 
 
 def timeline(tasks: Sequence[Sequence[Task]], seconds: Callable[[int, Task], float],
@@ -42,34 +118,9 @@ def timeline(tasks: Sequence[Sequence[Task]], seconds: Callable[[int, Task], flo
     taking ``seconds(s, task)`` and starting once stage ``s`` is free and every ``(stage,
     task, latency)`` of ``needs(s, task)`` has ended ``latency`` before. Raises
     ``ValueError`` when no stage can go on (the schedule deadlocks)."""
-    done: dict[Key, tuple[float, float]] = {}
-    at = [0] * len(tasks)
-    free = [0.0] * len(tasks)
-    remaining = sum(len(t) for t in tasks)
-    while remaining:
-        moved = False
-        for s, own in enumerate(tasks):
-            while at[s] < len(own):
-                task = own[at[s]]
-                waits = []
-                for other, dep, latency in needs(s, task):
-                    end = done.get((other, *dep))
-                    if end is None:
-                        break
-                    waits.append(end[1] + latency)
-                else:
-                    start = max([free[s], *waits])
-                    free[s] = start + seconds(s, task)
-                    done[(s, *task)] = (start, free[s])
-                    at[s] += 1
-                    remaining -= 1
-                    moved = True
-                    continue
-                break
-        if not moved:
-            stuck = {s: own[at[s]] for s, own in enumerate(tasks) if at[s] < len(own)}
-            raise ValueError(f"pipeline: the schedule deadlocks: every stage waits ({stuck})")
-    return done
+    order = task_order(tasks, needs)
+    spans = order.run([seconds(k[0], k[1:]) for k in order.keys])
+    return dict(zip(order.keys, spans))
 
 
 def dependencies(stages: Sequence[Stage], count: int,
@@ -155,6 +206,9 @@ def price_pipeline(stages: Sequence[Stage], programs: Sequence[ParallelProgram],
     chunks = len(programs) // count
     per = programs[0].device_num
     phases = [phase_seconds(p, prof) for p in programs]
+    # A chunk's backwards run in micro-batch order; each after its first adds its gradients
+    # into the step's sum.
+    summing = [accumulation_seconds(p, prof) for p in programs]
     tasks = [schedule(scheduler, s, count, micro_batches, chunks) for s in range(count)]
 
     def link(a: int, b: int, nbytes: int) -> float:
@@ -167,9 +221,9 @@ def price_pipeline(stages: Sequence[Stage], programs: Sequence[ParallelProgram],
              for v, b in zip(st.graph.outputs, st.sent) if b is not None}
 
     def seconds(s: int, task: Task) -> float:
-        kind, c, _ = task
+        kind, c, k = task
         f, b, _ = phases[c * count + s]
-        return f if kind == "F" else b
+        return f if kind == "F" else b + (summing[c * count + s] if k else 0.0)
 
     spans = timeline(tasks, seconds, dependencies(
         stages, count, lambda a, b, boundary: link(a, b, sizes[boundary.index])))

@@ -19,8 +19,9 @@ gradients and optimizer state; the activations one micro-batch keeps). Then:
   which every stage fits the cap, with 1F1B's ``min(S - s, M)`` micro-batches in flight on
   stage ``s`` (a search over the slowest stage's time, each stage given the most blocks
   that fit under it);
-* the step: the stages' 1F1B tasks on a timeline (:func:`~simpar.pipeline.price.timeline`),
-  messages between stages at the link's time, then each stage's synchronisation and update;
+* the step: the stages' 1F1B tasks on a timeline (:func:`~simpar.pipeline.price.timeline`'s,
+  in an order made once per schedule and shared by the candidates), messages between stages
+  at the link's time, then each stage's synchronisation and update;
 * a layout that fits is priced again under the interleaved 1F1B with two and four chunks
   per stage (:data:`CHUNKS`; :func:`price_interleaved`: the blocks split evenly over the
   virtual stages), from the same units.
@@ -35,6 +36,7 @@ for every candidate of GPT-3 within a minute.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 import warnings
@@ -46,11 +48,11 @@ import numpy as np
 
 from simpar import graph, nn
 from simpar.cost import SimparCostModel
-from simpar.cost.model import evaluate, optimizer_seconds, phase_seconds
+from simpar.cost.model import accumulation_seconds, evaluate, optimizer_seconds, phase_seconds
 from simpar.cost.profile import DeviceProfile, load_profile
 from simpar.nn import presets
 from simpar.optimizer_parallel import OptimizerLevel, OptimizerParallel
-from simpar.pipeline.price import timeline
+from simpar.pipeline.price import TaskOrder, task_order
 from simpar.pipeline.runner import plan_stages
 from simpar.pipeline.schedules import in_flight, most_held, schedule
 from simpar.pipeline.stages import split_stages
@@ -109,7 +111,8 @@ class StageChoice:
 class _Unit:
     """One unit priced: seconds of a micro-batch's forward and backward, once per step
     (synchronisation and update), and bytes (static: parameters, gradients, optimizer
-    state; one micro-batch's activations; the transient peak on top)."""
+    state; one micro-batch's activations; the transient peak on top); and seconds of adding
+    a micro-batch's gradients into the step's sum (every backward but the first)."""
 
     forward: float
     backward: float
@@ -117,6 +120,7 @@ class _Unit:
     static: int
     activations: int
     transient: int
+    summing: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -213,7 +217,8 @@ def _units(shape: GPTShape, n: int, choice: StageChoice, prof: DeviceProfile,
         row = max(report.memory, key=lambda m: m.peak)
         static = row.parameters + row.gradients + row.optimizer
         units.append(_Unit(f, bwd, once + optimizer_seconds(prog, optimizer, prof), static,
-                           row.activations, row.peak - static - row.activations))
+                           row.activations, row.peak - static - row.activations,
+                           accumulation_seconds(prog, prof)))
     out = programs[0].graph.outputs[0]
     sent = programs[0].layouts[out.id].local_size() * out.dtype.itemsize
     return units[0], units[1], units[2], sent
@@ -270,10 +275,11 @@ def price_choice(shape: GPTShape, device_num: int, stages: int, choice: StageCho
     emb, block, head, sent = _units(shape, n, choice, prof, optimizer, plans)
     flight = [in_flight(schedule("1f1b", s, stages, m)) for s in range(stages)]
 
-    def seconds(s: int, k: int) -> float:
-        return (k * (block.forward + block.backward)
-                + (emb.forward + emb.backward if s == 0 else 0.0)
-                + (head.forward + head.backward if s == stages - 1 else 0.0))
+    def seconds(s: int, k: int) -> float:   # a micro-batch's share, summing included
+        def each(u: _Unit) -> float:
+            return u.forward + u.backward + u.summing * (m - 1) / m
+        return (k * each(block) + (each(emb) if s == 0 else 0.0)
+                + (each(head) if s == stages - 1 else 0.0))
 
     def memory(s: int, k: int) -> int:
         units = [(block, k)] + ([(emb, 1)] if s == 0 else []) + (
@@ -329,33 +335,52 @@ def _step(stages: int, m: int, blocks: Sequence[int], emb: _Unit, block: _Unit,
     last = stages * chunks - 1
 
     def cost(v: int, kind: str) -> float:
-        pick = (lambda u: u.forward) if kind == "F" else (lambda u: u.backward)
+        pick = {"F": lambda u: u.forward, "B": lambda u: u.backward,
+                "S": lambda u: u.summing}[kind]
         return (blocks[v] * pick(block) + (pick(emb) if v == 0 else 0.0)
                 + (pick(head) if v == last else 0.0))
 
     hop = prof.link((0, n)).seconds(1, sent) if stages > 1 else 0.0
+    forward = [cost(v, "F") for v in range(last + 1)]
+    backward = [cost(v, "B") for v in range(last + 1)]
+    summing = [cost(v, "S") for v in range(last + 1)]   # every backward but a chunk's first
+    order, ends_at = _order(stages, m, chunks)
+    spans = order.run([forward[c * stages + s] if kind == "F" else
+                       backward[c * stages + s] + (summing[c * stages + s] if k else 0.0)
+                       for s, kind, c, k in order.keys], hop)
+    ends = [spans[i][1] for i in ends_at]
+    mine = [[c * stages + s for c in range(chunks)] for s in range(stages)]
+    once = [sum(blocks[v] * block.once + (emb.once if v == 0 else 0.0)
+                + (head.once if v == last else 0.0) for v in vs) for vs in mine]
+    busy = [sum(m * (forward[v] + backward[v]) + (m - 1) * summing[v] for v in vs)
+            for vs in mine]
+    bubble = 1.0 - sum(busy) / sum(ends)
+    return max(e + o for e, o in zip(ends, once)) + prof.step_overhead, bubble
+
+
+@functools.lru_cache(maxsize=256)
+def _order(stages: int, m: int, chunks: int) -> tuple[TaskOrder, tuple[int, ...]]:
+    """The 1F1B tasks of ``stages`` stages (``chunks`` virtual ones each) and ``m``
+    micro-batches in an order that runs, a message's latency 1 (a hop, scaled when run);
+    and where each stage's last task is in it. Candidates share them: they depend on the
+    schedule alone."""
+    last = stages * chunks - 1
     tasks = [schedule("1f1b", s, stages, m, chunks) for s in range(stages)]
 
     def needs(s: int, task: tuple[str, int, int]) -> list[tuple[int, Any, float]]:
         kind, c, k = task
         v = c * stages + s
         if kind == "F":
-            return [] if v == 0 else [((v - 1) % stages, ("F", (v - 1) // stages, k), hop)]
+            return [] if v == 0 else [((v - 1) % stages, ("F", (v - 1) // stages, k), 1.0)]
         out: list[tuple[int, Any, float]] = [(s, ("F", c, k), 0.0)]
         return out if v == last else [*out, ((v + 1) % stages, ("B", (v + 1) // stages, k),
-                                             hop)]
+                                             1.0)]
 
-    forward = [cost(v, "F") for v in range(last + 1)]
-    backward = [cost(v, "B") for v in range(last + 1)]
-    spans = timeline(tasks, lambda s, t: (forward if t[0] == "F" else backward)[
-        t[1] * stages + s], needs)
-    ends = [spans[(s, *tasks[s][-1])][1] for s in range(stages)]   # a stage's last task
-    mine = [[c * stages + s for c in range(chunks)] for s in range(stages)]
-    once = [sum(blocks[v] * block.once + (emb.once if v == 0 else 0.0)
-                + (head.once if v == last else 0.0) for v in vs) for vs in mine]
-    busy = [m * sum(forward[v] + backward[v] for v in vs) for vs in mine]
-    bubble = 1.0 - sum(busy) / sum(ends)
-    return max(e + o for e, o in zip(ends, once)) + prof.step_overhead, bubble
+    order = task_order(tasks, needs)
+    ends = [0] * stages
+    for i, key in enumerate(order.keys):   # each stage's tasks keep their order
+        ends[key[0]] = i
+    return order, tuple(ends)
 
 
 def price_interleaved(shape: GPTShape, device_num: int, stages: int, choice: StageChoice,
