@@ -3,6 +3,8 @@ real planner and the model's own edge price, pair by pair (one process, no MPI).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -141,8 +143,9 @@ def _gpt_pricer(model: object, device_num: int) -> tuple[Pricer, list[tuple[list
 def test_move_matrix_equals_pair_by_pair(model: object, device_num: int) -> None:
     # 16 devices in bulk (simpar) or pair by pair (MindSpore's model has no bulk pricing);
     # 12 is no prime power, so its moves are planned exactly, pair by pair.
-    pricer, edges = _gpt_pricer(model, device_num)
-    reference, _ = _gpt_pricer(model, device_num)
+    # Two instances of the model: pricers of one instance share the moves they price.
+    pricer, edges = _gpt_pricer(replace(model), device_num)
+    reference, _ = _gpt_pricer(replace(model), device_num)
     checked = 0
     for srcs, dsts, itemsize in edges:
         matrix = pricer.move_matrix(srcs, dsts, itemsize)
@@ -154,6 +157,29 @@ def test_move_matrix_equals_pair_by_pair(model: object, device_num: int) -> None
     if device_num == 16 and isinstance(model, SimparCostModel):
         # Only one pair per kind of plan went through the real planner.
         assert pricer.moves_priced < reference.moves_priced / 5
+
+
+def test_the_pricers_of_one_model_share_the_moves_they_price() -> None:
+    """The memory dimensions' combinations each make a pricer of one model: what one prices,
+    the next reads; another instance, another device count, or a MindSpore model reading the
+    process's context when priced keeps its own."""
+    model = SimparCostModel("ascend910b")
+    first, edges = _gpt_pricer(model, 16)
+    srcs, dsts, itemsize = edges[0]
+    matrix = first.move_matrix(srcs, dsts, itemsize)
+    assert first.moves_priced > 0
+    again, _ = _gpt_pricer(model, 16)
+    assert again.moves_priced == first.moves_priced
+    assert again.move_matrix(srcs, dsts, itemsize).tolist() == matrix.tolist()
+    # (building a pricer here prices the ops' candidates, which move the graph input)
+    alone = _gpt_pricer(replace(model), 16)[0].moves_priced
+    assert alone < first.moves_priced
+    assert _gpt_pricer(model, 8)[0].moves_priced == _gpt_pricer(replace(model), 8)[0].moves_priced
+    ms = MindSporeCostModel()
+    one, _ = _gpt_pricer(ms, 16)
+    built = one.moves_priced
+    one.move_matrix(srcs, dsts, itemsize)
+    assert one.moves_priced > built and _gpt_pricer(ms, 16)[0].moves_priced == built
 
 
 def test_one_device_and_empty_lists() -> None:

@@ -27,7 +27,7 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -90,6 +90,9 @@ class SimparCostModel:
     activation_copies: int = 1
     name: str = field(default="simpar", init=False)
     unit: str = field(default="s", init=False)
+    #: :meth:`edge` depends on the fields alone: the searches' pricers of one model share
+    #: the moves they price.
+    fixed_edge_prices: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "profile", load_profile(self.profile))
@@ -327,6 +330,12 @@ class MindSporeCostModel:
     ctx: CostModelContext | None = None
     name: str = field(default="mindspore", init=False)
     unit: str = field(default="MindSpore cost (bytes of slices)", init=False)
+
+    @property
+    def fixed_edge_prices(self) -> bool:
+        """Whether :meth:`edge` depends on the fields alone: with its own context, not the
+        process's read when priced."""
+        return self.ctx is not None
 
     def op(self, sharding: OpSharding, parameters: Collection[int], itemsize: int,
            input_itemsizes: Sequence[int] | None = None) -> float:
