@@ -26,6 +26,7 @@ from simpar.graph import Node
 from simpar.search import StrategyMap, plan_strategies
 from simpar.search.cost_graph import CostEdge, CostGraph, CostNode, brute_force, build_cost_graph
 from simpar.search.exact import TimeLimitWarning, describe_gap, solve_exact
+from simpar.search.pricing import NoAvailableCost
 
 SMALL_GPT = ["--model", "gpt", "--layers", "1", "--hidden", "32", "--heads", "4", "--seq", "8",
              "--vocab", "64", "--batch", "8", "--device-num", "2", "--search-mode", "exact",
@@ -255,3 +256,27 @@ def test_a_memory_cap_that_binds_nothing_is_left_out_and_one_that_binds_is_kept(
     assert tight.constraints == loose.constraints + 1
     assert tight.choice == (1, 1) == brute_force(
         dataclasses.replace(cg, memory_capacity=15.0))[0]
+
+
+def test_the_largest_transient_fits_with_the_plan_in_the_ilp() -> None:
+    """Transients count as their largest: a node's chosen candidate's and an edge's chosen
+    pair's move's, beside the sum. Under a cap the plain optimum (0, 0) only fits without its
+    transient: the ILP picks what brute force picks, the cheapest plan that fits with it."""
+    nodes = (dataclasses.replace(_node(0, (1.0, 2.0, 3.0), (10.0, 10.0, 10.0)),
+                                 transients=(30.0, 5.0, 0.0)),
+             dataclasses.replace(_node(1, (1.0, 2.0), (10.0, 10.0)), transients=(0.0, 0.0)))
+    move = np.array([[0.0, 0.0], [25.0, 0.0], [0.0, 0.0]])
+    edges = (CostEdge(0, 0, 1, 0, ((0.0, 1.0), (0.0, 1.0), (0.0, 1.0)), None, move),)
+    cg = CostGraph(nodes, edges, memory_capacity=40.0)
+    assert cg.memory((0, 0)) == 20.0 and cg.transient((0, 0)) == 30.0 and not cg.fits((0, 0))
+    assert cg.transient((1, 0)) == 25.0 and not cg.fits((1, 0)) and cg.fits((1, 1))
+    choice, best = brute_force(cg)
+    found = solve_exact(cg)
+    assert found.choice == choice == (2, 0) and found.cost == best == 4.0 and found.proven
+    # without the transients the plain optimum comes back; with room for them, too
+    plain = CostGraph(tuple(dataclasses.replace(n, transients=()) for n in nodes),
+                      (dataclasses.replace(edges[0], transients=None),), memory_capacity=40.0)
+    assert solve_exact(plain).choice == (0, 0)
+    assert solve_exact(dataclasses.replace(cg, memory_capacity=50.0)).choice == (0, 0)
+    with pytest.raises(NoAvailableCost):
+        solve_exact(dataclasses.replace(cg, memory_capacity=19.0))

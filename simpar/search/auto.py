@@ -6,7 +6,9 @@ its algo parameters (:class:`~simpar.search.request.PlanRequest`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -172,21 +174,34 @@ def cost_graph_of(request: PlanRequest) -> CostGraph:
 
 def exact_planner(request: PlanRequest) -> StrategyMap:
     """search_mode "exact": the ILP optimum of the cost graph (HiGHS), within the algo
-    parameter ``exact_time_limit`` (simpar's own). When the limit runs out first, the map
-    is the best plan found, its ``optimality_gap`` says how far from proven it is, and a
-    :class:`~simpar.search.exact.TimeLimitWarning` says so."""
+    parameter ``exact_time_limit`` (simpar's own); where the plan's largest transient puts
+    it over the cap, the optimum of the ILP that holds every op's and move's transient too
+    (:func:`~simpar.search.cost_graph.cost_graph_from`'s ``transients``). When the limit
+    runs out first, the map is the best plan found, its ``optimality_gap`` says how far from
+    proven it is, and a :class:`~simpar.search.exact.TimeLimitWarning` says so."""
     limit = request.algo.exact_time_limit
     started = time.perf_counter()   # one limit for every ILP the search solves
     solved: list[tuple[list[OpSharding], ExactSolution]] = []
 
-    def search(pricer: Pricer) -> list[OpSharding]:
-        left = limit if limit is None or not solved else \
-            limit - (time.perf_counter() - started)
+    runs: list[ExactSolution] = []   # every ILP solved: the first has the whole limit
+
+    def solve(cg: CostGraph) -> tuple[list[OpSharding], ExactSolution]:
+        left = limit if limit is None or not runs else limit - (time.perf_counter() - started)
         if left is not None and left <= 0:   # the first plan took it all
             raise TimeoutError("exact_time_limit spent")
-        cg = cost_graph_from(pricer)
         found = solve_exact(cg, left)
-        plan = [node.candidates[c] for node, c in zip(cg.nodes, found.choice)]
+        runs.append(found)
+        return [node.candidates[c] for node, c in zip(cg.nodes, found.choice)], found
+
+    def search(pricer: Pricer) -> list[OpSharding]:
+        plan, found = solve(cost_graph_from(pricer))
+        if not math.isfinite(pricer.transient_limit) and \
+                pricer.memory(plan) + pricer.transient(plan) > pricer.memory_capacity:
+            # Its largest transient puts it over: the ILP again, with every op's and move's
+            # transient in it, whose plan fits with them and is the optimum of those that do
+            # (a recomputed Cell's tapes made again aside). None fits: the limits below.
+            with contextlib.suppress(NoAvailableCost, TimeoutError):
+                plan, found = solve(cost_graph_from(pricer, transients=True))
         solved.append((plan, found))
         return plan
 

@@ -24,7 +24,7 @@ import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -58,6 +58,10 @@ class CostNode:
     costs: tuple[float, ...]
     user_set: bool = False
     memories: tuple[float, ...] = ()
+    #: What each candidate holds for a while beside the plan's sum (its backward's or its
+    #: collectives' transient; :attr:`~simpar.search.pricing.Priced.transient`), the
+    #: plan's largest adding to it under the cap; empty: not counted here.
+    transients: tuple[float, ...] = ()
 
     @property
     def name(self) -> str:
@@ -80,6 +84,9 @@ class CostEdge:
     input: int
     costs: np.ndarray | tuple[tuple[float, ...], ...]
     memories: np.ndarray | tuple[tuple[float, ...], ...] | None = None
+    #: What each pair's move holds for a while (its largest collective's buffer and
+    #: result), counted as the nodes' :attr:`CostNode.transients`; None: not counted.
+    transients: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -117,8 +124,17 @@ class CostGraph:
                 + sum(float(e.memories[choice[e.producer]][choice[e.consumer]])
                       for e in self.edges if e.memories is not None))
 
+    def transient(self, choice: Sequence[int]) -> float:
+        """The largest transient of a choice that the graph counts (its nodes' and its
+        edges' moves'; 0 where it counts none)."""
+        return max([0.0, *(node.transients[c] for node, c in zip(self.nodes, choice)
+                           if node.transients),
+                    *(float(e.transients[choice[e.producer], choice[e.consumer]])
+                      for e in self.edges if e.transients is not None)])
+
     def fits(self, choice: Sequence[int]) -> bool:
-        return self.memory(choice) <= self.memory_capacity
+        """Whether a choice's memory and its largest counted transient fit the capacity."""
+        return self.memory(choice) + self.transient(choice) <= self.memory_capacity
 
     def strategies(self, choice: Sequence[int]) -> dict[str, tuple[tuple[int, ...], ...]]:
         """{op name: strategy} of a choice."""
@@ -195,15 +211,17 @@ def build_cost_graph(graph: Graph, device_num: int, model: CostModel,
         step_objective=step_objective, comm_fusion=comm_fusion))
 
 
-def cost_graph_from(pricer: Pricer) -> CostGraph:
+def cost_graph_from(pricer: Pricer, transients: bool = False) -> CostGraph:
     """:func:`build_cost_graph` of the graph, prices, algo parameters and limits that
-    ``pricer`` holds (a pricer shared by several graphs shares what it has priced)."""
+    ``pricer`` holds (a pricer shared by several graphs shares what it has priced).
+    ``transients``: with each candidate's and each move's transient (:func:`_transients`),
+    for a search that fits the largest under the cap itself (exact's ILP)."""
     algo, device_num, model = pricer.algo, pricer.device_num, pricer.model
     fully, approxi = algo.fully_use_devices, algo.enable_algo_approxi
     keep = math.ceil(1.0 / algo.algo_approxi_epsilon)
     nodes: list[CostNode] = []
     priced: dict[tuple[Any, ...], tuple[tuple[OpSharding, ...], tuple[float, ...],
-                                        tuple[float, ...]]] = {}
+                                        tuple[float, ...], tuple[float, ...]]] = {}
     started = time.perf_counter()
     for site in pricer.sites:
         if site.signature not in priced:
@@ -218,9 +236,12 @@ def cost_graph_from(pricer: Pricer) -> CostGraph:
             mems = [p.memory for p in found]
             if approxi and not site.user:
                 cands, costs, mems = _approximate(cands, costs, mems, keep)
-            priced[site.signature] = (tuple(cands), tuple(costs), tuple(mems))
-        cands_t, costs_t, mems_t = priced[site.signature]
-        nodes.append(CostNode(site.node, cands_t, costs_t, site.user, mems_t))
+            held = {id(p.sharding): p.transient for p in found}
+            priced[site.signature] = (tuple(cands), tuple(costs), tuple(mems),
+                                      tuple(held[id(c)] for c in cands))
+        cands_t, costs_t, mems_t, held_t = priced[site.signature]
+        nodes.append(CostNode(site.node, cands_t, costs_t, site.user, mems_t,
+                              held_t if transients and not site.user else ()))
         if (site.index + 1) % 200 == 0 or site.index + 1 == len(pricer.sites):
             log.info("cost graph: %d/%d ops priced (%d distinct) in %.1f s", site.index + 1,
                      len(pricer.sites), len(priced), time.perf_counter() - started)
@@ -242,8 +263,43 @@ def cost_graph_from(pricer: Pricer) -> CostGraph:
         edges.append(CostEdge(p, se.output, c, se.input, *matrices[key]))
     log.info("cost graph: %d edges (%d distinct matrices, %d layout pairs priced) in %.1f s",
              len(edges), len(matrices), pricer.moves_priced, time.perf_counter() - started)
-    return CostGraph(tuple(nodes), tuple(edges), pricer.shared, device_num, model.unit,
-                     pricer.memory_capacity)
+    cg = CostGraph(tuple(nodes), tuple(edges), pricer.shared, device_num, model.unit,
+                   pricer.memory_capacity)
+    return _transients(pricer, cg) if transients else cg
+
+
+def _transients(pricer: Pricer, cg: CostGraph) -> CostGraph:
+    """``cg`` with its moves' transients too (the nodes' are in), for a search under the
+    pricer's full capacity; without any where even the hungriest choice fits with twice the
+    largest moved tensor whole beside it (no move holds more), or under a transient limit
+    (its moves over it are forbidden already). A move between two ``.shard()`` strategies
+    is not counted, nor is a user's op's own: they stand whatever they hold (the final
+    pricing says by how much a plan is over)."""
+    plain = replace(cg, nodes=tuple(replace(n, transients=()) for n in cg.nodes))
+    if not math.isfinite(cg.memory_capacity) or math.isfinite(pricer.transient_limit):
+        return plain
+    hungriest = sum(max(n.memories, default=0.0) for n in cg.nodes) + sum(
+        float(np.max(e.memories)) for e in cg.edges if e.memories is not None and
+        np.size(e.memories))
+    moved = max((2 * math.prod(pricer.sites[se.producer].node.outputs[se.output].shape)
+                 * se.itemsize for se in pricer.edges), default=0)
+    held = max((max(n.transients, default=0.0) for n in cg.nodes), default=0.0)
+    if hungriest + max(held, moved) <= cg.memory_capacity:
+        return plain
+    edges = []
+    matrices: dict[tuple[Any, ...], np.ndarray] = {}
+    for e, (se, edge) in enumerate(zip(pricer.edges, cg.edges)):
+        if se.follows or (pricer.sites[se.producer].user and pricer.sites[se.consumer].user):
+            edges.append(edge)
+            continue
+        p, c = cg.nodes[se.producer], cg.nodes[se.consumer]
+        key = (id(p.candidates), se.output, id(c.candidates), se.input, se.itemsize)
+        if key not in matrices:
+            matrix = pricer.edge_transients(e, p.candidates, c.candidates)
+            matrix.flags.writeable = False
+            matrices[key] = matrix
+        edges.append(replace(edge, transients=matrices[key] if matrices[key].any() else None))
+    return replace(cg, edges=tuple(edges))
 
 
 def _no_candidate(site: Site, strategies: Sequence[Strategy], device_num: int,

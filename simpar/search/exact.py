@@ -15,8 +15,13 @@ whose every pair is forbidden being fixed at 0. A parameter read by several ops 
 layout: for each class of layouts that give every rank the same block, the readers' ``x`` in
 that class sum equally. The nodes' memories, and the edges' (a pair's bytes on its ``z``; such
 an edge's classes are of equal costs and memories, and it is not folded), sum to at most the
-graph's memory capacity (the row is left out when even the hungriest choice fits). The
-objective is the cost graph's: node costs plus edge costs.
+graph's memory capacity (the row is left out when even the hungriest choice fits). Where the
+graph counts transients (:attr:`CostNode.transients`, :attr:`CostEdge.transients`: what an
+op's backward or collective, or a move, holds for a while), a continuous ``T`` joins that
+row, with a row per node ``T >= sum_i t[n, i] x[n, i]`` and per edge ``T >= sum t[e, a, b]
+z[e, a, b]``: ``T`` is at least the plan's largest transient, so the plan fits with it, and
+the optimum is proven over the plans that do. The objective is the cost graph's: node costs
+plus edge costs.
 
 HiGHS solves it through ``scipy.optimize.milp`` (the optional ``exact`` extra): the LP
 relaxation first, which on transformer graphs already picks one whole candidate per node and
@@ -299,6 +304,7 @@ class _Edge:
     row_fold: np.ndarray | None
     col_fold: np.ndarray | None
     memory: np.ndarray | None = None   # classes x classes: bytes the pair adds
+    transient: np.ndarray | None = None   # per edge, classes x classes: its move holds
 
 
 class _Model:
@@ -321,17 +327,21 @@ class _Model:
                       np.arange(self.n_x), 1.0, 1.0, 1.0)
         z_cost: list[np.ndarray] = []
         n_var = self.n_x
-        reduced: dict[tuple[tuple[int, int], ...], _Edge] = {}
+        reduced: dict[tuple[tuple[int, int, int], ...], _Edge] = {}
         self._z_memory: list[tuple[np.ndarray, np.ndarray]] = []   # (z, bytes) of pairs
+        self._z_transient: list[tuple[np.ndarray, np.ndarray]] = []   # of each edge's pairs
         for (p, c), edges in _by_pair(cg.edges).items():
             # identical layers share their matrices
-            key = tuple((id(e.costs), id(e.memories)) for e in edges)
+            key = tuple((id(e.costs), id(e.memories), id(e.transients)) for e in edges)
             if key not in reduced:
                 mems = [np.asarray(e.memories, dtype=float) for e in edges
                         if e.memories is not None]
+                held = [np.asarray(e.transients, dtype=float) for e in edges
+                        if e.transients is not None]
                 reduced[key] = _reduce(np.sum([np.asarray(e.costs, dtype=float)
                                                for e in edges], axis=0),
-                                       np.sum(mems, axis=0) if mems else None)
+                                       np.sum(mems, axis=0) if mems else None,
+                                       held if held else None)
             r = reduced[key]
             xp = self.offset[p] + np.arange(counts[p])
             xc = self.offset[c] + np.arange(counts[c])
@@ -348,6 +358,8 @@ class _Model:
             z_cost.append(r.matrix[a, b])
             if r.memory is not None:
                 self._z_memory.append((z, r.memory[a, b]))
+            for held in r.transient if r.transient is not None else ():
+                self._z_transient.append((z, held[a, b]))
             na, nb = r.matrix.shape
             # rows 0..na-1: the producer's classes; na..na+nb-1: the consumer's
             self.rows.add(na + nb, np.concatenate((a, na + b, r.row_class, na + r.col_class)),
@@ -355,9 +367,10 @@ class _Model:
                           np.concatenate((np.ones(2 * len(a)), -np.ones(len(xp) + len(xc)))),
                           0.0, 0.0)
         self._shared(cg, upper)
-        self._memory(cg)
-        self.cost = np.concatenate([node_cost, *z_cost])
-        self.upper = np.concatenate([upper, np.ones(n_var - self.n_x)])
+        largest = self._memory(cg, n_var)   # the largest transient's variable, if any
+        self.cost = np.concatenate([node_cost, *z_cost, np.zeros(largest)])
+        self.upper = np.concatenate([upper, np.ones(n_var - self.n_x),
+                                     np.full(largest, np.inf)])
         cheapest = [np.min(node_cost[lo:hi][upper[lo:hi] > 0], initial=np.inf)
                     for lo, hi in zip(self.offset[:-1], self.offset[1:])]
         cheapest += [np.min(z) for z in z_cost if len(z)]
@@ -402,20 +415,46 @@ class _Model:
                 vals = np.where(np.arange(len(classes)) < n_a, 1.0, -1.0)
                 self.rows.add(int(classes.max()) + 1, classes, cols, vals, 0.0, 0.0)
 
-    def _memory(self, cg: CostGraph) -> None:
+    def _memory(self, cg: CostGraph, t: int) -> int:
+        """The memory row: the nodes' and pairs' bytes, plus ``T`` (variable ``t``), the
+        largest transient the graph counts, at least each chosen candidate's and each chosen
+        pair's move's (a row each). Returns how many variables it adds: 1 with ``T``."""
         if not math.isfinite(cg.memory_capacity) or not cg.nodes:
-            return
+            return 0
+        cap = cg.memory_capacity
         mems = np.concatenate([np.asarray(n.memories, dtype=float) for n in cg.nodes])
-        share = mems / cg.memory_capacity
+        share = mems / cap
+        held = np.concatenate([np.asarray(n.transients, dtype=float) if n.transients
+                               else np.zeros(len(n.candidates)) for n in cg.nodes]) / cap
+        most = max([float(np.max(held, initial=0.0)),
+                    *(float(np.max(h, initial=0.0)) / cap for _, h in self._z_transient)])
         hungriest = np.maximum.reduceat(share, self.offset[:-1]).sum() + sum(
-            np.max(m, initial=0.0) for _, m in self._z_memory) / cg.memory_capacity
-        if hungriest <= 1.0 - self.slack:  # every choice fits: the row binds nothing
-            return
+            np.max(m, initial=0.0) for _, m in self._z_memory) / cap
+        if hungriest + most <= 1.0 - self.slack:  # every choice fits: the row binds nothing
+            return 0
         used = np.nonzero(share)[0]
         cols = np.concatenate([used, *(z for z, _ in self._z_memory)])
-        vals = np.concatenate([share[used], *(m / cg.memory_capacity
-                                              for _, m in self._z_memory)])
-        self.rows.add(1, np.zeros(len(cols)), cols, vals, -np.inf, 1.0 - self.slack)
+        vals = np.concatenate([share[used], *(m / cap for _, m in self._z_memory)])
+        if most <= 0:
+            self.rows.add(1, np.zeros(len(cols)), cols, vals, -np.inf, 1.0 - self.slack)
+            return 0
+        self.rows.add(1, np.zeros(len(cols) + 1), np.append(cols, t), np.append(vals, 1.0),
+                      -np.inf, 1.0 - self.slack)
+        # T >= sum_i held[n, i] x[n, i] for each node n with a transient (one row each) ...
+        at = np.nonzero(held)[0]
+        node_of = np.searchsorted(self.offset, at, side="right") - 1
+        nodes, row = np.unique(node_of, return_inverse=True)
+        self.rows.add(len(nodes), np.concatenate([row, np.arange(len(nodes))]),
+                      np.concatenate([at, np.full(len(nodes), t)]),
+                      np.concatenate([held[at], -np.ones(len(nodes))]), -np.inf, 0.0)
+        # ... and sum_ab held[e, a, b] z[e, a, b] for each edge's moves
+        for z, h in self._z_transient:
+            live = np.nonzero(h)[0]
+            if len(live):
+                self.rows.add(1, np.zeros(len(live) + 1, dtype=np.int64),
+                              np.append(z[live], t), np.append(h[live] / cap, -1.0),
+                              -np.inf, 0.0)
+        return 1
 
 
 def _by_pair(edges: Sequence[CostEdge]) -> dict[tuple[int, int], list[CostEdge]]:
@@ -426,15 +465,21 @@ def _by_pair(edges: Sequence[CostEdge]) -> dict[tuple[int, int], list[CostEdge]]
     return out
 
 
-def _reduce(m: np.ndarray, mem: np.ndarray | None = None) -> _Edge:
+def _reduce(m: np.ndarray, mem: np.ndarray | None = None,
+            held: Sequence[np.ndarray] | None = None) -> _Edge:
     """Classes of equal rows and of equal columns of ``m``, and whether it is separable;
-    with memories ``mem`` (not all 0), classes of equal rows and columns of both, and no
-    folding (a pair's memory needs its ``z``)."""
-    if mem is not None and mem.any():
-        rows, row_class = np.unique(np.stack([m, mem], axis=-1), axis=0, return_inverse=True)
+    with memories ``mem`` or transients ``held`` (one matrix per edge; not all 0), classes
+    of equal rows and columns of them all, and no folding (a pair's memory and transient
+    need its ``z``)."""
+    extra = [x for x in [mem] if x is not None and x.any()]
+    moves = [x for x in held or () if x.any()]
+    if extra or moves:
+        rows, row_class = np.unique(np.stack([m, *extra, *moves], axis=-1), axis=0,
+                                    return_inverse=True)
         cols, col_class = np.unique(rows, axis=1, return_inverse=True)
         return _Edge(row_class.ravel(), col_class.ravel(), cols[..., 0], None, None,
-                     cols[..., 1])
+                     cols[..., 1] if extra else None,
+                     np.moveaxis(cols[..., 1 + len(extra):], -1, 0) if moves else None)
     rows, row_class = np.unique(m, axis=0, return_inverse=True)
     cols, col_class = np.unique(rows, axis=1, return_inverse=True)
     row_class, col_class = row_class.ravel(), col_class.ravel()

@@ -18,7 +18,8 @@ on the fine axes the destination splits dimension ``i`` with, so it is worked ou
 source and distinct list of axes; a pair combines its dimensions' entries, and only the last
 free slice (which may be blocked by an axis another dimension holds) and the AllGather are
 its own. :func:`plan_moves` gives the plans a block of sources at a time, as the collective
-steps a cost model prices in bulk (:class:`MoveSteps`).
+steps a cost model prices in bulk (:class:`MoveSteps`). The searches' pricers of one cost
+model share what they price (:func:`move_memo`).
 
 >>> from simpar.layout import TensorLayout
 >>> s0 = TensorLayout((8,), (0, -1), (64, 64))       # rows over 8 ranks
@@ -32,9 +33,11 @@ steps a cost model prices in bulk (:class:`MoveSteps`).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 
@@ -43,8 +46,8 @@ from simpar.layout import TensorLayout
 from simpar.redistribution.refine import refine
 from simpar.redistribution.step import RedistributionPlan
 
-__all__ = ["COLUMNS", "MoveBlock", "MoveSteps", "decode", "fine_form", "move_steps", "plan_moves",
-           "plan_signatures", "signature_of"]
+__all__ = ["COLUMNS", "MoveBlock", "MoveMemo", "MoveSteps", "decode", "fine_form", "move_memo",
+           "move_steps", "plan_moves", "plan_signatures", "signature_of"]
 
 #: The steps a plan without AllToAll can hold, in the order the planner emits them; the
 #: ReduceScatters (one per tensor dimension, ascending) sit between the first Slice and the
@@ -409,3 +412,28 @@ def plan_signatures(srcs: Sequence[TensorLayout], dsts: Sequence[TensorLayout], 
         at = (block.sources[:, None] * len(dsts) + np.arange(len(dsts))[None, :]).ravel()
         out[at] = block.rows(np.arange(n))
     return out
+
+
+#: A pricer's memo of moves: their prices, their transients, and their matrices.
+MoveMemo = tuple[dict[tuple[Any, Any, int], float], dict[tuple[Any, Any, int], float],
+                  dict[tuple[Any, ...], np.ndarray]]
+#: Per cost model (by identity, while it lives) whose edge prices are fixed
+#: (``fixed_edge_prices``), per device count and AllToAll setting: the prices of moves,
+#: their transients and their matrices.
+_MOVE_MEMOS: dict[int, dict[tuple[int, bool], MoveMemo]] = {}
+
+
+def move_memo(model: Any, device_num: int, enable_alltoall: bool) -> MoveMemo:
+    """The moves' memo of the pricers of ``model`` on ``device_num`` devices: shared when
+    the model's edge prices depend on nothing but itself, else a new one."""
+    fresh: MoveMemo = ({}, {}, {})
+    if not getattr(model, "fixed_edge_prices", False):
+        return fresh
+    key = id(model)
+    if key not in _MOVE_MEMOS:
+        try:
+            weakref.finalize(model, _MOVE_MEMOS.pop, key, None)
+        except TypeError:   # not weakly referable: its pricers keep their own
+            return fresh
+        _MOVE_MEMOS[key] = {}
+    return _MOVE_MEMOS[key].setdefault((device_num, enable_alltoall), fresh)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import math
-import weakref
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -39,7 +38,7 @@ from simpar.ops.comm_spec import CommSpec
 from simpar.ops.strategy import Strategy, StrategyError
 from simpar.optimizer_parallel import OptimizerParallel, ParamFacts, ParamShard, shard_parameters
 from simpar.redistribution import RedistributionPlan, plan
-from simpar.search.moves import MoveBlock, decode, plan_moves, signature_of
+from simpar.search.moves import MoveBlock, decode, move_memo, plan_moves, signature_of
 
 __all__ = ["ELEMENTWISE_OPS", "NoAvailableCost", "Priced", "Pricer", "Site", "SiteEdge",
            "algo_or_context", "canonical", "check_memory", "listed"]
@@ -181,30 +180,6 @@ def algo_or_context(algo: AlgoParameters | None) -> AlgoParameters:
 def listed(strategy: Strategy) -> list[list[int]]:
     """A strategy as MindSpore prints it: ``((2, 1), (1, 4))`` -> ``[[2, 1], [1, 4]]``."""
     return [list(c) for c in strategy]
-
-
-_MoveMemo = tuple[dict[tuple[Any, Any, int], float], dict[tuple[Any, Any, int], float],
-                  dict[tuple[Any, ...], np.ndarray]]
-#: Per cost model (by identity, while it lives) whose edge prices are fixed
-#: (``fixed_edge_prices``), per device count and AllToAll setting: the prices of moves,
-#: their transients and their matrices.
-_MOVE_MEMOS: dict[int, dict[tuple[int, bool], _MoveMemo]] = {}
-
-
-def _move_memo(model: CostModel, device_num: int, enable_alltoall: bool) -> _MoveMemo:
-    """The moves' memo of the pricers of ``model`` on ``device_num`` devices: shared when
-    the model's edge prices depend on nothing but itself, else a new one."""
-    fresh: _MoveMemo = ({}, {}, {})
-    if not getattr(model, "fixed_edge_prices", False):
-        return fresh
-    key = id(model)
-    if key not in _MOVE_MEMOS:
-        try:
-            weakref.finalize(model, _MOVE_MEMOS.pop, key, None)
-        except TypeError:   # not weakly referable: its pricers keep their own
-            return fresh
-        _MOVE_MEMOS[key] = {}
-    return _MOVE_MEMOS[key].setdefault((device_num, enable_alltoall), fresh)
 
 
 class Pricer:
@@ -379,8 +354,8 @@ class Pricer:
         # The moves' prices, transients and matrices: every pricer of one model, device
         # count and AllToAll setting shares them (the memory dimensions' combinations each
         # make a pricer, and move the same layouts).
-        self._moves, self._transients, self._matrices = _move_memo(model, device_num,
-                                                                   enable_alltoall)
+        self._moves, self._transients, self._matrices = move_memo(model, device_num,
+                                                                  enable_alltoall)
         # The largest Cell's prices without its tapes made again (under rerun bounds),
         # shared by every pricer :meth:`limited` makes.
         self._uncharged: dict[tuple[int, Strategy], Priced] = {}
@@ -669,7 +644,7 @@ class Pricer:
     @property
     def moves_priced(self) -> int:
         """How many distinct moves were priced pair by pair, by this pricer and those that
-        share its memo (:func:`_move_memo`)."""
+        share its memo (:func:`~simpar.search.moves.move_memo`)."""
         return len(self._moves)
 
     def edge_cost(self, e: int, producer: OpSharding, consumer: OpSharding) -> float:
