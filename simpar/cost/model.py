@@ -42,8 +42,8 @@ from simpar.cost.profile import DeviceProfile, load_profile
 
 __all__ = ["ACCUMULATE_PASSES", "OPTIMIZER_KERNELS", "OPTIMIZER_PASSES", "OPTIMIZER_STATE",
            "OPTIMIZER_TEMPORARIES", "CostReport", "MemoryRow", "OpCostRow",
-           "accumulation_seconds", "evaluate", "optimizer_seconds", "phase_seconds",
-           "predicted_timeline"]
+           "accumulation_seconds", "evaluate", "gradient_add_seconds", "optimizer_seconds",
+           "phase_seconds", "predicted_timeline"]
 
 #: Optimizer state per trainable parameter element, in parameter-sized copies.
 OPTIMIZER_STATE = {"sgd": 0, "momentum": 1, "adam": 2}
@@ -273,10 +273,15 @@ def accumulation_seconds(program: _Program, prof: DeviceProfile) -> float:
         shard = program.param_shards.get(name)
         held = program.storage_layout(name) if shard is not None and \
             shard.level.per_micro_batch else lay
-        seconds += (prof.array_op_overhead
-                    + ACCUMULATE_PASSES * held.local_size() * v.dtype.itemsize
-                    / prof.memory_bandwidth)
+        seconds += gradient_add_seconds(held.local_size() * v.dtype.itemsize, prof)
     return seconds
+
+
+def gradient_add_seconds(nbytes: float, prof: DeviceProfile) -> float:
+    """One gradient of ``nbytes`` added in place into the step's sum: a numpy call and
+    :data:`ACCUMULATE_PASSES` memory-bound passes (what every price of accumulation
+    charges)."""
+    return prof.array_op_overhead + ACCUMULATE_PASSES * nbytes / prof.memory_bandwidth
 
 
 def _time_of(steps: Sequence[Any], by_name: Mapping[str, Any], prof: DeviceProfile,

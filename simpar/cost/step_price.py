@@ -30,7 +30,7 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from simpar.collective_kinds import traffic
-from simpar.cost.model import ACCUMULATE_PASSES, OPTIMIZER_KERNELS, OPTIMIZER_PASSES
+from simpar.cost.model import OPTIMIZER_KERNELS, OPTIMIZER_PASSES, gradient_add_seconds
 
 __all__ = ["step_op_seconds"]
 
@@ -57,8 +57,7 @@ def step_op_seconds(model: Any, sharding: Any, parameters: Collection[int], item
         group = () if mirror is None else mirror.group(model.rank % math.prod(mirror.device_matrix))
         level, size = (shards or {}).get(i, (None, 1))
         summed = block // size if level is not None and level.per_micro_batch else block
-        seconds += (micro_batches - 1) * (prof.array_op_overhead + ACCUMULATE_PASSES * summed
-                                          / prof.memory_bandwidth)
+        seconds += (micro_batches - 1) * gradient_add_seconds(summed, prof)
         if level is None:
             seconds += model._mirror_seconds(mirror, sizes[i]) if mirror is not None else 0.0
         else:
