@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from functools import cache
+from functools import cache, partial
 from typing import Any
 
 import numpy as np
@@ -37,6 +37,7 @@ from simpar.comm import CommTrace
 from simpar.layout import distribute
 from simpar.nn import presets
 from simpar.pipeline import schedule
+from simpar.search import plan_once
 from tests.mpi_guard import abort_job_on_error, raised_everywhere, shared_dir
 from tests.small_models import small_batch
 
@@ -434,7 +435,8 @@ def test_memory_dimensions_searched_per_stage_train_as_one_device() -> None:
         try:
             spec = [((BATCH // 4, GPT["seq_length"]), np.int32)] * 2
             _, programs = plan_pipeline(cell(None), spec, 2, n, "auto_parallel",
-                                        "data_parallel", 4)
+                                        "data_parallel", 4,   # rank 0 searches, as training
+                                        plan=partial(plan_once, together=True))
             free = [p.strategy_map.dimensions for p in programs]
             none = [next(a for a in f.alternatives if a.key == (4, None, ())) for f in free]
             cap = max(none[1].memory, free[0].least_memory.memory) + 1.0

@@ -3,16 +3,20 @@ real planner and the model's own edge price, pair by pair (one process, no MPI).
 
 from __future__ import annotations
 
+import gc
+import weakref
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
 
-from simpar import graph, nn
+from simpar import graph, nn, ops
 from simpar.cost import MindSporeCostModel, SimparCostModel
 from simpar.layout import TensorLayout
 from simpar.mesh import DeviceMesh
 from simpar.redistribution import plan
+from simpar.search import memo
 from simpar.search.moves import (
     COLUMNS,
     decode,
@@ -180,6 +184,49 @@ def test_the_pricers_of_one_model_share_the_moves_they_price() -> None:
     built = one.moves_priced
     one.move_matrix(srcs, dsts, itemsize)
     assert one.moves_priced > built and _gpt_pricer(ms, 16)[0].moves_priced == built
+
+
+def test_the_pricers_of_one_graph_share_the_ops_layouts_while_it_lives(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An op's layouts under a strategy are worked out once for every pricer of one graph
+    (the memory dimensions' combinations price the same candidates), the same as worked
+    out again; another graph keeps its own, and the memo goes with its graph."""
+    net = nn.GPT(64, 16, 32, 2, 4)
+    g = graph.trace(net, [((48, 16), np.int32)], ["ids"])
+    layouts = dataset_layouts([v.shape for v in g.inputs], 8, "data_parallel")
+    calls: list[str] = []
+    real = ops._base.Primitive.sharding
+
+    def counted(self: Any, *args: Any, **kw: Any) -> Any:
+        calls.append(self.name)
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(ops._base.Primitive, "sharding", counted)
+
+    def priced(model: object, on: Any) -> list[Any]:
+        pricer = Pricer(on, 8, model, layouts)
+        return [pricer.price(n, s) for n, site in enumerate(pricer.sites)
+                for s in site.node.op.candidate_strategies(site.shapes, 8)]
+
+    first = priced(SimparCostModel("ascend910b"), g)
+    made = len(calls)
+    # the two blocks' ops are alike: each kind is worked out once
+    assert 0 < made < sum(len(site.node.op.candidate_strategies(site.shapes, 8))
+                          for site in Pricer(g, 8, SimparCostModel("ascend910b"), layouts).sites)
+    assert priced(SimparCostModel("cpu-local", "adam"), g) and len(calls) == made
+    calls.clear()
+    again = priced(SimparCostModel("ascend910b"), graph.trace(net, [((48, 16), np.int32)],
+                                                              ["ids"]))
+    assert len(calls) == made
+    assert [None if p is None else (p.sharding.strategy, p.sharding.in_layouts,
+                                    p.sharding.outputs, p.cost, p.memory) for p in first] == \
+        [None if p is None else (p.sharding.strategy, p.sharding.in_layouts,
+                                 p.sharding.outputs, p.cost, p.memory) for p in again]
+    gone, key = weakref.ref(g), id(g)
+    assert key in memo._MEMOS
+    del g
+    gc.collect()
+    assert gone() is None and key not in memo._MEMOS
 
 
 def test_one_device_and_empty_lists() -> None:

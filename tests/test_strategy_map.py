@@ -18,7 +18,7 @@ from simpar import context, graph, nn, ops, seed
 from simpar.comm_fusion import AllReduceFusion
 from simpar.layout import TensorLayout
 from simpar.nn import presets
-from simpar.runtime import NothingParallelWarning, build_program, lower
+from simpar.runtime import NothingParallelWarning, backward_plan, build_program, lower
 from simpar.search import (
     OpStrategy,
     Source,
@@ -300,13 +300,21 @@ def test_complete_lays_out_every_parameter_the_map_leaves_open() -> None:
     assert smap.complete(g, [s.sharding.in_layouts for s in steps]) == smap
 
 
-def test_lowering_plans_the_backward_once() -> None:
-    """The eager-or-lazy choice is made by lower, for every set of seeded outputs: the
-    program holds the plans, and running it plans nothing."""
+def test_lowering_plans_the_backward_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The eager-or-lazy choice is made once per set of seeded outputs lowering names, when
+    the program first reads it (a pipeline's rank lowers its neighbours' stages for their
+    layouts, and never runs their backward): running it again plans nothing."""
     net, g = _mlp()
+    made: list[tuple[bool, ...]] = []
+    real = backward_plan.plan_backward
+    monkeypatch.setattr(backward_plan, "plan_backward",
+                        lambda lowered, seeds: made.append(tuple(seeds)) or real(lowered, seeds))
     program = build_program(g, 8, SEMI, ((2, 1), (2,)), cell=net)
-    assert set(program.backward_plans) == {(True,), (False,)}
+    assert set(program.backward_plans) == {(True,), (False,)} and made == []
     assert program.backward_plan() is program.backward_plans[(True,)]
+    assert program.backward_plan() is program.backward_plans[(True,)] and made == [(True,)]
+    program.schedule(0)
+    assert made == [(True,)]
     assert not any(isinstance(getattr(program, f.name), dict) and f.name.startswith("_")
                    for f in dataclasses.fields(program))
     only = lower(g, program.strategy_map, seeds=[(True,)])   # type: ignore[arg-type]

@@ -5,6 +5,7 @@ and an edge's move's (simpar.search.auto.fitting_transients). Pure: no MPI."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import numpy as np
@@ -48,57 +49,51 @@ def _request(search_mode: str, capacity: float, recomputed_blocks: int = 0) -> A
                                 cost_model=SimparCostModel("cpu-local", "adam"))
 
 
-def _priced(request: Any) -> tuple[int, int, float]:
-    """(the final pricing's peak bytes per rank, its largest transient, the search's figure
-    for the same plan: its arrays and its largest transient)."""
-    smap = plan_request(request)
+@functools.cache
+def _priced(search_mode: str, capacity: float, recomputed_blocks: int = 0,
+            first: bool = False) -> tuple[int, int, float, float]:
+    """The plan of :func:`_request` (``first``: the search's first plan, before any search
+    again under transient limits): (the final pricing's peak bytes per rank, its largest
+    transient, the search's figure for the same plan: its arrays and its largest transient,
+    and the plan's seconds as the search prices them). Pure: cached."""
+    with pytest.MonkeyPatch.context() as m:
+        if first:
+            m.setattr(auto, "TRANSIENT_LIMITS", 0)
+        request = _request(search_mode, capacity, recomputed_blocks)
+        smap = plan_request(request)
     report = evaluate(lower(graph_of(request, smap), smap), "cpu-local", "adam")
     row = max(report.memory, key=lambda r: r.peak)
     pricer = auto.pricer_of(request)
     shardings = [pricer.priced(n, smap.ops[node.name].in_strategy).sharding  # type: ignore
                  for n, node in enumerate(request.graph.nodes)]
     assert pricer.transient(shardings) <= max(row.comm_buffer, row.backward)
-    return row.peak, max(row.comm_buffer, row.backward), (pricer.memory(shardings)
-                                                          + pricer.transient(shardings))
+    return row.peak, max(row.comm_buffer, row.backward), (
+        pricer.memory(shardings) + pricer.transient(shardings)), pricer.total(shardings)
 
 
 @pytest.mark.parametrize(("search_mode", "capacity"), [
     ("dynamic_programming", 44000.0), ("recursive_programming", 48000.0)])
 def test_a_plan_over_the_cap_by_its_transient_is_searched_again_and_fits_when_priced(
-        search_mode: str, capacity: float, monkeypatch: pytest.MonkeyPatch) -> None:
+        search_mode: str, capacity: float) -> None:
     """The first plan's arrays fit the cap and its transient puts it over, as the final
     pricing counts both; searched again under transient limits, the plan fits when priced,
     and the search's figure (arrays plus largest transient) bounds what the pricing finds."""
-    with monkeypatch.context() as m:
-        m.setattr(auto, "TRANSIENT_LIMITS", 0)   # the first plan, as before
-        first, _, _ = _priced(_request(search_mode, capacity))
-    assert first > capacity
-    peak, transient, searched = _priced(_request(search_mode, capacity))
+    assert _priced(search_mode, capacity, first=True)[0] > capacity
+    peak, transient, searched, _ = _priced(search_mode, capacity)
     assert peak <= capacity and transient > 0
     assert searched <= capacity
 
 
 def test_exact_fits_the_largest_transient_in_its_ilp_and_is_the_optimum_of_plans_that_fit(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+) -> None:
     """Where dynamic programming's first plan is over the cap by its transient, exact's first
     plan already fits when priced (its ILP holds the largest transient beside the sum), and
     costs no more than dynamic programming's plan searched again under limits: that plan
     fits too, and exact's is the optimum of the plans that do."""
-    with monkeypatch.context() as m:
-        m.setattr(auto, "TRANSIENT_LIMITS", 0)   # each search's first plan only
-        dp_first, _, _ = _priced(_request("dynamic_programming", 44000.0))
-        peak, transient, searched = _priced(_request("exact", 44000.0))
-    assert dp_first > 44000.0
+    assert _priced("dynamic_programming", 44000.0, first=True)[0] > 44000.0
+    peak, transient, searched, seconds = _priced("exact", 44000.0, first=True)
     assert peak <= 44000.0 and transient > 0 and searched <= 44000.0
-
-    def total(search_mode: str) -> float:
-        request = _request(search_mode, 44000.0)
-        smap = plan_request(request)
-        pricer = auto.pricer_of(request)
-        return pricer.total([pricer.priced(n, smap.ops[node.name].in_strategy).sharding
-                             for n, node in enumerate(request.graph.nodes)])
-
-    assert total("exact") <= total("dynamic_programming") * (1 + 1e-9)
+    assert seconds <= _priced("dynamic_programming", 44000.0)[3] * (1 + 1e-9)
 
 
 def test_a_transient_limit_drops_the_candidates_and_moves_over_it() -> None:
@@ -132,16 +127,13 @@ def test_a_transient_limit_must_be_a_finite_number_of_bytes(bad: Any) -> None:
 
 @pytest.mark.parametrize("capacity", [60000.0, 64000.0])
 def test_a_recomputed_cell_s_tapes_made_again_are_fitted_with_the_plan(
-        capacity: float, monkeypatch: pytest.MonkeyPatch) -> None:
+        capacity: float) -> None:
     """Two recomputed blocks: while the backward runs through one, its tapes are alive again
     (the final pricing's backward transient). The searches count them: the first plan is
     over as priced, the plan searched again under transient limits and bounds on what each
     Cell's ops make again fits, and the search's figure bounds the pricing's peak."""
-    with monkeypatch.context() as m:
-        m.setattr(auto, "TRANSIENT_LIMITS", 0)
-        first, _, _ = _priced(_request("dynamic_programming", capacity, 2))
-    assert first > capacity
-    peak, transient, searched = _priced(_request("dynamic_programming", capacity, 2))
+    assert _priced("dynamic_programming", capacity, 2, first=True)[0] > capacity
+    peak, transient, searched, _ = _priced("dynamic_programming", capacity, 2)
     assert peak <= searched <= capacity
 
 

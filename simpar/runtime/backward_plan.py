@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,7 +29,7 @@ from simpar.cotangent import (
 from simpar.redistribution import RedistributionPlan, plan
 from simpar.runtime.lowered import LoweredGraph
 
-__all__ = ["BackwardPlan", "NodeBackward", "backward_traffic", "plan_backward"]
+__all__ = ["BackwardPlan", "BackwardPlans", "NodeBackward", "backward_traffic", "plan_backward"]
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,31 @@ def plan_backward(lowered: LoweredGraph, seeded: Sequence[bool]) -> BackwardPlan
     seeds = tuple(bool(b) for b in seeded)
     return min((_plan(lowered, seeds, eager) for eager in (True, False)),
                key=lambda bplan: backward_traffic(lowered, bplan))
+
+
+class BackwardPlans(Mapping[tuple[bool, ...], BackwardPlan]):
+    """The backward plans of ``lowered`` for the sets of seeded outputs ``keys``
+    (:func:`plan_backward`), each planned when first read and kept: a pipeline's rank lowers
+    every stage, for the layouts its neighbours send and receive, and runs the backward of
+    its own stage's programs only."""
+
+    def __init__(self, lowered: LoweredGraph, keys: Iterable[tuple[bool, ...]]) -> None:
+        self._lowered, self._keys = lowered, tuple(keys)
+        self._plans: dict[tuple[bool, ...], BackwardPlan] = {}
+
+    def __getitem__(self, key: tuple[bool, ...]) -> BackwardPlan:
+        found = self._plans.get(key)
+        if found is None:
+            if key not in self._keys:
+                raise KeyError(key)
+            found = self._plans[key] = plan_backward(self._lowered, key)
+        return found
+
+    def __iter__(self) -> Iterator[tuple[bool, ...]]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
 
 
 def _plan(lowered: LoweredGraph, seeded: tuple[bool, ...], eager: bool) -> BackwardPlan:

@@ -5,10 +5,10 @@ Lowering chooses no strategy: every op's strategy, every parameter's and graph i
 layout come from the strategy map (``simpar.search`` plans it;
 :meth:`~simpar.search.StrategyMap.complete` lays out the parameters it leaves open).
 Lowering derives every value's layout from them, plans a redistribution on every edge whose
-producer layout differs from what the consumer's rule needs, and plans the backward once
-(:func:`~simpar.runtime.backward_plan.plan_backward`): every trainable parameter gets its
-gradient completed by one AllReduce over the ranks its gradient is pending on (MindSpore's
-Mirror).
+producer layout differs from what the consumer's rule needs, and plans the backward once,
+when it is first read (:func:`~simpar.runtime.backward_plan.plan_backward`): every
+trainable parameter gets its gradient completed by one AllReduce over the ranks its
+gradient is pending on (MindSpore's Mirror).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from simpar.layout import TensorLayout
 from simpar.ops._base import OpSharding
 from simpar.optimizer_parallel import ParamShard, slice_layout
 from simpar.redistribution import plan
-from simpar.runtime.backward_plan import BackwardPlan, plan_backward
+from simpar.runtime.backward_plan import BackwardPlans
 from simpar.runtime.lowered import LoweredGraph, OpStep, Segment
 from simpar.runtime.program import IndexLimits, ParallelProgram
 from simpar.runtime.runner import ProgramRunner, Seeds, seeds_of
@@ -44,9 +44,9 @@ def lower(graph: Graph, strategy_map: StrategyMap, enable_alltoall: bool = False
     Every node must have a strategy in the map. A parameter the map gives no layout takes
     the layout its first consumer's strategy needs, one no op reads stays whole
     (:meth:`StrategyMap.complete`); a graph input without one is held whole by every rank
-    (``full_batch``). The backward is planned here, for each set of seeded outputs in
-    ``seeds`` (one flag per graph output; default: every set when the graph has at most
-    :data:`EVERY_SEED_SET_UP_TO` outputs, else all outputs seeded)."""
+    (``full_batch``). The backward is planned for each set of seeded outputs in ``seeds``,
+    the first time the program reads it (one flag per graph output; default: every set when
+    the graph has at most :data:`EVERY_SEED_SET_UP_TO` outputs, else all outputs seeded)."""
     if not isinstance(strategy_map, StrategyMap):
         raise TypeError(f"lower: strategy_map must be a simpar.search.StrategyMap, got "
                         f"{type(strategy_map).__name__}")
@@ -165,8 +165,9 @@ def _check_shards(smap: StrategyMap, params: Mapping[str, TensorLayout]
 
 
 def _backward_plans(lowered: LoweredGraph, seeds: Iterable[Sequence[bool]] | None
-                    ) -> dict[Seeds, BackwardPlan]:
-    """The backward plan of each set of seeded outputs (:func:`lower`'s ``seeds``)."""
+                    ) -> BackwardPlans:
+    """The backward plan of each set of seeded outputs (:func:`lower`'s ``seeds``), each
+    planned when first read."""
     n = len(lowered.graph.outputs)
     if seeds is None:
         keys: list[Seeds] = (list(itertools.product((True, False), repeat=n))
@@ -177,7 +178,7 @@ def _backward_plans(lowered: LoweredGraph, seeds: Iterable[Sequence[bool]] | Non
         if bad:
             raise ValueError(f"lower: each entry of seeds needs one flag per graph output "
                              f"({n}), got {bad[0]}")
-    return {key: plan_backward(lowered, key) for key in keys}
+    return BackwardPlans(lowered, keys)
 
 
 def _index_limits(lowered: LoweredGraph) -> IndexLimits:

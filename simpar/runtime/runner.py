@@ -47,7 +47,7 @@ def seeds_of(seeded: Sequence[bool] | None, n_outputs: int) -> Seeds:
 
 class ProgramRunner:
     """Runs ``lowered`` forward and backward on this process's rank, the backward as
-    ``backward_plans`` (one per set of seeded outputs, planned at lowering) says."""
+    ``backward_plans`` (one per set of seeded outputs, planned when first read) says."""
 
     def __init__(self, lowered: LoweredGraph, backward_plans: Mapping[Seeds, BackwardPlan]
                  ) -> None:

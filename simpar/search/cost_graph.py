@@ -37,8 +37,9 @@ from simpar.layout import TensorLayout
 from simpar.ops._base import OpSharding
 from simpar.ops.strategy import Strategy, StrategyError
 from simpar.optimizer_parallel import OptimizerParallel
-from simpar.search.pricing import ELEMENTWISE_OPS, Pricer, Site, algo_or_context, canonical
+from simpar.search.pricing import ELEMENTWISE_OPS, Pricer, algo_or_context, canonical
 from simpar.search.request import dataset_layouts
+from simpar.search.sites import Site
 
 __all__ = ["ELEMENTWISE_OPS", "CostEdge", "CostGraph", "CostNode", "brute_force",
            "build_cost_graph", "canonical", "cost_graph_from", "distinct_blocks",

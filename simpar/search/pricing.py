@@ -30,7 +30,7 @@ import numpy as np
 from simpar.comm_fusion import AllReduceFusion
 from simpar.context import AlgoParameters, algo_parameters
 from simpar.cost.interface import CostModel
-from simpar.graph import Graph, Node
+from simpar.graph import Graph
 from simpar.layout import TensorLayout, block_key
 from simpar.mesh import DeviceMesh
 from simpar.ops._base import OpSharding, registry
@@ -38,10 +38,12 @@ from simpar.ops.comm_spec import CommSpec
 from simpar.ops.strategy import Strategy, StrategyError
 from simpar.optimizer_parallel import OptimizerParallel, ParamFacts, ParamShard, shard_parameters
 from simpar.redistribution import RedistributionPlan, plan
+from simpar.search.memo import owned_memo
 from simpar.search.moves import MoveBlock, decode, move_memo, plan_moves, signature_of
+from simpar.search.sites import Site, SiteEdge, memory_roles, signature
 
-__all__ = ["ELEMENTWISE_OPS", "NoAvailableCost", "Priced", "Pricer", "Site", "SiteEdge",
-           "algo_or_context", "canonical", "check_memory", "listed"]
+__all__ = ["ELEMENTWISE_OPS", "NoAvailableCost", "Priced", "Pricer", "algo_or_context",
+           "canonical", "check_memory", "listed"]
 
 #: The registered ops MindSpore counts elementwise (``IsElementWiseOperator``: the unary
 #: ones), read from each op's own ``elementwise`` fact, which is what the pricer reads. Under
@@ -57,48 +59,6 @@ class NoAvailableCost(ValueError):
     def __init__(self, message: str, memory: float | None = None) -> None:
         super().__init__(message)
         self.memory = memory
-
-
-@dataclass(frozen=True)
-class Site:
-    """One op as the pricer sees it. ``roles[k]`` says how the op's memory treats input k
-    ("new" trainable parameter, "frozen" parameter, "held" elsewhere, "free") and whether it
-    is computed from a parameter; ``inputs`` maps input positions to graph-input layouts."""
-
-    index: int
-    node: Node
-    signature: tuple[Any, ...]
-    #: A small number equal for equal signatures (cheap to hash).
-    kind: int
-    shapes: tuple[tuple[int, ...], ...]
-    roles: tuple[tuple[str, bool], ...]
-    user: bool
-    inputs: Mapping[int, TensorLayout]
-
-    @property
-    def name(self) -> str:
-        return self.node.name
-
-    @property
-    def params(self) -> frozenset[int]:
-        """Input positions that read a parameter."""
-        return frozenset(k for k, v in enumerate(self.node.inputs) if v.kind == "param")
-
-    def positions(self, role: str) -> frozenset[int]:
-        return frozenset(k for k, (r, _) in enumerate(self.roles) if r == role)
-
-
-@dataclass(frozen=True)
-class SiteEdge:
-    """``producer``'s output ``output`` feeds ``consumer``'s input ``input`` (node indices);
-    ``follows``: the producer is elementwise and elementwise_op_strategy_follow is on."""
-
-    producer: int
-    output: int
-    consumer: int
-    input: int
-    itemsize: int
-    follows: bool = False
 
 
 _MISSING: Any = object()
@@ -117,42 +77,6 @@ class Priced:
     memory: float
     transient: float = 0.0
     rerun: float = 0.0
-
-
-def _memory_roles(node: Node, counted: set[str], involved: set[int], kept: set[int],
-                  array: Mapping[int, int]) -> tuple[tuple[str, bool], ...]:
-    """Per input, how the op's memory treats it: "new" (a trainable parameter no earlier op
-    counts; its first position only), "frozen" (the same, not trainable), "held" (a parameter
-    counted already, or a value an earlier op's memory holds), "free" (the op's to keep or
-    not); and whether it is computed from a parameter (MindSpore's ``is_parameter_involve``)."""
-    roles = []
-    seen: set[str] = set()
-    for v in node.inputs:
-        if v.kind == "param":
-            role = "held" if v.name in counted or v.name in seen else (
-                "new" if v.param is None or v.param.requires_grad else "frozen")
-            seen.add(v.name)
-        else:
-            role = "held" if array.get(v.id, v.id) in kept else "free"
-        roles.append((role, v.kind == "param" or v.id in involved))
-    return tuple(roles)
-
-
-def _signature(node: Node, inputs: Mapping[int, TensorLayout],
-               plans: Mapping[str, tuple[int, ...]], roles: tuple[tuple[str, bool], ...]
-               ) -> tuple[Any, ...]:
-    """What a node's candidates, costs and memories depend on: equal signatures (the same op
-    at the same place of two identical layers) share one computation."""
-    ins = []
-    for v in node.inputs:
-        where: Any = v.kind
-        if v.id in inputs:
-            where = ("input", inputs[v.id])
-        elif v.kind == "param":
-            where = ("param", plans.get(v.name))
-        ins.append((v.shape, v.dtype.str, where))
-    return (type(node.op), repr(node.op), node.op.out_strategy, tuple(ins), roles,
-            tuple((v.shape, v.dtype.str) for v in node.outputs))
 
 
 #: The key equal for layouts that hold the same block and pending sums on every rank
@@ -274,12 +198,12 @@ class Pricer:
         edges: list[SiteEdge] = []
         kinds: dict[tuple[Any, ...], int] = {}
         for n, node in enumerate(graph.nodes):
-            roles = _memory_roles(node, counted, involved, kept, array)
+            roles = memory_roles(node, counted, involved, kept, array)
             mine = {k: inputs[v.id] for k, v in enumerate(node.inputs) if v.id in inputs}
-            signature = (_signature(node, inputs, self.plans, roles),
-                         n in self._recomputed, n in self._opens, n in self._rerun,
-                         n in self._holds_gathered, n in self._charged)
-            site = Site(n, node, signature, kinds.setdefault(signature, len(kinds)),
+            sig = (signature(node, inputs, self.plans, roles),
+                   n in self._recomputed, n in self._opens, n in self._rerun,
+                   n in self._holds_gathered, n in self._charged)
+            site = Site(n, node, sig, kinds.setdefault(sig, len(kinds)),
                         tuple(tuple(v.shape) for v in node.inputs), roles,
                         user_strategies and node.op.in_strategy is not None, mine)
             sites.append(site)
@@ -356,6 +280,8 @@ class Pricer:
         # make a pricer, and move the same layouts).
         self._moves, self._transients, self._matrices = move_memo(model, device_num,
                                                                   enable_alltoall)
+        self._shardings: dict[tuple[Any, ...], OpSharding | None] = owned_memo(
+            graph, ("shardings", device_num, enable_alltoall), dict)
         # The largest Cell's prices without its tapes made again (under rerun bounds),
         # shared by every pricer :meth:`limited` makes.
         self._uncharged: dict[tuple[int, Strategy], Priced] = {}
@@ -468,6 +394,21 @@ class Pricer:
             out = self._uncharged[key] = replace(found, memory=found.memory - found.rerun)
         return out
 
+    def _sharding(self, site: Site, strategy: Strategy) -> OpSharding | None:
+        """The op's layouts under ``strategy`` (None: it rejects it), shared by the pricers
+        of one graph: equal ops (type and repr) on equal shapes shard alike."""
+        op, out = site.node.op, site.node.op.out_strategy if site.user else None
+        key = (site.signature[:2], site.shapes, strategy, out)
+        sh = self._shardings.get(key, _MISSING)
+        if sh is _MISSING:
+            try:
+                sh = op.sharding(site.shapes, self.device_num, strategy, out,
+                                 self.enable_alltoall)
+            except (StrategyError, ValueError):
+                sh = None
+            self._shardings[key] = sh
+        return sh if sh is None or sh.op is op else replace(sh, op=op)
+
     def _priced_op(self, n: int, strategy: Strategy) -> Priced | None:
         site = self.sites[n]
         key = (site.kind, strategy)
@@ -476,12 +417,7 @@ class Pricer:
             return found
         node = site.node
         found = None
-        try:
-            sh = node.op.sharding(site.shapes, self.device_num, strategy,
-                                  node.op.out_strategy if site.user else None,
-                                  self.enable_alltoall)
-        except (StrategyError, ValueError):
-            sh = None
+        sh = self._sharding(site, strategy)
         if sh is not None and not any(
                 v.kind == "param" and v.name in self.plans and lay.cuts != self.plans[v.name]
                 for v, lay in zip(node.inputs, sh.in_layouts)):
@@ -691,10 +627,9 @@ class Pricer:
         cols = [d_at.setdefault(self._key(d), len(d_at)) for d in dsts]
         us = {n: srcs[i] for i, n in reversed(list(enumerate(rows)))}
         ud = {n: dsts[j] for j, n in reversed(list(enumerate(cols)))}
-        unique = np.array([[self._move_transient(us[i], ud[j], edge.itemsize)
-                            for j in range(len(ud))] for i in range(len(us))]).reshape(
-            len(us), len(ud))
-        return unique[np.ix_(rows, cols)]
+        unique = np.array([self._move_transient(us[i], ud[j], edge.itemsize)
+                           for i in range(len(us)) for j in range(len(ud))])
+        return unique.reshape(len(us), len(ud))[np.ix_(rows, cols)]
 
     def edge_memory(self, e: int, producer: OpSharding, consumer: OpSharding) -> float:
         """Bytes per rank edge ``e`` adds between a producer and a consumer sharding: the
@@ -735,11 +670,13 @@ class Pricer:
 
     def memory(self, strategies: Sequence[OpSharding]) -> float:
         """Bytes per rank of one sharding per op: the ops' and the edges'."""
-        total = 0.0
-        for site, sh in zip(self.sites, strategies):
-            priced = self.priced(site.index, sh.strategy)
-            total += math.inf if priced is None else priced.memory
-        return total + self.edges_memory(strategies)
+        return sum(self.op_memories(strategies)) + self.edges_memory(strategies)
+
+    def op_memories(self, strategies: Sequence[OpSharding]) -> list[float]:
+        """Each op's bytes per rank under its sharding (inf where it is not priced)."""
+        found = [self.priced(site.index, sh.strategy) for site, sh in zip(self.sites,
+                                                                         strategies)]
+        return [math.inf if p is None else p.memory for p in found]
 
     def transient(self, strategies: Sequence[OpSharding]) -> float:
         """The largest transient of one sharding per op: its ops' (:attr:`Priced.transient`)
@@ -775,10 +712,7 @@ class Pricer:
 def check_memory(pricer: Pricer, shardings: Sequence[OpSharding], search: str) -> float:
     """The bytes per rank of one sharding per op; :class:`NoAvailableCost` when they exceed
     the model's memory capacity, naming the op that needs most of them."""
-    mems = []
-    for site, sh in zip(pricer.sites, shardings):
-        priced = pricer.priced(site.index, sh.strategy)
-        mems.append(priced.memory if priced is not None else math.inf)
+    mems = pricer.op_memories(shardings)
     memory, capacity = sum(mems) + pricer.edges_memory(shardings), pricer.memory_capacity
     if memory > capacity:
         worst = max(range(len(mems)), key=mems.__getitem__)

@@ -10,7 +10,8 @@ from typing import Any
 
 from simpar.layout import TensorLayout
 from simpar.ops._base import OpSharding
-from simpar.search.pricing import Priced, Pricer, Site, canonical, listed
+from simpar.search.pricing import Priced, Pricer, canonical, listed
+from simpar.search.sites import Site
 
 __all__ = ["one_layout_per_parameter", "users_read_one_layout"]
 
