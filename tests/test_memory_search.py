@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 from typing import Any
 
@@ -181,6 +182,38 @@ def test_the_objective_is_the_cost_graph_of_the_chosen_combination() -> None:
     plain = dataclasses.replace(again, micro_batches=1, optimizer=request.optimizer,
                                 recompute=())
     assert pricer_of(plain).total(shardings) < pricer.total(shardings)
+
+
+class _Backwards:
+    """A :class:`~simpar.search.dimensions.Spread` of one worker that plans the combinations
+    last first and hands every value on as JSON text, as the ranks of the world do."""
+
+    def __init__(self) -> None:
+        self.items = 0
+
+    def map(self, work: Any, count: int) -> list[Any]:
+        self.items += count
+        done = {i: json.dumps(work(i)) for i in reversed(range(count))}
+        return [json.loads(done[i]) for i in range(count)]
+
+
+@pytest.mark.parametrize("dimensions", ["search", "when_needed"])
+def test_combinations_planned_elsewhere_in_any_order_give_the_same_plan(
+        dimensions: str) -> None:
+    """Shared among workers (sent as JSON, planned in another order), the combinations give
+    the map, the choice and every alternative one process gives: under a cap that only two
+    micro-batches meet, and where the user's settings fit (when_needed's first plan, which
+    one worker makes for all)."""
+    if dimensions == "search":
+        request, alone = _planned("recursive_programming", CAPS[1])
+    else:
+        request = _request("dynamic_programming", None, dimensions)
+        alone = plan_request(request)
+    spread = _Backwards()
+    shared = plan_request(request, spread)
+    assert spread.items == (len(MICRO) * 4 if dimensions == "search" else 1)
+    assert shared == alone and shared.to_dict() == alone.to_dict()
+    assert shared.dimensions == alone.dimensions
 
 
 def test_when_needed_keeps_the_users_settings_that_fit() -> None:

@@ -1,6 +1,7 @@
-"""A search runs once, on rank 0, and its plan reaches every rank (simpar.search.plan_once):
-the same map and memory-dimension choice as planning alone, the same warnings, the same
-error, on every rank, with no rank left waiting (mpirun -n 2, 4 or 8).
+"""A search runs once for the world, and its plan reaches every rank (simpar.search.plan_once):
+on rank 0, or with the memory dimensions searched, their combinations shared among the
+ranks. The same map and memory-dimension choice as planning alone, the same warnings, the
+same error, on every rank, with no rank left waiting (mpirun -n 2, 4 or 8).
 
     mpirun -n 4 python -m pytest tests/test_plan_once_mpi.py -q --with-mpi -m mpi
 """
@@ -22,6 +23,7 @@ from simpar.cost_model_context import reset_cost_model_context, set_cost_model_c
 from simpar.pipeline.runner import plan_pipeline
 from simpar.search import (
     OptimizerShardWarning,
+    dimensions,
     plan_once,
     plan_request,
     planner,
@@ -65,9 +67,9 @@ def _calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
     real = planner.plan_request
 
-    def counted(request: Any) -> Any:
+    def counted(request: Any, *args: Any) -> Any:
         calls.append(1)
-        return real(request)
+        return real(request, *args)
 
     monkeypatch.setattr(planner, "plan_request", counted)
     return calls
@@ -80,36 +82,79 @@ def _same_on_every_rank(text: str) -> bool:
                 == 0)
 
 
-def test_rank_0_plans_and_every_rank_gets_the_plan_it_would_find(
+def _combinations(monkeypatch: pytest.MonkeyPatch, fail: int | None = None) -> list[int]:
+    """The memory dimensions' combinations this rank plans (numbered in the search's order);
+    the one numbered ``fail`` raises."""
+    planned: list[int] = []
+    real = dimensions._recompute_options
+
+    def counted(*args: Any) -> Any:
+        # this rank's k-th is combination rank + k * size
+        planned.append(comm.get_rank() + len(planned) * comm.get_group_size())
+        if planned[-1] == fail:
+            raise ZeroDivisionError(f"a bug in combination {fail}")
+        return real(*args)
+
+    monkeypatch.setattr(dimensions, "_recompute_options", counted)
+    return planned
+
+
+def test_the_ranks_share_the_combinations_and_every_rank_gets_the_plan_it_would_find(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    rank = comm.get_rank()
+    """Two micro-batch counts x four optimizer levels: rank r plans combinations r, r +
+    size, ..., and no rank calls the search of the whole request by itself."""
+    rank, size = comm.get_rank(), comm.get_group_size()
     with abort_job_on_error("plan_once"):
         set_cost_model_context(device_memory_capacity=1e9)
         request = _request()
-        calls = _calls(monkeypatch)
+        calls, planned = _calls(monkeypatch), _combinations(monkeypatch)
         shared = plan_once(request)
         monkeypatch.undo()
         alone = plan_request(request)   # what this rank finds by itself
-    assert len(calls) == (1 if rank == 0 else 0)
+    assert len(calls) == 1 and planned == list(range(rank, 8, size))
     assert shared == alone and shared.to_dict() == alone.to_dict()
     assert shared.dimensions == alone.dimensions   # every alternative, as planned
     assert shared.dimensions.chosen in shared.dimensions.alternatives
     assert _same_on_every_rank(json.dumps(shared.to_dict(), sort_keys=True))
 
 
-def test_an_error_in_rank_0_s_search_is_raised_on_every_rank(
+def test_rank_0_plans_a_request_without_the_memory_dimensions(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    with abort_job_on_error("plan_once fixed"):
+        request = _request(dimensions="fixed")
+        calls = _calls(monkeypatch)
+        shared = plan_once(request)
+        monkeypatch.undo()
+        alone = plan_request(request)
+    assert len(calls) == (1 if comm.get_rank() == 0 else 0)
+    assert shared == alone and shared.dimensions is None
+
+
+def test_no_combination_fitting_is_one_error_on_every_rank(
         monkeypatch: pytest.MonkeyPatch) -> None:
     with abort_job_on_error("plan_once error"):
         set_cost_model_context(device_memory_capacity=1.0)
         request = _request()
-        calls = _calls(monkeypatch)
         with pytest.raises(NoAvailableCost, match="no combination of the memory dimensions "
                                                   "fits the capacity of 1 bytes") as caught:
             plan_once(request)
-    assert len(calls) == (1 if comm.get_rank() == 0 else 0)
     err = caught.value
     assert err.memory is not None and err.search.least_memory.memory == err.memory
+    assert len(err.search.alternatives) == 16   # 8 combinations, its Cell recomputed or not
     assert _same_on_every_rank(f"{err} {err.memory} {err.search.table()}")
+
+
+def test_a_bug_in_one_rank_s_combination_is_raised_on_every_rank(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last rank's first combination raises: that rank raises it as it was, every other
+    rank names it, and no rank waits for the plans the others would have sent."""
+    size = comm.get_group_size()
+    with abort_job_on_error("plan_once bug in a combination"):
+        request = _request()
+        _combinations(monkeypatch, fail=size - 1)
+        want = ZeroDivisionError if comm.get_rank() == size - 1 else RuntimeError
+        with pytest.raises(want, match=f"a bug in combination {size - 1}"):
+            plan_once(request)
 
 
 def test_an_unexpected_error_on_rank_0_ends_no_rank_waiting(
@@ -125,12 +170,16 @@ def test_an_unexpected_error_on_rank_0_ends_no_rank_waiting(
             plan_once(request)
 
 
-def test_rank_0_s_warnings_are_given_on_every_rank() -> None:
-    """A weight of 3 rows that optimizer parallel cannot slice on any world of 2, 4 or 8."""
+@pytest.mark.parametrize("memory_dimensions", ["fixed", "search"])
+def test_the_planning_s_warnings_are_given_on_every_rank(memory_dimensions: str) -> None:
+    """A weight of 3 rows that optimizer parallel cannot slice on any world of 2, 4 or 8:
+    rank 0's warning, or (the dimensions searched, the level the user's) the one
+    combination's, planned by rank 0 too."""
     with abort_job_on_error("plan_once warnings"):
         simpar.set_auto_parallel_context(enable_parallel_optimizer=True,
                                          parallel_optimizer_config={
                                              "parallel_optimizer_threshold": 0})
+        simpar.set_algo_parameters(memory_dimensions=memory_dimensions)
         net = nn.WithLossCell(nn.Dense(16, 3, dtype=np.float64), nn.MSELoss())
         g = graph.trace(net, [((8, 16), np.float64), ((8, 3), np.float64)], ["x", "y"])
         request = request_from_context(g, device_num=comm.get_group_size(),
@@ -142,6 +191,16 @@ def test_rank_0_s_warnings_are_given_on_every_rank() -> None:
     assert len(whole) == 1 and "_backbone.weight: dimension 0 of its block has 3 rows" in str(
         whole[0].message)
     assert _same_on_every_rank(str(whole[0].message))
+
+
+def test_allgather_text_gives_every_rank_s_text_and_refuses_a_non_str_on_every_rank(
+) -> None:
+    rank, size = comm.get_rank(), comm.get_group_size()
+    with abort_job_on_error("allgather_text"):
+        assert comm.allgather_text("é" * rank) == ["é" * r for r in range(size)]
+        with pytest.raises(TypeError, match=r"allgather_text: text must be a str on every "
+                                            r"rank; ranks \[1\] gave another type"):
+            comm.allgather_text(None if rank == 1 else "ok")  # type: ignore[arg-type]
 
 
 def test_broadcast_text_refuses_a_non_str_on_every_rank() -> None:

@@ -21,8 +21,8 @@ if TYPE_CHECKING:
     from mpi4py import MPI
 
 # (what simpar.comm exports; resolve serves the collectives modules)
-__all__ = ["Group", "broadcast_text", "check_context", "create_group", "get_group_size",
-           "get_rank", "init", "stage_world", "world", "world_rank"]
+__all__ = ["Group", "allgather_text", "broadcast_text", "check_context", "create_group",
+           "get_group_size", "get_rank", "init", "stage_world", "world", "world_rank"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +155,24 @@ def broadcast_text(text: str | None) -> str:
         data = np.empty(int(size[0]), dtype=np.uint8)
     _sleep_until(comm.Ibcast(data, root=0))
     return bytes(data).decode()
+
+
+def allgather_text(text: str) -> list[str]:
+    """Every rank's ``text``, in rank order, on every rank of the world (a stage's, inside
+    :func:`stage_world`): UTF-8 bytes, no pickle; not traced. Waits asleep between polls,
+    as :func:`broadcast_text` does; a rank that gives no str makes every rank raise."""
+    _, comm = resolve(None)
+    data = np.frombuffer(text.encode(), dtype=np.uint8) if isinstance(text, str) else None
+    sizes = np.empty(comm.Get_size(), dtype=np.int64)
+    _sleep_until(comm.Iallgather(np.array([-1 if data is None else data.size],
+                                          dtype=np.int64), sizes))
+    if (sizes < 0).any():
+        raise TypeError(f"allgather_text: text must be a str on every rank; ranks "
+                        f"{np.flatnonzero(sizes < 0).tolist()} gave another type")
+    out = np.empty(int(sizes.sum()), dtype=np.uint8)
+    _sleep_until(comm.Iallgatherv(data, [out, sizes]))
+    ends = np.cumsum(sizes)
+    return [bytes(out[end - size:end]).decode() for size, end in zip(sizes, ends)]
 
 
 def _sleep_until(request: Any, first: float = 1e-3, most: float = 0.02,

@@ -35,7 +35,7 @@ import itertools
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from simpar.graph import Graph
 from simpar.optimizer_parallel import OptimizerLevel
@@ -45,7 +45,7 @@ from simpar.search.request import PlanRequest
 from simpar.search.strategy_map import StrategyMap
 
 __all__ = ["EXHAUSTIVE_SEGMENTS", "MICRO_BATCH_CHOICES", "Alternative", "DimensionSearch",
-           "graph_of", "search_dimensions"]
+           "Spread", "graph_of", "search_dimensions"]
 
 #: The micro-batch counts training offers the search (those that divide the batch).
 MICRO_BATCH_CHOICES = (1, 2, 4, 8)
@@ -57,6 +57,19 @@ log = logging.getLogger("simpar.search")
 
 Planner = Callable[[PlanRequest], StrategyMap]
 Completer = Callable[[PlanRequest, StrategyMap], StrategyMap]
+#: One combination's plans: (its map, or None, and its row) per recomputed-Cell choice.
+Options = list[tuple[StrategyMap | None, "Alternative"]]
+
+
+class Spread(Protocol):
+    """Workers that share the combinations' planning: :meth:`map` runs ``work(i)`` for every
+    ``i`` in ``range(count)``, each on one worker, and gives every worker every value (JSON:
+    str, numbers, None, lists and dicts of them), in order; an error one ``work(i)`` raised
+    is raised on every worker. Every worker calls it with the same request, so each works
+    out the same combinations and, with every plan, chooses as one process would.
+    :class:`simpar.search.planner.WorldSpread` spreads them over the MPI ranks."""
+
+    def map(self, work: Callable[[int], Any], count: int) -> list[Any]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,15 +233,19 @@ def graph_of(request: PlanRequest, smap: StrategyMap) -> Graph:
     return request.micro_graphs.get(smap.micro_batches, request.graph)
 
 
-def search_dimensions(request: PlanRequest, inner: Planner, complete: Completer
-                      ) -> StrategyMap:
+def search_dimensions(request: PlanRequest, inner: Planner, complete: Completer,
+                      spread: Spread | None = None) -> StrategyMap:
     """The plan of ``request`` with the memory dimensions chosen (see the module): ``inner``
-    plans one combination's cuts, ``complete`` adds its dimensions to the map. The map's
-    ``dimensions`` holds the :class:`DimensionSearch`; :class:`NoAvailableCost` (with the
-    search as its ``search`` attribute) when no combination fits."""
+    plans one combination's cuts, ``complete`` adds its dimensions to the map; ``spread``
+    shares the combinations among workers (:class:`Spread`; None: all planned here). The
+    map's ``dimensions`` holds the :class:`DimensionSearch`; :class:`NoAvailableCost` (with
+    the search as its ``search`` attribute) when no combination fits."""
     capacity = request.capacity
     if request.algo.memory_dimensions == "when_needed":
-        smap, row = _attempt(request, inner, complete)
+        # (one worker plans it for all: an exact search's time limit may end it otherwise
+        # on another)
+        [(smap, row)] = _planned([request], lambda r: [_attempt(r, inner, complete)], spread,
+                                 {})[0]
         if smap is not None:
             found = DimensionSearch(row, (row,), capacity, frozenset())
             return dataclasses.replace(smap, dimensions=found)
@@ -238,8 +255,9 @@ def search_dimensions(request: PlanRequest, inner: Planner, complete: Completer
     levels: Sequence[OptimizerLevel | None] = [None, *OptimizerLevel] if \
         "optimizer" in searched else [request.optimizer.level]
     rows: list[Alternative] = []
-    with _each_warning_once():
-        best = _search(request, counts, levels, inner, complete, rows)
+    with _each_warning_once() as seen:
+        best = _search(request, counts, levels, lambda r: _recompute_options(
+            r, inner, complete), rows, spread, seen)
     found = DimensionSearch(best[2] if best else None, tuple(rows), capacity, searched)
     if best is None:
         least = found.least_memory
@@ -255,30 +273,66 @@ def search_dimensions(request: PlanRequest, inner: Planner, complete: Completer
 
 
 def _search(request: PlanRequest, counts: Sequence[int],
-            levels: Sequence[OptimizerLevel | None], inner: Planner, complete: Completer,
-            rows: list[Alternative]) -> tuple[float, StrategyMap, Alternative] | None:
-    """Plan every combination, appending its row to ``rows``; the fastest that fits."""
-    best: tuple[float, StrategyMap, Alternative] | None = None
+            levels: Sequence[OptimizerLevel | None], options: Callable[[PlanRequest], Options],
+            rows: list[Alternative], spread: Spread | None, seen: dict[str, int]
+            ) -> tuple[float, StrategyMap, Alternative] | None:
+    """Plan every combination (``options``: its recomputed-Cell choices), appending its rows
+    to ``rows`` in order; the fastest that fits."""
+    order: list[int | Alternative] = []   # a combination's index, or the row of a count
+    combinations: list[PlanRequest] = []
     for m in counts:
         for level in levels:
             try:
                 combination = _combination(request, m, level)
             except ValueError as e:   # the micro-batch does not split as the dataset does
-                rows.append(Alternative(m, level, (), len(request.graph.segments), None, None,
-                                        f"the inputs do not split: {e}"))
+                order.append(Alternative(m, level, (), len(request.graph.segments), None,
+                                         None, f"the inputs do not split: {e}"))
                 break   # (whatever the level)
-            for smap, row in _recompute_options(combination, inner, complete):
-                rows.append(row)
-                if smap is not None and row.seconds is not None and (
-                        best is None or row.seconds < best[0] * (1 - 1e-12)):
-                    best = (row.seconds, smap, row)
+            order.append(len(combinations))
+            combinations.append(combination)
+    planned = _planned(combinations, options, spread, seen)
+    best: tuple[float, StrategyMap, Alternative] | None = None
+    for entry in order:
+        for smap, row in [(None, entry)] if isinstance(entry, Alternative) else planned[entry]:
+            rows.append(row)
+            if smap is not None and row.seconds is not None and (
+                    best is None or row.seconds < best[0] * (1 - 1e-12)):
+                best = (row.seconds, smap, row)
     return best
 
 
+def _planned(combinations: Sequence[PlanRequest], options: Callable[[PlanRequest], Options],
+             spread: Spread | None, seen: dict[str, int]) -> list[Options]:
+    """``options`` of every combination: here, or shared among ``spread``'s workers, each
+    plan sent as JSON (:meth:`StrategyMap.to_dict`) with the searches' logged warnings it
+    gave (counted in ``seen`` on every worker, as if planned here)."""
+    if spread is None:
+        return [options(c) for c in combinations]
+
+    def work(i: int) -> dict[str, Any]:
+        before = dict(seen)
+        done = options(combinations[i])
+        return {"options": [[None if smap is None else smap.to_dict(), row.to_dict()]
+                            for smap, row in done],
+                "logged": {t: n - before.get(t, 0) for t, n in seen.items()
+                           if n != before.get(t, 0)}}
+
+    start = dict(seen)
+    got = spread.map(work, len(combinations))
+    seen.clear()
+    seen.update(start)
+    for item in got:
+        for text, n in item["logged"].items():
+            seen[text] = seen.get(text, 0) + n
+    return [[(None if smap is None else StrategyMap.from_dict(smap), Alternative.from_dict(row))
+             for smap, row in item["options"]] for item in got]
+
+
 @contextlib.contextmanager
-def _each_warning_once() -> Iterator[None]:
+def _each_warning_once() -> Iterator[dict[str, int]]:
     """The searches' logged warnings (dynamic programming's thinned lists, ...) once each,
-    with how many combinations gave them, rather than once per combination."""
+    with how many combinations gave them, rather than once per combination (the counts,
+    by text, are what it yields)."""
     seen: dict[str, int] = {}
 
     def once(record: logging.LogRecord) -> bool:
@@ -290,7 +344,7 @@ def _each_warning_once() -> Iterator[None]:
 
     log.addFilter(once)
     try:
-        yield
+        yield seen
     finally:
         log.removeFilter(once)
         for text, count in seen.items():
@@ -310,7 +364,7 @@ def _combination(request: PlanRequest, m: int, level: OptimizerLevel | None) -> 
 
 
 def _recompute_options(request: PlanRequest, inner: Planner, complete: Completer
-                       ) -> list[tuple[StrategyMap | None, Alternative]]:
+                       ) -> Options:
     """The recomputed-Cell choices planned for one combination (see the module)."""
     names = tuple(seg.name for seg in request.graph.segments)
     if "recompute" not in request.searched:

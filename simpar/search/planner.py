@@ -30,7 +30,7 @@ from simpar.graph import Graph
 from simpar.layout import IndivisibleError
 from simpar.ops.strategy import StrategyError
 from simpar.optimizer_parallel import ParamFacts, shard_parameters
-from simpar.search.dimensions import DimensionSearch, search_dimensions
+from simpar.search.dimensions import DimensionSearch, Spread, search_dimensions
 from simpar.search.exact import TimeLimitWarning
 from simpar.search.pricing import NoAvailableCost
 from simpar.search.propagation import follow_producers
@@ -38,8 +38,9 @@ from simpar.search.request import PlanRequest, request_from_context
 from simpar.search.strategy_map import StrategyMap
 
 __all__ = ["OptimizerShardWarning", "PlanRequest", "Planner", "check_builtin_searches",
-           "complete_plan", "plan_once", "plan_request", "plan_strategies", "planning_gc",
-           "register_search", "registered_searches", "search_for", "shard_optimizer"]
+           "WorldSpread", "complete_plan", "plan_once", "plan_request", "plan_strategies",
+           "planning_gc", "register_search", "registered_searches", "search_for",
+           "shard_optimizer"]
 
 #: A planner: pure, no MPI; it returns a strategy for every node of ``request.graph``.
 Planner = Callable[[PlanRequest], StrategyMap]
@@ -108,17 +109,20 @@ def planning_gc() -> Iterator[None]:
         gc.set_threshold(*old)
 
 
-def plan_request(request: PlanRequest) -> StrategyMap:
+def plan_request(request: PlanRequest, spread: Spread | None = None) -> StrategyMap:
     """Every op's strategy, every parameter's and input's layout, for ``request``: the
     search registered for ``request.search_mode`` in auto_parallel, else the user's
-    strategies with the fill-in (:func:`~simpar.search.propagation.follow_producers`)."""
+    strategies with the fill-in (:func:`~simpar.search.propagation.follow_producers`).
+    ``spread`` plans the memory dimensions' combinations over workers (:class:`Spread`;
+    :func:`plan_once` gives the ranks of the world); the map is the same."""
     with planning_gc():
-        return _plan_request(request)
+        return _plan_request(request, spread)
 
 
-def _plan_request(request: PlanRequest) -> StrategyMap:
-    if request.mode == "auto_parallel" and request.algo.memory_dimensions != "fixed":
-        return search_dimensions(request, search_for(request.search_mode), complete_plan)
+def _plan_request(request: PlanRequest, spread: Spread | None = None) -> StrategyMap:
+    if _spreads(request):
+        return search_dimensions(request, search_for(request.search_mode), complete_plan,
+                                 spread)
     if request.mode == "auto_parallel":
         smap = search_for(request.search_mode)(request)
     else:
@@ -198,18 +202,27 @@ _SHARED_WARNINGS: dict[str, type[Warning]] = {
                             OptimizerShardWarning, TimeLimitWarning)}
 
 
+def _spreads(request: PlanRequest) -> bool:
+    """Whether ``request`` searches the memory dimensions (whose combinations spread)."""
+    return request.mode == "auto_parallel" and request.algo.memory_dimensions != "fixed"
+
+
 def plan_once(request: PlanRequest, together: bool = False) -> StrategyMap:
-    """:func:`plan_request` on rank 0 of the world (a stage's, inside a stage), its map sent
-    to every other rank as JSON (:meth:`StrategyMap.to_dict`, with how the memory dimensions
-    were chosen), instead of every rank repeating the same pure search. The warnings rank 0's
-    planning gave are given on every rank, and an error it raised is raised on every rank
-    (the same type for :data:`_SHARED_ERRORS`, its ``memory`` and ``search`` kept), so no
-    rank waits on a plan that will not come. One process plans by itself, and so does a
-    request for fewer devices than the world unless ``together`` says that every rank of
-    the world calls with it (a pipeline's stages, which every rank plans in turn)."""
+    """:func:`plan_request` once for the world (a stage's, inside a stage), instead of every
+    rank repeating the same pure search. Where the memory dimensions are searched, their
+    combinations are spread over the ranks (:class:`WorldSpread`: each rank plans its share
+    and every rank gets every plan, and so chooses as one process would); otherwise rank 0
+    plans, and sends its map to every other rank as JSON (:meth:`StrategyMap.to_dict`). The
+    warnings the planning gave are given on every rank, and an error it raised is raised on
+    every rank (the same type for :data:`_SHARED_ERRORS`, its ``memory`` and ``search``
+    kept), so no rank waits on a plan that will not come. One process plans by itself, and
+    so does a request for fewer devices than the world unless ``together`` says that every
+    rank of the world calls with it (a pipeline's stages, which every rank plans in turn)."""
     if comm.get_group_size() == 1 or (request.device_num != comm.get_group_size()
                                       and not together):
         return plan_request(request)
+    if _spreads(request):
+        return plan_request(request, WorldSpread())
     failed: Exception | None = None
     if comm.get_rank() == 0:
         with warnings.catch_warnings(record=True) as caught:
@@ -219,17 +232,13 @@ def plan_once(request: PlanRequest, together: bool = False) -> StrategyMap:
                     None if smap.dimensions is None else smap.dimensions.to_dict())}
             except Exception as e:   # every rank must hear of it
                 failed = e
-                search = getattr(e, "search", None)
-                payload = {"error": {"type": _shared_type(e), "message": str(e),
-                                     "memory": getattr(e, "memory", None),
-                                     "search": None if search is None else search.to_dict()}}
-        payload["warnings"] = [[w.category.__name__, str(w.message)] for w in caught]
+                payload = {"error": _error_payload(e)}
+        payload["warnings"] = _warnings_payload(caught)
         text = comm.broadcast_text(json.dumps(payload))
     else:
         text = comm.broadcast_text(None)
     got = json.loads(text)
-    for name, message in got["warnings"]:
-        warnings.warn(message, _SHARED_WARNINGS.get(name, UserWarning), stacklevel=2)
+    _warn(got["warnings"])
     if failed is not None:
         raise failed
     if "error" in got:
@@ -239,6 +248,53 @@ def plan_once(request: PlanRequest, together: bool = False) -> StrategyMap:
         smap = dataclasses.replace(smap, dimensions=DimensionSearch.from_dict(
             got["dimensions"]))
     return smap
+
+
+class WorldSpread:
+    """The ranks of the world (a stage's, inside a stage) as the workers of a search
+    (:class:`~simpar.search.dimensions.Spread`): item ``i`` runs on rank ``i % size``, and
+    every rank gets every item's value (JSON over :func:`~simpar.comm.allgather_text`), the
+    warnings each gave, in item order, and the first error one raised (by item order; the
+    rank that ran it raises it as it was)."""
+
+    def map(self, work: Callable[[int], Any], count: int) -> list[Any]:
+        rank, size = comm.get_rank(), comm.get_group_size()
+        mine: dict[int, dict[str, Any]] = {}
+        failed: dict[int, Exception] = {}
+        for i in range(rank, count, size):
+            with warnings.catch_warnings(record=True) as caught:
+                try:
+                    mine[i] = {"value": work(i)}
+                except Exception as e:   # every rank must hear of it
+                    failed[i], mine[i] = e, {"error": _error_payload(e)}
+            mine[i]["warnings"] = _warnings_payload(caught)
+            if i in failed:
+                break   # the others wait for this rank: it plans nothing more
+        got: dict[int, dict[str, Any]] = {}
+        for text in comm.allgather_text(json.dumps({str(i): v for i, v in mine.items()})):
+            got.update((int(i), v) for i, v in json.loads(text).items())
+        for i in range(count):
+            _warn(got[i]["warnings"])
+            if "error" in got[i]:
+                raise failed.get(i) or _shared_error(got[i]["error"])
+        return [got[i]["value"] for i in range(count)]
+
+
+def _error_payload(e: Exception) -> dict[str, Any]:
+    """What every rank needs to raise ``e`` again (:func:`_shared_error`)."""
+    search = getattr(e, "search", None)
+    return {"type": _shared_type(e), "message": str(e), "memory": getattr(e, "memory", None),
+            "search": None if search is None else search.to_dict()}
+
+
+def _warnings_payload(caught: Sequence[warnings.WarningMessage]) -> list[list[str]]:
+    return [[w.category.__name__, str(w.message)] for w in caught]
+
+
+def _warn(sent: Sequence[Sequence[str]]) -> None:
+    """Give the warnings another rank's planning gave (category by name, as it sent them)."""
+    for name, message in sent:
+        warnings.warn(message, _SHARED_WARNINGS.get(name, UserWarning), stacklevel=3)
 
 
 def _shared_type(e: Exception) -> str:
@@ -257,5 +313,6 @@ def _shared_error(error: Mapping[str, Any]) -> Exception:
             out.search = DimensionSearch.from_dict(error["search"])  # type: ignore[attr-defined]
         return out
     if kind is None:
-        return RuntimeError(f"rank 0 failed planning with {error['type']}: {message}")
+        return RuntimeError(f"planning failed on another rank with {error['type']}: "
+                            f"{message}")
     return kind(message)
