@@ -81,10 +81,17 @@ def _mpirun(env: dict[str, str]) -> str:
 
 
 def _env() -> dict[str, str]:
+    """The venv's environment for the commands dev.py runs. Bytecode is cached (in the venv,
+    not beside the sources) even where the environment says not to write it: the suite
+    starts some 30 Python processes per run (8 ranks at once, and every job a test launches),
+    and each would otherwise compile simpar and rewrite every test module's asserts again;
+    on this 2-core host the 8-rank collection took 42.7 s that way."""
     env = dict(os.environ)
     env["PATH"] = str(BIN) + os.pathsep + env.get("PATH", "")
     env["VIRTUAL_ENV"] = str(VENV)
     env.pop("PYTHONHOME", None)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env.setdefault("PYTHONPYCACHEPREFIX", str(VENV / "pycache"))
     return env
 
 

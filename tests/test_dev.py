@@ -57,6 +57,20 @@ def test_no_mpirun_anywhere_stops_with_what_to_do(tmp_path: Path) -> None:
         dev._mpirun({"PATH": str(tmp_path)})
 
 
+def test_the_commands_cache_bytecode_in_the_venv(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Even where the environment says not to write bytecode: every rank of every run would
+    compile simpar and rewrite the test modules' asserts again. The cache is the venv's,
+    not beside the sources, unless the user chose one."""
+    dev = _dev()
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
+    env = dev._env()
+    assert "PYTHONDONTWRITEBYTECODE" not in env
+    assert env["PYTHONPYCACHEPREFIX"] == str(dev.VENV / "pycache")
+    monkeypatch.setenv("PYTHONPYCACHEPREFIX", "/elsewhere")
+    assert dev._env()["PYTHONPYCACHEPREFIX"] == "/elsewhere"
+
+
 # --- counting every rank's outcomes (issue 10: a failure on rank 1 only was reported as
 # "N passed, 0 failed", because only rank 0's closing line was read) ---
 

@@ -659,26 +659,21 @@ def test_a_cell_strategy_gives_one_entry_per_input() -> None:
 
 def test_identical_layers_share_one_derived_sharding_each_with_its_own_op(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Lowering derives an op's sharding once per (type, attributes, shapes, strategy): the
-    GPT's second block reuses the first's, and every step's sharding names its own op."""
-    from simpar.ops._base import Primitive
+    """An op's sharding is derived once per (type, attributes, shapes, strategy) (the op's
+    memo): the GPT's second block reuses the first's, and every step's sharding names its
+    own op."""
+    from simpar.ops import _base
     cell, gpt, loss = _gpt_cell()
     presets.megatron_gpt(gpt, 2, 4, loss)
-    derived = []
-    real = Primitive.sharding
-
-    def counting(self: Primitive, *args: Any, **kwargs: Any) -> Any:
-        derived.append(self)
-        return real(self, *args, **kwargs)
-
     traced = _trace_gpt(cell)
     smap = plan_strategies(traced, 8, SEMI, ((2, 1), (2, 1)), False, parameter_plans(cell))
-    monkeypatch.setattr(Primitive, "sharding", counting)
+    monkeypatch.setattr(_base, "_SHARDINGS", {})
     prog = lower(traced, smap)
+    derived = len(_base._SHARDINGS)
     monkeypatch.undo()
     assert all(s.sharding.op is s.node.op for s in prog.steps)
-    assert len(derived) < len(prog.steps) - 20
-    again = {s.node.name: real(s.node.op, [v.shape for v in s.node.inputs], 8,
-                                s.sharding.strategy, s.node.op.out_strategy)
-             for s in prog.steps}
+    assert derived < len(prog.steps) - 20
+    again = {s.node.name: s.node.op._sharding(
+        tuple(tuple(v.shape) for v in s.node.inputs), s.sharding.strategy,
+        s.node.op.out_strategy, 8) for s in prog.steps}
     assert all(again[s.node.name] == s.sharding for s in prog.steps)

@@ -3,20 +3,18 @@ real planner and the model's own edge price, pair by pair (one process, no MPI).
 
 from __future__ import annotations
 
-import gc
-import weakref
 from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import pytest
 
-from simpar import graph, nn, ops
+from simpar import graph, nn
 from simpar.cost import MindSporeCostModel, SimparCostModel
 from simpar.layout import TensorLayout
 from simpar.mesh import DeviceMesh
+from simpar.ops import _base
 from simpar.redistribution import plan
-from simpar.search import memo
 from simpar.search.moves import (
     COLUMNS,
     decode,
@@ -186,47 +184,44 @@ def test_the_pricers_of_one_model_share_the_moves_they_price() -> None:
     assert one.moves_priced > built and _gpt_pricer(ms, 16)[0].moves_priced == built
 
 
-def test_the_pricers_of_one_graph_share_the_ops_layouts_while_it_lives(
+def test_equal_ops_are_sharded_once_per_process_for_every_pricer(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """An op's layouts under a strategy are worked out once for every pricer of one graph
-    (the memory dimensions' combinations price the same candidates), the same as worked
-    out again; another graph keeps its own, and the memo goes with its graph."""
+    """An op's layouts under a strategy are derived once for every op equal to it (type and
+    repr) on the same shapes: the two blocks of one GPT, every pricer of its graph (the
+    memory dimensions' combinations price the same candidates), and a graph traced again (a
+    process plans the same model again and again). The memo keeps the newest
+    ``SHARDINGS_KEPT``, and what it gives is what deriving again gives."""
+    monkeypatch.setattr(_base, "_SHARDINGS", {})
     net = nn.GPT(64, 16, 32, 2, 4)
-    g = graph.trace(net, [((48, 16), np.int32)], ["ids"])
-    layouts = dataset_layouts([v.shape for v in g.inputs], 8, "data_parallel")
-    calls: list[str] = []
-    real = ops._base.Primitive.sharding
+    layouts: Any = None
 
-    def counted(self: Any, *args: Any, **kw: Any) -> Any:
-        calls.append(self.name)
-        return real(self, *args, **kw)
+    def priced(model: object, kept: int | None = None) -> list[Any]:
+        nonlocal layouts
+        if kept is not None:
+            monkeypatch.setattr(_base, "SHARDINGS_KEPT", kept)
+        g = graph.trace(net, [((48, 16), np.int32)], ["ids"])
+        layouts = dataset_layouts([v.shape for v in g.inputs], 8, "data_parallel")
+        pricer = Pricer(g, 8, model, layouts)
+        found = [pricer.price(n, s) for n, site in enumerate(pricer.sites)
+                 for s in site.node.op.candidate_strategies(site.shapes, 8)]
+        return [None if p is None else (repr(p.sharding.op) == repr(site.node.op),
+                                        p.sharding.strategy,
+                                        p.sharding.in_layouts, p.sharding.outputs, p.cost,
+                                        p.memory)
+                for p, site in zip(found, [site for site in pricer.sites
+                                           for _ in site.node.op.candidate_strategies(
+                                               site.shapes, 8)])]
 
-    monkeypatch.setattr(ops._base.Primitive, "sharding", counted)
-
-    def priced(model: object, on: Any) -> list[Any]:
-        pricer = Pricer(on, 8, model, layouts)
-        return [pricer.price(n, s) for n, site in enumerate(pricer.sites)
-                for s in site.node.op.candidate_strategies(site.shapes, 8)]
-
-    first = priced(SimparCostModel("ascend910b"), g)
-    made = len(calls)
-    # the two blocks' ops are alike: each kind is worked out once
-    assert 0 < made < sum(len(site.node.op.candidate_strategies(site.shapes, 8))
-                          for site in Pricer(g, 8, SimparCostModel("ascend910b"), layouts).sites)
-    assert priced(SimparCostModel("cpu-local", "adam"), g) and len(calls) == made
-    calls.clear()
-    again = priced(SimparCostModel("ascend910b"), graph.trace(net, [((48, 16), np.int32)],
-                                                              ["ids"]))
-    assert len(calls) == made
-    assert [None if p is None else (p.sharding.strategy, p.sharding.in_layouts,
-                                    p.sharding.outputs, p.cost, p.memory) for p in first] == \
-        [None if p is None else (p.sharding.strategy, p.sharding.in_layouts,
-                                 p.sharding.outputs, p.cost, p.memory) for p in again]
-    gone, key = weakref.ref(g), id(g)
-    assert key in memo._MEMOS
-    del g
-    gc.collect()
-    assert gone() is None and key not in memo._MEMOS
+    first = priced(SimparCostModel("ascend910b"))
+    made = len(_base._SHARDINGS)
+    assert 0 < made < sum(p is not None for p in first)     # the blocks' ops are alike
+    assert all(p is None or p[0] for p in first)             # an op equal to its own
+    again = priced(SimparCostModel("ascend910b"))
+    assert len(_base._SHARDINGS) == made and again == first
+    assert priced(SimparCostModel("cpu-local", "adam")) and len(_base._SHARDINGS) == made
+    monkeypatch.setattr(_base, "_SHARDINGS", {})
+    assert priced(SimparCostModel("ascend910b"), kept=10) == first
+    assert len(_base._SHARDINGS) == 10
 
 
 def test_one_device_and_empty_lists() -> None:

@@ -50,7 +50,6 @@ from simpar.search import (
     PlanRequest,
     global_input_shapes,
     plan_once,
-    plan_request,
     request_from_context,
 )
 from simpar.search.dimensions import MICRO_BATCH_CHOICES, graph_of
@@ -213,8 +212,8 @@ class TrainOneStepCell:
     def _plan(self, ctx: context.ParallelContext, request: PlanRequest) -> ParallelProgram:
         """Plan ``request`` (or load the strategy file's plan: no search) and lower; save the
         plan when ``strategy_ckpt_config`` names a save_file. A search (auto_parallel) or a
-        propagation (semi_auto_parallel's unset strategies) runs on rank 0 only, its plan sent
-        to the others (:func:`~simpar.search.plan_once`). Strategy files apply to
+        propagation (the strategies data_parallel and semi_auto_parallel leave unset) runs
+        once for every rank (:func:`~simpar.search.plan_once`). Strategy files apply to
         semi_auto_parallel and auto_parallel, as in MindSpore; every rank reads (and writes,
         atomically, the same bytes) the same file, so every rank fails alike."""
         g = request.graph
@@ -222,10 +221,8 @@ class TrainOneStepCell:
             "semi_auto_parallel", "auto_parallel") else context.StrategyCkptConfig()
         if files.load_file:   # simpar's file, or MindSpore's (simpar.strategy_import)
             smap = plan_with_file(files.load_file, request, ctx.dataset_strategy)
-        elif self.mode in ("auto_parallel", "semi_auto_parallel"):
-            smap = plan_once(request)   # a search, or propagation: rank 0's for every rank
-        else:
-            smap = plan_request(request)
+        else:   # a search, or propagation: once for every rank (stand_alone: each its own)
+            smap = plan_once(request)
         g = graph_of(request, smap)
         if files.save_file:
             save_strategy(files.save_file, smap, g, search_mode=request.search_mode if

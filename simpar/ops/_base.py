@@ -31,6 +31,7 @@ docs/design.md#gradient-semantics-the-backward-is-planned-with-layouts).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -109,6 +110,13 @@ def register(cls: _P | None = None, /, **facts: Any) -> _P | Callable[[_P], _P]:
 def registry() -> dict[str, type[Primitive]]:
     """Every registered primitive class by MindSpore name."""
     return dict(_REGISTRY)
+
+
+#: How many shardings :meth:`Primitive.sharding` keeps (the searches price the same ops'
+#: candidates in every pricer, lowering shards what they chose, and a process plans the same
+#: model again and again: a test suite, the memory dimensions, a pipeline's stage counts).
+SHARDINGS_KEPT = 16384
+_SHARDINGS: dict[tuple[Any, ...], OpSharding] = {}
 
 
 # ------------------------------------------------------------------ the sharding of one op
@@ -468,7 +476,16 @@ class Primitive:
                                                            "out_strategy"))
         check_device_num(device_num, self.name)
         self._check_strategy_shape(strat, shapes_t)
-        return self._sharding(shapes_t, strat, out_s, device_num, enable_alltoall)
+        # Equal ops (type and repr, as the searches' signatures) on equal shapes under equal
+        # strategies shard alike: derived once per process, while the memo keeps it.
+        key = (type(self), repr(self), shapes_t, strat, out_s, device_num, enable_alltoall)
+        found = _SHARDINGS.get(key)
+        if found is None:
+            found = _SHARDINGS[key] = self._sharding(shapes_t, strat, out_s, device_num,
+                                                     enable_alltoall)
+            if len(_SHARDINGS) > SHARDINGS_KEPT:
+                del _SHARDINGS[next(iter(_SHARDINGS))]   # the oldest
+        return found if found.op is self else dataclasses.replace(found, op=self)
 
     def _check_shapes(self, shapes: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
         if len(shapes) != self.n_inputs:

@@ -21,7 +21,6 @@ from typing import Any
 
 from simpar.graph import Graph
 from simpar.layout import TensorLayout
-from simpar.ops._base import OpSharding
 from simpar.optimizer_parallel import ParamShard, slice_layout
 from simpar.redistribution import plan
 from simpar.runtime.backward_plan import BackwardPlans
@@ -62,23 +61,15 @@ def lower(graph: Graph, strategy_map: StrategyMap, enable_alltoall: bool = False
         raise ValueError(f"lower: the strategy map names {len(stray)} ops this graph does not "
                          f"have, e.g. {stray[:2]} (planned for another graph?)")
     shardings = []
-    # Equal ops (type and repr, as the searches' signatures) on equal shapes under equal
-    # strategies shard alike: each is derived once and given to the others as their own.
-    made: dict[tuple[Any, ...], OpSharding] = {}
     for node in graph.nodes:
         chosen = smap.ops[node.name]
         if chosen.op_type != node.op.name:
             raise ValueError(f"lower: {node.name} is a {node.op.name}, but the strategy map "
                              f"holds a {chosen.op_type} strategy for it")
-        shapes = tuple(v.shape for v in node.inputs)
-        key = (type(node.op), repr(node.op), shapes, chosen.in_strategy, chosen.out_strategy)
-        sh = made.get(key)
-        if sh is None:
-            sh = made[key] = node.op.sharding(shapes, device_num, chosen.in_strategy,
-                                              chosen.out_strategy, enable_alltoall)
-        elif sh.op is not node.op:
-            sh = dataclasses.replace(sh, op=node.op)
-        shardings.append(sh)
+        # (equal ops on equal shapes under equal strategies are derived once: the op's memo)
+        shardings.append(node.op.sharding([v.shape for v in node.inputs], device_num,
+                                          chosen.in_strategy, chosen.out_strategy,
+                                          enable_alltoall))
     params = dict(smap.complete(graph, [sh.in_layouts for sh in shardings]).params)
     layouts: dict[int, TensorLayout] = {
         v.id: smap.inputs.get(v.name) or TensorLayout((device_num,), [-1] * v.ndim, v.shape)

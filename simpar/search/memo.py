@@ -1,11 +1,12 @@
 """Memos the searches' pricers share, kept while their owner lives (pure).
 
 The memory dimensions' search makes a pricer per combination (micro-batches x optimizer
-level x recomputed Cells), and each would work out again what another already has: the
-redistributions between the same layouts, the layouts an op takes under the same strategy.
-A memo is owned by an object (a cost model, a graph) and keyed by what else its entries
-depend on; it is dropped when its owner is collected, so a long session does not keep the
-memos of the searches it finished.
+level x recomputed Cells), and each would price again what another already has: the
+redistributions between the same layouts, under the same cost model
+(:func:`simpar.search.moves.move_memo`). A memo is owned by an object (the cost model) and
+keyed by what else its entries depend on; it is dropped when its owner is collected, so a
+long session does not keep the memos of the searches it finished. (An op's layouts under a
+strategy depend on no model: :meth:`simpar.ops.Primitive.sharding` keeps them itself.)
 
 >>> class Owner: ...
 >>> a = Owner()

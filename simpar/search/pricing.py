@@ -38,7 +38,6 @@ from simpar.ops.comm_spec import CommSpec
 from simpar.ops.strategy import Strategy, StrategyError
 from simpar.optimizer_parallel import OptimizerParallel, ParamFacts, ParamShard, shard_parameters
 from simpar.redistribution import RedistributionPlan, plan
-from simpar.search.memo import owned_memo
 from simpar.search.moves import MoveBlock, decode, move_memo, plan_moves, signature_of
 from simpar.search.sites import Site, SiteEdge, memory_roles, signature
 
@@ -280,8 +279,6 @@ class Pricer:
         # make a pricer, and move the same layouts).
         self._moves, self._transients, self._matrices = move_memo(model, device_num,
                                                                   enable_alltoall)
-        self._shardings: dict[tuple[Any, ...], OpSharding | None] = owned_memo(
-            graph, ("shardings", device_num, enable_alltoall), dict)
         # The largest Cell's prices without its tapes made again (under rerun bounds),
         # shared by every pricer :meth:`limited` makes.
         self._uncharged: dict[tuple[int, Strategy], Priced] = {}
@@ -395,19 +392,13 @@ class Pricer:
         return out
 
     def _sharding(self, site: Site, strategy: Strategy) -> OpSharding | None:
-        """The op's layouts under ``strategy`` (None: it rejects it), shared by the pricers
-        of one graph: equal ops (type and repr) on equal shapes shard alike."""
-        op, out = site.node.op, site.node.op.out_strategy if site.user else None
-        key = (site.signature[:2], site.shapes, strategy, out)
-        sh = self._shardings.get(key, _MISSING)
-        if sh is _MISSING:
-            try:
-                sh = op.sharding(site.shapes, self.device_num, strategy, out,
-                                 self.enable_alltoall)
-            except (StrategyError, ValueError):
-                sh = None
-            self._shardings[key] = sh
-        return sh if sh is None or sh.op is op else replace(sh, op=op)
+        """The op's layouts under ``strategy`` (None: it rejects it)."""
+        op = site.node.op
+        try:
+            return op.sharding(site.shapes, self.device_num, strategy,
+                               op.out_strategy if site.user else None, self.enable_alltoall)
+        except (StrategyError, ValueError):
+            return None
 
     def _priced_op(self, n: int, strategy: Strategy) -> Priced | None:
         site = self.sites[n]
