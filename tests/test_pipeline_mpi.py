@@ -435,7 +435,7 @@ def test_memory_dimensions_searched_per_stage_train_as_one_device() -> None:
         try:
             spec = [((BATCH // 4, GPT["seq_length"]), np.int32)] * 2
             _, programs = plan_pipeline(cell(None), spec, 2, n, "auto_parallel",
-                                        "data_parallel", 4,   # rank 0 searches, as training
+                                        "data_parallel", 4,   # one search for all, as training
                                         plan=partial(plan_once, together=True))
             free = [p.strategy_map.dimensions for p in programs]
             none = [next(a for a in f.alternatives if a.key == (4, None, ())) for f in free]

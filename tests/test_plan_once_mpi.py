@@ -20,6 +20,7 @@ import simpar
 import simpar.comm as comm
 from simpar import graph, nn
 from simpar.cost_model_context import reset_cost_model_context, set_cost_model_context
+from simpar.optimizer_parallel import OptimizerLevel
 from simpar.pipeline.runner import plan_pipeline
 from simpar.search import (
     OptimizerShardWarning,
@@ -82,18 +83,22 @@ def _same_on_every_rank(text: str) -> bool:
                 == 0)
 
 
+#: The combinations of :func:`_request`, in the search's order: (micro-batches, level).
+ORDER = [(m, level) for m in (1, 2) for level in (None, *OptimizerLevel)]
+
+
 def _combinations(monkeypatch: pytest.MonkeyPatch, fail: int | None = None) -> list[int]:
-    """The memory dimensions' combinations this rank plans (numbered in the search's order);
-    the one numbered ``fail`` raises."""
+    """The memory dimensions' combinations this rank plans, numbered in :data:`ORDER` by what
+    each request is (its micro-batches and optimizer level); the one numbered ``fail``
+    raises."""
     planned: list[int] = []
     real = dimensions._recompute_options
 
-    def counted(*args: Any) -> Any:
-        # this rank's k-th is combination rank + k * size
-        planned.append(comm.get_rank() + len(planned) * comm.get_group_size())
+    def counted(request: Any, *args: Any) -> Any:
+        planned.append(ORDER.index((request.micro_batches, request.optimizer.level)))
         if planned[-1] == fail:
             raise ZeroDivisionError(f"a bug in combination {fail}")
-        return real(*args)
+        return real(request, *args)
 
     monkeypatch.setattr(dimensions, "_recompute_options", counted)
     return planned
@@ -173,12 +178,14 @@ def test_an_unexpected_error_on_rank_0_ends_no_rank_waiting(
 @pytest.mark.parametrize("memory_dimensions", ["fixed", "search"])
 def test_the_planning_s_warnings_are_given_on_every_rank(memory_dimensions: str) -> None:
     """A weight of 3 rows that optimizer parallel cannot slice on any world of 2, 4 or 8:
-    rank 0's warning, or (the dimensions searched, the level the user's) the one
-    combination's, planned by rank 0 too."""
+    rank 0's warning, or (the dimensions searched, the level left to the search) the
+    warnings of the combinations of levels 1, 2 and 3, planned by ranks 1, 2, 3 (on 2 ranks:
+    1, 0, 1)."""
     with abort_job_on_error("plan_once warnings"):
-        simpar.set_auto_parallel_context(enable_parallel_optimizer=True,
-                                         parallel_optimizer_config={
-                                             "parallel_optimizer_threshold": 0})
+        simpar.set_auto_parallel_context(parallel_optimizer_config={
+            "parallel_optimizer_threshold": 0})
+        if memory_dimensions == "fixed":
+            simpar.set_auto_parallel_context(enable_parallel_optimizer=True)
         simpar.set_algo_parameters(memory_dimensions=memory_dimensions)
         net = nn.WithLossCell(nn.Dense(16, 3, dtype=np.float64), nn.MSELoss())
         g = graph.trace(net, [((8, 16), np.float64), ((8, 3), np.float64)], ["x", "y"])
@@ -187,10 +194,11 @@ def test_the_planning_s_warnings_are_given_on_every_rank(memory_dimensions: str)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             plan_once(request)
-    whole = [w for w in caught if issubclass(w.category, OptimizerShardWarning)]
-    assert len(whole) == 1 and "_backbone.weight: dimension 0 of its block has 3 rows" in str(
-        whole[0].message)
-    assert _same_on_every_rank(str(whole[0].message))
+    whole = [str(w.message) for w in caught if issubclass(w.category, OptimizerShardWarning)]
+    levels = ["level1"] if memory_dimensions == "fixed" else ["level1", "level2", "level3"]
+    assert [text.split("(")[1].split(")")[0] for text in whole] == levels
+    assert all("_backbone.weight: dimension 0 of its block has 3 rows" in t for t in whole)
+    assert _same_on_every_rank("\n".join(whole))
 
 
 def test_allgather_text_gives_every_rank_s_text_and_refuses_a_non_str_on_every_rank(

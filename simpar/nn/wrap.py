@@ -327,8 +327,9 @@ class TrainOneStepCell:
         """The stages' programs (:mod:`simpar.pipeline`); this rank's stage's is
         ``program``, and it holds that stage's parameters only. ``auto``: the stage count
         ``auto_pipeline`` chose (the network cut where it says), else ``pipeline_stages``
-        and the Cells' ``pipeline_stage``. Rank 0 plans every stage and sends each plan to
-        every rank (:func:`~simpar.search.plan_once`)."""
+        and the Cells' ``pipeline_stage``. Every stage is planned once for every rank, in
+        turn (:func:`~simpar.search.plan_once`: by rank 0, or the memory dimensions'
+        combinations shared among the ranks)."""
         stages, world = auto or ctx.pipeline_stages, comm.get_group_size()
         m = self.micro_batches
         _check_pipeline(ctx, self.mode, world, m, stages)

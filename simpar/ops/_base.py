@@ -337,7 +337,9 @@ class Primitive:
         return f"{self.name}({attrs}){shard}"
 
     def attrs(self) -> dict[str, Any]:
-        """The primitive's attributes (for printing and strategy files)."""
+        """The primitive's attributes (for printing and strategy files). Every attribute its
+        sharding depends on must be here: equal reprs share one derived sharding
+        (:meth:`sharding`), as they share one signature in the searches."""
         return {}
 
     def differentiable(self, i: int) -> bool:
@@ -476,6 +478,7 @@ class Primitive:
                                                            "out_strategy"))
         check_device_num(device_num, self.name)
         self._check_strategy_shape(strat, shapes_t)
+        self._check_settings(strat, shapes_t)
         # Equal ops (type and repr, as the searches' signatures) on equal shapes under equal
         # strategies shard alike: derived once per process, while the memo keeps it.
         key = (type(self), repr(self), shapes_t, strat, out_s, device_num, enable_alltoall)
@@ -486,6 +489,11 @@ class Primitive:
             if len(_SHARDINGS) > SHARDINGS_KEPT:
                 del _SHARDINGS[next(iter(_SHARDINGS))]   # the oldest
         return found if found.op is self else dataclasses.replace(found, op=self)
+
+    def _check_settings(self, strat: Strategy, shapes: tuple[tuple[int, ...], ...]) -> None:
+        """Refuse a strategy for a reason of the settings, not of the op (MatMul's slice
+        alignment): checked on every call, before the memo of derived shardings, whose key
+        is the op, the shapes and the strategy only."""
 
     def _check_shapes(self, shapes: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
         if len(shapes) != self.n_inputs:

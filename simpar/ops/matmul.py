@@ -123,15 +123,12 @@ class _MatMulBase(Primitive):
                           slice_align: int) -> bool:
         return _slice_aligned(strat, shapes, slice_align) is None
 
-    def _sharding(self, shapes: tuple[tuple[int, ...], ...], strat: Strategy,
-                  out_strategy: Strategy | None, device_num: int,
-                  enable_alltoall: bool = False) -> Any:
+    def _check_settings(self, strat: Strategy, shapes: tuple[tuple[int, ...], ...]) -> None:
         bad = _slice_aligned(strat, shapes, context.algo_parameters().slice_align)
         if bad is not None:
             raise StrategyError(f"{self.name}: strategy {strat} gives slice shape {bad}, but "
                                 "tensor_slice_align_enable is set and every slice dimension "
                                 "must be a multiple of tensor_slice_align_size")
-        return super()._sharding(shapes, strat, out_strategy, device_num, enable_alltoall)
 
 
 def _slice_aligned(strat: Strategy, shapes: tuple[tuple[int, ...], ...], size: int

@@ -121,7 +121,8 @@ def plan_pipeline(network: Any, specs: Sequence[tuple[tuple[int, ...], Any]], st
     ``auto_split`` cuts the network where :func:`~simpar.pipeline.stages.balance_stages`
     says, whatever the Cells' ``pipeline_stage`` (``auto_pipeline``). ``plan`` searches
     each stage's request: under MPI, :func:`~simpar.search.plan_once` with ``together``
-    (rank 0 searches every stage and sends each plan to every rank)."""
+    (each stage searched once for every rank: by rank 0, or the memory dimensions'
+    combinations shared among the ranks)."""
     g = graph.trace(network, list(specs), ["data", "label"])
     if auto_split:
         for node, stage in zip(g.nodes, balance_stages(g, stages)):

@@ -3,7 +3,8 @@
 
 It is a frozen value: every op's sharding and the redistributions feeding it, every value's
 and parameter's layout (:class:`~simpar.runtime.lowered.LoweredGraph`), the backward plans
-lowering chose (:mod:`simpar.runtime.backward_plan`), the strategy map it came from.
+for the seeds lowering chose (:mod:`simpar.runtime.backward_plan`: each planned when first
+read, a function of the lowered graph and its seeds), the strategy map it came from.
 Execution is the per-rank program: forward runs each op's local kernel and collectives on
 this rank's shards; backward runs every op's VJP in reverse with the actions the backward plan
 lists for each cotangent (whole or pending, :mod:`simpar.cotangent`), then the Mirrors. What

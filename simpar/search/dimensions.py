@@ -128,8 +128,8 @@ class DimensionSearch:
     searched: frozenset[str]
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready (:meth:`from_dict` inverts it): what rank 0 broadcasts when it plans
-        for every rank (:func:`simpar.search.planner.plan_once`)."""
+        """JSON-ready (:meth:`from_dict` inverts it): what an error of planning carries to
+        every rank (:func:`simpar.search.planner.plan_once`)."""
         return {"chosen": None if self.chosen is None else self.chosen.to_dict(),
                 "alternatives": [a.to_dict() for a in self.alternatives],
                 "capacity": self.capacity, "searched": sorted(self.searched)}
@@ -306,12 +306,15 @@ def _planned(combinations: Sequence[PlanRequest], options: Callable[[PlanRequest
     """``options`` of every combination: here, or shared among ``spread``'s workers, each
     plan sent as JSON (:meth:`StrategyMap.to_dict`) with the searches' logged warnings it
     gave (counted in ``seen`` on every worker, as if planned here)."""
+    def kept(c: PlanRequest) -> Options:   # (a map that cannot be chosen is not kept)
+        return [(smap if row.seconds is not None else None, row) for smap, row in options(c)]
+
     if spread is None:
-        return [options(c) for c in combinations]
+        return [kept(c) for c in combinations]
 
     def work(i: int) -> dict[str, Any]:
         before = dict(seen)
-        done = options(combinations[i])
+        done = kept(combinations[i])
         return {"options": [[None if smap is None else smap.to_dict(), row.to_dict()]
                             for smap, row in done],
                 "logged": {t: n - before.get(t, 0) for t, n in seen.items()

@@ -190,7 +190,7 @@ def plan_strategies(graph: Graph, device_num: int, mode: str,
         search_mode=search_mode))
 
 
-#: Errors rank 0's planning may raise, raised again by that name on every other rank (another
+#: Errors a rank's planning may raise, raised again by that name on every other rank (another
 #: is raised as the first of these it derives from, or else as a RuntimeError naming it). No
 #: class is looked up by a name it sent.
 _SHARED_ERRORS: dict[str, type[Exception]] = {
@@ -227,9 +227,8 @@ def plan_once(request: PlanRequest, together: bool = False) -> StrategyMap:
     if comm.get_rank() == 0:
         with warnings.catch_warnings(record=True) as caught:
             try:
-                smap = plan_request(request)
-                payload: dict[str, Any] = {"map": smap.to_dict(), "dimensions": (
-                    None if smap.dimensions is None else smap.dimensions.to_dict())}
+                # (no memory dimensions searched: the map has no search of them to send)
+                payload: dict[str, Any] = {"map": plan_request(request).to_dict()}
             except Exception as e:   # every rank must hear of it
                 failed = e
                 payload = {"error": _error_payload(e)}
@@ -243,11 +242,7 @@ def plan_once(request: PlanRequest, together: bool = False) -> StrategyMap:
         raise failed
     if "error" in got:
         raise _shared_error(got["error"])
-    smap = StrategyMap.from_dict(got["map"])
-    if got["dimensions"] is not None:
-        smap = dataclasses.replace(smap, dimensions=DimensionSearch.from_dict(
-            got["dimensions"]))
-    return smap
+    return StrategyMap.from_dict(got["map"])
 
 
 class WorldSpread:
@@ -281,10 +276,14 @@ class WorldSpread:
 
 
 def _error_payload(e: Exception) -> dict[str, Any]:
-    """What every rank needs to raise ``e`` again (:func:`_shared_error`)."""
-    search = getattr(e, "search", None)
-    return {"type": _shared_type(e), "message": str(e), "memory": getattr(e, "memory", None),
-            "search": None if search is None else search.to_dict()}
+    """What every rank needs to raise ``e`` again (:func:`_shared_error`); never raises."""
+    try:
+        search = getattr(e, "search", None)
+        return {"type": _shared_type(e), "message": str(e),
+                "memory": getattr(e, "memory", None),
+                "search": None if search is None else search.to_dict()}
+    except Exception:   # (an error that cannot be described must still reach every rank)
+        return {"type": "RuntimeError", "message": repr(e), "memory": None, "search": None}
 
 
 def _warnings_payload(caught: Sequence[warnings.WarningMessage]) -> list[list[str]]:
@@ -305,7 +304,7 @@ def _shared_type(e: Exception) -> str:
 
 
 def _shared_error(error: Mapping[str, Any]) -> Exception:
-    """The exception rank 0's planning raised, as rank 0 sent it."""
+    """The exception another rank's planning raised, as that rank sent it."""
     kind, message = _SHARED_ERRORS.get(error["type"]), str(error["message"])
     if kind is NoAvailableCost:
         out: Exception = NoAvailableCost(message, error["memory"])
