@@ -177,8 +177,9 @@ BOUNDARY: dict[tuple[str, str], str] = {
     ("simpar.ops._base", "Primitive.candidate_strategies"):
         "the op's defaults for a call by hand (fully_use_devices, slice alignment); planners "
         "pass their request's",
-    ("simpar.ops.matmul", "_MatMulBase._sharding"):
-        "MatMul refuses a misaligned strategy given by hand, under the algo parameters",
+    ("simpar.ops.matmul", "_MatMulBase._check_settings"):
+        "MatMul refuses a misaligned strategy given by hand, under the algo parameters (on "
+        "every call: the op's memo of shardings is keyed by the op, shapes and strategy)",
 }
 
 
