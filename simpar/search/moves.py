@@ -33,6 +33,7 @@ model share what they price (:func:`move_memo`).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -44,7 +45,6 @@ from simpar.collective_kinds import StepKind
 from simpar.layout import TensorLayout
 from simpar.redistribution.refine import refine
 from simpar.redistribution.step import RedistributionPlan
-from simpar.search.memo import owned_memo
 
 __all__ = ["COLUMNS", "MoveBlock", "MoveMemo", "MoveSteps", "decode", "fine_form", "move_memo",
            "move_steps", "plan_moves", "plan_signatures", "signature_of"]
@@ -417,11 +417,23 @@ def plan_signatures(srcs: Sequence[TensorLayout], dsts: Sequence[TensorLayout], 
 #: A pricer's memo of moves: their prices, their transients, and their matrices.
 MoveMemo = tuple[dict[tuple[Any, Any, int], float], dict[tuple[Any, Any, int], float],
                   dict[tuple[Any, ...], np.ndarray]]
+#: Per cost model (by identity, while it lives) whose edge prices are fixed
+#: (``fixed_edge_prices``), per device count and AllToAll setting: the prices of moves,
+#: their transients and their matrices.
+_MOVE_MEMOS: dict[int, dict[tuple[int, bool], MoveMemo]] = {}
 
 
 def move_memo(model: Any, device_num: int, enable_alltoall: bool) -> MoveMemo:
-    """The moves' memo of the pricers of ``model`` on ``device_num`` devices: shared while
-    the model lives when its edge prices depend on nothing but itself, else a new one."""
+    """The moves' memo of the pricers of ``model`` on ``device_num`` devices: shared when
+    the model's edge prices depend on nothing but itself, else a new one."""
+    fresh: MoveMemo = ({}, {}, {})
     if not getattr(model, "fixed_edge_prices", False):
-        return {}, {}, {}
-    return owned_memo(model, ("moves", device_num, enable_alltoall), lambda: ({}, {}, {}))
+        return fresh
+    key = id(model)
+    if key not in _MOVE_MEMOS:
+        try:
+            weakref.finalize(model, _MOVE_MEMOS.pop, key, None)
+        except TypeError:   # not weakly referable: its pricers keep their own
+            return fresh
+        _MOVE_MEMOS[key] = {}
+    return _MOVE_MEMOS[key].setdefault((device_num, enable_alltoall), fresh)

@@ -120,7 +120,7 @@ def plan_request(request: PlanRequest, spread: Spread | None = None) -> Strategy
 
 
 def _plan_request(request: PlanRequest, spread: Spread | None = None) -> StrategyMap:
-    if _spreads(request):
+    if _searches_dimensions(request):
         return search_dimensions(request, search_for(request.search_mode), complete_plan,
                                  spread)
     if request.mode == "auto_parallel":
@@ -202,8 +202,9 @@ _SHARED_WARNINGS: dict[str, type[Warning]] = {
                             OptimizerShardWarning, TimeLimitWarning)}
 
 
-def _spreads(request: PlanRequest) -> bool:
-    """Whether ``request`` searches the memory dimensions (whose combinations spread)."""
+def _searches_dimensions(request: PlanRequest) -> bool:
+    """Whether ``request`` searches the memory dimensions (whose combinations
+    :func:`plan_once` spreads over the ranks)."""
     return request.mode == "auto_parallel" and request.algo.memory_dimensions != "fixed"
 
 
@@ -221,7 +222,7 @@ def plan_once(request: PlanRequest, together: bool = False) -> StrategyMap:
     if comm.get_group_size() == 1 or (request.device_num != comm.get_group_size()
                                       and not together):
         return plan_request(request)
-    if _spreads(request):
+    if _searches_dimensions(request):
         return plan_request(request, WorldSpread())
     failed: Exception | None = None
     if comm.get_rank() == 0:
