@@ -138,9 +138,10 @@ def get_group_size(group: Group | Sequence[int] | None = None) -> int:
 def broadcast_text(text: str | None) -> str:
     """Rank 0's ``text`` on every rank of the world (a stage's, inside :func:`stage_world`):
     UTF-8 bytes, no pickle; not traced (what a plan sends, not a step). The other ranks wait
-    for it asleep between polls rather than spinning in MPI, so that rank 0's work before
-    the call (a search) keeps the cores to itself on an oversubscribed host. ``text`` is
-    read on rank 0 only."""
+    for its length asleep between polls rather than spinning in MPI, so that rank 0's work
+    before the call (a search) keeps the cores to itself on an oversubscribed host; the
+    text itself then goes in one blocking broadcast, every rank being there by then.
+    ``text`` is read on rank 0 only."""
     _, comm = resolve(None)
     root = comm.Get_rank() == 0
     data = np.frombuffer(text.encode(), dtype=np.uint8) if root and isinstance(
@@ -153,14 +154,15 @@ def broadcast_text(text: str | None) -> str:
                         f"{type(text).__name__ if root else 'another type'}")
     if data is None:
         data = np.empty(int(size[0]), dtype=np.uint8)
-    _sleep_until(comm.Ibcast(data, root=0))
+    comm.Bcast(data, root=0)
     return bytes(data).decode()
 
 
 def allgather_text(text: str) -> list[str]:
     """Every rank's ``text``, in rank order, on every rank of the world (a stage's, inside
-    :func:`stage_world`): UTF-8 bytes, no pickle; not traced. Waits asleep between polls,
-    as :func:`broadcast_text` does; a rank that gives no str makes every rank raise."""
+    :func:`stage_world`): UTF-8 bytes, no pickle; not traced. Waits for the lengths asleep
+    between polls and gathers the texts in one blocking call, as :func:`broadcast_text`
+    does; a rank that gives no str makes every rank raise."""
     _, comm = resolve(None)
     data = np.frombuffer(text.encode(), dtype=np.uint8) if isinstance(text, str) else None
     sizes = np.empty(comm.Get_size(), dtype=np.int64)
@@ -170,15 +172,21 @@ def allgather_text(text: str) -> list[str]:
         raise TypeError(f"allgather_text: text must be a str on every rank; ranks "
                         f"{np.flatnonzero(sizes < 0).tolist()} gave another type")
     out = np.empty(int(sizes.sum()), dtype=np.uint8)
-    _sleep_until(comm.Iallgatherv(data, [out, sizes]))
+    comm.Allgatherv(data, [out, sizes])
     ends = np.cumsum(sizes)
     return [bytes(out[end - size:end]).decode() for size, end in zip(sizes, ends)]
 
 
-def _sleep_until(request: Any, first: float = 1e-3, most: float = 0.02,
+def _sleep_until(request: Any, first: float = 1e-4, most: float = 2e-3,
                  status: Any = None) -> None:
     """Wait for a nonblocking MPI call, sleeping between tests (``first`` seconds, doubling up
-    to ``most``); ``status`` (an MPI Status) receives the completed call's."""
+    to ``most``); ``status`` (an MPI Status) receives the completed call's.
+
+    A collective's tree moves on only when its ranks test it, so each level of it can wait
+    out a whole pause: on 8 ranks over 2 cores, a plan sent after 41 ms of work on rank 0
+    reached every rank 267 ms late with pauses of up to 20 ms, and 6 ms late with these,
+    while 7 ranks testing every 2 ms take little from the one that works
+    (``benchmarks/plan_broadcast.py``)."""
     pause = first
     while not (request.Test() if status is None else request.Test(status)):
         time.sleep(pause)
