@@ -20,6 +20,8 @@ from simpar.runtime.lowering import lower
 from simpar.search import auto, plan_request, request_from_context
 from simpar.search.cost_graph import cost_graph_from
 from simpar.search.dimensions import graph_of
+from simpar.search.dynamic_programming import least_memory_plan
+from simpar.search.pricing import NoAvailableCost
 
 DEVICES = 8
 
@@ -94,6 +96,28 @@ def test_exact_fits_the_largest_transient_in_its_ilp_and_is_the_optimum_of_plans
     peak, transient, searched, seconds = _priced("exact", 44000.0, first=True)
     assert peak <= 44000.0 and transient > 0 and searched <= 44000.0
     assert seconds <= _priced("dynamic_programming", 44000.0)[3] * (1 + 1e-9)
+
+
+def test_nothing_fitting_says_the_least_a_plan_needs_with_its_largest_transient() -> None:
+    """Under a cap of one byte every search raises "No available cost" with the least memory
+    a plan needs, its largest transient included. The plan of least arrays needs more: its
+    transient is the largest of all (on the GPT here 25540 bytes of arrays and 32768 of
+    transient), so the plans of least arrays under transient limits are searched too. A cap
+    of exactly the figure given is met: dynamic programming's plan fits it."""
+    needs = set()
+    for search_mode in ("recursive_programming", "dynamic_programming", "exact"):
+        with pytest.raises(NoAvailableCost) as caught:
+            plan_request(_request(search_mode, 1.0))
+        assert caught.value.memory is not None
+        assert "With its largest transient the plan of least memory needs" in str(caught.value)
+        needs.add(caught.value.memory)
+    (need,) = needs
+    pricer = auto.pricer_of(_request("dynamic_programming", 1.0))
+    cg = cost_graph_from(pricer)
+    least = [node.candidates[c] for node, c in zip(cg.nodes, least_memory_plan(cg) or ())]
+    assert need < pricer.memory(least) + pricer.transient(least)
+    peak, _, searched, _ = _priced("dynamic_programming", need)
+    assert searched <= need and peak <= need
 
 
 def test_a_transient_limit_drops_the_candidates_and_moves_over_it() -> None:

@@ -607,8 +607,9 @@ class Pricer:
 
     def edge_transients(self, e: int, producers: Sequence[OpSharding],
                         consumers: Sequence[OpSharding]) -> np.ndarray:
-        """:meth:`_move_transient` of edge ``e`` for every pair of candidates (each distinct
-        pair of layouts planned once)."""
+        """:meth:`_move_transient` of edge ``e`` for every pair of candidates: each distinct
+        pair of layouts once, all at once in numpy where :meth:`move_matrix` prices them so
+        (:meth:`_bulk_transients`), else planned one by one."""
         edge = self.edges[e]
         srcs = [pc.outputs[edge.output][1] for pc in producers]
         dsts = [cc.in_layouts[edge.input] for cc in consumers]
@@ -616,11 +617,50 @@ class Pricer:
         d_at: dict[Any, int] = {}
         rows = [s_at.setdefault(self._key(s), len(s_at)) for s in srcs]
         cols = [d_at.setdefault(self._key(d), len(d_at)) for d in dsts]
-        us = {n: srcs[i] for i, n in reversed(list(enumerate(rows)))}
-        ud = {n: dsts[j] for j, n in reversed(list(enumerate(cols)))}
-        unique = np.array([self._move_transient(us[i], ud[j], edge.itemsize)
-                           for i in range(len(us)) for j in range(len(ud))])
-        return unique.reshape(len(us), len(ud))[np.ix_(rows, cols)]
+        s_first: dict[int, int] = {}
+        d_first: dict[int, int] = {}
+        for i, n in enumerate(rows):
+            s_first.setdefault(n, i)
+        for j, n in enumerate(cols):
+            d_first.setdefault(n, j)
+        us = [srcs[s_first[n]] for n in range(len(s_at))]
+        ud = [dsts[d_first[n]] for n in range(len(d_at))]
+        key = ("held", tuple(s_at), tuple(d_at), edge.itemsize)
+        unique = self._matrices.get(key)
+        if unique is None:
+            if self._fine_mesh is not None and not self.enable_alltoall and us[0].ndim:
+                unique = self._bulk_transients(us, ud, edge.itemsize)
+            else:
+                unique = np.array([[self._move_transient(s, d, edge.itemsize) for d in ud]
+                                   for s in us]).reshape(len(us), len(ud))
+            self._matrices[key] = unique
+        return unique[np.ix_(rows, cols)]
+
+    def _bulk_transients(self, srcs: Sequence[TensorLayout], dsts: Sequence[TensorLayout],
+                         itemsize: int) -> np.ndarray:
+        """:meth:`_move_transient` of every pair, from the steps
+        :func:`~simpar.search.moves.plan_moves` replays for all of them at once: the largest
+        collective's elements before and after. One pair of every kind of plan is checked
+        against the real planner's."""
+        assert self._power is not None
+        p, k = self._power
+        out = np.zeros((len(srcs), len(dsts)))
+        firsts: dict[int, tuple[MoveBlock, int]] = {}
+        for block in plan_moves(srcs, dsts, p, k):
+            held = np.zeros(len(block.sources) * len(dsts))
+            for st in block.steps:
+                if not st.kind.local:
+                    np.maximum(held, np.where(st.present, (st.src_elements + st.dst_elements)
+                                              * itemsize, 0), out=held)
+            out[block.sources] = held.reshape(len(block.sources), len(dsts))
+            kinds, first = np.unique(block.kinds, return_index=True)
+            for kind, at in zip(kinds.tolist(), first.tolist()):
+                firsts.setdefault(kind, (block, at))
+        for block, at in firsts.values():
+            s, d = int(block.sources[at // len(dsts)]), at % len(dsts)
+            assert out[s, d] == self._move_transient(srcs[s], dsts[d], itemsize), (
+                srcs[s], dsts[d], out[s, d])
+        return out
 
     def edge_memory(self, e: int, producer: OpSharding, consumer: OpSharding) -> float:
         """Bytes per rank edge ``e`` adds between a producer and a consumer sharding: the
@@ -717,5 +757,5 @@ def check_memory(pricer: Pricer, shardings: Sequence[OpSharding], search: str) -
             + f" (Failure: Out of memory!); the op that needs "
             f"most of it is {pricer.sites[worst].name} ({mems[worst]:.0f} bytes, strategy "
             f"{[list(c) for c in shardings[worst].strategy]}). dynamic_programming searches "
-            "under the cap; or use more devices", memory)
+            "under the cap; or use more devices.", memory)
     return memory
