@@ -18,7 +18,7 @@ from simpar.cost.model import evaluate
 from simpar.cost_model_context import reset_cost_model_context, set_cost_model_context
 from simpar.runtime.lowering import lower
 from simpar.search import auto, plan_request, request_from_context
-from simpar.search.cost_graph import cost_graph_from
+from simpar.search.cost_graph import cost_graph_from, within_transient_limit
 from simpar.search.dimensions import graph_of
 from simpar.search.dynamic_programming import least_memory_plan
 from simpar.search.pricing import NoAvailableCost
@@ -138,6 +138,29 @@ def test_a_transient_limit_drops_the_candidates_and_moves_over_it() -> None:
         over = pricer.edge_transients(e, limited.nodes[edge.producer].candidates,
                                       limited.nodes[edge.consumer].candidates) > 8192.0
         assert not (allowed & over).any()
+
+
+def test_the_graph_within_a_limit_forbids_what_the_limited_pricer_drops() -> None:
+    """The graph already built, with what holds more than a limit forbidden (infinite
+    memory, infinite move), allows exactly the candidates and pairs that the pricer under
+    that limit keeps, and its plan of least memory needs as little."""
+    request = _request("dynamic_programming", 44000.0)
+    pricer = auto.pricer_of(request)
+    free = cost_graph_from(pricer)
+    within = within_transient_limit(pricer, free, 8192.0)
+    limited = cost_graph_from(pricer.limited(8192.0))
+    kept = [tuple(c.strategy for c, m in zip(node.candidates, node.memories) if m < np.inf)
+            for node in within.nodes]
+    assert kept == [tuple(c.strategy for c in node.candidates) for node in limited.nodes]
+    assert sum(map(len, kept)) < sum(len(n.candidates) for n in free.nodes)
+    for edge, ref in zip(within.edges, limited.edges):
+        rows = [i for i, m in enumerate(within.nodes[edge.producer].memories) if m < np.inf]
+        cols = [j for j, m in enumerate(within.nodes[edge.consumer].memories) if m < np.inf]
+        assert np.array_equal(np.asarray(edge.costs)[np.ix_(rows, cols)],
+                              np.asarray(ref.costs))
+    plans = [least_memory_plan(cg) for cg in (within, limited)]
+    assert None not in plans
+    assert within.memory(plans[0]) == limited.memory(plans[1])  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), True, "8192"])

@@ -15,7 +15,12 @@ from collections.abc import Callable, Sequence
 
 from simpar.layout import TensorLayout
 from simpar.ops._base import OpSharding
-from simpar.search.cost_graph import CostGraph, build_cost_graph, cost_graph_from
+from simpar.search.cost_graph import (
+    CostGraph,
+    build_cost_graph,
+    cost_graph_from,
+    within_transient_limit,
+)
 from simpar.search.dynamic_programming import least_memory_plan, solve_dynamic_programming
 from simpar.search.exact import ExactSolution, TimeLimitWarning, describe_gap, solve_exact
 from simpar.search.pricing import NoAvailableCost, Pricer
@@ -141,25 +146,31 @@ def _with_transient(pricer: Pricer, e: NoAvailableCost) -> NoAvailableCost:
     The plan of least arrays may hold a vast transient: on the 24-layer GPT of 350M widths
     (batch 512) over 64 devices it cuts the head's MatMul along its contraction, whose
     partial output's backward holds 200 GiB beside 40.7 GiB of arrays. So the plans of least
-    arrays within transient limits (:meth:`Pricer.limited`: every op's and move's) are tried
-    too, from that plan's transient down by halves while the need falls (at most
+    arrays within transient limits (every op's and move's, :func:`within_transient_limit`)
+    are tried too, from that plan's transient down by halves while the need falls (at most
     :data:`NEED_LIMITS`), and the least need is given."""
-    def least(limited: Pricer) -> tuple[float, list[OpSharding]] | None:
-        try:
-            cg = cost_graph_from(limited)
-        except ValueError:   # an op with no candidate within the bounds
-            return None
+    def need_of(cg: CostGraph) -> tuple[float, list[OpSharding]] | None:
         found = least_memory_plan(cg)
         if found is None:
             return None
         shardings = [node.candidates[c] for node, c in zip(cg.nodes, found)]
         return pricer.memory(shardings) + pricer.transient(shardings), shardings
 
-    first = least(pricer)
+    def least(limited: Pricer) -> tuple[float, list[OpSharding]] | None:
+        try:
+            return need_of(cost_graph_from(limited))
+        except ValueError:   # an op with no candidate within the bounds
+            return None
+
+    try:
+        whole = cost_graph_from(pricer)
+    except ValueError:
+        return e
+    first = need_of(whole)
     if first is None:
         return e
     need, shardings = first
-    bounds = pricer.rerun_bounds(shardings) or None
+    bounds = pricer.rerun_bounds(shardings)
     limit = pricer.transient(shardings) - pricer.rerun(shardings)
     if bounds and limit > 0:
         bounded = least(pricer.limited(limit, bounds))
@@ -169,7 +180,7 @@ def _with_transient(pricer: Pricer, e: NoAvailableCost) -> NoAvailableCost:
         limit /= 2
         if not limit > 0:
             break
-        within = least(pricer.limited(limit, bounds))
+        within = need_of(within_transient_limit(pricer, whole, limit))
         if within is None or within[0] >= need:
             break
         need = within[0]

@@ -43,7 +43,7 @@ from simpar.search.sites import Site
 
 __all__ = ["ELEMENTWISE_OPS", "CostEdge", "CostGraph", "CostNode", "brute_force",
            "build_cost_graph", "canonical", "cost_graph_from", "distinct_blocks",
-           "restricted_cost_graph", "same_blocks"]
+           "restricted_cost_graph", "same_blocks", "within_transient_limit"]
 
 log = logging.getLogger("simpar.search")
 
@@ -395,6 +395,40 @@ def restricted_cost_graph(pricer: Pricer, candidates: Sequence[Sequence[Strategy
         edges.append(CostEdge(p, se.output, c, se.input, *matrices[pair]))
     return CostGraph(tuple(nodes), tuple(edges), pricer.shared, pricer.device_num,
                      pricer.model.unit, pricer.memory_capacity)
+
+
+def within_transient_limit(pricer: Pricer, cg: CostGraph, limit: float) -> CostGraph:
+    """``cg`` (``pricer``'s, as :func:`cost_graph_from` builds it) with every candidate and
+    every move that holds more than ``limit`` for a while forbidden, as under
+    :meth:`Pricer.limited` (a ``.shard()`` strategy, and a move between two, stand): the
+    candidate's memory and the pair's cost become infinite, for the plan of least memory
+    under the limit (which reads the nodes' memories and the pairs allowed). Nothing is
+    priced again: each candidate's transient is the Pricer's, each move's from
+    :meth:`Pricer.edge_transients`, and the graph is not built again for each limit."""
+    masked: dict[tuple[int, int], tuple[float, ...]] = {}
+    nodes = []
+    for n, node in enumerate(cg.nodes):
+        key = (id(node.candidates), id(node.memories))
+        if not node.user_set and key not in masked:
+            masked[key] = tuple(
+                m if pricer.priced(n, c.strategy).transient <= limit  # type: ignore[union-attr]
+                else math.inf for c, m in zip(node.candidates, node.memories))
+        nodes.append(node if node.user_set else replace(node, memories=masked[key]))
+    allowed: dict[tuple[Any, ...], np.ndarray] = {}
+    edges = []
+    for e, (se, edge) in enumerate(zip(pricer.edges, cg.edges)):
+        if se.follows or (pricer.sites[se.producer].user and pricer.sites[se.consumer].user):
+            edges.append(edge)
+            continue
+        p, c = cg.nodes[se.producer], cg.nodes[se.consumer]
+        pair = (id(p.candidates), se.output, id(c.candidates), se.input, id(edge.costs))
+        if pair not in allowed:
+            held = pricer.edge_transients(e, p.candidates, c.candidates)
+            matrix = np.where(held > limit, math.inf, np.asarray(edge.costs, dtype=float))
+            matrix.flags.writeable = False
+            allowed[pair] = matrix
+        edges.append(replace(edge, costs=allowed[pair]))
+    return replace(cg, nodes=tuple(nodes), edges=tuple(edges))
 
 
 def brute_force(cg: CostGraph, limit: int = 1_000_000) -> tuple[tuple[int, ...], float]:
