@@ -101,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     root = rank == 0
     text = ("{" + "x" * (args.text_kib * 1024 - 2) + "}") if root else None
     gemm = np.random.default_rng(0).random((192, 192))
-    # Rank 0's loops for ``--work-ms`` (timed while the others sleep), and the text's
-    # length: the same on every rank.
+    # Rank 0's loops for about ``--work-ms`` (timed while the others sleep; the table says
+    # what the work took alone), and the text's length: the same on every rank.
     world.Barrier()
     if root:
         _work(gemm, 100_000)   # warm
@@ -148,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     command = f"mpirun -n {size} python benchmarks/plan_broadcast.py {shlex.join(sys.argv[1:])}"
     policy = _env.SETTINGS.get("wait_policy")
     body = (f"`{command.rstrip()}` ({today()}; {size} ranks, {policy} wait policy; rank 0 "
-            f"works for about {args.work_ms:g} ms (the last row: what it took alone), then "
-            f"sends {args.text_kib} KiB; median of {args.reps} reps, each from a barrier to "
+            f"works for {bound * 1e3:.1f} ms alone (the last row; --work-ms {args.work_ms:g}), "
+            f"then sends {args.text_kib} KiB; median of {args.reps} reps, each from a barrier to "
             "the last rank holding the text)\n\n"
             + markdown_table(["how the ranks wait", "ms per rep", "over the bound",
                               "ratio to the bound (median per rep)"], rows)

@@ -100,16 +100,17 @@ def test_exact_fits_the_largest_transient_in_its_ilp_and_is_the_optimum_of_plans
 
 def test_nothing_fitting_says_the_least_a_plan_needs_with_its_largest_transient() -> None:
     """Under a cap of one byte every search raises "No available cost" with the least memory
-    a plan needs, its largest transient included. The plan of least arrays needs more: its
-    transient is the largest of all (on the GPT here 25540 bytes of arrays and 32768 of
-    transient), so the plans of least arrays under transient limits are searched too. A cap
-    of exactly the figure given is met: dynamic programming's plan fits it."""
+    a plan needs, its largest transient included, and one sentence each. The plan of least
+    arrays needs more (on the GPT here its transient is larger than its arrays), so the plans
+    of least arrays under transient limits are searched too. A cap of exactly the figure
+    given is met: dynamic programming's plan fits it."""
     needs = set()
     for search_mode in ("recursive_programming", "dynamic_programming", "exact"):
         with pytest.raises(NoAvailableCost) as caught:
             plan_request(_request(search_mode, 1.0))
         assert caught.value.memory is not None
-        assert "With its largest transient the plan of least memory needs" in str(caught.value)
+        assert ". With its largest transient the plan of least memory needs" in str(
+            caught.value) and ".." not in str(caught.value)
         needs.add(caught.value.memory)
     (need,) = needs
     pricer = auto.pricer_of(_request("dynamic_programming", 1.0))

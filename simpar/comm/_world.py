@@ -140,7 +140,8 @@ def broadcast_text(text: str | None) -> str:
     UTF-8 bytes, no pickle; not traced (what a plan sends, not a step). The other ranks wait
     for its length asleep between polls rather than spinning in MPI, so that rank 0's work
     before the call (a search) keeps the cores to itself on an oversubscribed host; the
-    text itself then goes in one blocking broadcast, every rank being there by then.
+    text itself then goes in one blocking broadcast, which a rank that has the length
+    enters at once (rank 0 may wait in it for a rank still asleep, 2 ms at most).
     ``text`` is read on rank 0 only."""
     _, comm = resolve(None)
     root = comm.Get_rank() == 0
@@ -183,8 +184,8 @@ def _sleep_until(request: Any, first: float = 1e-4, most: float = 2e-3,
     to ``most``); ``status`` (an MPI Status) receives the completed call's.
 
     A collective's tree moves on only when its ranks test it, so each level of it can wait
-    out a whole pause: on 8 ranks over 2 cores, a plan sent after 41 ms of work on rank 0
-    reached every rank 267 ms late with pauses of up to 20 ms, and 6 ms late with these,
+    out a whole pause: on 8 ranks over 2 cores, a plan sent after 36 ms of work on rank 0
+    reached every rank 272 ms late with pauses of up to 20 ms, and 10 ms late with these,
     while 7 ranks testing every 2 ms take little from the one that works
     (``benchmarks/plan_broadcast.py``)."""
     pause = first

@@ -180,12 +180,16 @@ def _with_transient(pricer: Pricer, e: NoAvailableCost) -> NoAvailableCost:
         limit /= 2
         if not limit > 0:
             break
-        within = need_of(within_transient_limit(pricer, whole, limit))
+        if pricer.algo.enable_algo_approxi:   # the candidates within it approximated anew
+            within = least(pricer.limited(limit, bounds or None))
+        else:
+            within = need_of(within_transient_limit(pricer, whole, limit))
         if within is None or within[0] >= need:
             break
         need = within[0]
-    return NoAvailableCost(f"{e} With its largest transient the plan of least memory needs "
-                           f"{need:.0f} bytes per rank.", need)
+    stop = "" if str(e).endswith(".") else "."
+    return NoAvailableCost(f"{e}{stop} With its largest transient the plan of least memory "
+                           f"needs {need:.0f} bytes per rank.", need)
 
 
 def cost_graph_of(request: PlanRequest) -> CostGraph:

@@ -290,7 +290,7 @@ def _transients(pricer: Pricer, cg: CostGraph) -> CostGraph:
     edges = []
     matrices: dict[tuple[Any, ...], np.ndarray] = {}
     for e, (se, edge) in enumerate(zip(pricer.edges, cg.edges)):
-        if se.follows or (pricer.sites[se.producer].user and pricer.sites[se.consumer].user):
+        if se.follows or pricer.between_users(e):
             edges.append(edge)
             continue
         p, c = cg.nodes[se.producer], cg.nodes[se.consumer]
@@ -404,7 +404,10 @@ def within_transient_limit(pricer: Pricer, cg: CostGraph, limit: float) -> CostG
     candidate's memory and the pair's cost become infinite, for the plan of least memory
     under the limit (which reads the nodes' memories and the pairs allowed). Nothing is
     priced again: each candidate's transient is the Pricer's, each move's from
-    :meth:`Pricer.edge_transients`, and the graph is not built again for each limit."""
+    :meth:`Pricer.edge_transients`, and the graph is not built again for each limit. Under
+    ``enable_algo_approxi`` the graph's candidates are the ones its approximation kept of
+    them all, where :meth:`Pricer.limited`'s graph approximates those within the limit: it
+    may keep candidates that this one has dropped."""
     masked: dict[tuple[int, int], tuple[float, ...]] = {}
     nodes = []
     for n, node in enumerate(cg.nodes):
@@ -417,7 +420,7 @@ def within_transient_limit(pricer: Pricer, cg: CostGraph, limit: float) -> CostG
     allowed: dict[tuple[Any, ...], np.ndarray] = {}
     edges = []
     for e, (se, edge) in enumerate(zip(pricer.edges, cg.edges)):
-        if se.follows or (pricer.sites[se.producer].user and pricer.sites[se.consumer].user):
+        if se.follows or pricer.between_users(e):
             edges.append(edge)
             continue
         p, c = cg.nodes[se.producer], cg.nodes[se.consumer]

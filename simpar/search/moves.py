@@ -414,19 +414,19 @@ def plan_signatures(srcs: Sequence[TensorLayout], dsts: Sequence[TensorLayout], 
     return out
 
 
-#: A pricer's memo of moves: their prices, their transients, and their matrices.
+#: A pricer's memo of moves: their prices, their transients, and the matrices of both.
 MoveMemo = tuple[dict[tuple[Any, Any, int], float], dict[tuple[Any, Any, int], float],
-                  dict[tuple[Any, ...], np.ndarray]]
+                  dict[tuple[Any, ...], np.ndarray], dict[tuple[Any, ...], np.ndarray]]
 #: Per cost model (by identity, while it lives) whose edge prices are fixed
 #: (``fixed_edge_prices``), per device count and AllToAll setting: the prices of moves,
-#: their transients and their matrices.
+#: their transients and the matrices of both.
 _MOVE_MEMOS: dict[int, dict[tuple[int, bool], MoveMemo]] = {}
 
 
 def move_memo(model: Any, device_num: int, enable_alltoall: bool) -> MoveMemo:
     """The moves' memo of the pricers of ``model`` on ``device_num`` devices: shared when
     the model's edge prices depend on nothing but itself, else a new one."""
-    fresh: MoveMemo = ({}, {}, {})
+    fresh: MoveMemo = ({}, {}, {}, {})
     if not getattr(model, "fixed_edge_prices", False):
         return fresh
     key = id(model)

@@ -277,8 +277,8 @@ class Pricer:
         # The moves' prices, transients and matrices: every pricer of one model, device
         # count and AllToAll setting shares them (the memory dimensions' combinations each
         # make a pricer, and move the same layouts).
-        self._moves, self._transients, self._matrices = move_memo(model, device_num,
-                                                                  enable_alltoall)
+        self._moves, self._transients, self._matrices, self._held = move_memo(
+            model, device_num, enable_alltoall)
         # The largest Cell's prices without its tapes made again (under rerun bounds),
         # shared by every pricer :meth:`limited` makes.
         self._uncharged: dict[tuple[int, Strategy], Priced] = {}
@@ -589,10 +589,14 @@ class Pricer:
 
     def limits(self, e: int) -> bool:
         """Whether :attr:`transient_limit` bounds edge ``e``'s moves (a finite limit, and
-        not both ends the user's: their strategies stand whatever they hold)."""
+        not :meth:`between_users`)."""
+        return math.isfinite(self.transient_limit) and not self.between_users(e)
+
+    def between_users(self, e: int) -> bool:
+        """Whether both ends of edge ``e`` are the user's (``.shard()``): their strategies,
+        and the move between them, stand whatever they hold."""
         edge = self.edges[e]
-        return math.isfinite(self.transient_limit) and not (
-            self.sites[edge.producer].user and self.sites[edge.consumer].user)
+        return self.sites[edge.producer].user and self.sites[edge.consumer].user
 
     def _move_transient(self, src: TensorLayout, dst: TensorLayout, itemsize: int) -> float:
         """Bytes a move holds for a while: its largest collective's buffer and result (as the
@@ -608,11 +612,14 @@ class Pricer:
     def edge_transients(self, e: int, producers: Sequence[OpSharding],
                         consumers: Sequence[OpSharding]) -> np.ndarray:
         """:meth:`_move_transient` of edge ``e`` for every pair of candidates: each distinct
-        pair of layouts once, all at once in numpy where :meth:`move_matrix` prices them so
-        (:meth:`_bulk_transients`), else planned one by one."""
+        pair of layouts once, all at once in numpy on a prime-power device count without
+        AllToAll (:meth:`_bulk_transients`, whatever the cost model), else planned one by
+        one."""
         edge = self.edges[e]
         srcs = [pc.outputs[edge.output][1] for pc in producers]
         dsts = [cc.in_layouts[edge.input] for cc in consumers]
+        if not srcs or not dsts:
+            return np.zeros((len(srcs), len(dsts)))
         s_at: dict[Any, int] = {}
         d_at: dict[Any, int] = {}
         rows = [s_at.setdefault(self._key(s), len(s_at)) for s in srcs]
@@ -625,15 +632,15 @@ class Pricer:
             d_first.setdefault(n, j)
         us = [srcs[s_first[n]] for n in range(len(s_at))]
         ud = [dsts[d_first[n]] for n in range(len(d_at))]
-        key = ("held", tuple(s_at), tuple(d_at), edge.itemsize)
-        unique = self._matrices.get(key)
+        key = (tuple(s_at), tuple(d_at), edge.itemsize)
+        unique = self._held.get(key)
         if unique is None:
             if self._fine_mesh is not None and not self.enable_alltoall and us[0].ndim:
                 unique = self._bulk_transients(us, ud, edge.itemsize)
             else:
                 unique = np.array([[self._move_transient(s, d, edge.itemsize) for d in ud]
                                    for s in us]).reshape(len(us), len(ud))
-            self._matrices[key] = unique
+            self._held[key] = unique
         return unique[np.ix_(rows, cols)]
 
     def _bulk_transients(self, srcs: Sequence[TensorLayout], dsts: Sequence[TensorLayout],
