@@ -323,6 +323,30 @@ def test_lowering_plans_the_backward_once(monkeypatch: pytest.MonkeyPatch) -> No
         only.backward_plan((False,))
 
 
+def test_identical_layers_plan_each_op_backward_once_per_walk(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backward of a Megatron GPT of 4 identical blocks: each distinct op backward (its
+    layouts and its cotangents' pending axes) is planned once per walk, and the plan equals
+    the one planned op by op."""
+    net, loss = nn.GPT(64, 8, 16, 4, 4), nn.SoftmaxCrossEntropyWithLogits()
+    presets.megatron_gpt(net, 2, 4, loss)
+    cell = nn.WithLossCell(net, loss)
+    ids = ((8, 8), np.dtype(np.int32))
+    g = graph.trace(cell, [ids, ids], ["data", "label"])
+    program = build_program(g, 8, SEMI, ((2, 1), (2, 1)), cell=cell)
+    calls = []
+    real = backward_plan.op_backward
+    monkeypatch.setattr(backward_plan, "op_backward",
+                        lambda *a: calls.append(a[0]) or real(*a))
+    shared = backward_plan.plan_backward(program, (True,))
+    grads = len(program.grad_nodes)
+    assert 0 < len(calls) < grads, (len(calls), grads)   # the eager and the lazy walk
+    monkeypatch.setattr(backward_plan, "op_backward", lambda *a: real(*a))
+    monkeypatch.setattr(backward_plan, "id", lambda x: object(), raising=False)
+    alone = backward_plan.plan_backward(program, (True,))
+    assert alone == shared
+
+
 def test_semi_auto_refuses_a_parameter_two_strategies_cut_differently() -> None:
     """As MindSpore does, and as every auto_parallel search does: a parameter has one
     layout, so two .shard() readers that cut it differently cannot both hold."""

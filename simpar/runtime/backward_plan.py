@@ -14,6 +14,7 @@ import dataclasses
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -141,6 +142,11 @@ def _plan(lowered: LoweredGraph, seeded: tuple[bool, ...], eager: bool) -> Backw
     pending: dict[int, Pending] = {v.id: frozenset()
                                    for v, seed in zip(lowered.graph.outputs, seeded) if seed}
     nodes: dict[int, NodeBackward] = {}
+    # An op's backward is a function of its layouts and its cotangents' pending axes: the
+    # ops of identical layers share their shardings' layouts (the ops' memo of derived
+    # shardings), so each is planned once per walk. Keyed by the layouts' identities,
+    # which the lowered steps keep alive.
+    planned: dict[tuple[Any, ...], OpBackward] = {}
     for s in reversed(lowered.steps):
         node, sh = s.node, s.sharding
         outs = [pending.pop(v.id, None) for v in node.outputs]
@@ -161,7 +167,11 @@ def _plan(lowered: LoweredGraph, seeded: tuple[bool, ...], eager: bool) -> Backw
                 outs[k] = frozenset()
             else:
                 resolve.append(())
-        ob = op_backward(sh, outs, frame)
+        key = (id(sh.raw_out), id(sh.out), id(sh.out_plan), id(sh.more_outs),
+               id(sh.in_layouts), id(sh.inner_plan), tuple(outs))
+        ob = planned.get(key)
+        if ob is None:
+            ob = planned[key] = op_backward(sh, outs, frame)
         if any(resolve):
             ob = dataclasses.replace(ob, out_actions=tuple(
                 r + a for r, a in zip(resolve, ob.out_actions)))
