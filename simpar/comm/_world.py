@@ -184,8 +184,8 @@ def _sleep_until(request: Any, first: float = 1e-4, most: float = 2e-3,
     to ``most``); ``status`` (an MPI Status) receives the completed call's.
 
     A collective's tree moves on only when its ranks test it, so each level of it can wait
-    out a whole pause: on 8 ranks over 2 cores, a plan sent after 53 ms of work on rank 0
-    reached every rank 273 ms late with pauses of up to 20 ms, and 10 ms late with these,
+    out a whole pause: on 8 ranks over 2 cores, a plan sent after 56 ms of work on rank 0
+    reached every rank 269 ms late with pauses of up to 20 ms, and 8 ms late with these,
     while 7 ranks testing every 2 ms take little from the one that works
     (``benchmarks/plan_broadcast.py``)."""
     pause = first
