@@ -29,18 +29,24 @@ DEVICES = 8
 @pytest.fixture(autouse=True)
 def _clean() -> Any:
     simpar.reset_auto_parallel_context()
+    simpar.reset_algo_parameters()
     reset_cost_model_context()
     yield
     simpar.reset_auto_parallel_context()
+    simpar.reset_algo_parameters()
     reset_cost_model_context()
 
 
-def _request(search_mode: str, capacity: float, recomputed_blocks: int = 0) -> Any:
+def _request(search_mode: str, capacity: float, recomputed_blocks: int = 0,
+             head_strategy: Any = None) -> Any:
     """A GPT (vocabulary 64, sequence 8, width 16) on 8 devices, batch 8: one block, or
-    ``recomputed_blocks`` blocks, each recomputed."""
+    ``recomputed_blocks`` blocks, each recomputed; ``head_strategy``: the head's MatMul's
+    ``.shard()``."""
     simpar.set_auto_parallel_context(dataset_strategy="data_parallel")
     set_cost_model_context(device_memory_capacity=capacity)
     model = nn.GPT(64, 8, 16, max(1, recomputed_blocks), 2, dtype=np.float32)
+    if head_strategy is not None:
+        model.head.matmul.shard(head_strategy)
     for block in model.blocks if recomputed_blocks else ():
         block.recompute()
     net = nn.WithLossCell(model, nn.SoftmaxCrossEntropyWithLogits())
@@ -141,11 +147,20 @@ def test_a_transient_limit_drops_the_candidates_and_moves_over_it() -> None:
         assert not (allowed & over).any()
 
 
-def test_the_graph_within_a_limit_forbids_what_the_limited_pricer_drops() -> None:
+@pytest.mark.parametrize("setting", ["searched", "user strategy, elementwise ops follow"])
+def test_the_graph_within_a_limit_forbids_what_the_limited_pricer_drops(setting: str) -> None:
     """The graph already built, with what holds more than a limit forbidden (infinite
     memory, infinite move), allows exactly the candidates and pairs that the pricer under
-    that limit keeps, and its plan of least memory needs as little."""
-    request = _request("dynamic_programming", 44000.0)
+    that limit keeps, and its plan of least memory needs as little: with every op searched,
+    and with the head's MatMul the user's (``.shard()``: it stands whatever it holds) and
+    elementwise ops following their producers (their edges only allow what follows)."""
+    if setting != "searched":
+        simpar.set_algo_parameters(elementwise_op_strategy_follow=True)
+    request = _request("dynamic_programming", 44000.0,
+                       head_strategy=((8, 1), (1, 1)) if setting != "searched" else None)
+    if setting != "searched":
+        assert any(site.user for site in auto.pricer_of(request).sites)
+        assert any(se.follows for se in auto.pricer_of(request).edges)
     pricer = auto.pricer_of(request)
     free = cost_graph_from(pricer)
     within = within_transient_limit(pricer, free, 8192.0)
