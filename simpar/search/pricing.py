@@ -519,14 +519,10 @@ class Pricer:
         out = np.empty((len(srcs), len(dsts)))
         if not srcs or not dsts:
             return out
-        s_keys = [self._key(s) for s in srcs]
-        d_keys = [self._key(d) for d in dsts]
-        s_first = {key: n for n, key in reversed(list(enumerate(s_keys)))}
-        d_first = {key: n for n, key in reversed(list(enumerate(d_keys)))}
-        us = [srcs[n] for n in s_first.values()]
-        ud = [dsts[n] for n in d_first.values()]
+        s_keys, us, rows = self._distinct(srcs)
+        d_keys, ud, cols = self._distinct(dsts)
         bulk = getattr(self.model, "edge_prices", None)
-        key = (tuple(s_first), tuple(d_first), itemsize)  # edges of equal layouts: once
+        key = (s_keys, d_keys, itemsize)  # edges of equal layouts: once
         unique = self._matrices.get(key)
         # A 0-d tensor (a loss before its last scaling) has no dims for the bulk tables: its
         # few moves (pending sums, completed or not) are priced pair by pair.
@@ -537,9 +533,22 @@ class Pricer:
             unique = self._signature_matrix(us, ud, itemsize, bulk)
         self._matrices[key] = unique
         unique = unique * self._scale if self._scale != 1 else unique
-        s_at = {key: n for n, key in enumerate(s_first)}
-        d_at = {key: n for n, key in enumerate(d_first)}
-        return unique[np.ix_([s_at[key] for key in s_keys], [d_at[key] for key in d_keys])]
+        return unique[np.ix_(rows, cols)]
+
+    def _distinct(self, layouts: Sequence[TensorLayout]
+                  ) -> tuple[tuple[Any, ...], list[TensorLayout], list[int]]:
+        """The distinct layouts of ``layouts`` by :attr:`_key`: their keys and the first
+        layout of each, in order of first appearance, and each layout's index among them
+        (a matrix over edges of equal layouts is made once, over distinct pairs only)."""
+        at: dict[Any, int] = {}
+        firsts: list[TensorLayout] = []
+        index = []
+        for lay in layouts:
+            n = at.setdefault(self._key(lay), len(firsts))
+            if n == len(firsts):
+                firsts.append(lay)
+            index.append(n)
+        return tuple(at), firsts, index
 
     def _signature_matrix(self, srcs: Sequence[TensorLayout], dsts: Sequence[TensorLayout],
                           itemsize: int, bulk: Any) -> np.ndarray:
@@ -620,19 +629,9 @@ class Pricer:
         dsts = [cc.in_layouts[edge.input] for cc in consumers]
         if not srcs or not dsts:
             return np.zeros((len(srcs), len(dsts)))
-        s_at: dict[Any, int] = {}
-        d_at: dict[Any, int] = {}
-        rows = [s_at.setdefault(self._key(s), len(s_at)) for s in srcs]
-        cols = [d_at.setdefault(self._key(d), len(d_at)) for d in dsts]
-        s_first: dict[int, int] = {}
-        d_first: dict[int, int] = {}
-        for i, n in enumerate(rows):
-            s_first.setdefault(n, i)
-        for j, n in enumerate(cols):
-            d_first.setdefault(n, j)
-        us = [srcs[s_first[n]] for n in range(len(s_at))]
-        ud = [dsts[d_first[n]] for n in range(len(d_at))]
-        key = (tuple(s_at), tuple(d_at), edge.itemsize)
+        s_keys, us, rows = self._distinct(srcs)
+        d_keys, ud, cols = self._distinct(dsts)
+        key = (s_keys, d_keys, edge.itemsize)
         unique = self._held.get(key)
         if unique is None:
             if self._fine_mesh is not None and not self.enable_alltoall and us[0].ndim:
