@@ -280,3 +280,41 @@ def test_the_largest_transient_fits_with_the_plan_in_the_ilp() -> None:
     assert solve_exact(dataclasses.replace(cg, memory_capacity=50.0)).choice == (0, 0)
     with pytest.raises(NoAvailableCost):
         solve_exact(dataclasses.replace(cg, memory_capacity=19.0))
+
+
+def _recomputed_cells(capacity: float) -> CostGraph:
+    """Three recomputed Cells in a chain, candidate 0 of each op cheap and making much again
+    in the backward, candidate 1 dearer and making little: Cell A (ops 0, 1) is charged (its
+    ops' memories count what they make again), B (ops 2, 3) and C (op 4) add what they make
+    beyond A's, one Cell at a time."""
+    again = ((4.0, 1.0), (4.0, 1.0), (10.0, 1.0), (10.0, 1.0), (15.0, 0.0))
+    costs = ((1.0, 2.0), (1.0, 2.0), (1.0, 2.5), (1.0, 2.0), (1.0, 1.5))
+    nodes = tuple(dataclasses.replace(
+        _node(k, c, tuple(10.0 + (r if k < 2 else 0.0) for r in again[k])), reruns=again[k])
+        for k, c in enumerate(costs))
+    free = ((0.0, 0.0), (0.0, 0.0))
+    return CostGraph(nodes, tuple(CostEdge(k, 0, k + 1, 0, free) for k in range(4)),
+                     memory_capacity=capacity, cells=((0, 1), (2, 3), (4,)), charged=(0, 1))
+
+
+def test_the_tapes_a_recomputed_cell_makes_again_fit_with_the_plan_in_the_ilp() -> None:
+    """What the Cell that makes most again holds beyond the charged Cell's adds to a plan's
+    memory, as the pricer counts it: the cheapest plan holds 58 bytes of arrays, and B makes
+    20 again where A makes 8, 12 more. Under a cap of 66, C's dear candidate does not help
+    (B still makes 20); B's dear op 3 does, and then C, making 15, is the Cell that makes
+    most: 58 + 7 fits. The ILP picks what brute force picks; without the Cells, the plain
+    optimum comes back."""
+    cg = _recomputed_cells(66.0)
+    cheapest = (0, 0, 0, 0, 0)
+    assert cg.memory(cheapest) == 58.0 and cg.rerun(cheapest) == 20.0 - 8.0
+    assert not cg.fits(cheapest) and not cg.fits((0, 0, 0, 0, 1))
+    assert cg.rerun((0, 0, 0, 1, 0)) == 15.0 - 8.0
+    choice, best = brute_force(cg)
+    found = solve_exact(cg)
+    assert found.choice == choice == (0, 0, 0, 1, 0) and found.cost == best and found.proven
+    assert cg.memory(found.choice) + cg.transient(found.choice) == 65.0
+    assert solve_exact(dataclasses.replace(cg, cells=(), charged=())).choice == cheapest
+    # a cap the cheapest plan meets with its Cells binds nothing: the same plan
+    assert solve_exact(dataclasses.replace(cg, memory_capacity=70.0)).choice == cheapest
+    with pytest.raises(NoAvailableCost):
+        solve_exact(dataclasses.replace(cg, memory_capacity=50.0))

@@ -238,3 +238,25 @@ def test_bounds_on_what_recomputed_ops_make_again_drop_candidates_and_lower_the_
                    if n in pricer._charged else 0.0))
     assert sum(len(n.candidates) for n in cg.nodes) < sum(len(n.candidates) for n in free.nodes)
     assert limited.rerun(first) == 0.0   # held back from the cap instead
+
+
+def test_the_graph_with_transients_counts_a_plan_as_the_pricer_does() -> None:
+    """The graph exact's ILP is built from, with every transient (the head's ``.shard()``
+    MatMul's too) and two recomputed Cells' tapes made again, says of any plan what the
+    pricer says: its arrays, and its largest transient with what the Cell that makes most
+    again holds beyond the charged one (random plans: the two blocks' ops choose apart)."""
+    request = _request("exact", 44000.0, recomputed_blocks=2, head_strategy=((8, 1), (1, 1)))
+    pricer = auto.pricer_of(request)
+    cg = cost_graph_from(pricer, transients=True)
+    assert len(cg.cells) == 2 and cg.charged in cg.cells
+    head = next(n for n, site in enumerate(pricer.sites) if site.user)
+    assert cg.nodes[head].transients and cg.nodes[head].transients[0] > 0
+    rng = np.random.default_rng(0)
+    excess = 0
+    for _ in range(24):
+        choice = [int(rng.integers(len(node.candidates))) for node in cg.nodes]
+        shardings = [node.candidates[c] for node, c in zip(cg.nodes, choice)]
+        assert cg.memory(choice) == pytest.approx(pricer.memory(shardings), rel=1e-12)
+        assert cg.transient(choice) == pytest.approx(pricer.transient(shardings), rel=1e-12)
+        excess += cg.rerun(choice) > 0
+    assert excess > 0

@@ -231,8 +231,8 @@ def exact_planner(request: PlanRequest) -> StrategyMap:
         if not math.isfinite(pricer.transient_limit) and \
                 pricer.memory(plan) + pricer.transient(plan) > pricer.memory_capacity:
             # Its largest transient puts it over: the ILP again, with every op's and move's
-            # transient in it, whose plan fits with them and is the optimum of those that do
-            # (a recomputed Cell's tapes made again aside). None fits: the limits below.
+            # transient and the recomputed Cells' tapes made again in it, whose plan fits
+            # with them and is the optimum of those that do. None fits: the limits below.
             with contextlib.suppress(NoAvailableCost, TimeoutError):
                 plan, found = solve(cost_graph_from(pricer, transients=True))
         solved.append((plan, found))

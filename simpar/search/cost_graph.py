@@ -63,6 +63,10 @@ class CostNode:
     #: collectives' transient; :attr:`~simpar.search.pricing.Priced.transient`), the
     #: plan's largest adding to it under the cap; empty: not counted here.
     transients: tuple[float, ...] = ()
+    #: In a recomputed Cell (:attr:`CostGraph.cells`), what each candidate's tape holds
+    #: again while the backward reruns the Cell (:attr:`~simpar.search.pricing.Priced.rerun`);
+    #: empty: not counted here.
+    reruns: tuple[float, ...] = ()
 
     @property
     def name(self) -> str:
@@ -103,6 +107,12 @@ class CostGraph:
     device_num: int = 1
     unit: str = ""
     memory_capacity: float = math.inf
+    #: The recomputed Cells whose tapes made again the graph counts (node indices; each
+    #: Cell's are held while the backward reruns it, one Cell at a time), and the Cell among
+    #: them whose reruns the nodes' memories already count: a plan's other Cells add what
+    #: they hold beyond it to its transient (:meth:`rerun`). Empty: not counted.
+    cells: tuple[tuple[int, ...], ...] = ()
+    charged: tuple[int, ...] = ()
 
     def total(self, choice: Sequence[int]) -> float:
         """The objective of one candidate per node (``inf`` when shared parameters disagree
@@ -127,11 +137,21 @@ class CostGraph:
 
     def transient(self, choice: Sequence[int]) -> float:
         """The largest transient of a choice that the graph counts (its nodes' and its
-        edges' moves'; 0 where it counts none)."""
+        edges' moves'; 0 where it counts none), and on top of it what a recomputed Cell's
+        tapes made again hold beyond the memories' count (:meth:`rerun`)."""
         return max([0.0, *(node.transients[c] for node, c in zip(self.nodes, choice)
                            if node.transients),
                     *(float(e.transients[choice[e.producer], choice[e.consumer]])
-                      for e in self.edges if e.transients is not None)])
+                      for e in self.edges if e.transients is not None)]) + self.rerun(choice)
+
+    def rerun(self, choice: Sequence[int]) -> float:
+        """What the :attr:`cells` whose tapes made again hold most hold beyond the
+        :attr:`charged` Cell's (0 when the graph counts none), as
+        :meth:`~simpar.search.pricing.Pricer.rerun` prices it."""
+        def cell(nodes: Sequence[int]) -> float:
+            return sum(self.nodes[n].reruns[choice[n]] for n in nodes if self.nodes[n].reruns)
+        most = max((cell(nodes) for nodes in self.cells), default=0.0)
+        return max(0.0, most - cell(self.charged))
 
     def fits(self, choice: Sequence[int]) -> bool:
         """Whether a choice's memory and its largest counted transient fit the capacity."""
@@ -222,7 +242,8 @@ def cost_graph_from(pricer: Pricer, transients: bool = False) -> CostGraph:
     keep = math.ceil(1.0 / algo.algo_approxi_epsilon)
     nodes: list[CostNode] = []
     priced: dict[tuple[Any, ...], tuple[tuple[OpSharding, ...], tuple[float, ...],
-                                        tuple[float, ...], tuple[float, ...]]] = {}
+                                        tuple[float, ...], tuple[float, ...],
+                                        tuple[float, ...]]] = {}
     started = time.perf_counter()
     for site in pricer.sites:
         if site.signature not in priced:
@@ -237,12 +258,14 @@ def cost_graph_from(pricer: Pricer, transients: bool = False) -> CostGraph:
             mems = [p.memory for p in found]
             if approxi and not site.user:
                 cands, costs, mems = _approximate(cands, costs, mems, keep)
-            held = {id(p.sharding): p.transient for p in found}
+            held = {id(p.sharding): (p.transient, p.rerun) for p in found}
             priced[site.signature] = (tuple(cands), tuple(costs), tuple(mems),
-                                      tuple(held[id(c)] for c in cands))
-        cands_t, costs_t, mems_t, held_t = priced[site.signature]
+                                      tuple(held[id(c)][0] for c in cands),
+                                      tuple(held[id(c)][1] for c in cands))
+        cands_t, costs_t, mems_t, held_t, rerun_t = priced[site.signature]
         nodes.append(CostNode(site.node, cands_t, costs_t, site.user, mems_t,
-                              held_t if transients and not site.user else ()))
+                              held_t if transients else (),
+                              rerun_t if transients and any(rerun_t) else ()))
         if (site.index + 1) % 200 == 0 or site.index + 1 == len(pricer.sites):
             log.info("cost graph: %d/%d ops priced (%d distinct) in %.1f s", site.index + 1,
                      len(pricer.sites), len(priced), time.perf_counter() - started)
@@ -270,27 +293,32 @@ def cost_graph_from(pricer: Pricer, transients: bool = False) -> CostGraph:
 
 
 def _transients(pricer: Pricer, cg: CostGraph) -> CostGraph:
-    """``cg`` with its moves' transients too (the nodes' are in), for a search under the
-    pricer's full capacity; without any where even the hungriest choice fits with twice the
-    largest moved tensor whole beside it (no move holds more), or under a transient limit
-    (its moves over it are forbidden already). A move between two ``.shard()`` strategies
-    is not counted, nor is a user's op's own: they stand whatever they hold (the final
-    pricing says by how much a plan is over)."""
-    plain = replace(cg, nodes=tuple(replace(n, transients=()) for n in cg.nodes))
+    """``cg`` with its moves' transients too (the nodes' are in) and its recomputed Cells'
+    tapes made again (:meth:`~simpar.search.pricing.Pricer.rerun_cells`), for a search under
+    the pricer's full capacity; without any where even the hungriest choice fits with twice
+    the largest moved tensor whole and the most any Cell makes again beside it (no move
+    holds more), or under a transient limit (its moves over it are forbidden already, and
+    its rerun bounds hold the Cells' back from the cap). The user's ``.shard()`` strategies
+    and the moves between two of them count too: they are the same in every plan, a floor
+    for its largest transient."""
+    plain = replace(cg, nodes=tuple(replace(n, transients=(), reruns=()) for n in cg.nodes))
     if not math.isfinite(cg.memory_capacity) or math.isfinite(pricer.transient_limit):
         return plain
+    cells, charged = pricer.rerun_cells()
     hungriest = sum(max(n.memories, default=0.0) for n in cg.nodes) + sum(
         float(np.max(e.memories)) for e in cg.edges if e.memories is not None and
         np.size(e.memories))
     moved = max((2 * math.prod(pricer.sites[se.producer].node.outputs[se.output].shape)
                  * se.itemsize for se in pricer.edges), default=0)
     held = max((max(n.transients, default=0.0) for n in cg.nodes), default=0.0)
-    if hungriest + max(held, moved) <= cg.memory_capacity:
+    again = max((sum(max(cg.nodes[n].reruns, default=0.0) for n in nodes)
+                 for nodes in cells), default=0.0)
+    if hungriest + max(held, moved) + again <= cg.memory_capacity:
         return plain
     edges = []
     matrices: dict[tuple[Any, ...], np.ndarray] = {}
     for e, (se, edge) in enumerate(zip(pricer.edges, cg.edges)):
-        if se.follows or pricer.between_users(e):
+        if se.follows:
             edges.append(edge)
             continue
         p, c = cg.nodes[se.producer], cg.nodes[se.consumer]
@@ -300,7 +328,8 @@ def _transients(pricer: Pricer, cg: CostGraph) -> CostGraph:
             matrix.flags.writeable = False
             matrices[key] = matrix
         edges.append(replace(edge, transients=matrices[key] if matrices[key].any() else None))
-    return replace(cg, edges=tuple(edges))
+    return replace(cg, edges=tuple(edges), cells=cells if again else (),
+                   charged=charged if again else ())
 
 
 def _no_candidate(site: Site, strategies: Sequence[Strategy], device_num: int,

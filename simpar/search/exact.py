@@ -19,8 +19,13 @@ graph's memory capacity (the row is left out when even the hungriest choice fits
 graph counts transients (:attr:`CostNode.transients`, :attr:`CostEdge.transients`: what an
 op's backward or collective, or a move, holds for a while), a continuous ``T`` joins that
 row, with a row per node ``T >= sum_i t[n, i] x[n, i]`` and per edge ``T >= sum t[e, a, b]
-z[e, a, b]``: ``T`` is at least the plan's largest transient, so the plan fits with it, and
-the optimum is proven over the plans that do. The objective is the cost graph's: node costs
+z[e, a, b]``: ``T`` is at least the plan's largest transient, so the plan fits with it.
+Where it counts recomputed Cells' tapes made again (:attr:`CostGraph.cells`: each Cell's
+are held while the backward reruns it, and the nodes' memories count the charged Cell's), a
+continuous ``R`` joins the row too, with a row per other Cell ``R >= sum_{n in Cell, i}
+r[n, i] x[n, i] - sum_{n in charged, i} r[n, i] x[n, i]``: ``R`` is at least what the Cell
+that makes most again holds beyond the charged one. The optimum is proven over the plans
+that fit with both. The objective is the cost graph's: node costs
 plus edge costs.
 
 HiGHS solves it through ``scipy.optimize.milp`` (the optional ``exact`` extra): the LP
@@ -367,10 +372,10 @@ class _Model:
                           np.concatenate((np.ones(2 * len(a)), -np.ones(len(xp) + len(xc)))),
                           0.0, 0.0)
         self._shared(cg, upper)
-        largest = self._memory(cg, n_var)   # the largest transient's variable, if any
-        self.cost = np.concatenate([node_cost, *z_cost, np.zeros(largest)])
+        extra = self._memory(cg, n_var)   # T and R, where the graph counts them
+        self.cost = np.concatenate([node_cost, *z_cost, np.zeros(extra)])
         self.upper = np.concatenate([upper, np.ones(n_var - self.n_x),
-                                     np.full(largest, np.inf)])
+                                     np.full(extra, np.inf)])
         cheapest = [np.min(node_cost[lo:hi][upper[lo:hi] > 0], initial=np.inf)
                     for lo, hi in zip(self.offset[:-1], self.offset[1:])]
         cheapest += [np.min(z) for z in z_cost if len(z)]
@@ -418,43 +423,76 @@ class _Model:
     def _memory(self, cg: CostGraph, t: int) -> int:
         """The memory row: the nodes' and pairs' bytes, plus ``T`` (variable ``t``), the
         largest transient the graph counts, at least each chosen candidate's and each chosen
-        pair's move's (a row each). Returns how many variables it adds: 1 with ``T``."""
+        pair's move's (a row each), plus ``R`` (the next variable), what the recomputed Cells
+        whose tapes made again hold most hold beyond the charged Cell's, at least each
+        Cell's sum less the charged Cell's (a row each). Returns how many variables it adds
+        (``T`` and ``R`` where the graph counts them)."""
         if not math.isfinite(cg.memory_capacity) or not cg.nodes:
             return 0
         cap = cg.memory_capacity
         mems = np.concatenate([np.asarray(n.memories, dtype=float) for n in cg.nodes])
         share = mems / cap
-        held = np.concatenate([np.asarray(n.transients, dtype=float) if n.transients
-                               else np.zeros(len(n.candidates)) for n in cg.nodes]) / cap
+        held = self._per_candidate(cg, "transients") / cap
+        again = self._per_candidate(cg, "reruns") / cap
         most = max([float(np.max(held, initial=0.0)),
                     *(float(np.max(h, initial=0.0)) / cap for _, h in self._z_transient)])
+        cells = [self._candidates_of(nodes) for nodes in cg.cells]
+        charged = self._candidates_of(cg.charged)
+        rerun = max((float(np.maximum.reduceat(again[at], starts).sum())
+                     for at, starts in cells if len(at)), default=0.0)
         hungriest = np.maximum.reduceat(share, self.offset[:-1]).sum() + sum(
             np.max(m, initial=0.0) for _, m in self._z_memory) / cap
-        if hungriest + most <= 1.0 - self.slack:  # every choice fits: the row binds nothing
+        if hungriest + most + rerun <= 1.0 - self.slack:   # every choice fits: no row binds
             return 0
         used = np.nonzero(share)[0]
         cols = np.concatenate([used, *(z for z, _ in self._z_memory)])
         vals = np.concatenate([share[used], *(m / cap for _, m in self._z_memory)])
-        if most <= 0:
-            self.rows.add(1, np.zeros(len(cols)), cols, vals, -np.inf, 1.0 - self.slack)
-            return 0
-        self.rows.add(1, np.zeros(len(cols) + 1), np.append(cols, t), np.append(vals, 1.0),
-                      -np.inf, 1.0 - self.slack)
-        # T >= sum_i held[n, i] x[n, i] for each node n with a transient (one row each) ...
-        at = np.nonzero(held)[0]
-        node_of = np.searchsorted(self.offset, at, side="right") - 1
-        nodes, row = np.unique(node_of, return_inverse=True)
-        self.rows.add(len(nodes), np.concatenate([row, np.arange(len(nodes))]),
-                      np.concatenate([at, np.full(len(nodes), t)]),
-                      np.concatenate([held[at], -np.ones(len(nodes))]), -np.inf, 0.0)
-        # ... and sum_ab held[e, a, b] z[e, a, b] for each edge's moves
-        for z, h in self._z_transient:
-            live = np.nonzero(h)[0]
-            if len(live):
-                self.rows.add(1, np.zeros(len(live) + 1, dtype=np.int64),
-                              np.append(z[live], t), np.append(h[live] / cap, -1.0),
+        extra = [v for v, on in ((t, most > 0), (t + (most > 0), rerun > 0)) if on]
+        self.rows.add(1, np.zeros(len(cols) + len(extra)), np.append(cols, extra),
+                      np.append(vals, np.ones(len(extra))), -np.inf, 1.0 - self.slack)
+        if most > 0:
+            # T >= sum_i held[n, i] x[n, i] for each node n with a transient (a row each) ...
+            at = np.nonzero(held)[0]
+            node_of = np.searchsorted(self.offset, at, side="right") - 1
+            nodes, row = np.unique(node_of, return_inverse=True)
+            self.rows.add(len(nodes), np.concatenate([row, np.arange(len(nodes))]),
+                          np.concatenate([at, np.full(len(nodes), t)]),
+                          np.concatenate([held[at], -np.ones(len(nodes))]), -np.inf, 0.0)
+            # ... and sum_ab held[e, a, b] z[e, a, b] for each edge's moves
+            for z, h in self._z_transient:
+                live = np.nonzero(h)[0]
+                if len(live):
+                    self.rows.add(1, np.zeros(len(live) + 1, dtype=np.int64),
+                                  np.append(z[live], t), np.append(h[live] / cap, -1.0),
+                                  -np.inf, 0.0)
+        if rerun > 0:
+            # R >= sum over a Cell's candidates of again[n, i] x[n, i], less the charged
+            # Cell's sum, for each Cell but the charged one (a row each)
+            r = extra[-1]
+            minus = charged[0][again[charged[0]] > 0]
+            for at, _ in cells:
+                if np.array_equal(at, charged[0]):
+                    continue
+                live = at[again[at] > 0]
+                self.rows.add(1, np.zeros(len(live) + len(minus) + 1, dtype=np.int64),
+                              np.concatenate([live, minus, [r]]),
+                              np.concatenate([again[live], -again[minus], [-1.0]]),
                               -np.inf, 0.0)
-        return 1
+        return len(extra)
+
+    def _per_candidate(self, cg: CostGraph, what: str) -> np.ndarray:
+        """The nodes' ``transients`` or ``reruns``, one entry per ``x`` (0 where a node has
+        none)."""
+        return np.concatenate([np.asarray(getattr(n, what), dtype=float) if getattr(n, what)
+                               else np.zeros(len(n.candidates)) for n in cg.nodes])
+
+    def _candidates_of(self, nodes: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The ``x`` of ``nodes``' candidates, and where each node's start among them."""
+        if not nodes:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        counts = [int(self.offset[n + 1] - self.offset[n]) for n in nodes]
+        at = np.concatenate([self.offset[n] + np.arange(k) for n, k in zip(nodes, counts)])
+        return at.astype(np.int64), np.cumsum([0, *counts[:-1]]).astype(np.int64)
 
 
 def _by_pair(edges: Sequence[CostEdge]) -> dict[tuple[int, int], list[CostEdge]]:

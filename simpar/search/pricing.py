@@ -735,10 +735,17 @@ class Pricer:
         def cell(nodes: Sequence[int]) -> float:
             found = [self.priced(n, strategies[n].strategy) for n in nodes]
             return sum(p.rerun for p in found if p is not None)
-        if self.rerun_limits is not None:   # held back from the capacity
-            return 0.0
-        most = max((cell(nodes) for nodes in self._cells), default=0.0)
-        return max(0.0, most - cell(tuple(self._charged))) if self._charged else most
+        cells, charged = self.rerun_cells()
+        most = max((cell(nodes) for nodes in cells), default=0.0)
+        return max(0.0, most - cell(charged))
+
+    def rerun_cells(self) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
+        """The recomputed Cells whose tapes made again :meth:`rerun` counts (ops by index),
+        and the one among them whose ops' memories count theirs already; none under
+        :attr:`rerun_limits` (held back from the capacity)."""
+        if self.rerun_limits is not None:
+            return (), ()
+        return tuple(self._cells), tuple(sorted(self._charged))
 
     def edges_memory(self, strategies: Sequence[OpSharding]) -> float:
         """Bytes per rank the edges add to one sharding per op (:meth:`edge_memory`)."""
