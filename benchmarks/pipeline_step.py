@@ -1,6 +1,7 @@
 """A pipelined training step, simpar against a hand-written numpy + mpi4py 1F1B (issue 31).
 
     mpirun -n 8 python benchmarks/pipeline_step.py            # "## pipeline_step", "### 8 ranks"
+                                                              # and "### 8 ranks, each schedule"
     mpirun -n 2 python benchmarks/pipeline_step.py            # "### 2 ranks": a core each
     mpirun -n 8 python benchmarks/pipeline_step.py --rounds 2 --steps 3 --no-write
 
@@ -28,6 +29,18 @@ Each round runs both for ``--steps`` steps (the order alternating by round), eac
 a barrier; a step's time is the slowest rank's. The bubble: each rank's share of its step
 (from its start to its last task's end) spent blocked in receives, averaged over the ranks,
 against the schedule's (S - 1) / (M + S - 1).
+
+A second table ("### 8 ranks, each schedule", "### 2 ranks, each schedule") measures simpar's
+bubble under every schedule it runs, on equal stages of the same MLP, a global batch of 1024
+in 8 micro-batches. On 2 ranks, pp 2 (8 layers) under GPipe, 1F1B and the interleaved 1F1B
+with two chunks per stage: each stage has a core, as the formulas assume. On 8 ranks, GPipe
+and 1F1B on pp 8 (8 layers) and pp 4 x dp 2 (8 layers), and the interleaved 1F1B with two
+chunks per stage on pp 8 (16 layers, one per virtual stage) and pp 4 x dp 2 (8 layers),
+against the schedule's
+(S - 1) / (M + S - 1), and (S - 1) / (V M + S - 1) with V chunks. The first 3 losses of each
+must agree with the hand-written 1F1B's on the same layers within a relative 1e-4. There the
+8 stages share 2 cores: a stage that waits leaves its core to the others, which then run
+faster than on a core each, so the share of a step spent waiting is not the formula's.
 """
 
 # ruff: noqa: E402, I001  (simpar first: simpar/_env.py must run before numpy's BLAS and MPI)
@@ -53,6 +66,10 @@ from simpar.pipeline import bubble_fraction, schedule
 
 SCRIPT = "benchmarks/pipeline_step.py"
 WIDTH, BATCH, LR = 1024, 256, 0.05
+#: The global batch of the table of each schedule: tasks 4x longer than the first table's, so
+#: that a message's hop (a few ms on 8 ranks over 2 cores, where a waiting receive polls)
+#: stays small beside them, as the formulas assume.
+SCHEDULE_BATCH = 1024
 
 
 def weights(layers: int) -> dict[str, np.ndarray]:
@@ -65,17 +82,18 @@ def weights(layers: int) -> dict[str, np.ndarray]:
     return out
 
 
-def batch(k: int) -> tuple[np.ndarray, np.ndarray]:
+def batch(k: int, rows: int = BATCH) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(100 + k)
-    return (rng.standard_normal((BATCH, WIDTH)).astype(np.float32),
-            rng.standard_normal((BATCH, WIDTH)).astype(np.float32))
+    return (rng.standard_normal((rows, WIDTH)).astype(np.float32),
+            rng.standard_normal((rows, WIDTH)).astype(np.float32))
 
 
 class HandPipeline:
     """One rank's stage of the MLP under 1F1B, in numpy and mpi4py."""
 
-    def __init__(self, stages: int, micro: int, layers: int) -> None:
+    def __init__(self, stages: int, micro: int, layers: int, rows: int = BATCH) -> None:
         world = comm.world()
+        self.global_batch = rows
         self.rank, self.size = world.Get_rank(), world.Get_size()
         self.n = self.size // stages
         self.stage, self.local = divmod(self.rank, self.n)
@@ -103,7 +121,7 @@ class HandPipeline:
     def step(self, x: np.ndarray, y: np.ndarray) -> float:
         from mpi4py import MPI
         world = comm.world()
-        rows = BATCH // self.micro // self.n
+        rows = self.global_batch // self.micro // self.n
         acts: dict[int, list[np.ndarray]] = {}
         gw = {k: np.zeros_like(self.w[k]) for k in self.mine}
         gb = {k: np.zeros_like(self.b[k]) for k in self.mine}
@@ -133,7 +151,7 @@ class HandPipeline:
             if self.stage == self.stages - 1:
                 d = acts[k][-1] - self._rows(y, k)
                 loss += float(np.vdot(d, d))
-                g = d * (2.0 / (BATCH * WIDTH))   # the mean over the global batch
+                g = d * (2.0 / (self.global_batch * WIDTH))   # the global batch's mean
             else:
                 g = np.empty((rows, WIDTH), np.float32)
                 t0 = time.perf_counter()
@@ -162,20 +180,26 @@ class HandPipeline:
         MPI.Request.Waitall(sends)
         total = np.array([loss])
         world.Allreduce(MPI.IN_PLACE, total)
-        return float(total[0]) / (BATCH * WIDTH)
+        return float(total[0]) / (self.global_batch * WIDTH)
 
 
-def simpar_pipeline(stages: int, micro: int, layers: int) -> nn.TrainOneStepCell:
+def simpar_pipeline(stages: int, micro: int, layers: int, scheduler: str = "1f1b",
+                    chunks: int = 1, rows: int = BATCH) -> nn.TrainOneStepCell:
     simpar.reset_auto_parallel_context()
     simpar.set_auto_parallel_context(parallel_mode="data_parallel", gradients_mean=True,
-                                     pipeline_stages=stages)
+                                     pipeline_stages=stages, pipeline_config={
+                                         "pipeline_scheduler": scheduler,
+                                         "pipeline_interleave": chunks > 1})
     mlp = nn.MLP(WIDTH, WIDTH, WIDTH, n_hidden=layers - 1, dtype=np.float32)
-    for k, layer in enumerate(mlp.layers):
-        layer.pipeline_stage = k * stages // layers
+    for k, layer in enumerate(mlp.layers):   # equal virtual stages, chunk by chunk
+        virtual = k * stages * chunks // layers
+        layer.pipeline_stage = virtual % stages
+        if chunks > 1:
+            layer.pipeline_segment = virtual // stages
     cell = nn.WithLossCell(mlp, nn.MSELoss())
     params = cell.trainable_params()
     train = nn.TrainOneStepCell(nn.PipelineCell(cell, micro), nn.SGD(params, LR), seed=0)
-    train.build(*batch(0))
+    train.build(*batch(0, rows))
     simpar.reset_auto_parallel_context()
     return train
 
@@ -197,19 +221,28 @@ def mean(x: float) -> float:
     return float(comm.all_reduce(np.array([x]))[0]) / comm.get_group_size()
 
 
-def run(stages: int, micro: int, layers: int, rounds: int, steps: int
-        ) -> dict[str, Any]:
+def agreeing(stages: int, micro: int, layers: int, scheduler: str = "1f1b", chunks: int = 1,
+             rows: int = BATCH) -> tuple[HandPipeline, nn.TrainOneStepCell, float]:
+    """The hand-written 1F1B and simpar under ``scheduler`` (``chunks`` per stage) from the
+    same weights, after 3 steps whose losses agree within a relative 1e-4 (else exit), and
+    that relative error."""
     w = weights(layers)
-    hand = HandPipeline(stages, micro, layers)
+    hand = HandPipeline(stages, micro, layers, rows)
     hand.load(w)
-    ours = simpar_pipeline(stages, micro, layers)
+    ours = simpar_pipeline(stages, micro, layers, scheduler, chunks, rows)
     load(ours, w)
-    first = [hand.step(*batch(k)) for k in range(3)]
-    mine = [ours(*batch(k)) for k in range(3)]
+    first = [hand.step(*batch(k, rows)) for k in range(3)]
+    mine = [ours(*batch(k, rows)) for k in range(3)]
     err = max(abs(a - b) / abs(a) for a, b in zip(first, mine))
     if err > 1e-4:
-        raise SystemExit(f"{SCRIPT}: simpar's losses {mine} differ from the hand-written "
-                         f"{first} by {err:.1e}")
+        raise SystemExit(f"{SCRIPT}: simpar's losses under {scheduler} ({chunks} chunks) "
+                         f"{mine} differ from the hand-written 1F1B's {first} by {err:.1e}")
+    return hand, ours, err
+
+
+def run(stages: int, micro: int, layers: int, rounds: int, steps: int
+        ) -> dict[str, Any]:
+    hand, ours, err = agreeing(stages, micro, layers)
     runner = ours.pipeline
     assert runner is not None
     fns: dict[str, Callable[[int], float]] = {"hand": lambda k: hand.step(*batch(k)),
@@ -236,18 +269,77 @@ def run(stages: int, micro: int, layers: int, rounds: int, steps: int
             "theory": bubble_fraction(stages, micro), "error": err}
 
 
+def run_schedule(stages: int, micro: int, layers: int, scheduler: str, chunks: int,
+                 rounds: int, steps: int) -> dict[str, Any]:
+    """simpar alone under ``scheduler`` (``chunks`` per stage), its first losses checked
+    against the hand-written 1F1B's on the same layers: its step times and bubbles."""
+    _, ours, err = agreeing(stages, micro, layers, scheduler, chunks, SCHEDULE_BATCH)
+    runner = ours.pipeline
+    assert runner is not None
+    times, bubbles = [], []
+    for _ in range(rounds):
+        for k in range(steps):
+            comm.barrier()
+            t0 = time.perf_counter()
+            ours(*batch(k, SCHEDULE_BATCH))
+            times.append(slowest(time.perf_counter() - t0))
+            bubbles.append(mean(1.0 - runner.busy / runner.span))
+    return {"times": times, "bubbles": bubbles, "error": err,
+            "theory": bubble_fraction(stages, micro, chunks)}
+
+
+#: Per rank count, each schedule: (layout, stages, layers, scheduler, chunks).
+SCHEDULES = {8: (("pp 8", 8, 8, "gpipe", 1), ("pp 8", 8, 8, "1f1b", 1),
+                 ("pp 8", 8, 16, "1f1b", 2), ("pp 4 x dp 2", 4, 8, "gpipe", 1),
+                 ("pp 4 x dp 2", 4, 8, "1f1b", 1), ("pp 4 x dp 2", 4, 8, "1f1b", 2)),
+             2: (("pp 2", 2, 8, "gpipe", 1), ("pp 2", 2, 8, "1f1b", 1),
+                 ("pp 2", 2, 8, "1f1b", 2))}
+
+
+def each_schedule(args: argparse.Namespace) -> None:
+    """The second table: simpar's bubble under each schedule."""
+    rank, n, micro = comm.get_rank(), comm.get_group_size(), 8
+    rows = []
+    for label, stages, layers, scheduler, chunks in SCHEDULES[n]:
+        got = run_schedule(stages, micro, layers, scheduler, chunks, args.rounds, args.steps)
+        name = scheduler if chunks == 1 else f"interleaved {scheduler}, {chunks} chunks"
+        ms = float(np.median(got["times"])) * 1e3
+        bub, theory = float(np.median(got["bubbles"])), got["theory"]
+        rows.append([label, name, str(layers), str(micro), f"{ms:.1f}", f"{bub:.1%}",
+                     f"{theory:.1%}", f"{bub / theory - 1:+.0%}"])
+        if rank == 0:
+            print(f"{label}, {name}: {ms:.1f} ms, bubble {bub:.1%} against the schedule's "
+                  f"{theory:.1%}; first losses agree within {got['error']:.1e}", flush=True)
+    if rank == 0:
+        table = markdown_table(["layout", "schedule", "layers", "micro-batches", "simpar ms",
+                                "bubble simpar", "schedule's bubble", "simpar vs schedule"],
+                               rows)
+        body = "\n\n".join([
+            f"`mpirun -n {n} python {SCRIPT}` ({today()}; {args.rounds} rounds of {args.steps} "
+            "steps, the slowest rank's median step; bubble as above; the schedule's: (S - 1) "
+            "/ (M + S - 1), interleaved (S - 1) / (V M + S - 1); target: within 10%)",
+            table, host_line()])
+        print(body)
+        if not args.no_write:
+            write_section("pipeline_step", body, f"{n} ranks, each schedule")
+            print(f"written to benchmarks/RESULTS.md (## pipeline_step, "
+                  f"### {n} ranks, each schedule)")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--no-write", action="store_true")
+    p.add_argument("--schedules-only", action="store_true",
+                   help="only the table of each schedule's bubble")
     args = p.parse_args()
     n, rank = comm.get_group_size(), comm.get_rank()
     layouts = {8: (("pp 8", 8, 8), ("pp 4 x dp 2", 4, 8)), 2: (("pp 2", 2, 8),)}
     if n not in layouts:
         raise SystemExit(f"{SCRIPT}: run it on 8 or 2 ranks (mpirun -n 8, -n 2), not {n}")
     rows = []
-    for label, stages, layers in layouts[n]:
+    for label, stages, layers in () if args.schedules_only else layouts[n]:
         micro = 8
         got = run(stages, micro, layers, args.rounds, args.steps)
         hand, ours = (np.median(got["times"][k]) * 1e3 for k in ("hand", "simpar"))
@@ -262,7 +354,7 @@ def main() -> int:
             print(f"{label}: hand {hand:.1f} ms, simpar {ours:.1f} ms, ratio {ratio:.2f}; "
                   f"bubble hand {bub['hand']:.1%}, simpar {bub['simpar']:.1%}, schedule "
                   f"{theory:.1%}; first losses agree within {got['error']:.1e}", flush=True)
-    if rank == 0:
+    if rank == 0 and rows:
         table = markdown_table(["layout", "micro-batches", "hand ms", "simpar ms",
                                 "simpar / hand (rounds)", "bubble hand", "bubble simpar",
                                 "(S-1)/(M+S-1)", "simpar vs schedule"], rows)
@@ -276,6 +368,7 @@ def main() -> int:
         if not args.no_write:
             write_section("pipeline_step", body, f"{n} ranks")
             print(f"written to benchmarks/RESULTS.md (## pipeline_step, ### {n} ranks)")
+    each_schedule(args)
     return 0
 
 

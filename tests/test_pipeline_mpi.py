@@ -8,8 +8,9 @@ stages of contiguous Cells and trained ``STEPS`` Adam steps on the same global b
 * ``pp``: one rank per stage (pp 8);
 
 with 1, 2, 4 and 8 micro-batches under GPipe and 1F1B, interleaved with two chunks per stage
-(``pipeline_segment``), and with optimizer parallel (each level, threshold 0) and
-recomputation of every block. On every rank the losses and every
+(``pipeline_segment``; on pp 8 a GPT of 14 blocks, whose 16 units give each virtual stage
+one), and with optimizer parallel (each level, threshold 0) and recomputation of every block:
+every schedule on every layout with and without them. On every rank the losses and every
 stored parameter slice must equal one device's (relative 1e-10), and the step's point-to-point
 messages, read from the trace, must be the ones the runner lists: each boundary once per
 micro-batch forward and (a float) once backward, of its shard's bytes; and every collective
@@ -62,8 +63,12 @@ def _layout(kind: str, n: int) -> tuple[int, int, int]:
     return n, 1, 1
 
 
-def _gpt(stages: int = 1, chunks: int = 1) -> nn.GPT:
-    net = nn.GPT(**GPT, dtype=np.float64)
+#: Blocks of the GPT interleaved over pp 8: its 16 units make two chunks of 8 stages.
+DEEP = 14
+
+
+def _gpt(stages: int = 1, chunks: int = 1, layers: int = GPT["n_layers"]) -> nn.GPT:
+    net = nn.GPT(**{**GPT, "n_layers": layers}, dtype=np.float64)
     units = [net.embedding, *net.blocks, net.head]
     if stages > 1:
         for k, unit in enumerate(units):   # contiguous, as even as the units allow
@@ -83,8 +88,8 @@ def _batch(step: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 @cache
-def _reference() -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    cell = nn.WithLossCell(_gpt(), nn.SoftmaxCrossEntropyWithLogits())
+def _reference(layers: int = GPT["n_layers"]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    cell = nn.WithLossCell(_gpt(layers=layers), nn.SoftmaxCrossEntropyWithLogits())
     train = nn.TrainOneStepCell(cell, nn.Adam(cell.trainable_params(), LR),
                                 parallel_mode="stand_alone", seed=SEED)
     losses = np.array([train(*_batch(k)) for k in range(STEPS)])
@@ -110,7 +115,7 @@ def _cell(kind: str, micro: int, scheduler: str, level: str | None = None,
     stages, dp, mp = _layout(kind, n)
     simpar.reset_auto_parallel_context()
     chunks = 2 if scheduler.startswith("interleaved") else 1
-    net, loss = _gpt(stages, chunks), nn.SoftmaxCrossEntropyWithLogits()
+    net, loss = _gpt(stages, chunks, _layers(stages, chunks)), nn.SoftmaxCrossEntropyWithLogits()
     if mp > 1:
         presets.megatron_gpt(net, dp, mp, loss)
         mode: dict[str, Any] = {"parallel_mode": "semi_auto_parallel",
@@ -134,6 +139,12 @@ def _cell(kind: str, micro: int, scheduler: str, level: str | None = None,
     return nn.TrainOneStepCell(cell, nn.Adam(params, LR), seed=SEED)
 
 
+def _layers(stages: int, chunks: int) -> int:
+    """The GPT's blocks for ``stages`` x ``chunks`` virtual stages: the deeper one where its
+    6 blocks and 2 other units are too few to give each a unit."""
+    return DEEP if stages * chunks > GPT["n_layers"] + 2 else GPT["n_layers"]
+
+
 def _agreed(problems: list[str]) -> list[str]:
     """Every rank fails if any does."""
     count = comm.all_reduce(np.array([len(problems)], dtype=np.int64), op="max")[0]
@@ -152,7 +163,12 @@ CASES = ([(kind, micro, sched, None, False) for kind in ("pp2", "ppdp", "pp")
          + [(kind, STAGES[kind], "1f1b", level, False) for kind in ("pp2", "ppdp")
             for level in ("level1", "level2", "level3")]
          + [(kind, max(4, STAGES[kind]), "1f1b", None, True) for kind in ("pp2", "ppdp", "pp")]
-         + [("pp2", 2, "gpipe", "level3", True)])
+         + [("pp2", 2, "gpipe", "level3", True)]
+         # every schedule on every layout with and without the memory dimensions (pp 8 has
+         # one rank per stage: nothing for optimizer parallel to shard)
+         + [("pp", 8, "interleaved-1f1b", None, False), ("pp", 8, "interleaved-1f1b", None, True),
+            ("ppdp", 4, "gpipe", "level1", True), ("pp", 8, "gpipe", None, True),
+            ("pp2", 4, "interleaved-1f1b", "level3", False)])
 
 
 @pytest.mark.parametrize(("kind", "micro", "scheduler", "level", "recompute"), CASES,
@@ -162,7 +178,9 @@ def test_pipelined_training_matches_one_device_on_every_rank(
         kind: str, micro: int, scheduler: str, level: str | None, recompute: bool) -> None:
     rank = comm.get_rank()
     with abort_job_on_error(f"{kind} micro {micro} {scheduler} {level} {recompute}"):
-        ref_losses, ref_params = _reference()
+        stages = _layout(kind, comm.get_group_size())[0]
+        chunks = 2 if scheduler.startswith("interleaved") else 1
+        ref_losses, ref_params = _reference(_layers(stages, chunks))
         train, losses, events = _train(kind, micro, scheduler, level, recompute)
     runner, prog = train.pipeline, train.program
     assert runner is not None and prog is not None

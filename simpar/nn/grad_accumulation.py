@@ -56,8 +56,9 @@ class PipelineCell(GradAccumulation):
     segment_config=None)``; 2.x: ``mindspore.parallel.nn.Pipeline``). ``stage_config`` and
     ``segment_config`` map Cell paths inside ``network`` to stages and chunks, as setting
     their ``pipeline_stage`` and ``pipeline_segment`` does; a path that names no Cell is a
-    ``KeyError``, as in MindSpore. With one stage it is gradient accumulation. (MindSpore
-    asks for ``micro_size >= pipeline_stages``; simpar runs fewer too, with a larger bubble.)
+    ``KeyError``, as in MindSpore. With one stage it is gradient accumulation. (The ``1f1b``
+    scheduler asks for ``micro_size >= pipeline_stages``, as MindSpore's does, and refuses
+    fewer on every rank; ``gpipe`` runs fewer, with a larger bubble.)
 
     >>> from simpar import nn
     >>> mlp = nn.MLP(4, 8, 2, n_hidden=1)

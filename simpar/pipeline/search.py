@@ -354,7 +354,7 @@ def _step(stages: int, m: int, blocks: Sequence[int], emb: _Unit, block: _Unit,
                 + (head.once if v == last else 0.0) for v in vs) for vs in mine]
     busy = [sum(m * (forward[v] + backward[v]) + (m - 1) * summing[v] for v in vs)
             for vs in mine]
-    bubble = 1.0 - sum(busy) / sum(ends)
+    bubble = max(0.0, 1.0 - sum(busy) / sum(ends))   # not -0.0 where rounding leaves none
     return max(e + o for e, o in zip(ends, once)) + prof.step_overhead, bubble
 
 
