@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 from typing import Any
 
@@ -19,6 +20,7 @@ from simpar.pipeline.search import (
     PipelinePlan,
     StageChoice,
     _split,
+    _split_apart,
     _step,
     _units,
     price_choice,
@@ -39,6 +41,52 @@ def test_the_split_fills_stages_evenly_under_the_slowest_stage_and_the_cap() -> 
     assert _split(10, 3, seconds, lambda s, k: 0, 1) == [2, 4, 4]
     assert _split(8, 3, seconds, lambda s, k: k, 3) == [2, 3, 3]
     assert _split(10, 3, seconds, lambda s, k: k, 3) is None
+
+
+def test_each_stage_chooses_its_option_with_the_split() -> None:
+    """Two options for a block: 1 s holding 2 bytes a micro-batch in flight, or 1.5 s (its
+    forward again) holding 1. Two stages holding 2 and 1 micro-batches in flight under 1F1B,
+    a cap of 12 bytes, 10 blocks. Plain, stage 0 fits 3 blocks and stage 1 6: no split.
+    Every block recomputed: 5 and 5, the slowest stage 7.5 s. Each stage choosing: stage 0
+    recomputes 4 blocks (6 s, 8 bytes), stage 1 runs 6 plain (6 s, 12 bytes), what a brute
+    force over every split and option finds least."""
+    flight = [2, 1]
+
+    def seconds(s: int, k: int, o: int) -> float:
+        return k * (1.0, 1.5)[o]
+
+    def memory(s: int, k: int, o: int) -> int:
+        return k * flight[s] * (2, 1)[o]
+
+    assert _split_apart(10, 2, seconds, memory, 12, 1) is None
+    uniform = _split_apart(10, 2, lambda s, k, o: seconds(s, k, 1),
+                           lambda s, k, o: memory(s, k, 1), 12, 1)
+    assert uniform == ([5, 5], [0, 0])
+    found = _split_apart(10, 2, seconds, memory, 12, 2)
+    assert found == ([4, 6], [1, 0])
+    best = min(max(seconds(s, k, o) for s, (k, o) in enumerate(zip(ks, os)))
+               for ks in itertools.product(range(1, 10), repeat=2) if sum(ks) == 10
+               for os in itertools.product((0, 1), repeat=2)
+               if all(memory(s, k, o) <= 12 for s, (k, o) in enumerate(zip(ks, os))))
+    assert best == 6.0 == max(seconds(s, k, o) for s, (k, o) in enumerate(zip(*found)))
+
+
+def test_a_searched_plan_recomputes_only_the_stages_that_need_it() -> None:
+    """Under a cap that the blocks' activations, held as 1F1B holds them (more micro-batches
+    in flight on the first stages), overflow on the first stages only, the ``"stages"`` rung
+    recomputes those and not the last, and its step is faster than every block
+    recomputed."""
+    prof = load_profile("ascend910b")
+    choice = StageChoice(2, 2, 2, None, False)
+    plain = price_choice(SMALL, 16, 4, choice, prof)
+    cap = (plain.stage_memory[-1] + plain.peak_memory) // 2   # the first stages over it
+    assert not price_choice(SMALL, 16, 4, choice, prof, capacity=cap).fits
+    apart = price_choice(SMALL, 16, 4, choice, prof, capacity=cap, apart=True)
+    everyone = price_choice(SMALL, 16, 4, replace(choice, recompute=True), prof, capacity=cap)
+    assert apart.fits and everyone.fits and apart.peak_memory <= cap
+    assert 0 in apart.recomputed and 3 not in apart.recomputed and apart.rung == (None, "stages")
+    assert apart.step_seconds < everyone.step_seconds
+    assert apart.recomputed == (0, 1) and "recomputation on stages 0-1 of 4" in apart.describe()
 
 
 def test_a_priced_choice_is_its_stages_timeline() -> None:
@@ -91,7 +139,7 @@ def test_the_search_keeps_the_fastest_plan_that_fits_and_each_layout_climbs_the_
     assert all(any(q.chunks == 1 and q.fits and q.stages == p.stages and q.choice == p.choice
                    for q in found.candidates) for p in woven)
     for tried in by_layout.values():
-        rungs = [(p.choice.level, p.choice.recompute) for p in tried]
+        rungs = [p.rung for p in tried]
         assert rungs == list(LADDER[:len(rungs)])
         assert all(not p.fits for p in tried[:-1])
     assert {p.stages for p in found.candidates} >= {2, 4, 8}

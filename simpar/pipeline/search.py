@@ -18,7 +18,11 @@ gradients and optimizer state; the activations one micro-batch keeps). Then:
 * the layer ranges: the fewest-seconds split of the ``L`` blocks over the ``S`` stages in
   which every stage fits the cap, with 1F1B's ``min(S - s, M)`` micro-batches in flight on
   stage ``s`` (a search over the slowest stage's time, each stage given the most blocks
-  that fit under it);
+  that fit under it); on the :data:`LADDER`'s ``"stages"`` rungs each stage also chooses
+  whether its blocks recompute, with the split: under a limit on the slowest stage it takes
+  the most blocks either choice fits, and keeps the faster choice that fits what it is
+  given, so the early stages, holding more micro-batches in flight, recompute and take
+  fewer blocks;
 * the step: the stages' 1F1B tasks on a timeline (:func:`~simpar.pipeline.price.timeline`'s,
   in an order made once per schedule and shared by the candidates), messages between stages
   at the link's time, then each stage's synchronisation and update;
@@ -137,6 +141,10 @@ class PipelinePlan:
     bubble: float
     fits: bool
     chunks: int = 1                  # virtual stages per stage (interleaved 1F1B when > 1)
+    #: The stages whose blocks recompute, where the stages choose apart (``apart``; else
+    #: ``choice.recompute`` says for every stage).
+    recomputed: tuple[int, ...] = ()
+    apart: bool = False
 
     @property
     def peak_memory(self) -> int:
@@ -145,8 +153,31 @@ class PipelinePlan:
     def describe(self) -> str:
         where = ("blocks per stage" if self.chunks == 1 else
                  f"interleaved 1F1B, {self.chunks} chunks per stage, blocks per chunk")
-        return (f"pp {self.stages} x ({self.choice.describe()}), {self.micro_batches} "
+        choice = self.choice.describe()
+        if self.apart and len(self.recomputed) == self.stages:
+            choice = choice.replace("no recomputation", "full recomputation")
+        elif self.apart and self.recomputed:
+            choice = choice.replace("no recomputation", f"recomputation on stages "
+                                    f"{_ranges(self.recomputed)} of {self.stages}")
+        return (f"pp {self.stages} x ({choice}), {self.micro_batches} "
                 f"micro-batches, {where} {_runs(self.blocks)}")
+
+    @property
+    def rung(self) -> tuple[str | None, str]:
+        """Its rung of the :data:`LADDER`: the optimizer level, and which stages recompute."""
+        return (self.choice.level, "stages" if self.apart else
+                "all" if self.choice.recompute else "none")
+
+
+def _ranges(stages: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``"0-2, 5"``."""
+    runs: list[list[int]] = []
+    for s in sorted(stages):
+        if runs and runs[-1][1] == s - 1:
+            runs[-1][1] = s
+        else:
+            runs.append([s, s])
+    return ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in runs)
 
 
 def _runs(blocks: Sequence[int]) -> str:
@@ -183,13 +214,20 @@ class PipelineSearch:
             tp, dp = (c.tp, c.dp) if c.search is None else ("-", f"{c.tp * c.dp}*")
             lines.append(f"{p.stages:>3} {p.chunks:>2} {tp:>3} {dp:>4} {c.mbs:>3} "
                          f"{p.micro_batches:>4} "
-                         f"{c.level or 'off':>7} {'yes' if c.recompute else 'no':>6} "
+                         f"{c.level or 'off':>7} {_recomputes(p):>6} "
                          f"{p.step_seconds:>9.3f} {p.bubble:>7.1%} "
                          f"{p.peak_memory / 2**30:>9.2f}  {'yes' if p.fits else 'NO'}")
         if any(p.choice.search for p in rows):
             lines.append("(tp - , dp N*: every op's cuts searched on the stage's N devices, "
                          "for a micro-batch of dp x mbs rows of Megatron's layout beside it)")
         return "\n".join(lines)
+
+
+def _recomputes(p: PipelinePlan) -> str:
+    """Which stages recompute, for a table: yes, no, or how many of them."""
+    if p.apart and 0 < len(p.recomputed) < p.stages:
+        return f"{len(p.recomputed)}/{p.stages}"
+    return "yes" if p.choice.recompute or p.recomputed else "no"
 
 
 def _units(shape: GPTShape, n: int, choice: StageChoice, prof: DeviceProfile,
@@ -264,57 +302,90 @@ def _plan_units(shape: GPTShape, n: int, choice: StageChoice, prof: DeviceProfil
 
 def price_choice(shape: GPTShape, device_num: int, stages: int, choice: StageChoice,
                  profile: str | DeviceProfile = "ascend910b", optimizer: str = "adam",
-                 capacity: int | None = None, plans: dict[Any, Any] | None = None
-                 ) -> PipelinePlan:
+                 capacity: int | None = None, plans: dict[Any, Any] | None = None,
+                 apart: bool = False) -> PipelinePlan:
     """One candidate: ``stages`` stages under ``choice``, its blocks split as the module
-    says, its 1F1B step on a timeline."""
+    says, its 1F1B step on a timeline. ``apart``: each stage recomputes its blocks or not,
+    chosen with the split (``choice.recompute`` is then ignored)."""
     prof = load_profile(profile)
     cap = prof.memory_capacity if capacity is None else capacity
     n = device_num // stages
     m = shape.batch // (choice.dp * choice.mbs)
-    emb, block, head, sent = _units(shape, n, choice, prof, optimizer, plans)
+    options = [_units(shape, n, replace(choice, recompute=r), prof, optimizer, plans)
+               for r in ((False, True) if apart else (choice.recompute,))]
+    sent = options[0][3]
     flight = [in_flight(schedule("1f1b", s, stages, m)) for s in range(stages)]
 
-    def seconds(s: int, k: int) -> float:   # a micro-batch's share, summing included
+    def seconds(s: int, k: int, o: int = 0) -> float:   # a micro-batch's share, summing in
+        emb, block, head, _ = options[o]
+
         def each(u: _Unit) -> float:
             return u.forward + u.backward + u.summing * (m - 1) / m
         return (k * each(block) + (each(emb) if s == 0 else 0.0)
                 + (each(head) if s == stages - 1 else 0.0))
 
-    def memory(s: int, k: int) -> int:
+    def memory(s: int, k: int, o: int = 0) -> int:
+        emb, block, head, _ = options[o]
         units = [(block, k)] + ([(emb, 1)] if s == 0 else []) + (
             [(head, 1)] if s == stages - 1 else [])
         return int(sum(c * (u.static + flight[s] * u.activations) for u, c in units)
                    + max(u.transient for u, c in units if c))
 
-    blocks = _split(shape.layers, stages, seconds, memory, cap)
-    fits = blocks is not None
-    if blocks is None:   # nothing fits: the even split, priced anyway
+    found = _split_apart(shape.layers, stages, seconds, memory, cap, len(options))
+    fits = found is not None
+    if found is None:   # nothing fits: the even split, priced anyway
         blocks = [shape.layers // stages + (s < shape.layers % stages) for s in range(stages)]
-    step, bubble = _step(stages, m, blocks, emb, block, head, sent, n, prof)
-    mem = tuple(memory(s, k) for s, k in enumerate(blocks))
+        picks = [len(options) - 1] * stages
+    else:
+        blocks, picks = found
+    per_stage = [options[o][:3] for o in picks]
+    step, bubble = _step(stages, m, blocks, *options[0][:3], sent, n, prof,
+                         per_stage=per_stage if apart else None)
+    mem = tuple(memory(s, k, o) for s, (k, o) in enumerate(zip(blocks, picks)))
+    recomputed = tuple(s for s, o in enumerate(picks) if o) if apart else ()
     return PipelinePlan(stages, n, m, choice, tuple(blocks), step, mem, bubble,
-                        fits and all(x <= cap for x in mem))
+                        fits and all(x <= cap for x in mem), recomputed=recomputed,
+                        apart=apart)
 
 
 def _split(layers: int, stages: int, seconds: Any, memory: Any, cap: int
            ) -> list[int] | None:
     """The split of ``layers`` blocks over ``stages`` (each at least one) whose slowest
     stage is fastest, every stage under ``cap``; None when none fits."""
-    def most(s: int, limit: float) -> int:
-        k = 0
-        while k < layers and seconds(s, k + 1) <= limit and memory(s, k + 1) <= cap:
-            k += 1
-        return k
+    found = _split_apart(layers, stages, lambda s, k, o: seconds(s, k),
+                         lambda s, k, o: memory(s, k), cap, 1)
+    return None if found is None else found[0]
 
-    limits = sorted({seconds(s, k) for s in range(stages) for k in range(1, layers + 1)})
+
+def _split_apart(layers: int, stages: int, seconds: Any, memory: Any, cap: int,
+                 options: int) -> tuple[list[int], list[int]] | None:
+    """:func:`_split` where each stage also picks one of ``options`` (``seconds(s, k, o)``,
+    ``memory(s, k, o)``): under a limit on the slowest stage, a stage takes the most blocks
+    any option fits; the least limit under which the stages take every block is searched,
+    blocks are given back from the stages with the most, and each stage keeps the fastest
+    option that fits its blocks under the limit. None when nothing fits."""
+    def fits(s: int, k: int, o: int, limit: float) -> bool:
+        return seconds(s, k, o) <= limit and memory(s, k, o) <= cap
+
+    def most(s: int, limit: float) -> int:
+        best = 0
+        for o in range(options):
+            k = 0
+            while k < layers and fits(s, k + 1, o, limit):
+                k += 1
+            best = max(best, k)
+        return best
+
+    limits = sorted({seconds(s, k, o) for s in range(stages) for k in range(1, layers + 1)
+                     for o in range(options)})
     lo, hi = 0, len(limits) - 1
     found: list[int] | None = None
+    limit = math.inf
     while lo <= hi:
         mid = (lo + hi) // 2
         ks = [most(s, limits[mid]) for s in range(stages)]
         if min(ks) >= 1 and sum(ks) >= layers:
-            found, hi = ks, mid - 1
+            found, limit, hi = ks, limits[mid], mid - 1
         else:
             lo = mid + 1
     if found is None:
@@ -324,21 +395,27 @@ def _split(layers: int, stages: int, seconds: Any, memory: Any, cap: int
         take = min(extra, found[s] - 1)
         found[s] -= take
         extra -= take
-    return found
+    picks = [min((o for o in range(options) if fits(s, found[s], o, limit)),
+                 key=lambda o: seconds(s, found[s], o)) for s in range(stages)]
+    return found, picks
 
 
 def _step(stages: int, m: int, blocks: Sequence[int], emb: _Unit, block: _Unit,
-          head: _Unit, sent: int, n: int, prof: DeviceProfile, chunks: int = 1
+          head: _Unit, sent: int, n: int, prof: DeviceProfile, chunks: int = 1,
+          per_stage: Sequence[tuple[_Unit, _Unit, _Unit]] | None = None
           ) -> tuple[float, float]:
     """(step seconds, bubble share) of the split (``blocks`` per virtual stage, ``chunks``
-    per stage: interleaved when more than one) on a 1F1B timeline."""
+    per stage: interleaved when more than one) on a 1F1B timeline; ``per_stage``: each
+    stage's own (embedding, block, head) units instead of the same for all."""
     last = stages * chunks - 1
+    units = per_stage or [(emb, block, head)] * stages
 
     def cost(v: int, kind: str) -> float:
         pick = {"F": lambda u: u.forward, "B": lambda u: u.backward,
                 "S": lambda u: u.summing}[kind]
-        return (blocks[v] * pick(block) + (pick(emb) if v == 0 else 0.0)
-                + (pick(head) if v == last else 0.0))
+        e, b, h = units[v % stages]
+        return (blocks[v] * pick(b) + (pick(e) if v == 0 else 0.0)
+                + (pick(h) if v == last else 0.0))
 
     hop = prof.link((0, n)).seconds(1, sent) if stages > 1 else 0.0
     forward = [cost(v, "F") for v in range(last + 1)]
@@ -350,8 +427,9 @@ def _step(stages: int, m: int, blocks: Sequence[int], emb: _Unit, block: _Unit,
                        for s, kind, c, k in order.keys], hop)
     ends = [spans[i][1] for i in ends_at]
     mine = [[c * stages + s for c in range(chunks)] for s in range(stages)]
-    once = [sum(blocks[v] * block.once + (emb.once if v == 0 else 0.0)
-                + (head.once if v == last else 0.0) for v in vs) for vs in mine]
+    once = [sum(blocks[v] * units[s][1].once + (units[s][0].once if v == 0 else 0.0)
+                + (units[s][2].once if v == last else 0.0) for v in vs)
+            for s, vs in enumerate(mine)]
     busy = [sum(m * (forward[v] + backward[v]) + (m - 1) * summing[v] for v in vs)
             for vs in mine]
     bubble = max(0.0, 1.0 - sum(busy) / sum(ends))   # not -0.0 where rounding leaves none
@@ -388,10 +466,11 @@ def _order(stages: int, m: int, chunks: int) -> tuple[TaskOrder, tuple[int, ...]
 def price_interleaved(shape: GPTShape, device_num: int, stages: int, choice: StageChoice,
                       profile: str | DeviceProfile = "ascend910b", optimizer: str = "adam",
                       capacity: int | None = None, plans: dict[Any, Any] | None = None,
-                      chunks: int = 2) -> PipelinePlan | None:
+                      chunks: int = 2, apart: bool = False) -> PipelinePlan | None:
     """One candidate under Megatron's interleaved 1F1B: ``chunks`` virtual stages per stage,
     the blocks split evenly over the virtual stages; None where the schedule cannot run it
-    (micro-batches not a multiple of the stages, fewer blocks than virtual stages)."""
+    (micro-batches not a multiple of the stages, fewer blocks than virtual stages).
+    ``apart``: a stage recomputes its blocks only where they do not fit otherwise."""
     prof = load_profile(profile)
     cap = prof.memory_capacity if capacity is None else capacity
     n = device_num // stages
@@ -399,10 +478,13 @@ def price_interleaved(shape: GPTShape, device_num: int, stages: int, choice: Sta
     virtual = stages * chunks
     if stages < 2 or m % stages or shape.layers < virtual:
         return None
-    emb, block, head, sent = _units(shape, n, choice, prof, optimizer, plans)
+    options = [_units(shape, n, replace(choice, recompute=r), prof, optimizer, plans)
+               for r in ((False, True) if apart else (choice.recompute,))]
+    sent = options[0][3]
     blocks = [shape.layers // virtual + (v < shape.layers % virtual) for v in range(virtual)]
-    mem = []
-    for s in range(stages):   # each chunk's micro-batches in flight, as the schedule holds them
+
+    def memory(s: int, o: int) -> int:   # each chunk's micro-batches in flight, as held
+        emb, block, head, _ = options[o]
         static, acts, transient = 0, [], 0
         for c in range(chunks):
             v = c * stages + s
@@ -411,11 +493,17 @@ def price_interleaved(shape: GPTShape, device_num: int, stages: int, choice: Sta
             static += sum(k * u.static for u, k in units)
             acts.append(sum(k * u.activations for u, k in units))
             transient = max([transient] + [u.transient for u, k in units if k])
-        held = most_held(schedule("1f1b", s, stages, m, chunks), acts)
-        mem.append(int(static + held + transient))
-    step, bubble = _step(stages, m, blocks, emb, block, head, sent, n, prof, chunks)
-    return PipelinePlan(stages, n, m, choice, tuple(blocks), step, tuple(mem), bubble,
-                        all(x <= cap for x in mem), chunks)
+        return int(static + most_held(schedule("1f1b", s, stages, m, chunks), acts)
+                   + transient)
+
+    picks = [next((o for o in range(len(options)) if memory(s, o) <= cap), len(options) - 1)
+             for s in range(stages)]
+    mem = tuple(memory(s, o) for s, o in enumerate(picks))
+    step, bubble = _step(stages, m, blocks, *options[0][:3], sent, n, prof, chunks,
+                         per_stage=[options[o][:3] for o in picks] if apart else None)
+    recomputed = tuple(s for s, o in enumerate(picks) if o) if apart else ()
+    return PipelinePlan(stages, n, m, choice, tuple(blocks), step, mem, bubble,
+                        all(x <= cap for x in mem), chunks, recomputed, apart)
 
 
 #: The virtual stages per stage tried under the interleaved 1F1B (each where the blocks and
@@ -423,11 +511,14 @@ def price_interleaved(shape: GPTShape, device_num: int, stages: int, choice: Sta
 CHUNKS = (2, 4)
 
 #: The memory dimensions tried for each layout, cheapest in time first; the first that fits
-#: is kept (each later one costs time and saves memory): nothing, every block recomputed,
-#: then optimizer parallel level1 (its weights gathered before every micro-batch's forward)
-#: without and with recomputation.
-LADDER: tuple[tuple[str | None, bool], ...] = ((None, False), (None, True), ("level1", False),
-                                                ("level1", True))
+#: is kept (each later one costs time and saves memory): nothing, then the blocks of the
+#: stages that need it recomputed (``"stages"``: each stage chooses with the split, so
+#: early stages, which hold more micro-batches in flight under 1F1B, recompute and take
+#: fewer blocks, and late ones do not), then the same under optimizer parallel level1 (its
+#: weights gathered before every micro-batch's forward). Every block recomputed (``"all"``)
+#: is one of the choices ``"stages"`` weighs, so it fits whenever that does, no faster.
+LADDER: tuple[tuple[str | None, str], ...] = ((None, "none"), (None, "stages"),
+                                               ("level1", "none"), ("level1", "stages"))
 
 
 def _layouts(shape: GPTShape, n: int, prof: DeviceProfile, mbs: Sequence[int]
@@ -444,7 +535,7 @@ def _layouts(shape: GPTShape, n: int, prof: DeviceProfile, mbs: Sequence[int]
 
 def search_pipeline(shape: GPTShape, device_num: int, profile: str | DeviceProfile = "ascend910b",
                     optimizer: str = "adam", stages: int | None = None,
-                    capacity: int | None = None, ladder: Sequence[tuple[str | None, bool]]
+                    capacity: int | None = None, ladder: Sequence[tuple[str | None, str]]
                     = LADDER, mbs: Sequence[int] = (1,), budget: float | None = None,
                     intra: str | None = "recursive_programming") -> PipelineSearch:
     """The cheapest plan that fits (see the module): ``stages`` fixes S (None: every power
@@ -477,20 +568,24 @@ def search_pipeline(shape: GPTShape, device_num: int, profile: str | DeviceProfi
             if 2 * math.ceil(shape.layers / s) * weights / (tp if search is None else n) > cap:
                 skipped += 1
                 continue
-            for level, recompute in ladder:
+            for level, which in ladder:
+                if which not in ("none", "stages", "all"):
+                    raise ValueError(f"search_pipeline: a ladder rung recomputes 'none', "
+                                     f"'stages' or 'all', got {which!r}")
                 if budget is not None and time.perf_counter() - started > budget:
                     break
+                choice = StageChoice(tp, dp, rows, level, which == "all", search)
+                apart = which == "stages"
                 try:
-                    plan = price_choice(shape, device_num, s,
-                                        StageChoice(tp, dp, rows, level, recompute, search),
-                                        prof, optimizer, cap, units)
+                    plan = price_choice(shape, device_num, s, choice, prof, optimizer, cap,
+                                        units, apart)
                 except NoAvailableCost:   # a unit's own search found nothing under the cap
                     continue
                 plans.append(plan)
                 if plan.fits:   # the same layout interleaved: its units are planned already
                     for chunks in CHUNKS:
-                        woven = price_interleaved(shape, device_num, s, plan.choice, prof,
-                                                  optimizer, cap, units, chunks)
+                        woven = price_interleaved(shape, device_num, s, choice, prof,
+                                                  optimizer, cap, units, chunks, apart)
                         if woven is not None:
                             plans.append(woven)
                     break
