@@ -361,7 +361,9 @@ def main() -> int:
     PROFILE = load_profile(args.profile)
     n, rank = comm.get_group_size(), comm.get_rank()
     rows, predicted, measured, mem_ok = [], [], [], 0
-    table_rows = []
+    table_rows: list[list[str]] = []
+    stage_rows: list[list[str]] = []   # --pipelines: each stage's memory
+    stages_ok = 0
     if args.only:
         args.no_write = True
     for s in (pipeline_strategies(n) if args.pipelines else strategies(n)):
@@ -380,6 +382,15 @@ def main() -> int:
                            f"{pred / seconds:.2f}", f"{pred_mem / 2**20:.2f}",
                            f"{peaks[worst] / 2**20:.2f}", f"{mem_ratio:.2f}",
                            f"{HELD[s.name][worst] / 2**20:.2f}"])
+        if s.stages > 1:   # each stage: its prediction against its fullest rank's peak
+            per = n // s.stages
+            for stage in range(s.stages):
+                ranks = range(stage * per, (stage + 1) * per)
+                got = max(peaks[r] for r in ranks)
+                want = mem_pred[ranks[0]]
+                stages_ok += abs(want / got - 1) <= 0.15
+                stage_rows.append([s.name, str(stage), f"{want / 2**20:.2f}",
+                                   f"{got / 2**20:.2f}", f"{want / got:.2f}"])
         if rank == 0:
             print(f"{s.name}: predicted {pred * 1e3:.1f} ms, measured {seconds * 1e3:.1f} ms; "
                   f"memory predicted {pred_mem / 2**20:.2f} MiB, measured "
@@ -394,6 +405,13 @@ def main() -> int:
         verdict = (f"Spearman rho {rho:.3f} (target >= 0.9); median |predicted/measured - 1| "
                    f"{med:.1%} (target <= 25%); memory within 15% for {mem_ok} of "
                    f"{len(rows)} strategies (target: all).")
+        if stage_rows:
+            table += "\n\nEach stage's memory: its prediction (the stage's program with the " \
+                "micro-batches its schedule holds in flight) against the largest measured peak " \
+                "of its ranks.\n\n" + markdown_table(
+                    ["strategy", "stage", "predicted MiB", "measured MiB", "ratio"], stage_rows)
+            verdict += (f" Each stage's memory within 15% for {stages_ok} of "
+                        f"{len(stage_rows)} stages.")
         body = "\n\n".join([
             f"`mpirun -n {n} {SCRIPT}{' --pipelines' if args.pipelines else ''}"
             f"{'' if args.profile == 'cpu-local' else ' --profile ' + args.profile}` ({today()}; "

@@ -38,6 +38,7 @@ from simpar.comm import CommTrace
 from simpar.layout import distribute
 from simpar.nn import presets
 from simpar.pipeline import schedule
+from simpar.pipeline.runner import PipelineRunner
 from simpar.search import plan_once
 from tests.mpi_guard import abort_job_on_error, raised_everywhere, shared_dir
 from tests.small_models import small_batch
@@ -421,6 +422,29 @@ def test_bad_pipelines_are_refused_with_one_error_on_every_rank() -> None:
     tied.matmul.shard(((1, 2), (1, 2)))              # stage 1 its columns
     raised_everywhere(lambda: run(tied, 2, "semi_auto_parallel"), ValueError,
                       "shard it alike on every stage that reads it")
+
+
+def test_ranks_that_disagree_on_the_pipeline_are_refused_before_any_message() -> None:
+    """The runner's schedule guard: with one rank running its stage for fewer micro-batches
+    than the others (its sends and receives no longer the messages its peers expect), every
+    rank raises naming the first message that differs, when the runner is built, instead of
+    one waiting forever in a receive; ranks that agree build it, and their lists pair up."""
+    train = _cell("pp2", 4, "1f1b")
+    train(*_batch(0))
+    runner = train.pipeline
+    assert runner is not None
+    mine = runner.messages()   # the list the guard exchanged: what the step then did
+    assert mine and sorted((m[0], m[1], m[3], m[4]) for m in mine) == sorted(
+        (t.kind, t.peer, t.micro, t.nbytes) for t in runner.trace)
+    simpar.reset_auto_parallel_context()
+    rank = comm.get_rank()
+    micro = 2 if rank == comm.get_group_size() - 1 else 4
+
+    def rebuild() -> None:
+        PipelineRunner(runner.stages, runner.programs, rank, runner.count, "gpipe", micro,
+                       runner.loss_seed)
+
+    raised_everywhere(rebuild, ValueError, "Every rank must run the same pipeline")
 
 
 def test_memory_dimensions_searched_per_stage_train_as_one_device() -> None:

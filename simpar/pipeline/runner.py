@@ -24,14 +24,22 @@ Messages between two ranks are tagged ``2 * boundary`` (forward) and ``2 * bound
 (backward); both sides run the micro-batches in the same order, so they match in order.
 Every stage's task order is run on paper when the runner is built (:func:`~simpar.pipeline.
 price.timeline` over the stages' dependencies): an order that would wait forever raises
-there, on every rank alike, before any message. Each rank's sends and receives are recorded
-in :attr:`PipelineRunner.trace` (the step's point-to-point schedule, as the schedule guard
-lists collectives); a receive of the wrong size raises on its rank instead of mismatching
-silently. Inside a task, the stage's own collectives run under its program's schedule guard.
+there, on every rank alike, before any message. Then the ranks exchange the lists of the
+messages their tasks will send and receive (:meth:`PipelineRunner.messages`: peer, tag,
+micro-batch, bytes, in order), and every rank checks that each rank's sends to another are,
+tag by tag, that rank's receives from it: ranks that disagree on the pipeline (its stages,
+micro-batches, schedule or plan) raise there, all of them, with the first message that
+differs, instead of one waiting forever in a receive. Each rank's sends and receives are
+recorded in :attr:`PipelineRunner.trace` (the step's point-to-point schedule, as the
+schedule guard lists collectives); a receive of the wrong size raises on its rank instead of
+mismatching silently. Inside a task, the stage's own collectives run under its program's
+schedule guard.
 """
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from time import perf_counter
@@ -197,6 +205,7 @@ class PipelineRunner:
         self._posted: dict[tuple[int, int, bool, int], comm.RecvRequest] = {}
         #: Per task, the messages it receives (worked out once, not on every step).
         self._incoming = {task: self._receives(task) for task in self.tasks}
+        self._agree()
         #: The last step's seconds from its start to the end of its last task (``span``),
         #: blocked in receives (``waiting``: the bubble), and the rest (``busy``).
         self.busy = self.span = self.waiting = 0.0
@@ -205,6 +214,56 @@ class PipelineRunner:
         #: MPI wait policy "yield" says), so that a stage in its bubble leaves the cores to
         #: the stages that compute.
         self.sleep = SETTINGS.get("wait_policy") == "yield"
+
+    def messages(self) -> list[tuple[str, int, int, int, int]]:
+        """Every point-to-point message of this rank's step, in the order its tasks make
+        them: (``"send"`` or ``"recv"``, the world rank at the other end, the tag,
+        the micro-batch, the bytes)."""
+        out = []
+        for task in self.tasks:
+            kind, chunk, k = task
+            vs = chunk * self.count + self.stage
+            st, prog = self.stages[vs], self.programs[vs]
+            out += [("recv", self.peer(other), 2 * b.index + backward, k,
+                     math.prod(shape) * np.dtype(dtype).itemsize)
+                    for other, shape, dtype, b, backward in self._incoming[task]]
+            if kind == "F":
+                sent = [(v, b, b.consumers) for v, b in zip(prog.graph.outputs, st.sent)
+                        if b is not None]
+            else:
+                sent = [(v, b, (b.producer,)) for v, b in zip(st.graph.inputs, st.received)
+                        if b is not None and v.id in st.graph.grad_inputs]
+            out += [("send", self.peer(to), 2 * b.index + (kind == "B"), k,
+                     prog.layouts[v.id].local_size() * v.dtype.itemsize)
+                    for v, b, ends in sent for to in ends]
+        return out
+
+    def _agree(self) -> None:
+        """The schedule guard of the messages between stages: every rank's sends to each
+        other rank, per tag, are the messages that rank receives from it, in the same order
+        and of the same sizes (one exchange of the lists when the runner is built). A rank
+        that would wait for a message no rank sends raises here, on every rank alike, with
+        the first disagreement, instead of hanging in its receive."""
+        lists = [json.loads(t) for t in comm.allgather_text(json.dumps(self.messages()))]
+        flows: dict[str, dict[tuple[int, int, int], list[tuple[int, int]]]] = {
+            "send": {}, "recv": {}}
+        for me, mine in enumerate(lists):
+            for kind, peer, tag, k, nbytes in mine:
+                ends = (me, peer) if kind == "send" else (peer, me)
+                flows[kind].setdefault((*ends, tag), []).append((k, nbytes))
+        for src, dst, tag in sorted(set(flows["send"]) | set(flows["recv"])):
+            sent = flows["send"].get((src, dst, tag), [])
+            taken = flows["recv"].get((src, dst, tag), [])
+            if sent == taken:
+                continue
+            i = next((i for i, (a, b) in enumerate(zip(sent, taken)) if a != b),
+                     min(len(sent), len(taken)))
+            raise ValueError(
+                f"pipeline: rank {src} sends rank {dst} {len(sent)} message(s) tagged {tag} "
+                f"but rank {dst} receives {len(taken)} from it; message {i} (micro-batch, "
+                f"bytes): {tuple(sent[i]) if i < len(sent) else 'none'} sent, "
+                f"{tuple(taken[i]) if i < len(taken) else 'none'} received. Every rank must "
+                "run the same pipeline (stages, micro-batches, schedule, plan)")
 
     def peer(self, virtual: int) -> int:
         """The world rank of this rank's stage rank on (virtual) stage ``virtual``'s ranks."""
