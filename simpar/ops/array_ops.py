@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import math
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -202,10 +202,12 @@ def reshape_layout(layout: TensorLayout, shape: Sequence[int]) -> TensorLayout |
                                       layout.partial_axes)
 
 
-def _reshape_candidates(layout: TensorLayout) -> list[TensorLayout]:
-    """Layouts to try before a reshape: the input itself; every dim's axes moved onto one
-    other dim (an AllToAll); and every suffix of each dim's axes dropped (an AllGather)."""
-    out = [layout]
+def _reshape_candidates(layout: TensorLayout) -> Iterator[TensorLayout]:
+    """Layouts to try before a reshape, in order: the input itself; every dim's axes moved
+    onto one other dim (an AllToAll); and every suffix of each dim's axes dropped (an
+    AllGather). Made one at a time: the search stops at the first that moves nothing,
+    most often the input itself."""
+    yield layout
     dm = layout.device_matrix
 
     def split_over(dim_axes: Sequence[Sequence[int]]) -> TensorLayout:
@@ -220,13 +222,12 @@ def _reshape_candidates(layout: TensorLayout) -> list[TensorLayout]:
             moved[d] = []
             moved[target] = moved[target] + axes
             if layout.shape[target] % math.prod(dm[a] for a in moved[target]) == 0:
-                out.append(split_over(moved))
+                yield split_over(moved)
         for keep in range(len(axes)):
             dropped = [list(a) for a in layout.dim_axes]
             dropped[d] = axes[:keep]
-            out.append(split_over(dropped))
-    out.append(split_over([[] for _ in range(layout.ndim)]))
-    return out
+            yield split_over(dropped)
+    yield split_over([[] for _ in range(layout.ndim)])
 
 
 @register(mindspore_cost=CostClass.RESHAPE, elementwise=False)
