@@ -9,8 +9,10 @@ stages of contiguous Cells and trained ``STEPS`` Adam steps on the same global b
 
 with 1, 2, 4 and 8 micro-batches under GPipe and 1F1B, interleaved with two chunks per stage
 (``pipeline_segment``; on pp 8 a GPT of 14 blocks, whose 16 units give each virtual stage
-one), and with optimizer parallel (each level, threshold 0) and recomputation of every block:
-every schedule on every layout with and without them. On every rank the losses and every
+one), and with optimizer parallel (each level, threshold 0) or recomputation of every block:
+GPipe, 1F1B and interleaved 1F1B each on every layout without them and with one of them at
+least (pp 8 has one rank per stage: nothing for optimizer parallel to shard). On every rank
+the losses and every
 stored parameter slice must equal one device's (relative 1e-10), and the step's point-to-point
 messages, read from the trace, must be the ones the runner lists: each boundary once per
 micro-batch forward and (a float) once backward, of its shard's bytes; and every collective
@@ -165,8 +167,8 @@ CASES = ([(kind, micro, sched, None, False) for kind in ("pp2", "ppdp", "pp")
             for level in ("level1", "level2", "level3")]
          + [(kind, max(4, STAGES[kind]), "1f1b", None, True) for kind in ("pp2", "ppdp", "pp")]
          + [("pp2", 2, "gpipe", "level3", True)]
-         # every schedule on every layout with and without the memory dimensions (pp 8 has
-         # one rank per stage: nothing for optimizer parallel to shard)
+         # each schedule on every layout with a memory dimension too (pp 8 has one rank
+         # per stage: nothing for optimizer parallel to shard)
          + [("pp", 8, "interleaved-1f1b", None, False), ("pp", 8, "interleaved-1f1b", None, True),
             ("ppdp", 4, "gpipe", "level1", True), ("pp", 8, "gpipe", None, True),
             ("pp2", 4, "interleaved-1f1b", "level3", False)])
@@ -208,6 +210,10 @@ def test_pipelined_training_matches_one_device_on_every_rank(
     sent = [(e.group[1], e.bytes_sent) for e in events if e.kind == "Send"]
     got = [(e.group[0], e.bytes_recv) for e in events if e.kind == "Receive"]
     listed = runner.trace
+    if sorted((m[0], m[1], m[2] % 2, m[3], m[4]) for m in runner.messages()) != sorted(
+            (t.kind, t.peer, int(t.backward), t.micro, t.nbytes) for t in listed):
+        problems.append(f"rank {rank}: the messages the schedule guard exchanged are not the "
+                        f"step's {listed}")
     if sorted(sent) != sorted((t.peer, t.nbytes) for t in listed if t.kind == "send") or \
             got != [(t.peer, t.nbytes) for t in listed if t.kind == "recv"]:
         problems.append(f"rank {rank}: traced sends {sent} / receives {got} are not the "
@@ -424,27 +430,35 @@ def test_bad_pipelines_are_refused_with_one_error_on_every_rank() -> None:
                       "shard it alike on every stage that reads it")
 
 
-def test_ranks_that_disagree_on_the_pipeline_are_refused_before_any_message() -> None:
-    """The runner's schedule guard: with one rank running its stage for fewer micro-batches
-    than the others (its sends and receives no longer the messages its peers expect), every
-    rank raises naming the first message that differs, when the runner is built, instead of
-    one waiting forever in a receive; ranks that agree build it, and their lists pair up."""
+def test_ranks_that_disagree_on_the_pipeline_are_refused_before_any_message(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runner's schedule guard, when it is built: ranks that agree build it, and the
+    messages each lists are the ones its step then sends and receives (peer, direction,
+    micro-batch, bytes). One rank refusing its part (an unknown scheduler), running another
+    count of micro-batches, or listing other messages makes every rank raise, instead of the
+    others waiting forever for it."""
     train = _cell("pp2", 4, "1f1b")
     train(*_batch(0))
     runner = train.pipeline
     assert runner is not None
-    mine = runner.messages()   # the list the guard exchanged: what the step then did
-    assert mine and sorted((m[0], m[1], m[3], m[4]) for m in mine) == sorted(
-        (t.kind, t.peer, t.micro, t.nbytes) for t in runner.trace)
+    mine = runner.messages()
+    assert mine and sorted((m[0], m[1], m[2] % 2, m[3], m[4]) for m in mine) == sorted(
+        (t.kind, t.peer, int(t.backward), t.micro, t.nbytes) for t in runner.trace)
     simpar.reset_auto_parallel_context()
-    rank = comm.get_rank()
-    micro = 2 if rank == comm.get_group_size() - 1 else 4
+    rank, last = comm.get_rank(), comm.get_group_size() - 1
 
-    def rebuild() -> None:
-        PipelineRunner(runner.stages, runner.programs, rank, runner.count, "gpipe", micro,
+    def rebuild(scheduler: str = "gpipe", micro: int = 4) -> None:
+        PipelineRunner(runner.stages, runner.programs, rank, runner.count,
+                       scheduler if rank == last else "gpipe", micro if rank == last else 4,
                        runner.loss_seed)
 
-    raised_everywhere(rebuild, ValueError, "Every rank must run the same pipeline")
+    raised_everywhere(lambda: rebuild("bogus"), ValueError, "bogus")
+    raised_everywhere(lambda: rebuild(micro=2), ValueError,
+                      "ranks disagree on (scheduler, micro-batches, stages, chunks)")
+    if rank == last:   # one message fewer than its peer expects
+        listed = PipelineRunner.messages
+        monkeypatch.setattr(PipelineRunner, "messages", lambda self: listed(self)[:-1])
+    raised_everywhere(rebuild, ValueError, "every rank must run the same pipeline")
 
 
 def test_memory_dimensions_searched_per_stage_train_as_one_device() -> None:

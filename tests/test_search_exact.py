@@ -316,5 +316,15 @@ def test_the_tapes_a_recomputed_cell_makes_again_fit_with_the_plan_in_the_ilp() 
     assert solve_exact(dataclasses.replace(cg, cells=(), charged=())).choice == cheapest
     # a cap the cheapest plan meets with its Cells binds nothing: the same plan
     assert solve_exact(dataclasses.replace(cg, memory_capacity=70.0)).choice == cheapest
+    # with the ops' own transients too (T and R in one row): brute force's choice under
+    # every cap from the least that fits to one that binds nothing
+    held = ((0.0, 6.0), (2.0, 0.0), (0.0, 0.0), (5.0, 1.0), (9.0, 0.0))
+    both = dataclasses.replace(cg, nodes=tuple(
+        dataclasses.replace(n, transients=t) for n, t in zip(cg.nodes, held)))
+    for cap in (60.0, 63.0, 66.0, 69.0, 72.0, 75.0, 80.0):
+        capped = dataclasses.replace(both, memory_capacity=cap)
+        choice, best = brute_force(capped)
+        found = solve_exact(capped)
+        assert found.choice == choice and found.cost == best, cap
     with pytest.raises(NoAvailableCost):
         solve_exact(dataclasses.replace(cg, memory_capacity=50.0))

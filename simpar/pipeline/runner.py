@@ -194,22 +194,31 @@ class PipelineRunner:
         self.chunks = tuple(v * pipeline_stages + self.stage for v in range(chunks))
         self.program = programs[self.stage]
         self.micro_batches = micro_batches
-        self.tasks = schedule(scheduler, self.stage, pipeline_stages, micro_batches, chunks)
-        # Every stage's order, run on paper first: one that would wait forever raises here,
-        # on every rank alike, before any message is sent.
-        timeline([schedule(scheduler, s, pipeline_stages, micro_batches, chunks)
-                  for s in range(pipeline_stages)], lambda s, task: 1.0,
-                 dependencies(self.stages, pipeline_stages))
         self.loss_seed = loss_seed
         self.trace: list[Transfer] = []
         self._posted: dict[tuple[int, int, bool, int], comm.RecvRequest] = {}
-        #: Per task, the messages it receives (worked out once, not on every step).
-        self._incoming = {task: self._receives(task) for task in self.tasks}
-        self._agree()
         #: The last step's seconds from its start to the end of its last task (``span``),
         #: blocked in receives (``waiting``: the bubble), and the rest (``busy``).
         self.busy = self.span = self.waiting = 0.0
-        self.shared = self._shared()
+        self.tasks: tuple[tuple[str, int, int], ...] = ()
+        self._incoming: dict[tuple[str, int, int], list[Any]] = {}
+        self.shared: dict[str, tuple[int, ...]] = {}
+        settings = (scheduler, micro_batches, pipeline_stages, chunks)
+        try:   # what a rank may refuse alone: every rank hears of it in the exchange below
+            self.tasks = schedule(scheduler, self.stage, pipeline_stages, micro_batches,
+                                  chunks)
+            # Every stage's order, run on paper first: one that would wait forever raises
+            # here, before any message is sent.
+            timeline([schedule(scheduler, s, pipeline_stages, micro_batches, chunks)
+                      for s in range(pipeline_stages)], lambda s, task: 1.0,
+                     dependencies(self.stages, pipeline_stages))
+            #: Per task, the messages it receives (worked out once, not on every step).
+            self._incoming = {task: self._receives(task) for task in self.tasks}
+            self.shared = self._shared()
+            refused = None
+        except ValueError as e:
+            refused = str(e)
+        self._agree(settings, refused)
         #: Whether a receive sleeps while it waits (where ranks outnumber the cores, as the
         #: MPI wait policy "yield" says), so that a stage in its bubble leaves the cores to
         #: the stages that compute.
@@ -238,17 +247,30 @@ class PipelineRunner:
                     for v, b, ends in sent for to in ends]
         return out
 
-    def _agree(self) -> None:
-        """The schedule guard of the messages between stages: every rank's sends to each
-        other rank, per tag, are the messages that rank receives from it, in the same order
-        and of the same sizes (one exchange of the lists when the runner is built). A rank
-        that would wait for a message no rank sends raises here, on every rank alike, with
-        the first disagreement, instead of hanging in its receive."""
-        lists = [json.loads(t) for t in comm.allgather_text(json.dumps(self.messages()))]
+    def _agree(self, settings: tuple[str, int, int, int], refused: str | None) -> None:
+        """The schedule guard of the messages between stages, one exchange when the runner
+        is built: every rank's pipeline settings (scheduler, micro-batches, stages, chunks),
+        the error that made it refuse its part, if any, and the messages its tasks will make.
+        Every rank raises alike when any rank refused, when the settings differ, or when a
+        rank's sends to another are not, tag by tag and in order, that rank's receives from
+        it, instead of one waiting forever in a receive."""
+        mine = {"settings": list(settings), "refused": refused,
+                "messages": [] if refused else self.messages()}
+        ranks = [json.loads(t) for t in comm.allgather_text(json.dumps(mine))]
+        failed = [(r, got["refused"]) for r, got in enumerate(ranks) if got["refused"]]
+        if failed:
+            raise ValueError(failed[0][1] if all(e == failed[0][1] for _, e in failed) else
+                             f"pipeline: rank {failed[0][0]} refused its part: {failed[0][1]}")
+        apart = [r for r, got in enumerate(ranks) if got["settings"] != list(settings)]
+        if apart:
+            raise ValueError(f"pipeline: ranks disagree on (scheduler, micro-batches, stages, "
+                             f"chunks): rank {comm.get_rank()} has {list(settings)}, rank "
+                             f"{apart[0]} {ranks[apart[0]]['settings']}; every rank must run "
+                             "the same pipeline")
         flows: dict[str, dict[tuple[int, int, int], list[tuple[int, int]]]] = {
             "send": {}, "recv": {}}
-        for me, mine in enumerate(lists):
-            for kind, peer, tag, k, nbytes in mine:
+        for me, got in enumerate(ranks):
+            for kind, peer, tag, k, nbytes in got["messages"]:
                 ends = (me, peer) if kind == "send" else (peer, me)
                 flows[kind].setdefault((*ends, tag), []).append((k, nbytes))
         for src, dst, tag in sorted(set(flows["send"]) | set(flows["recv"])):
@@ -260,9 +282,9 @@ class PipelineRunner:
                      min(len(sent), len(taken)))
             raise ValueError(
                 f"pipeline: rank {src} sends rank {dst} {len(sent)} message(s) tagged {tag} "
-                f"but rank {dst} receives {len(taken)} from it; message {i} (micro-batch, "
-                f"bytes): {tuple(sent[i]) if i < len(sent) else 'none'} sent, "
-                f"{tuple(taken[i]) if i < len(taken) else 'none'} received. Every rank must "
+                f"but rank {dst} receives {len(taken)} from it, message {i} (micro-batch, "
+                f"bytes) {tuple(sent[i]) if i < len(sent) else 'none'} sent and "
+                f"{tuple(taken[i]) if i < len(taken) else 'none'} received: every rank must "
                 "run the same pipeline (stages, micro-batches, schedule, plan)")
 
     def peer(self, virtual: int) -> int:

@@ -44,13 +44,14 @@ import functools
 import math
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from simpar import graph, nn
+from simpar._enums import StrEnum
 from simpar.cost import SimparCostModel
 from simpar.cost.model import accumulation_seconds, evaluate, optimizer_seconds, phase_seconds
 from simpar.cost.profile import DeviceProfile, load_profile
@@ -65,8 +66,8 @@ from simpar.search import plan_request, request_from_context
 from simpar.search.planner import OptimizerShardWarning
 from simpar.search.pricing import NoAvailableCost
 
-__all__ = ["CHUNKS", "LADDER", "GPTShape", "PipelinePlan", "PipelineSearch", "StageChoice",
-           "price_choice", "price_interleaved", "search_pipeline"]
+__all__ = ["CHUNKS", "LADDER", "GPTShape", "PipelinePlan", "PipelineSearch", "Recompute",
+           "StageChoice", "price_choice", "price_interleaved", "search_pipeline"]
 
 
 @dataclass(frozen=True)
@@ -163,10 +164,10 @@ class PipelinePlan:
                 f"micro-batches, {where} {_runs(self.blocks)}")
 
     @property
-    def rung(self) -> tuple[str | None, str]:
+    def rung(self) -> tuple[str | None, Recompute]:
         """Its rung of the :data:`LADDER`: the optimizer level, and which stages recompute."""
-        return (self.choice.level, "stages" if self.apart else
-                "all" if self.choice.recompute else "none")
+        return (self.choice.level, Recompute.STAGES if self.apart else
+                Recompute.ALL if self.choice.recompute else Recompute.NONE)
 
 
 def _ranges(stages: Sequence[int]) -> str:
@@ -311,6 +312,7 @@ def price_choice(shape: GPTShape, device_num: int, stages: int, choice: StageCho
     cap = prof.memory_capacity if capacity is None else capacity
     n = device_num // stages
     m = shape.batch // (choice.dp * choice.mbs)
+    choice = replace(choice, recompute=False) if apart else choice   # the stages say
     options = [_units(shape, n, replace(choice, recompute=r), prof, optimizer, plans)
                for r in ((False, True) if apart else (choice.recompute,))]
     sent = options[0][3]
@@ -357,8 +359,9 @@ def _split(layers: int, stages: int, seconds: Any, memory: Any, cap: int
     return None if found is None else found[0]
 
 
-def _split_apart(layers: int, stages: int, seconds: Any, memory: Any, cap: int,
-                 options: int) -> tuple[list[int], list[int]] | None:
+def _split_apart(layers: int, stages: int, seconds: Callable[[int, int, int], float],
+                 memory: Callable[[int, int, int], int], cap: int, options: int
+                 ) -> tuple[list[int], list[int]] | None:
     """:func:`_split` where each stage also picks one of ``options`` (``seconds(s, k, o)``,
     ``memory(s, k, o)``): under a limit on the slowest stage, a stage takes the most blocks
     any option fits; the least limit under which the stages take every block is searched,
@@ -478,6 +481,7 @@ def price_interleaved(shape: GPTShape, device_num: int, stages: int, choice: Sta
     virtual = stages * chunks
     if stages < 2 or m % stages or shape.layers < virtual:
         return None
+    choice = replace(choice, recompute=False) if apart else choice   # the stages say
     options = [_units(shape, n, replace(choice, recompute=r), prof, optimizer, plans)
                for r in ((False, True) if apart else (choice.recompute,))]
     sent = options[0][3]
@@ -510,15 +514,25 @@ def price_interleaved(shape: GPTShape, device_num: int, stages: int, choice: Sta
 #: the micro-batches allow it).
 CHUNKS = (2, 4)
 
+class Recompute(StrEnum):
+    """Which stages' blocks recompute in a candidate: none, all, or those that need it,
+    chosen per stage with the split (:func:`_split_apart`)."""
+
+    NONE = "none"
+    STAGES = "stages"
+    ALL = "all"
+
+
 #: The memory dimensions tried for each layout, cheapest in time first; the first that fits
 #: is kept (each later one costs time and saves memory): nothing, then the blocks of the
-#: stages that need it recomputed (``"stages"``: each stage chooses with the split, so
-#: early stages, which hold more micro-batches in flight under 1F1B, recompute and take
-#: fewer blocks, and late ones do not), then the same under optimizer parallel level1 (its
-#: weights gathered before every micro-batch's forward). Every block recomputed (``"all"``)
-#: is one of the choices ``"stages"`` weighs, so it fits whenever that does, no faster.
-LADDER: tuple[tuple[str | None, str], ...] = ((None, "none"), (None, "stages"),
-                                               ("level1", "none"), ("level1", "stages"))
+#: stages that need it recomputed (each stage chooses with the split, so early stages, which
+#: hold more micro-batches in flight under 1F1B, recompute and late ones need not), then the
+#: same under optimizer parallel level1 (its weights gathered before every micro-batch's
+#: forward). Every block recomputed (:attr:`Recompute.ALL`) is one of the assignments
+#: :attr:`Recompute.STAGES` weighs: ``STAGES`` fits whenever ``ALL`` does, and is no slower.
+LADDER: tuple[tuple[str | None, Recompute], ...] = (
+    (None, Recompute.NONE), (None, Recompute.STAGES), ("level1", Recompute.NONE),
+    ("level1", Recompute.STAGES))
 
 
 def _layouts(shape: GPTShape, n: int, prof: DeviceProfile, mbs: Sequence[int]
@@ -535,8 +549,9 @@ def _layouts(shape: GPTShape, n: int, prof: DeviceProfile, mbs: Sequence[int]
 
 def search_pipeline(shape: GPTShape, device_num: int, profile: str | DeviceProfile = "ascend910b",
                     optimizer: str = "adam", stages: int | None = None,
-                    capacity: int | None = None, ladder: Sequence[tuple[str | None, str]]
-                    = LADDER, mbs: Sequence[int] = (1,), budget: float | None = None,
+                    capacity: int | None = None,
+                    ladder: Sequence[tuple[str | None, Recompute]] = LADDER,
+                    mbs: Sequence[int] = (1,), budget: float | None = None,
                     intra: str | None = "recursive_programming") -> PipelineSearch:
     """The cheapest plan that fits (see the module): ``stages`` fixes S (None: every power
     of two dividing ``device_num`` up to the layers); ``capacity`` the memory cap (default
@@ -544,6 +559,12 @@ def search_pipeline(shape: GPTShape, device_num: int, profile: str | DeviceProfi
     that many seconds with the best found so far. ``intra`` (an auto_parallel search mode;
     None: Megatron's layouts only) also plans each layout's micro-batch with every op's cuts
     searched on the stage's devices."""
+    rungs = []
+    for level, which in ladder:
+        if which not in [r.value for r in Recompute]:
+            raise ValueError(f"search_pipeline: ladder's rungs recompute one of "
+                             f"{[r.value for r in Recompute]}, got {which!r}")
+        rungs.append((level, Recompute(which)))
     prof = load_profile(profile)
     cap = prof.memory_capacity if capacity is None else capacity
     started = time.perf_counter()
@@ -568,14 +589,11 @@ def search_pipeline(shape: GPTShape, device_num: int, profile: str | DeviceProfi
             if 2 * math.ceil(shape.layers / s) * weights / (tp if search is None else n) > cap:
                 skipped += 1
                 continue
-            for level, which in ladder:
-                if which not in ("none", "stages", "all"):
-                    raise ValueError(f"search_pipeline: a ladder rung recomputes 'none', "
-                                     f"'stages' or 'all', got {which!r}")
+            for level, which in rungs:
                 if budget is not None and time.perf_counter() - started > budget:
                     break
-                choice = StageChoice(tp, dp, rows, level, which == "all", search)
-                apart = which == "stages"
+                choice = StageChoice(tp, dp, rows, level, which is Recompute.ALL, search)
+                apart = which is Recompute.STAGES
                 try:
                     plan = price_choice(shape, device_num, s, choice, prof, optimizer, cap,
                                         units, apart)

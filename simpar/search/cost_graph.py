@@ -145,9 +145,9 @@ class CostGraph:
                       for e in self.edges if e.transients is not None)]) + self.rerun(choice)
 
     def rerun(self, choice: Sequence[int]) -> float:
-        """What the :attr:`cells` whose tapes made again hold most hold beyond the
-        :attr:`charged` Cell's (0 when the graph counts none), as
-        :meth:`~simpar.search.pricing.Pricer.rerun` prices it."""
+        """What the Cell among :attr:`cells` that makes the most again in the backward holds
+        beyond what the :attr:`charged` Cell makes again (0 when the graph counts no Cell),
+        as :meth:`~simpar.search.pricing.Pricer.rerun` prices it."""
         def cell(nodes: Sequence[int]) -> float:
             return sum(self.nodes[n].reruns[choice[n]] for n in nodes if self.nodes[n].reruns)
         most = max((cell(nodes) for nodes in self.cells), default=0.0)

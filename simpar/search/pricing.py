@@ -155,6 +155,7 @@ class Pricer:
             math.prod(v.shape) * v.dtype.itemsize for n in nodes
             for v in graph.nodes[n].outputs))
         self._charged = frozenset(charged)
+        self._charged_cell = tuple(charged)
         # A recomputed Cell with mp_comm_recompute moves its inputs again: their forward.
         self._rerun = {i for seg in recomputed if seg.mp_comm for i in seg.nodes}
         # ... and without parallel_optimizer_comm_recompute it keeps the weights it gathered.
@@ -745,7 +746,7 @@ class Pricer:
         :attr:`rerun_limits` (held back from the capacity)."""
         if self.rerun_limits is not None:
             return (), ()
-        return tuple(self._cells), tuple(sorted(self._charged))
+        return tuple(self._cells), self._charged_cell
 
     def edges_memory(self, strategies: Sequence[OpSharding]) -> float:
         """Bytes per rank the edges add to one sharding per op (:meth:`edge_memory`)."""
