@@ -91,7 +91,12 @@ def _listed(tensor_map: Sequence[MapEntry]) -> list[int | list[int]]:
     return [list(e) if isinstance(e, tuple) else e for e in tensor_map]
 
 
-@lru_cache(maxsize=1 << 16)
+#: Layouts built by :meth:`TensorLayout.from_dim_axes` of plain ints, by their arguments (the
+#: oldest let go past :data:`_BUILT_KEPT`): a lookup before the arguments' types are checked.
+_BUILT: dict[tuple[Any, ...], TensorLayout] = {}
+_BUILT_KEPT = 1 << 17
+
+
 def _from_dim_axes(device_matrix: tuple[int, ...], dim_axes: tuple[tuple[int, ...], ...],
                    shape: tuple[int, ...], partial_axes: tuple[int, ...]) -> TensorLayout:
     """``TensorLayout.from_dim_axes`` of plain ints: checked here in one pass and built
@@ -227,13 +232,18 @@ class TensorLayout:
         try:  # layouts are immutable: planners build the same ones millions of times
             key = (tuple(device_matrix), tuple(map(tuple, dim_axes)), tuple(shape),
                    tuple(partial_axes))
-            hash(key)
+            found = _BUILT.get(key) if cls is TensorLayout else None
         except TypeError:  # unhashable arguments: build it uncached (and let it complain)
             return cls._from_dim_axes(device_matrix, dim_axes, shape, partial_axes)
+        if found is not None:   # a key equal to a built one's (ints or their equals)
+            return found
         if cls is not TensorLayout or any(
                 type(x) is not int for part in (key[0], key[2], key[3], *key[1]) for x in part):
             return cls._from_dim_axes(device_matrix, dim_axes, shape, partial_axes)
-        return _from_dim_axes(*key)
+        if len(_BUILT) >= _BUILT_KEPT:
+            del _BUILT[next(iter(_BUILT))]   # the oldest
+        found = _BUILT[key] = _from_dim_axes(*key)
+        return found
 
     @classmethod
     def _from_dim_axes(cls, device_matrix: Sequence[int], dim_axes: Sequence[Sequence[int]],

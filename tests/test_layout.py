@@ -598,7 +598,6 @@ def test_from_dim_axes_fast_path_builds_what_the_constructor_builds():
             slow, slow_error = TensorLayout._from_dim_axes(dm, dim_axes, shape, part), None
         except (TypeError, ValueError) as e:
             slow, slow_error = None, type(e)
-        _from_dim_axes.cache_clear()
         try:
             fast, fast_error = _from_dim_axes(dm, dim_axes, shape, part), None
         except (TypeError, ValueError) as e:
@@ -608,6 +607,17 @@ def test_from_dim_axes_fast_path_builds_what_the_constructor_builds():
             valid += 1
             _same_layout(fast, slow)
     assert valid > 1000  # both branches are exercised
+
+
+def test_from_dim_axes_gives_the_built_layout_for_arguments_equal_to_its_own() -> None:
+    """A layout built once from plain ints is found again by equal arguments of other int
+    types (numpy ints): the same value the constructor builds from them."""
+    lay = TensorLayout.from_dim_axes((2, 1, 4), [(0,), (2,)], (8, 16))
+    again = TensorLayout.from_dim_axes(np.array([2, 1, 4]), [(np.int64(0),), (np.int32(2),)],
+                                       tuple(np.array([8, 16])))
+    assert again is lay
+    _same_layout(again, TensorLayout._from_dim_axes(np.array([2, 1, 4]), [(0,), (2,)],
+                                                    (8, 16)))
 
 
 def test_with_partial_builds_what_the_constructor_builds() -> None:
