@@ -184,8 +184,9 @@ class PipelineCost:
 
     def table(self) -> str:
         """A line per stage."""
+        bubble = 0.0 if self.bubble < 0 else self.bubble   # not -0.0 (a NaN shows)
         lines = [f"predicted step {self.step_seconds * 1e3:.3f} ms ({self.scheduler}, "
-                 f"{self.micro_batches} micro-batches, bubble {max(self.bubble, 0.0):.1%})"]
+                 f"{self.micro_batches} micro-batches, bubble {bubble:.1%})"]
         for s in self.stages:
             lines.append(f"stage {s.stage}: forward {s.forward * 1e3:.3f} ms + backward "
                          f"{s.backward * 1e3:.3f} ms per micro-batch, busy "

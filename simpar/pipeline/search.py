@@ -312,9 +312,7 @@ def price_choice(shape: GPTShape, device_num: int, stages: int, choice: StageCho
     cap = prof.memory_capacity if capacity is None else capacity
     n = device_num // stages
     m = shape.batch // (choice.dp * choice.mbs)
-    choice = replace(choice, recompute=False) if apart else choice   # the stages say
-    options = [_units(shape, n, replace(choice, recompute=r), prof, optimizer, plans)
-               for r in ((False, True) if apart else (choice.recompute,))]
+    choice, options = _options(shape, n, choice, prof, optimizer, plans, apart)
     sent = options[0][3]
     flight = [in_flight(schedule("1f1b", s, stages, m)) for s in range(stages)]
 
@@ -348,6 +346,18 @@ def price_choice(shape: GPTShape, device_num: int, stages: int, choice: StageCho
     return PipelinePlan(stages, n, m, choice, tuple(blocks), step, mem, bubble,
                         fits and all(x <= cap for x in mem), recomputed=recomputed,
                         apart=apart)
+
+
+def _options(shape: GPTShape, n: int, choice: StageChoice, prof: DeviceProfile,
+             optimizer: str, plans: dict[Any, Any] | None, apart: bool
+             ) -> tuple[StageChoice, list[tuple[_Unit, _Unit, _Unit, int]]]:
+    """The units a stage may run (:func:`_units`): ``choice``'s, or with ``apart`` its blocks
+    plain and recomputed (the choice then recomputes nothing itself: the stages say)."""
+    if not apart:
+        return choice, [_units(shape, n, choice, prof, optimizer, plans)]
+    choice = replace(choice, recompute=False)
+    return choice, [_units(shape, n, replace(choice, recompute=r), prof, optimizer, plans)
+                    for r in (False, True)]
 
 
 def _split(layers: int, stages: int, seconds: Any, memory: Any, cap: int
@@ -435,7 +445,8 @@ def _step(stages: int, m: int, blocks: Sequence[int], emb: _Unit, block: _Unit,
             for s, vs in enumerate(mine)]
     busy = [sum(m * (forward[v] + backward[v]) + (m - 1) * summing[v] for v in vs)
             for vs in mine]
-    bubble = max(0.0, 1.0 - sum(busy) / sum(ends))   # not -0.0 where rounding leaves none
+    bubble = 1.0 - sum(busy) / sum(ends)
+    bubble = 0.0 if bubble < 0 else bubble   # not -0.0 where rounding leaves none (NaN stays)
     return max(e + o for e, o in zip(ends, once)) + prof.step_overhead, bubble
 
 
@@ -481,9 +492,7 @@ def price_interleaved(shape: GPTShape, device_num: int, stages: int, choice: Sta
     virtual = stages * chunks
     if stages < 2 or m % stages or shape.layers < virtual:
         return None
-    choice = replace(choice, recompute=False) if apart else choice   # the stages say
-    options = [_units(shape, n, replace(choice, recompute=r), prof, optimizer, plans)
-               for r in ((False, True) if apart else (choice.recompute,))]
+    choice, options = _options(shape, n, choice, prof, optimizer, plans, apart)
     sent = options[0][3]
     blocks = [shape.layers // virtual + (v < shape.layers % virtual) for v in range(virtual)]
 
